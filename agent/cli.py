@@ -1,0 +1,190 @@
+"""The ``rankwatch`` command line.
+
+    rankwatch agent [--listen ADDR]... [--metrics-port N] [--node-id ID]
+    rankwatch run [--agent ADDR] [--node-id ID] -- <torchrun args>
+    rankwatch status [--agent ADDR] [--json]
+    rankwatch diagnose [--agent ADDR] [INCIDENT]
+    rankwatch checkpoint [--agent ADDR]
+    rankwatch demo
+
+No torch is imported here: ``agent``, ``status`` and ``diagnose`` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from rankwatch import __version__
+from rankwatch.agent.address import Address, node_id, resolve
+
+__all__ = ["main"]
+
+
+def _address(text: str) -> Address:
+    try:
+        return Address.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"port {port} out of range 0-65535")
+    return port
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rankwatch", description="Observability and fault tolerance "
+                                "for distributed PyTorch training.")
+    p.add_argument("--version", action="version", version=f"rankwatch {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    a = sub.add_parser("agent", help="run the node agent")
+    a.add_argument("--listen", type=_address, action="append", default=None, metavar="ADDR",
+                   help="socket path, unix:PATH or HOST:PORT; repeatable "
+                        "(default: $RANKWATCH_AGENT, then the per-user socket)")
+    a.add_argument("--metrics-port", type=_port, default=9478, metavar="N",
+                   help="HTTP port of /metrics (0 picks a free one; default 9478)")
+    a.add_argument("--metrics-addr", default="0.0.0.0", help="interface of /metrics")
+    a.add_argument("--node-id", default=None, help="default: $RANKWATCH_NODE_ID, then the host name")
+
+    r = sub.add_parser("run", help="run torchrun with rankwatch wired in",
+                       usage="rankwatch run [--agent ADDR] [--node-id ID] -- <torchrun args>")
+    r.add_argument("--agent", type=_address, default=None, metavar="ADDR")
+    r.add_argument("--node-id", default=None)
+    r.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="after --: passed to torchrun")
+
+    s = sub.add_parser("status", help="the agent's live view")
+    s.add_argument("--agent", type=_address, default=None, metavar="ADDR")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+
+    d = sub.add_parser("diagnose", help="the evidence of an incident")
+    d.add_argument("--agent", type=_address, default=None, metavar="ADDR")
+    d.add_argument("incident", nargs="?", default=None, help="incident id (default: the latest)")
+
+    c = sub.add_parser("checkpoint", help="ask the job for a checkpoint now")
+    c.add_argument("--agent", type=_address, default=None, metavar="ADDR")
+
+    m = sub.add_parser("demo", help="a local CPU job under rankwatch, with a live view")
+    m.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
+    m.add_argument("--no-live", action="store_true", help="print lines instead of a live table")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s rankwatch %(levelname)s %(message)s")
+    try:
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from rankwatch.agent.server import Agent, AgentConfig
+
+    listen = args.listen or [resolve(None)]
+    agent = Agent(AgentConfig(node_id=node_id(args.node_id), listen=listen,
+                              metrics_port=args.metrics_port, metrics_addr=args.metrics_addr))
+    try:
+        agent.start()
+    except (RuntimeError, OSError) as exc:
+        print(f"rankwatch agent: {exc}", file=sys.stderr)
+        return 1
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent.stop())
+    agent.wait()
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from rankwatch.agent.run import run_torchrun
+
+    rest = list(args.torchrun_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if not rest:
+        print("rankwatch run: give torchrun's arguments after --, e.g. "
+              "rankwatch run -- --standalone --nproc-per-node 4 -m rankwatch.hooks.train",
+              file=sys.stderr)
+        return 2
+    try:
+        return run_torchrun(resolve(str(args.agent) if args.agent else None),
+                            node_id(args.node_id), rest)
+    except RuntimeError as exc:
+        print(f"rankwatch run: {exc}", file=sys.stderr)
+        return 1
+
+
+def _status(args: argparse.Namespace) -> dict | None:
+    from rankwatch.agent.client import AgentUnreachable, fetch_status
+
+    addr = resolve(str(args.agent) if args.agent else None)
+    try:
+        return fetch_status(addr)
+    except AgentUnreachable as exc:
+        print(f"rankwatch {args.command}: {exc} (start one with `rankwatch agent`, "
+              f"or point --agent / $RANKWATCH_AGENT at it)", file=sys.stderr)
+        return None
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    status = _status(args)
+    if status is None:
+        return 1
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        from rich.console import Console
+
+        from rankwatch.agent.view import rank_table
+
+        Console().print(rank_table(status))
+    return 0
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    status = _status(args)
+    if status is None:
+        return 1
+    incidents = status["incidents"]
+    if args.incident is not None:
+        incidents = [i for i in incidents if i["id"] == args.incident]
+        if not incidents:
+            print(f"rankwatch diagnose: no incident {args.incident!r} at this agent", file=sys.stderr)
+            return 1
+    if not incidents:
+        print("no incidents recorded by this agent")
+        return 0
+    print(json.dumps(incidents[-1], indent=2))
+    return 0
+
+
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    print("rankwatch checkpoint: on-demand checkpoints are not available in this version "
+          "(the harness checkpoints every --checkpoint-interval steps)", file=sys.stderr)
+    return 2
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from rankwatch.agent.demo import run_demo
+
+    return run_demo(steps=args.steps, live=not args.no_live)
+
+
+_COMMANDS = {"agent": _cmd_agent, "run": _cmd_run, "status": _cmd_status,
+             "diagnose": _cmd_diagnose, "checkpoint": _cmd_checkpoint, "demo": _cmd_demo}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Talking to an agent from the CLI: reachability and ``status``."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import grpc
+
+from rankwatch.agent.address import Address
+from rankwatch.proto import pb, pb_grpc
+
+__all__ = ["AgentUnreachable", "fetch_status", "reachable"]
+
+
+class AgentUnreachable(RuntimeError):
+    """No agent answered at the address."""
+
+
+def reachable(addr: Address, timeout: timedelta = timedelta(milliseconds=500)) -> bool:
+    try:
+        fetch_status(addr, timeout)
+        return True
+    except AgentUnreachable:
+        return False
+
+
+def fetch_status(addr: Address, timeout: timedelta = timedelta(seconds=3)) -> dict[str, Any]:
+    """The agent's live view, in the ``status --json`` schema.
+
+    Raises:
+        AgentUnreachable: nothing answered in time, or the answer was an error.
+    """
+    with grpc.insecure_channel(addr.grpc_target()) as channel:
+        try:
+            resp = pb_grpc.AgentStub(channel).Status(pb.StatusRequest(),
+                                                     timeout=timeout.total_seconds())
+        except grpc.RpcError as exc:
+            raise AgentUnreachable(f"no agent at {addr}: {exc.code().name}") from None
+    return status_dict(resp)
+
+
+def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
+    return {
+        "node": resp.node_id,
+        "agent_started_at": resp.started_at,
+        "metrics_port": resp.metrics_port or None,
+        "ranks": [{
+            "rank": r.rank, "node": r.node, "pid": r.pid, "step": r.step,
+            "step_seconds": r.step_seconds, "state": r.state,
+            "phase_seconds": dict(r.phase_seconds), "mesh": dict(r.mesh_coords),
+            "backend": r.backend, "collectives": r.collectives,
+            "last_collective_seq": r.last_collective_seq, "dropped": r.dropped,
+            "connected": r.connected, "last_seen": r.last_seen,
+            "tokens_per_second": r.tokens_per_second,
+        } for r in resp.ranks],
+        "incidents": [{
+            "id": i.id, "kind": i.kind, "node": i.node, "rank": i.rank, "step": i.step,
+            "detected_at": i.detected_at, "detail": json.loads(i.detail_json or "{}"),
+        } for i in resp.incidents],
+        "goodput": resp.goodput if resp.HasField("goodput") else None,
+        "tokens_per_second": resp.tokens_per_second,
+        "mfu": resp.mfu if resp.HasField("mfu") else None,
+        "records_received": resp.records_received,
+        "messages_rejected": resp.messages_rejected,
+    }

@@ -1,0 +1,98 @@
+"""``rankwatch run``: torchrun with the agent wired in.
+
+Everything after ``--`` goes to torchrun unchanged.  If no agent answers at
+the address, a local one is started for the job's lifetime.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, Address
+from rankwatch.agent.client import reachable
+
+__all__ = ["DEFAULT_METRICS_PORT", "run_torchrun", "start_local_agent"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METRICS_PORT = 9478
+_AGENT_START = timedelta(seconds=15)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def start_local_agent(addr: Address, node: str, metrics_port: int | None = None) -> subprocess.Popen:
+    """Start ``rankwatch agent`` at ``addr`` and wait until it answers.
+
+    Raises:
+        RuntimeError: it did not come up in time (its stderr is in the message).
+    """
+    if metrics_port is None:
+        metrics_port = DEFAULT_METRICS_PORT if _port_free(DEFAULT_METRICS_PORT) else 0
+    cmd = [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--listen", str(addr),
+           "--node-id", node, "--metrics-port", str(metrics_port)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + _AGENT_START.total_seconds()
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the local agent exited with code {proc.returncode}")
+        if reachable(addr):
+            return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"the local agent did not answer at {addr} within {_AGENT_START}")
+
+
+def stop_process(proc: subprocess.Popen, timeout: timedelta = timedelta(seconds=5)) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout.total_seconds())
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
+                 start_agent: bool = True) -> int:
+    """Run torchrun with the agent's address in the workers' environment; return its exit code."""
+    agent = None
+    if start_agent and not reachable(addr):
+        log.info("no agent at %s; starting a local one", addr)
+        agent = start_local_agent(addr, node)
+    env = dict(os.environ)
+    env[AGENT_ENV] = str(addr)
+    env[NODE_ID_ENV] = node
+    env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+    proc = subprocess.Popen(cmd, env=env)
+    forwarded = {}
+
+    def forward(signum: int, _frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        forwarded[sig] = signal.signal(sig, forward)
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in forwarded.items():
+            signal.signal(sig, handler)
+        if agent is not None:
+            stop_process(agent)

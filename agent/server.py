@@ -1,0 +1,219 @@
+"""The node agent's servers: gRPC (Unix socket, optional TCP) and HTTP /metrics.
+
+The gRPC handlers are registered by hand, not through the generated
+``add_AgentServicer_to_server``, so that a message that fails to decode is
+counted and logged by the agent before gRPC refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from datetime import timedelta
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from rankwatch.agent.address import Address
+from rankwatch.agent.host import HostCollector
+from rankwatch.agent.metrics import NodeCollector
+from rankwatch.agent.state import NodeState, Rejected
+from rankwatch.proto import pb
+
+__all__ = ["Agent", "AgentConfig"]
+
+log = logging.getLogger(__name__)
+
+_SERVICE = "rankwatch.v1.Agent"
+_MAX_MESSAGE = 16 << 20
+_MAX_RPCS = 512
+
+
+class AgentConfig:
+    """Args:
+        node_id: this node's id (the ``node`` label).
+        listen: addresses to serve gRPC on; Unix sockets get mode 0600.
+        metrics_port: HTTP port for ``/metrics``; 0 picks a free one, None disables.
+        metrics_addr: interface for ``/metrics``.
+    """
+
+    def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
+                 metrics_addr: str = "0.0.0.0") -> None:
+        if not listen:
+            raise ValueError("AgentConfig.listen needs at least one address")
+        if metrics_port is not None and not 0 <= metrics_port < 65536:
+            raise ValueError(f"AgentConfig.metrics_port {metrics_port} out of range")
+        self.node_id, self.listen = node_id, listen
+        self.metrics_port, self.metrics_addr = metrics_port, metrics_addr
+
+
+class Agent:
+    """One node's agent.  ``start()`` returns once it serves; ``stop()`` shuts it down."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.state = NodeState(config.node_id)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(NodeCollector(self.state))
+        self.registry.register(HostCollector(config.node_id, self._rank_pids))
+        self._grpc: grpc.Server | None = None
+        self._http: Any = None
+        self.metrics_port: int | None = None
+        self.tcp_ports: list[int] = []
+        self._stopped = threading.Event()
+
+    # -- lifecycle ----------------------------------------------------------
+    def start(self) -> None:
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rankwatch-grpc"),
+            maximum_concurrent_rpcs=_MAX_RPCS,
+            options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
+                     ("grpc.max_send_message_length", _MAX_MESSAGE),
+                     ("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers((self._handlers(),))
+        for addr in self.config.listen:
+            if addr.is_unix:
+                _prepare_socket_path(addr.path)  # type: ignore[arg-type]
+                server.add_insecure_port(addr.grpc_target())
+            else:
+                self.tcp_ports.append(server.add_insecure_port(addr.grpc_target()))
+        server.start()
+        for addr in self.config.listen:
+            if addr.is_unix:
+                os.chmod(addr.path, 0o600)  # type: ignore[arg-type]
+        self._grpc = server
+        if self.config.metrics_port is not None:
+            self._http, _ = start_http_server(self.config.metrics_port, self.config.metrics_addr,
+                                              registry=self.registry)
+            self.metrics_port = self._http.server_port
+        log.info("agent %s serving gRPC on %s, /metrics on port %s", self.config.node_id,
+                 ", ".join(map(str, self.config.listen)), self.metrics_port)
+
+    def stop(self, grace: timedelta = timedelta(seconds=1)) -> None:
+        if self._grpc is not None:
+            self._grpc.stop(grace.total_seconds()).wait()
+            self._grpc = None
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        for addr in self.config.listen:
+            if addr.is_unix and os.path.exists(addr.path):  # type: ignore[arg-type]
+                os.unlink(addr.path)  # type: ignore[arg-type]
+        self._stopped.set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return self._stopped.wait(timeout.total_seconds() if timeout else None)
+
+    # -- handlers -----------------------------------------------------------
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(_SERVICE, {
+            "Report": grpc.stream_unary_rpc_method_handler(
+                self._report, request_deserializer=self._decoder(pb.ReportMessage),
+                response_serializer=pb.ReportSummary.SerializeToString),
+            "Status": grpc.unary_unary_rpc_method_handler(
+                self._status, request_deserializer=self._decoder(pb.StatusRequest),
+                response_serializer=pb.StatusResponse.SerializeToString),
+        })
+
+    def _decoder(self, cls: type) -> Callable[[bytes], Any]:
+        def decode(data: bytes) -> Any:
+            try:
+                return cls.FromString(data)
+            except Exception as exc:
+                self.state.note_rejected(Rejected("undecodable", f"{cls.__name__}: {exc}"))
+                raise
+        return decode
+
+    def _report(self, requests: Iterator[pb.ReportMessage], context: grpc.ServicerContext) -> pb.ReportSummary:
+        st = self.state
+        rank = None
+        accepted = rejected = 0
+        clean = False
+        try:
+            for msg in requests:
+                body = msg.WhichOneof("body")
+                if rank is None:
+                    if body != "hello":
+                        self._refuse(context, Rejected("no_hello", f"stream opened with {body!r}"))
+                    try:
+                        rank = st.hello(msg.hello)
+                    except Rejected as exc:
+                        self._refuse(context, exc)
+                    continue
+                try:
+                    if body != "batch":
+                        raise Rejected("malformed", f"rank {rank.rank} sent {body!r} mid-stream")
+                    st.ingest(rank, msg.batch)
+                    accepted += 1
+                except Rejected as exc:
+                    st.note_rejected(exc)
+                    rejected += 1
+            clean = True
+        except grpc.RpcError:
+            pass  # the rank went away; goodbye() below records how
+        finally:
+            if rank is not None:
+                st.goodbye(rank, clean)
+        return pb.ReportSummary(batches_accepted=accepted, batches_rejected=rejected)
+
+    def _refuse(self, context: grpc.ServicerContext, exc: Rejected) -> None:
+        self.state.note_rejected(exc)
+        code = grpc.StatusCode.ALREADY_EXISTS if exc.reason == "duplicate_rank" else grpc.StatusCode.INVALID_ARGUMENT
+        context.abort(code, str(exc))
+
+    def _status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        st = self.state
+        resp = pb.StatusResponse(node_id=st.node_id, started_at=st.started_at,
+                                 metrics_port=self.metrics_port or 0,
+                                 records_received=sum(st.records.values()),
+                                 messages_rejected=sum(st.rejected.values()),
+                                 tokens_per_second=st.tokens_per_second())
+        mfu = st.mfu()
+        if mfu is not None:
+            resp.mfu = mfu
+        for r in st.snapshot():
+            resp.ranks.append(pb.RankStatus(
+                rank=r.rank, node=r.node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
+                state=r.state, phase_seconds=r.last_phases, mesh_coords=r.mesh_coords,
+                backend=r.backend, collectives=int(r.collective_counts.sum()),
+                last_collective_seq=r.last_collective_seq, dropped=r.dropped,
+                last_seen=r.last_seen, connected=r.connected,
+                tokens_per_second=r.tokens_per_second))
+        with st.lock:
+            incidents = list(st.incidents)
+        for inc in incidents:
+            resp.incidents.append(pb.Incident(
+                id=inc.get("id", ""), kind=inc["kind"], node=inc["node"], rank=inc["rank"],
+                step=inc["step"], detected_at=inc["detected_at"], detail_json=json.dumps(inc["detail"])))
+        return resp
+
+    def _rank_pids(self) -> dict[int, int]:
+        return {r.rank: r.pid for r in self.state.snapshot() if r.connected}
+
+
+def _prepare_socket_path(path: str) -> None:
+    """Make the socket's directory (0700 if we create it) and clear a stale socket.
+
+    Raises:
+        RuntimeError: another agent is listening on ``path``.
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody home: a crashed agent's leftover
+        else:
+            raise RuntimeError(f"an agent is already listening on {path}")
+        finally:
+            probe.close()

@@ -1,0 +1,337 @@
+"""The node agent's view of its ranks: validation, ingestion and snapshots.
+
+Everything that reaches the agent from a rank passes :meth:`NodeState.hello`
+or :meth:`NodeState.ingest`, which check it before it touches any state.  A
+bad message is refused with a :class:`Rejected` naming the reason; the rank's
+stream and every other rank go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rankwatch.agent.histogram import COLLECTIVE_BUCKETS, STEP_BUCKETS, HistogramSet
+from rankwatch.proto import pb
+
+__all__ = ["OPS", "PHASES", "NodeState", "RankState", "Rejected"]
+
+log = logging.getLogger(__name__)
+
+# The agent's own op vocabulary: a rank's op names map onto it, unknown ones to "other".
+OPS: tuple[str, ...] = (
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier",
+    "reduce", "gather", "scatter", "send", "recv", "all_reduce_coalesced",
+    "all_gather_coalesced", "reduce_scatter_coalesced", "other",
+)
+_OP_INDEX = {name: i for i, name in enumerate(OPS)}
+PHASES = ("data", "forward", "backward", "optimizer", "other")
+STATES = ("ok", "straggler", "hung", "dead", "excluded")
+
+MAX_RECORDS_PER_BATCH = 65536
+MAX_WORLD_SIZE = 1 << 20
+MAX_OP_NAMES = 64
+MAX_LABEL_LEN = 128
+STEP_WINDOW = 32
+_ACTIVITY = {1: "train", 2: "eval", 3: "checkpoint", 4: "idle"}
+
+
+class Rejected(ValueError):
+    """A message the agent refuses; ``reason`` is a short metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass
+class RankState:
+    rank: int
+    node: str
+    pid: int
+    local_rank: int
+    world_size: int
+    backend: str
+    device: str
+    job_id: str
+    peak_flops: float
+    mesh_coords: dict[str, int]
+    mesh_shape: dict[str, int]
+    op_map: np.ndarray                      # the rank's op code -> agent op index
+    stream: int                             # id of the stream that owns this rank
+    connected: bool = True
+    exited_cleanly: bool = False
+    last_seen: float = field(default_factory=time.time)
+    last_batch_seq: int = 0
+    step: int = -1
+    activity: str = "idle"
+    step_started_at: float = 0.0
+    last_collective_seq: int = -1
+    dropped: int = 0
+    step_durations: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    step_tokens: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    step_flops: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    last_phases: dict[str, float] = field(default_factory=dict)
+    collective_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(OPS), np.int64))
+    state: str = "ok"
+
+    @property
+    def step_seconds(self) -> float:
+        return float(np.median(self.step_durations)) if self.step_durations else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        total = sum(self.step_durations)
+        return sum(self.step_tokens) / total if total > 0 else 0.0
+
+    @property
+    def flops_per_second(self) -> float:
+        total = sum(self.step_durations)
+        return sum(self.step_flops) / total if total > 0 else 0.0
+
+
+class NodeState:
+    """All ranks reporting to this node's agent, and the node's aggregates.
+
+    Args:
+        node_id: this node's id.
+        clock: injected for tests.
+    """
+
+    def __init__(self, node_id: str, clock=time.time) -> None:
+        self.node_id = node_id
+        self.clock = clock
+        self.started_at = clock()
+        self.lock = threading.Lock()
+        self.ranks: dict[int, RankState] = {}
+        self.step_hist = HistogramSet(1, STEP_BUCKETS)
+        self.coll_hist = HistogramSet(len(OPS), COLLECTIVE_BUCKETS)
+        self.coll_bytes = np.zeros(len(OPS), np.float64)
+        self.steps_total = 0
+        self.tokens_total = 0.0
+        self.flops_total = 0.0
+        self.records = {"collective": 0, "step": 0}
+        self.rejected: dict[str, int] = {}
+        self.incidents: list[dict] = []
+        self._next_stream = 0
+        self._last_log: dict[str, float] = {}
+
+    # -- streams ----------------------------------------------------------
+    def hello(self, msg: pb.Hello, alive=None) -> RankState:
+        """Register a rank's stream.
+
+        Args:
+            msg: the stream's first message.
+            alive: ``pid -> bool``; a live rank's slot is not taken over.
+
+        Raises:
+            Rejected: invalid identity, or the rank is already live on another stream.
+        """
+        _check_hello(msg)
+        with self.lock:
+            old = self.ranks.get(msg.rank)
+            if old is not None and old.connected and (old.pid == msg.pid or (alive or _pid_alive)(old.pid)):
+                raise self._reject("duplicate_rank", f"rank {msg.rank} is already reporting "
+                                   f"from pid {old.pid} on this node")
+            self._next_stream += 1
+            op_map = np.array([_OP_INDEX.get(name, _OP_INDEX["other"]) for name in msg.op_names]
+                              or [_OP_INDEX["other"]], dtype=np.int64)
+            state = RankState(
+                rank=msg.rank, node=msg.node_id or self.node_id, pid=msg.pid,
+                local_rank=msg.local_rank, world_size=msg.world_size, backend=msg.backend,
+                device=msg.device, job_id=msg.job_id, peak_flops=msg.peak_flops,
+                mesh_coords=dict(msg.mesh_coords), mesh_shape=dict(msg.mesh_shape),
+                op_map=op_map, stream=self._next_stream, last_seen=self.clock())
+            self.ranks[msg.rank] = state
+            log.info("rank %d (pid %d, %s) connected", msg.rank, msg.pid, msg.backend)
+            return state
+
+    def goodbye(self, rank: RankState, clean: bool) -> None:
+        with self.lock:
+            if self.ranks.get(rank.rank) is rank:
+                rank.connected = False
+                rank.exited_cleanly = clean
+                if not clean and not _pid_alive(rank.pid):
+                    rank.state = "dead"
+        log.info("rank %d stream closed (%s)", rank.rank, "clean" if clean else "broken")
+
+    # -- data -------------------------------------------------------------
+    def ingest(self, rank: RankState, batch: pb.Batch) -> int:
+        """Validate and apply one batch; return the number of records taken.
+
+        Raises:
+            Rejected: the batch is malformed; nothing of it is applied.
+        """
+        coll = _check_collectives(batch.collectives, len(rank.op_map)) if batch.HasField("collectives") else None
+        steps = _check_steps(batch.steps) if batch.HasField("steps") else None
+        if batch.HasField("progress"):
+            _check_progress(batch.progress)
+        with self.lock:
+            if batch.seq <= rank.last_batch_seq:
+                raise self._reject("duplicate_batch",
+                                   f"rank {rank.rank} batch {batch.seq} after {rank.last_batch_seq}")
+            if self.ranks.get(rank.rank) is not rank:
+                raise self._reject("stale_stream", f"rank {rank.rank} has a newer stream")
+            rank.last_batch_seq = batch.seq
+            rank.last_seen = self.clock()
+            rank.dropped = max(rank.dropped, batch.dropped_total)
+            n = 0
+            if coll is not None:
+                n += self._apply_collectives(rank, coll)
+            if steps is not None:
+                n += self._apply_steps(rank, steps)
+            if batch.HasField("progress"):
+                p = batch.progress
+                rank.activity = _ACTIVITY.get(p.phase, "train")
+                rank.step_started_at = p.step_started_at
+                rank.step = max(rank.step, p.step)
+                rank.last_collective_seq = max(rank.last_collective_seq, p.last_collective_seq)
+            return n
+
+    def _apply_collectives(self, rank: RankState, cols: dict[str, np.ndarray]) -> int:
+        ops = rank.op_map[cols["op"]]
+        self.coll_hist.observe_many(ops, cols["duration"])
+        counts = np.bincount(ops, minlength=len(OPS))
+        rank.collective_counts += counts
+        self.coll_bytes += np.bincount(ops, weights=cols["nbytes"].astype(np.float64), minlength=len(OPS))
+        seq = cols["seq"]
+        if seq.size:
+            rank.last_collective_seq = max(rank.last_collective_seq, int(seq.max()))
+        n = int(ops.size)
+        self.records["collective"] += n
+        return n
+
+    def _apply_steps(self, rank: RankState, s: pb.StepColumns) -> int:
+        n = len(s.step)
+        for i in range(n):
+            rank.step_durations.append(s.duration[i])
+            rank.step_tokens.append(s.tokens[i])
+            rank.step_flops.append(s.flops[i])
+            rank.step = max(rank.step, s.step[i])
+        i = n - 1
+        marked = s.data[i] + s.forward[i] + s.backward[i] + s.optimizer[i]
+        rank.last_phases = {"data": s.data[i], "forward": s.forward[i], "backward": s.backward[i],
+                            "optimizer": s.optimizer[i], "other": max(0.0, s.duration[i] - marked)}
+        self.step_hist.observe_many(np.zeros(n, np.int64), np.asarray(s.duration, np.float64))
+        self.steps_total += n
+        self.tokens_total += float(sum(s.tokens))
+        self.flops_total += float(sum(s.flops))
+        self.records["step"] += n
+        return n
+
+    # -- rejects ----------------------------------------------------------
+    @staticmethod
+    def _reject(reason: str, detail: str) -> Rejected:
+        return Rejected(reason, detail)
+
+    def note_rejected(self, exc: Rejected) -> None:
+        """Count a refused message and log it: one line per reason per 10 s."""
+        with self.lock:
+            count = self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
+            now = self.clock()
+            loud = now - self._last_log.get(exc.reason, 0.0) >= 10.0
+            if loud:
+                self._last_log[exc.reason] = now
+        if loud:
+            log.warning("rejected message (%s) [%d so far]", exc, count)
+
+    # -- views ------------------------------------------------------------
+    def snapshot(self) -> list[RankState]:
+        with self.lock:
+            return sorted(self.ranks.values(), key=lambda r: r.rank)
+
+    def tokens_per_second(self) -> float:
+        return sum(r.tokens_per_second for r in self.snapshot() if r.connected)
+
+    def mfu(self) -> float | None:
+        ranks = [r for r in self.snapshot() if r.connected]
+        peak = sum(r.peak_flops for r in ranks)
+        if not ranks or peak <= 0 or any(r.peak_flops <= 0 for r in ranks):
+            return None
+        return sum(r.flops_per_second for r in ranks) / peak
+
+
+# -- validation (pure functions, no state) -----------------------------------
+
+def _check_label(value: str, what: str) -> None:
+    if len(value) > MAX_LABEL_LEN or any(ord(c) < 32 for c in value):
+        raise Rejected("invalid_hello", f"{what} is too long or has control characters")
+
+
+def _check_hello(msg: pb.Hello) -> None:
+    if not 0 < msg.world_size <= MAX_WORLD_SIZE:
+        raise Rejected("invalid_hello", f"world_size {msg.world_size} out of range")
+    if not 0 <= msg.rank < msg.world_size:
+        raise Rejected("unknown_rank", f"rank {msg.rank} not in [0, {msg.world_size})")
+    if msg.local_rank < 0 or msg.pid <= 0:
+        raise Rejected("invalid_hello", f"local_rank {msg.local_rank} / pid {msg.pid} invalid")
+    if len(msg.op_names) > MAX_OP_NAMES or len(msg.mesh_coords) > 16 or len(msg.mesh_shape) > 16:
+        raise Rejected("invalid_hello", "too many op names or mesh dimensions")
+    if not math.isfinite(msg.peak_flops) or msg.peak_flops < 0:
+        raise Rejected("invalid_hello", f"peak_flops {msg.peak_flops} invalid")
+    for value, what in ((msg.node_id, "node_id"), (msg.backend, "backend"),
+                        (msg.device, "device"), (msg.job_id, "job_id")):
+        _check_label(value, what)
+    for name in list(msg.op_names) + list(msg.mesh_coords) + list(msg.mesh_shape):
+        _check_label(name, "a name")
+
+
+_COLUMNS = (("op", "<u1"), ("pg", "<u2"), ("seq", "<i8"), ("start", "<f8"),
+            ("duration", "<f8"), ("nbytes", "<i8"))
+
+
+def _check_collectives(c: pb.CollectiveColumns, n_ops: int) -> dict[str, np.ndarray]:
+    n = len(c.op)
+    if n > MAX_RECORDS_PER_BATCH:
+        raise Rejected("oversized", f"{n} collective records in one batch")
+    cols = {}
+    for name, dtype in _COLUMNS:
+        raw = getattr(c, name)
+        if len(raw) != n * np.dtype(dtype).itemsize:
+            raise Rejected("malformed", f"collective column {name} has {len(raw)} bytes for {n} records")
+        cols[name] = np.frombuffer(raw, dtype=dtype)
+    if n and int(cols["op"].max()) >= n_ops:
+        raise Rejected("malformed", "collective op code outside the rank's op names")
+    d = cols["duration"]
+    if not np.all(np.isfinite(d)) or (d < 0).any() or not np.all(np.isfinite(cols["start"])):
+        raise Rejected("invalid_value", "collective duration or start is NaN, infinite or negative")
+    if (cols["nbytes"] < 0).any():
+        raise Rejected("invalid_value", "negative collective size")
+    return cols
+
+
+def _check_steps(s: pb.StepColumns) -> pb.StepColumns:
+    n = len(s.step)
+    if n > MAX_RECORDS_PER_BATCH:
+        raise Rejected("oversized", f"{n} step records in one batch")
+    fields = (s.start, s.duration, s.data, s.forward, s.backward, s.optimizer, s.tokens, s.flops)
+    if any(len(f) != n for f in fields):
+        raise Rejected("malformed", "step columns of different lengths")
+    if n == 0:
+        raise Rejected("malformed", "empty step columns")
+    arr = np.array(fields, dtype=np.float64)
+    if not np.all(np.isfinite(arr)) or (arr[1:] < 0).any() or min(s.step) < 0:
+        raise Rejected("invalid_value", "step value is NaN, infinite or negative")
+    return s
+
+
+def _check_progress(p: pb.Progress) -> None:
+    if not (math.isfinite(p.step_started_at) and math.isfinite(p.sampled_at)):
+        raise Rejected("invalid_value", "progress time is NaN or infinite")
+    if p.step_started_at < 0 or p.step < -1:
+        raise Rejected("invalid_value", "negative progress")
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

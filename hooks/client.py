@@ -1,0 +1,238 @@
+"""The rank's side of the wire: drain the recorder, batch, stream to the agent.
+
+Two daemon threads, neither of which the training thread ever waits on:
+
+* the **flusher** drains the recorder's deques into columnar ``Batch``
+  messages, by size (``max_batch`` records) or by time (``flush_interval``),
+  whichever comes first, and puts them on a bounded queue;
+* the **sender** holds one long-lived ``Report`` stream to the agent and
+  feeds it from that queue.  When the agent is absent or dies it reconnects
+  with capped exponential backoff.
+
+Fail-open: a full queue drops the batch, a full deque drops its oldest
+records, and both are counted into ``dropped_total``, which every batch
+carries so the agent learns the count once it is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import grpc
+import numpy as np
+
+from rankwatch.agent.address import Address
+from rankwatch.hooks.recorder import Recorder
+from rankwatch.proto import pb, pb_grpc
+
+__all__ = ["AgentClient"]
+
+log = logging.getLogger(__name__)
+
+_RECONNECT_MIN = timedelta(milliseconds=100)
+_RECONNECT_MAX = timedelta(seconds=2)
+_CONNECT_TIMEOUT = timedelta(seconds=1)
+_IDLE_PROGRESS = timedelta(milliseconds=500)
+
+
+class AgentClient:
+    """Streams one rank's records to its node agent.
+
+    Args:
+        recorder: the buffers the training thread writes.
+        hello: this rank's identity, sent first on every stream.
+        address: the agent.
+        flush_interval: the longest a record waits before it is sent.
+        max_batch: records per batch; a full batch is sent at once.
+        queue_batches: batches held while the agent is slow or away.
+        last_seq: returns the rank's latest collective sequence number.
+    """
+
+    def __init__(self, recorder: Recorder, hello: pb.Hello, address: Address, *,
+                 flush_interval: timedelta = timedelta(milliseconds=100),
+                 max_batch: int = 1024, queue_batches: int = 256,
+                 last_seq: Callable[[], int] = lambda: -1) -> None:
+        self._rec = recorder
+        self._hello = hello
+        self._address = address
+        self._interval = flush_interval.total_seconds()
+        self._max_batch = max_batch
+        self._queue: queue.Queue[pb.Batch] = queue.Queue(maxsize=queue_batches)
+        self._last_seq = last_seq
+        self._stop = threading.Event()
+        self._batch_seq = 0
+        self._drained = 0          # collective records taken from the deque
+        self._max_index = -1       # highest record index seen
+        self._overflow = 0         # records the deque discarded
+        self._dropped_batches_records = 0
+        self.connected = threading.Event()
+        self.streams_opened = 0
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ----------------------------------------------------------
+    def start(self) -> None:
+        for name, target in (("flusher", self._flush_loop), ("sender", self._send_loop)):
+            t = threading.Thread(target=target, name=f"rankwatch-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def close(self, timeout: timedelta = timedelta(seconds=2)) -> None:
+        """Flush what is buffered and stop; gives up after ``timeout``."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        self._flush_once(force=True)
+        while not self._queue.empty() and self.connected.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._stop.set()
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def dropped_total(self) -> int:
+        return self._overflow + self._dropped_batches_records
+
+    # -- flusher ------------------------------------------------------------
+    def _flush_loop(self) -> None:
+        last = time.monotonic()
+        idle_every = _IDLE_PROGRESS.total_seconds()
+        while not self._stop.is_set():
+            time.sleep(min(0.01, self._interval))
+            now = time.monotonic()
+            due = now - last >= self._interval
+            if len(self._rec.collectives) >= self._max_batch or (due and self._has_records()):
+                self._flush_once()
+                last = now
+            elif now - last >= idle_every:
+                self._flush_once(force=True)   # progress only: proves the rank is alive
+                last = now
+
+    def _has_records(self) -> bool:
+        return bool(self._rec.collectives) or bool(self._rec.steps)
+
+    def _flush_once(self, force: bool = False) -> None:
+        try:
+            while True:
+                batch, n = self._build_batch()
+                if n == 0 and not force:
+                    return
+                self._enqueue(batch, n)
+                if n < self._max_batch:
+                    return
+                force = False
+        except Exception:  # noqa: BLE001 - the flusher must outlive any bug
+            log.exception("rankwatch: flusher error")
+
+    def _enqueue(self, batch: pb.Batch, n: int) -> None:
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            self._dropped_batches_records += n
+
+    def _build_batch(self) -> tuple[pb.Batch, int]:
+        rec = self._rec
+        self._batch_seq += 1
+        batch = pb.Batch(seq=self._batch_seq)
+        n = 0
+        coll = _drain(rec.collectives, self._max_batch)
+        if coll:
+            n += len(coll)
+            batch.collectives.CopyFrom(self._collective_columns(coll))
+        steps = _drain(rec.steps, self._max_batch)
+        if steps:
+            n += len(steps)
+            batch.steps.CopyFrom(self._step_columns(steps))
+        batch.progress.CopyFrom(pb.Progress(
+            step=rec.step, step_started_at=rec.to_unix(rec.step_started_ns) if rec.step >= 0 else 0.0,
+            phase=rec.activity, last_collective_seq=self._last_seq(), sampled_at=time.time()))
+        batch.dropped_total = self.dropped_total
+        return batch, n
+
+    def _collective_columns(self, records: list[tuple]) -> pb.CollectiveColumns:
+        arr = np.array(records, dtype=np.int64)
+        self._drained += len(records)
+        self._max_index = max(self._max_index, int(arr[:, 0].max()))
+        self._overflow = max(self._overflow, self._max_index + 1 - self._drained
+                             - len(self._rec.collectives))
+        rec = self._rec
+        start = rec.wall0 + (arr[:, 4] - rec.mono0_ns) * 1e-9
+        duration = (arr[:, 5] - arr[:, 4]) * 1e-9
+        return pb.CollectiveColumns(
+            op=arr[:, 1].astype("<u1").tobytes(), pg=arr[:, 2].astype("<u2").tobytes(),
+            seq=arr[:, 3].astype("<i8").tobytes(), start=start.astype("<f8").tobytes(),
+            duration=duration.astype("<f8").tobytes(), nbytes=arr[:, 6].astype("<i8").tobytes())
+
+    def _step_columns(self, steps: list[tuple]) -> pb.StepColumns:
+        rec = self._rec
+        cols = pb.StepColumns()
+        for step, t0, t1, data, fwd, bwd, opt, tokens, flops in steps:
+            cols.step.append(step)
+            cols.start.append(rec.to_unix(t0))
+            cols.duration.append((t1 - t0) * 1e-9)
+            cols.data.append(data * 1e-9)
+            cols.forward.append(fwd * 1e-9)
+            cols.backward.append(bwd * 1e-9)
+            cols.optimizer.append(opt * 1e-9)
+            cols.tokens.append(tokens)
+            cols.flops.append(flops)
+        return cols
+
+    # -- sender ---------------------------------------------------------------
+    def _send_loop(self) -> None:
+        delay = _RECONNECT_MIN.total_seconds()
+        warned = False
+        while not self._stop.is_set():
+            channel = grpc.insecure_channel(self._address.grpc_target())
+            try:
+                grpc.channel_ready_future(channel).result(timeout=_CONNECT_TIMEOUT.total_seconds())
+                self.connected.set()
+                self.streams_opened += 1
+                log.info("rankwatch: streaming to agent at %s", self._address)
+                delay = _RECONNECT_MIN.total_seconds()
+                warned = False
+                pb_grpc.AgentStub(channel).Report(self._requests())
+            except grpc.FutureTimeoutError:
+                if not warned:
+                    log.warning("rankwatch: no agent at %s; training goes on, retrying",
+                                self._address)
+                    warned = True
+            except grpc.RpcError as exc:
+                log.warning("rankwatch: agent stream ended: %s", _describe(exc))
+            except Exception:  # noqa: BLE001
+                log.exception("rankwatch: sender error")
+            finally:
+                self.connected.clear()
+                channel.close()
+            self._stop.wait(delay * (0.5 + random.random()))
+            delay = min(delay * 2, _RECONNECT_MAX.total_seconds())
+
+    def _requests(self) -> Iterator[pb.ReportMessage]:
+        yield pb.ReportMessage(hello=self._hello)
+        while not self._stop.is_set():
+            try:
+                batch = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            batch.dropped_total = max(batch.dropped_total, self.dropped_total)
+            yield pb.ReportMessage(batch=batch)
+
+
+def _drain(dq: object, limit: int) -> list[tuple]:
+    out = []
+    pop = dq.popleft  # type: ignore[attr-defined]
+    try:
+        for _ in range(limit):
+            out.append(pop())
+    except IndexError:
+        pass
+    return out
+
+
+def _describe(exc: grpc.RpcError) -> str:
+    code = getattr(exc, "code", lambda: None)()
+    details = getattr(exc, "details", lambda: "")()
+    return f"{code.name if code else 'error'}: {details}"

@@ -1,0 +1,269 @@
+"""Collective latency: every collective FSDP2, TP/DTensor and the user issue.
+
+Two sources, one record format (:meth:`Recorder.collective`):
+
+* **Python wrappers** (gloo and any backend without GPU timing).  The
+  ``torch.distributed`` verbs are wrapped where they are looked up, in both
+  ``torch.distributed`` and ``distributed_c10d`` (so ``all_gather_object``'s
+  inner ``all_gather`` counts).  Only primitives are wrapped; aliases such as
+  ``all_gather_into_tensor`` delegate to a wrapped primitive and count once.
+  A collective is timed from issue to completion: a sync call to its return,
+  an async one to its ``Work`` future's callback, which runs on the backend's
+  thread.  DTensor's functional collectives are timed from issue to the first
+  wait on their ``AsyncCollectiveTensor``.
+* **NCCL completion hooks**: with ``TORCH_NCCL_ENABLE_TIMING=1``,
+  ``ProcessGroup._register_on_completion_hook`` reports each collective's
+  GPU-measured duration, funcols included; the wrappers then stand down.
+
+Bookkeeping never raises into training: its errors are counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rankwatch.hooks.recorder import OP_CODE, Recorder
+
+__all__ = ["CollectiveInstrumentation"]
+
+log = logging.getLogger(__name__)
+
+# torch.distributed primitive -> op name.
+_DIST_OPS = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce_coalesced",
+    "all_gather": "all_gather",
+    "all_gather_single": "all_gather",
+    "all_gather_coalesced": "all_gather_coalesced",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "all_to_all": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+    "barrier": "barrier",
+    "send": "send",
+    "recv": "recv",
+    "isend": "send",
+    "irecv": "recv",
+}
+# Functional collectives (DTensor's path) -> op name.  Wrappers such as
+# all_gather_tensor delegate to these through module globals.
+_FUNCOL_OPS = {
+    "all_reduce": "all_reduce",
+    "all_gather_single": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "all_reduce_coalesced": "all_reduce_coalesced",
+    "all_gather_single_coalesced": "all_gather_coalesced",
+    "reduce_scatter_single_coalesced": "reduce_scatter_coalesced",
+}
+_MAX_PENDING = 4096
+
+
+def _storage_key(act: Any) -> int:
+    return act.elem.untyped_storage().data_ptr()
+
+
+def _nbytes(obj: Any) -> int:
+    nbytes = getattr(obj, "nbytes", None)
+    if nbytes is not None:
+        return int(nbytes)
+    if isinstance(obj, (list, tuple)):
+        return sum(int(getattr(t, "nbytes", 0)) for t in obj)
+    return 0
+
+
+class CollectiveInstrumentation:
+    """Installs and removes the collective timers of one process.
+
+    Args:
+        recorder: where records go.
+    """
+
+    def __init__(self, recorder: Recorder) -> None:
+        self._rec = recorder
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._pg_codes: dict[Any, int] = {}
+        self.pgs: list[Any] = []  # process groups seen, index = pg code
+        self.errors = 0
+        self.source = "none"
+        self._pending: dict[int, tuple[int, int, int]] = {}  # funcol results not yet waited
+
+    # -- public -----------------------------------------------------------
+    def install(self) -> str:
+        """Install the best source for this process; return its name."""
+        import torch.distributed as dist
+
+        if self._saved or self.source != "none":
+            return self.source
+        if self._try_nccl_hooks(dist):
+            self.source = "nccl_completion_hook"
+            return self.source
+        self._wrap_dist(dist)
+        self._wrap_funcol()
+        self.source = "python_wrappers"
+        return self.source
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+        self.source = "none"
+
+    def last_seq(self) -> int:
+        """Highest collective sequence number on the default group (sender thread)."""
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+        except Exception:  # noqa: BLE001 - progress sampling must not fail
+            pass
+        return -1
+
+    # -- internals --------------------------------------------------------
+    def _patch(self, owner: Any, name: str, wrapper: Callable) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, wrapper)
+
+    def _pg_code(self, pg: Any) -> int:
+        code = self._pg_codes.get(pg)
+        if code is None:
+            code = self._pg_codes[pg] = len(self.pgs)
+            self.pgs.append(pg)
+        return code
+
+    def _wrap_dist(self, dist: Any) -> None:
+        c10d = dist.distributed_c10d
+        for fname, op in _DIST_OPS.items():
+            fn = getattr(c10d, fname, None)
+            if fn is None:
+                continue
+            wrapper = self._dist_wrapper(fn, OP_CODE[op], c10d)
+            self._patch(c10d, fname, wrapper)
+            if getattr(dist, fname, None) is fn:
+                self._patch(dist, fname, wrapper)
+
+    def _dist_wrapper(self, fn: Callable, op: int, c10d: Any) -> Callable:
+        params = list(inspect.signature(fn).parameters)
+        g_index = params.index("group") if "group" in params else None
+        rec = self._rec
+        clock = time.perf_counter_ns
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            work = fn(*args, **kwargs)
+            try:
+                group = kwargs.get("group")
+                if group is None and g_index is not None and len(args) > g_index:
+                    group = args[g_index]
+                pg = group if group is not None else c10d._get_default_group()
+                seq = pg._get_sequence_number_for_group()
+                pgc = self._pg_code(pg)
+                nbytes = _nbytes(args[0] if args else kwargs.get("tensor"))
+                if work is None or not hasattr(work, "get_future"):
+                    rec.collective(op, pgc, seq, t0, clock(), nbytes)
+                else:
+                    work.get_future().add_done_callback(
+                        lambda _f: rec.collective(op, pgc, seq, t0, clock(), nbytes))
+            except Exception:  # noqa: BLE001 - never raise into training
+                self.errors += 1
+            return work
+
+        return timed
+
+    def _wrap_funcol(self) -> None:
+        import torch.distributed._functional_collectives as funcol
+
+        rec = self._rec
+        clock = time.perf_counter_ns
+        act_cls = funcol.AsyncCollectiveTensor
+        for fname, op in _FUNCOL_OPS.items():
+            fn = getattr(funcol, fname, None)
+            if fn is not None:
+                self._patch(funcol, fname, self._funcol_wrapper(fn, OP_CODE[op], act_cls))
+
+        # DTensor waits with .wait(), other uses with .trigger_wait(): time both.
+        for method in ("trigger_wait", "wait"):
+            self._patch(act_cls, method, self._timed_wait(getattr(act_cls, method)))
+
+    def _timed_wait(self, wait: Callable) -> Callable:
+        rec = self._rec
+        clock = time.perf_counter_ns
+
+        @functools.wraps(wait)
+        def timed_wait(act: Any) -> Any:
+            pending = self._pending.pop(_storage_key(act), None) if self._pending else None
+            out = wait(act)
+            if pending is not None:
+                op, t0, nbytes = pending
+                rec.collective(op, 0, -1, t0, clock(), nbytes)
+            return out
+
+        return timed_wait
+
+    def _funcol_wrapper(self, fn: Callable, op: int, act_cls: type) -> Callable:
+        rec = self._rec
+        clock = time.perf_counter_ns
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            out = fn(*args, **kwargs)
+            try:
+                nbytes = _nbytes(args[0] if args else None)
+                if isinstance(out, act_cls) and not out.completed:
+                    # Keyed by storage: views of the result (new ACTs) share it.
+                    if len(self._pending) > _MAX_PENDING:  # results nobody waited on
+                        self.errors += len(self._pending)
+                        self._pending.clear()
+                    self._pending[_storage_key(out)] = (op, t0, nbytes)
+                else:  # already waited (tracing, or a view that forced the wait)
+                    rec.collective(op, 0, -1, t0, clock(), nbytes)
+            except Exception:  # noqa: BLE001 - never raise into training
+                self.errors += 1
+            return out
+
+        return timed
+
+    def _try_nccl_hooks(self, dist: Any) -> bool:
+        """Use NCCL's GPU timing when the default group is NCCL with timing on."""
+        import os
+
+        if not dist.is_initialized() or dist.get_backend() != "nccl":
+            return False
+        if os.environ.get("TORCH_NCCL_ENABLE_TIMING") != "1":
+            log.info("rankwatch: NCCL without TORCH_NCCL_ENABLE_TIMING=1; timing in Python")
+            return False
+        try:
+            pg = dist.distributed_c10d._get_default_group()
+            pg._register_on_completion_hook(self._on_nccl_completion)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rankwatch: NCCL completion hook unavailable (%s); timing in Python", exc)
+            return False
+
+    def _on_nccl_completion(self, info: Any) -> None:
+        # Runs on the NCCL watchdog's hook thread, never the training thread.
+        try:
+            name = str(info.op_type).rsplit(".", 1)[-1].lower()
+            op = OP_CODE.get({"allreduce": "all_reduce", "allgather": "all_gather",
+                              "_allgather_base": "all_gather", "reduce_scatter": "reduce_scatter",
+                              "_reduce_scatter_base": "reduce_scatter",
+                              "alltoall_base": "all_to_all", "alltoall": "all_to_all"}
+                             .get(name, name), OP_CODE["other"])
+            t1_ns = time.perf_counter_ns()
+            dur_ns = int(info.active_duration.total_seconds() * 1e9)
+            self._rec.collective(op, 0, int(info.seq), t1_ns - dur_ns, t1_ns, 0)
+        except Exception:  # noqa: BLE001
+            self.errors += 1

@@ -1,0 +1,169 @@
+"""The per-rank entry point: ``rankwatch.hooks.init()`` returns a Monitor.
+
+A Monitor ties the recorder (hot path), the collective timers and the agent
+client together.  It never raises into training: if anything in rankwatch
+fails to start, the caller gets a :class:`NullMonitor` with the same methods.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from rankwatch.agent.address import Address, node_id, resolve
+from rankwatch.hooks.recorder import (
+    ACTIVITY_CHECKPOINT,
+    ACTIVITY_EVAL,
+    ACTIVITY_TRAIN,
+    OPS,
+    Recorder,
+    StepScope,
+)
+
+__all__ = ["DISABLE_ENV", "Monitor", "NullMonitor", "init"]
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "RANKWATCH_DISABLE"
+_ACTIVITIES = {"train": ACTIVITY_TRAIN, "eval": ACTIVITY_EVAL, "checkpoint": ACTIVITY_CHECKPOINT}
+
+
+class Monitor:
+    """Instrumentation of one rank.  Build it with :func:`init`.
+
+    Use::
+
+        with mon.step(n, tokens=t, flops=f):
+            batch = next(it);      mon.mark("data")
+            loss = model(batch);   mon.mark("forward")
+            loss.backward();       mon.mark("backward")
+            opt.step();            mon.mark("optimizer")
+    """
+
+    def __init__(self, recorder: Recorder, instrumentation: Any, client: Any) -> None:
+        self.recorder = recorder
+        self._instr = instrumentation
+        self._client = client
+        self.mark = recorder.mark  # the hot path: a bound method, no indirection
+
+    def step(self, step: int, tokens: float = 0.0, flops: float = 0.0) -> StepScope:
+        """Bracket one training step; phases inside are closed with :meth:`mark`."""
+        return self.recorder.step_scope(step, tokens, flops)
+
+    @contextlib.contextmanager
+    def activity(self, name: str) -> Iterator[None]:
+        """Mark a stretch as ``eval`` or ``checkpoint``, so it is never taken for a hang."""
+        prev = self.recorder.activity
+        self.recorder.activity = _ACTIVITIES[name]
+        try:
+            yield
+        finally:
+            self.recorder.activity = prev
+
+    @property
+    def dropped(self) -> int:
+        return self._client.dropped_total if self._client else 0
+
+    def close(self) -> None:
+        """Flush what is buffered (bounded wait) and remove the collective timers."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._instr is not None:
+            self._instr.uninstall()
+
+
+class NullMonitor:
+    """The same surface as :class:`Monitor`, doing nothing."""
+
+    recorder = None
+    dropped = 0
+
+    def step(self, step: int, tokens: float = 0.0, flops: float = 0.0) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def mark(self, phase: str) -> None:
+        pass
+
+    def activity(self, name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        pass
+
+
+def init(*, mesh: Any = None, address: str | None = None, node: str | None = None,
+         peak_flops: float | None = None, job_id: str | None = None,
+         collectives: bool = True) -> Monitor | NullMonitor:
+    """Start rankwatch in this rank, after ``init_process_group``.
+
+    Args:
+        mesh: the job's ``DeviceMesh``; its dimension names and this rank's
+            coordinates are reported (dp, tp, pp, cp, ep, or any others).
+        address: the node agent; default ``$RANKWATCH_AGENT``, then the default socket.
+        node: the node id; default ``$RANKWATCH_NODE_ID``, then the host name.
+        peak_flops: this rank's device peak FLOP/s for MFU; default from the
+            device table (GPUs), or none (CPU).
+        job_id: default ``$TORCHELASTIC_RUN_ID``.
+        collectives: time collectives (off only for overhead comparisons).
+
+    Returns:
+        A :class:`Monitor`, or a :class:`NullMonitor` when ``RANKWATCH_DISABLE=1``
+        or anything fails; training goes on either way.
+    """
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return NullMonitor()
+    try:
+        return _init(mesh, resolve(address), node_id(node), peak_flops, job_id, collectives)
+    except Exception:  # noqa: BLE001 - rankwatch never stops training
+        log.exception("rankwatch: instrumentation failed to start; training without it")
+        return NullMonitor()
+
+
+def _init(mesh: Any, address: Address, node: str, peak_flops: float | None,
+          job_id: str | None, collectives: bool) -> Monitor:
+    from rankwatch.hooks.client import AgentClient
+    from rankwatch.hooks.collectives import CollectiveInstrumentation
+
+    recorder = Recorder()
+    instr = CollectiveInstrumentation(recorder)
+    if collectives:
+        instr.install()
+    hello = _hello(mesh, node, peak_flops, job_id)
+    client = AgentClient(recorder, hello, address, last_seq=instr.last_seq)
+    client.start()
+    monitor = Monitor(recorder, instr, client)
+    atexit.register(monitor.close)
+    return monitor
+
+
+def _hello(mesh: Any, node: str, peak_flops: float | None, job_id: str | None) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from rankwatch.hooks.flops import peak_flops_for
+    from rankwatch.proto import pb
+
+    initialized = dist.is_initialized()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    hello = pb.Hello(
+        rank=dist.get_rank() if initialized else int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        world_size=dist.get_world_size() if initialized else int(os.environ.get("WORLD_SIZE", 1)),
+        node_id=node, pid=os.getpid(),
+        backend=str(dist.get_backend()) if initialized else "none",
+        device=device,
+        job_id=job_id or os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        peak_flops=peak_flops if peak_flops is not None else peak_flops_for(device),
+        op_names=list(OPS),
+    )
+    if mesh is not None and mesh.mesh_dim_names:
+        coords = mesh.get_coordinate() or []
+        for name, size, coord in zip(mesh.mesh_dim_names, mesh.mesh.shape, coords):
+            hello.mesh_shape[name] = int(size)
+            hello.mesh_coords[name] = int(coord)
+    return hello

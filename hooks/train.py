@@ -1,0 +1,155 @@
+"""The rankwatch harness: an FSDP2 + TP Llama-style decoder on synthetic tokens.
+
+    torchrun --nproc-per-node 4 -m rankwatch.hooks.train --steps 100 --tp 2
+
+dp fills the world by default.  The job resumes from the newest complete
+checkpoint in ``--checkpoint-dir``.  The loop only sequences calls; the
+components (model, data, checkpointer, monitor) decide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+# Flight Recorder is on in every run; it must be set before the first group.
+os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from rankwatch.hooks import monitor as _monitor  # noqa: E402
+from rankwatch.hooks.checkpoint import Checkpointer  # noqa: E402
+from rankwatch.hooks.data import SyntheticTokens, build_loader  # noqa: E402
+from rankwatch.hooks.flops import transformer_flops_per_token  # noqa: E402
+from rankwatch.hooks.model import ModelConfig, Transformer  # noqa: E402
+from rankwatch.hooks.parallel import ParallelDims, build_mesh, device_type, parallelize  # noqa: E402
+
+log = logging.getLogger("rankwatch.train")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rankwatch.hooks.train", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=100, help="train until this step (total, across restarts)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world / tp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, help="save and resume here")
+    p.add_argument("--checkpoint-interval", type=int, default=0, help="save every N steps (0: never)")
+    p.add_argument("--keep-checkpoints", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=4, help="samples per dp rank per step")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--hidden-dim", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s per rank for MFU (default: device table; none on CPU)")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds of idle per step, to pace demos")
+    p.add_argument("--no-rankwatch", action="store_true", help="train without instrumentation")
+    p.add_argument("--metrics-out", type=Path, default=None,
+                   help="write this rank's step times, losses and Flight Recorder dump here")
+    p.add_argument("--log-every", type=int, default=10)
+    args = p.parse_args(argv)
+    if args.steps < 0:
+        p.error("--steps must be >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    dev = device_type()
+    backend = "nccl" if dev == "cuda" else "gloo"
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        dims = ParallelDims.from_flags(args.dp, args.tp, world)
+    except ValueError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    mesh = build_mesh(dims, dev)
+    # Before parallelising, so the collectives that shard the weights are timed too.
+    mon = _monitor.NullMonitor() if args.no_rankwatch else _monitor.init(
+        mesh=mesh, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None)
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers,
+                      n_heads=args.heads, hidden_dim=args.hidden_dim, seq_len=args.seq_len)
+    model = Transformer(cfg)
+    n_params = model.num_params()
+    model = parallelize(model.to(dev), mesh, dims)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
+
+    ckpt = Checkpointer(root=args.checkpoint_dir, interval=args.checkpoint_interval,
+                        keep=args.keep_checkpoints) if args.checkpoint_dir else None
+    start = ckpt.load(model, opt)[0] if ckpt else 0
+
+    dp_rank = mesh["dp"].get_local_rank()
+    global_batch = args.batch_size * dims.dp
+    ds = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
+    batches = iter(build_loader(ds, args.batch_size, dp_rank, dims.dp, start * global_batch))
+    # Each rank's share of the job's tokens and FLOPs (TP ranks split a batch).
+    tokens = args.batch_size * cfg.seq_len / dims.tp
+    flops = tokens * transformer_flops_per_token(n_params, cfg.n_layers, cfg.dim, cfg.seq_len)
+
+    step_times, losses = [], []
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        with mon.step(step + 1, tokens=tokens, flops=flops):
+            batch = next(batches).to(dev)
+            mon.mark("data")
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1))
+            mon.mark("forward")
+            loss.backward()
+            mon.mark("backward")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mon.mark("optimizer")
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+        step_times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
+            log.info("step %d loss %.4f step_time %.4fs", step + 1, losses[-1], step_times[-1])
+        if ckpt and ckpt.due(step + 1):
+            with mon.activity("checkpoint"):
+                ckpt.save(step + 1, model, opt, extra={"world_size": world, "dp": dims.dp})
+
+    if args.metrics_out:
+        _write_metrics(args.metrics_out, rank, start, step_times, losses)
+    mon.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
+                   losses: list[float]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    fr = {}
+    try:
+        fr = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True))
+    except Exception as exc:  # noqa: BLE001 - diagnostics only
+        log.warning("no Flight Recorder dump: %s", exc)
+    with open(out / f"rank{rank}.json", "w") as f:
+        json.dump({"rank": rank, "start": start, "step_times": step_times, "losses": losses,
+                   "flight_recorder": fr.get("entries", [])}, f)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    PHASE_TRAIN: _ClassVar[Phase]
+    PHASE_EVAL: _ClassVar[Phase]
+    PHASE_CHECKPOINT: _ClassVar[Phase]
+    PHASE_IDLE: _ClassVar[Phase]
+PHASE_UNSPECIFIED: Phase
+PHASE_TRAIN: Phase
+PHASE_EVAL: Phase
+PHASE_CHECKPOINT: Phase
+PHASE_IDLE: Phase
+
+class Hello(_message.Message):
+    __slots__ = ("rank", "local_rank", "world_size", "node_id", "pid", "backend", "device", "mesh_coords", "mesh_shape", "job_id", "peak_flops", "op_names")
+    class MeshCoordsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MeshShapeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MESH_COORDS_FIELD_NUMBER: _ClassVar[int]
+    MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PEAK_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    OP_NAMES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    local_rank: int
+    world_size: int
+    node_id: str
+    pid: int
+    backend: str
+    device: str
+    mesh_coords: _containers.ScalarMap[str, int]
+    mesh_shape: _containers.ScalarMap[str, int]
+    job_id: str
+    peak_flops: float
+    op_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ..., job_id: _Optional[str] = ..., peak_flops: _Optional[float] = ..., op_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StepColumns(_message.Message):
+    __slots__ = ("step", "start", "duration", "data", "forward", "backward", "optimizer", "tokens", "flops")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    DURATION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_FIELD_NUMBER: _ClassVar[int]
+    step: _containers.RepeatedScalarFieldContainer[int]
+    start: _containers.RepeatedScalarFieldContainer[float]
+    duration: _containers.RepeatedScalarFieldContainer[float]
+    data: _containers.RepeatedScalarFieldContainer[float]
+    forward: _containers.RepeatedScalarFieldContainer[float]
+    backward: _containers.RepeatedScalarFieldContainer[float]
+    optimizer: _containers.RepeatedScalarFieldContainer[float]
+    tokens: _containers.RepeatedScalarFieldContainer[float]
+    flops: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step: _Optional[_Iterable[int]] = ..., start: _Optional[_Iterable[float]] = ..., duration: _Optional[_Iterable[float]] = ..., data: _Optional[_Iterable[float]] = ..., forward: _Optional[_Iterable[float]] = ..., backward: _Optional[_Iterable[float]] = ..., optimizer: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[float]] = ..., flops: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class CollectiveColumns(_message.Message):
+    __slots__ = ("op", "pg", "seq", "start", "duration", "nbytes")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PG_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    DURATION_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    op: bytes
+    pg: bytes
+    seq: bytes
+    start: bytes
+    duration: bytes
+    nbytes: bytes
+    def __init__(self, op: _Optional[bytes] = ..., pg: _Optional[bytes] = ..., seq: _Optional[bytes] = ..., start: _Optional[bytes] = ..., duration: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("step", "step_started_at", "phase", "last_collective_seq", "sampled_at")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    LAST_COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_AT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    step_started_at: float
+    phase: Phase
+    last_collective_seq: int
+    sampled_at: float
+    def __init__(self, step: _Optional[int] = ..., step_started_at: _Optional[float] = ..., phase: _Optional[_Union[Phase, str]] = ..., last_collective_seq: _Optional[int] = ..., sampled_at: _Optional[float] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    dropped_total: int
+    progress: Progress
+    steps: StepColumns
+    collectives: CollectiveColumns
+    def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ...) -> None: ...
+
+class ReportMessage(_message.Message):
+    __slots__ = ("hello", "batch")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    batch: Batch
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+
+class ReportSummary(_message.Message):
+    __slots__ = ("batches_accepted", "batches_rejected")
+    BATCHES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    batches_accepted: int
+    batches_rejected: int
+    def __init__(self, batches_accepted: _Optional[int] = ..., batches_rejected: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("rank", "node", "pid", "step", "step_seconds", "state", "phase_seconds", "mesh_coords", "backend", "collectives", "last_collective_seq", "dropped", "last_seen", "connected", "tokens_per_second")
+    class PhaseSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MeshCoordsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MESH_COORDS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    LAST_COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node: str
+    pid: int
+    step: int
+    step_seconds: float
+    state: str
+    phase_seconds: _containers.ScalarMap[str, float]
+    mesh_coords: _containers.ScalarMap[str, int]
+    backend: str
+    collectives: int
+    last_collective_seq: int
+    dropped: int
+    last_seen: float
+    connected: bool
+    tokens_per_second: float
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., state: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., last_collective_seq: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+
+class Incident(_message.Message):
+    __slots__ = ("kind", "node", "rank", "step", "detected_at", "detail_json", "id")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_AT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_JSON_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    node: str
+    rank: int
+    step: int
+    detected_at: float
+    detail_json: str
+    id: str
+    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_at: _Optional[float] = ..., detail_json: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    INCIDENTS_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    MFU_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    started_at: float
+    metrics_port: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    incidents: _containers.RepeatedCompositeFieldContainer[Incident]
+    goodput: float
+    records_received: int
+    messages_rejected: int
+    tokens_per_second: float
+    mfu: float
+    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ...) -> None: ...

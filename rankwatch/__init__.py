@@ -1,0 +1,8 @@
+"""rankwatch: observability and fault tolerance for distributed PyTorch training.
+
+``rankwatch.hooks`` runs inside training ranks (needs torch), ``rankwatch.agent``
+runs on every node (no torch), and ``rankwatch.proto`` is the wire between them.
+"""
+
+__version__ = "0.1.0"
+__all__ = ["__version__"]
