@@ -1,0 +1,109 @@
+"""Shared fixtures: real agents in subprocesses or threads, real torchrun jobs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from rankwatch.agent.address import Address
+from rankwatch.agent.client import AgentUnreachable, fetch_status
+
+
+class AgentProcess:
+    """``rankwatch agent`` in a subprocess, on a socket in the test's tmp dir."""
+
+    def __init__(self, sock: Path, node: str = "n0", log: Path | None = None) -> None:
+        self.sock, self.node = sock, node
+        self.addr = Address(path=str(sock))
+        self.log = log or sock.with_suffix(".log")
+        self.proc: subprocess.Popen | None = None
+        self.metrics_port = 0
+
+    def start(self, timeout: float = 15.0) -> AgentProcess:
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--listen", str(self.sock),
+                 "--metrics-port", "0", "--metrics-addr", "127.0.0.1", "--node-id", self.node],
+                stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"agent died: {self.log.read_text()}"
+            try:
+                self.metrics_port = fetch_status(self.addr, timedelta(seconds=1))["metrics_port"]
+                return self
+            except AgentUnreachable:
+                time.sleep(0.1)
+        raise TimeoutError("agent did not come up")
+
+    def status(self) -> dict:
+        return fetch_status(self.addr)
+
+    def metrics(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def agent_proc(tmp_path: Path) -> Iterator[AgentProcess]:
+    agent = AgentProcess(tmp_path / "agent.sock").start()
+    yield agent
+    agent.stop()
+
+
+def torchrun(nproc: int, *train_args: str, agent: Address | None = None, env: dict | None = None,
+             log: Path | None = None) -> subprocess.Popen:
+    """Start the harness under a real torchrun (standalone rendezvous, free port)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if agent is not None:
+        full_env["RANKWATCH_AGENT"] = str(agent)
+    out = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         "-m", "rankwatch.hooks.train", *train_args],
+        env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
+    """Prometheus text into ``{(name, labels): value}`` using prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out

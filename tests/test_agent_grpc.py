@@ -1,0 +1,139 @@
+"""A real agent (in a thread, real gRPC on a Unix socket) and the real rank client."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from datetime import timedelta
+
+import pytest
+
+from conftest import wait_for
+from rankwatch.agent.address import Address
+from rankwatch.agent.client import AgentUnreachable, fetch_status
+from rankwatch.agent.server import Agent, AgentConfig
+from rankwatch.hooks.client import AgentClient
+from rankwatch.hooks.recorder import OPS, Recorder
+from rankwatch.proto import pb
+
+
+@pytest.fixture
+def agent(tmp_path):
+    a = Agent(AgentConfig(node_id="n0", listen=[Address(path=str(tmp_path / "a.sock"))],
+                          metrics_port=0, metrics_addr="127.0.0.1"))
+    a.start()
+    yield a
+    a.stop(timedelta(seconds=0.5))
+
+
+def make_client(addr, rank=0, world=2, pid=None, **kw):
+    rec = Recorder(capacity=kw.pop("capacity", 1 << 17))
+    hello = pb.Hello(rank=rank, world_size=world, pid=pid or os.getpid(), node_id="n0",
+                     backend="gloo", op_names=list(OPS))
+    client = AgentClient(rec, hello, addr, flush_interval=timedelta(milliseconds=20), **kw)
+    return rec, client
+
+
+def feed(rec: Recorder, n: int, op: int = 0) -> None:
+    t = time.perf_counter_ns()
+    for i in range(n):
+        rec.collective(op, 0, i, t, t + 1000, 128)
+
+
+def test_records_reach_agent_and_status(agent):
+    addr = agent.config.listen[0]
+    rec, client = make_client(addr)
+    client.start()
+    try:
+        feed(rec, 5000, op=1)
+        with rec.step_scope(1, tokens=64):
+            rec.mark("data")
+            rec.mark("forward")
+        wait_for(lambda: agent.state.records["collective"] == 5000 and agent.state.records["step"] == 1,
+                 10, what="records at the agent")
+        status = fetch_status(addr)
+        (r,) = status["ranks"]
+        assert {"rank", "node", "pid", "step", "step_seconds", "state"} <= r.keys()
+        assert r["rank"] == 0 and r["pid"] == os.getpid() and r["step"] == 1 and r["state"] == "ok"
+        assert r["collectives"] == 5000
+        assert status["incidents"] == []
+    finally:
+        client.close()
+    wait_for(lambda: not agent.state.ranks[0].connected, 5, what="clean goodbye")
+    assert agent.state.ranks[0].state == "ok"
+
+
+def test_socket_is_private(agent):
+    mode = stat.S_IMODE(os.stat(agent.config.listen[0].path).st_mode)
+    assert mode == 0o600
+
+
+def test_second_agent_on_same_socket_refused(agent):
+    other = Agent(AgentConfig(node_id="n1", listen=agent.config.listen, metrics_port=None))
+    with pytest.raises(RuntimeError, match="already listening"):
+        other.start()
+
+
+def test_no_agent_then_agent_arrives_reports_drops(tmp_path):
+    addr = Address(path=str(tmp_path / "late.sock"))
+    rec, client = make_client(addr, queue_batches=2, max_batch=100)
+    client.start()
+    try:
+        t0 = time.perf_counter()
+        feed(rec, 2000)  # nobody listening: the training side must not notice
+        assert time.perf_counter() - t0 < 0.5
+        wait_for(lambda: client.dropped_total > 0, 5, what="drops while away")
+        late = Agent(AgentConfig(node_id="n0", listen=[addr], metrics_port=None))
+        late.start()
+        try:
+            wait_for(lambda: 0 in late.state.ranks, 10, what="reconnect")
+            feed(rec, 10)
+            # Every record is either delivered or counted as dropped, and the agent knows the count.
+            wait_for(lambda: late.state.records["collective"] + late.state.ranks[0].dropped == 2010,
+                     10, what="delivered + dropped == issued")
+            assert late.state.ranks[0].dropped == client.dropped_total > 0
+        finally:
+            late.stop(timedelta(seconds=0.2))
+    finally:
+        client.close(timedelta(seconds=0.2))
+
+
+def test_deque_overflow_is_counted(tmp_path):
+    addr = Address(path=str(tmp_path / "none.sock"))
+    rec, client = make_client(addr, capacity=100)
+    feed(rec, 1000)  # 900 discarded by the bounded deque before any drain
+    client._flush_once()
+    assert client.dropped_total == 900
+
+
+def test_duplicate_rank_refused_first_keeps_streaming(agent):
+    addr = agent.config.listen[0]
+    rec1, c1 = make_client(addr, rank=1)
+    c1.start()
+    try:
+        wait_for(lambda: 1 in agent.state.ranks, 5)
+        rec2, c2 = make_client(addr, rank=1, pid=os.getppid())  # a different, live process
+        c2.start()
+        wait_for(lambda: agent.state.rejected.get("duplicate_rank", 0) >= 1, 5, what="refusal")
+        c2.close(timedelta(seconds=0.2))
+        feed(rec1, 50)
+        wait_for(lambda: agent.state.ranks[1].collective_counts.sum() == 50, 5)
+        assert agent.state.ranks[1].pid == os.getpid()
+    finally:
+        c1.close()
+
+
+def test_status_without_agent_is_clear_error(tmp_path):
+    with pytest.raises(AgentUnreachable, match="no agent at"):
+        fetch_status(Address(path=str(tmp_path / "nobody.sock")), timedelta(milliseconds=300))
+
+
+def test_stop_removes_socket(tmp_path):
+    path = tmp_path / "s.sock"
+    a = Agent(AgentConfig(node_id="n0", listen=[Address(path=str(path))], metrics_port=0,
+                          metrics_addr="127.0.0.1"))
+    a.start()
+    assert path.exists()
+    a.stop(timedelta(seconds=0.1))
+    assert not path.exists() and a.wait(timedelta(seconds=1))
