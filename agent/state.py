@@ -143,13 +143,16 @@ class NodeState:
             op_map = np.array([_OP_INDEX.get(name, _OP_INDEX["other"]) for name in msg.op_names]
                               or [_OP_INDEX["other"]], dtype=np.int64)
             state = RankState(
-                rank=msg.rank, node=msg.node_id or self.node_id, pid=msg.pid,
+                rank=msg.rank, node=self.node_id, pid=msg.pid,
                 local_rank=msg.local_rank, world_size=msg.world_size, backend=msg.backend,
                 device=msg.device, job_id=msg.job_id, peak_flops=msg.peak_flops,
                 mesh_coords=dict(msg.mesh_coords), mesh_shape=dict(msg.mesh_shape),
                 op_map=op_map, stream=self._next_stream, last_seen=self.clock())
             self.ranks[msg.rank] = state
             log.info("rank %d (pid %d, %s) connected", msg.rank, msg.pid, msg.backend)
+            if msg.node_id and msg.node_id != self.node_id:
+                log.warning("rank %d calls its node %r; this agent is node %r (set RANKWATCH_NODE_ID)",
+                            msg.rank, msg.node_id, self.node_id)
             return state
 
     def goodbye(self, rank: RankState, clean: bool) -> None:

@@ -21,6 +21,7 @@ import queue
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -39,6 +40,9 @@ _RECONNECT_MIN = timedelta(milliseconds=100)
 _RECONNECT_MAX = timedelta(seconds=2)
 _CONNECT_TIMEOUT = timedelta(seconds=1)
 _IDLE_PROGRESS = timedelta(milliseconds=500)
+# Records sent this recently before a stream broke may never have been taken
+# (and a dead agent lost whatever it took): they are counted as dropped.
+_IN_FLIGHT = timedelta(seconds=1)
 
 
 class AgentClient:
@@ -71,6 +75,8 @@ class AgentClient:
         self._max_index = -1       # highest record index seen
         self._overflow = 0         # records the deque discarded
         self._dropped_batches_records = 0
+        self._lost_in_flight = 0
+        self._yielded: deque[tuple[float, int]] = deque(maxlen=1024)  # (monotonic, records)
         self.connected = threading.Event()
         self.streams_opened = 0
         self._threads: list[threading.Thread] = []
@@ -94,7 +100,7 @@ class AgentClient:
 
     @property
     def dropped_total(self) -> int:
-        return self._overflow + self._dropped_batches_records
+        return self._overflow + self._dropped_batches_records + self._lost_in_flight
 
     # -- flusher ------------------------------------------------------------
     def _flush_loop(self) -> None:
@@ -201,6 +207,7 @@ class AgentClient:
                                 self._address)
                     warned = True
             except grpc.RpcError as exc:
+                self._count_in_flight()
                 log.warning("rankwatch: agent stream ended: %s", _describe(exc))
             except Exception:  # noqa: BLE001
                 log.exception("rankwatch: sender error")
@@ -210,7 +217,13 @@ class AgentClient:
             self._stop.wait(delay * (0.5 + random.random()))
             delay = min(delay * 2, _RECONNECT_MAX.total_seconds())
 
+    def _count_in_flight(self) -> None:
+        horizon = time.monotonic() - _IN_FLIGHT.total_seconds()
+        self._lost_in_flight += sum(n for t, n in self._yielded if t >= horizon)
+        self._yielded.clear()
+
     def _requests(self) -> Iterator[pb.ReportMessage]:
+        self._yielded.clear()
         yield pb.ReportMessage(hello=self._hello)
         while not self._stop.is_set():
             try:
@@ -218,7 +231,12 @@ class AgentClient:
             except queue.Empty:
                 continue
             batch.dropped_total = max(batch.dropped_total, self.dropped_total)
+            self._yielded.append((time.monotonic(), _records_in(batch)))
             yield pb.ReportMessage(batch=batch)
+
+
+def _records_in(batch: pb.Batch) -> int:
+    return len(batch.collectives.op) + len(batch.steps.step)
 
 
 def _drain(dq: object, limit: int) -> list[tuple]:

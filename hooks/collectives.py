@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -142,16 +143,25 @@ class CollectiveInstrumentation:
             self.pgs.append(pg)
         return code
 
+    def _patch_everywhere(self, original: Callable, wrapper: Callable) -> None:
+        """Replace ``original`` in every loaded torch.distributed module that holds it.
+
+        Modules that imported a verb by name (DTensor's ``_collective_utils``
+        does ``from distributed_c10d import scatter``) hold their own reference.
+        """
+        for modname, module in list(sys.modules.items()):
+            if module is None or not modname.startswith("torch.distributed"):
+                continue
+            for attr, value in list(vars(module).items()):
+                if value is original:
+                    self._patch(module, attr, wrapper)
+
     def _wrap_dist(self, dist: Any) -> None:
         c10d = dist.distributed_c10d
         for fname, op in _DIST_OPS.items():
             fn = getattr(c10d, fname, None)
-            if fn is None:
-                continue
-            wrapper = self._dist_wrapper(fn, OP_CODE[op], c10d)
-            self._patch(c10d, fname, wrapper)
-            if getattr(dist, fname, None) is fn:
-                self._patch(dist, fname, wrapper)
+            if fn is not None:
+                self._patch_everywhere(fn, self._dist_wrapper(fn, OP_CODE[op], c10d))
 
     def _dist_wrapper(self, fn: Callable, op: int, c10d: Any) -> Callable:
         params = list(inspect.signature(fn).parameters)
@@ -191,7 +201,7 @@ class CollectiveInstrumentation:
         for fname, op in _FUNCOL_OPS.items():
             fn = getattr(funcol, fname, None)
             if fn is not None:
-                self._patch(funcol, fname, self._funcol_wrapper(fn, OP_CODE[op], act_cls))
+                self._patch_everywhere(fn, self._funcol_wrapper(fn, OP_CODE[op], act_cls))
 
         # DTensor waits with .wait(), other uses with .trigger_wait(): time both.
         for method in ("trigger_wait", "wait"):

@@ -147,7 +147,7 @@ def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
     except Exception as exc:  # noqa: BLE001 - diagnostics only
         log.warning("no Flight Recorder dump: %s", exc)
     with open(out / f"rank{rank}.json", "w") as f:
-        json.dump({"rank": rank, "start": start, "step_times": step_times, "losses": losses,
+        json.dump({"rank": rank, "pid": os.getpid(), "start": start, "step_times": step_times, "losses": losses,
                    "flight_recorder": fr.get("entries", [])}, f)
 
 
