@@ -1,0 +1,92 @@
+"""The rankwatch CLI: contracts, clear errors, and a torch-free agent side."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import wait_for
+
+RW = [sys.executable, "-m", "rankwatch.agent.cli"]
+
+
+def rw(*args, **kw):
+    return subprocess.run([*RW, *args], capture_output=True, text=True, timeout=60, **kw)
+
+
+def test_agent_side_imports_no_torch():
+    code = ("import sys, rankwatch.agent.cli, rankwatch.agent.server, rankwatch.agent.client, "
+            "rankwatch.hooks; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_status_without_agent_fails_clearly(tmp_path):
+    r = rw("status", "--agent", str(tmp_path / "none.sock"), "--json")
+    assert r.returncode == 1 and "no agent at" in r.stderr
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["status", "--agent", "host:notaport"], "neither a socket path"),
+    (["agent", "--metrics-port", "99999"], "out of range"),
+    (["nosuchcommand"], "invalid choice"),
+])
+def test_bad_arguments(args, msg):
+    r = rw(*args)
+    assert r.returncode == 2 and msg in r.stderr
+
+
+def test_run_needs_torchrun_args():
+    r = rw("run")
+    assert r.returncode == 2 and "after --" in r.stderr
+
+
+def test_status_uses_env_then_default(tmp_path, agent_proc):
+    import os
+
+    env = {**os.environ, "RANKWATCH_AGENT": str(agent_proc.addr)}
+    r = rw("status", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    status = json.loads(r.stdout)
+    assert status["node"] == "n0" and status["ranks"] == [] and status["incidents"] == []
+    assert "goodput" in status
+    r = rw("status", env=env)  # the table
+    assert r.returncode == 0 and "rankwatch" in r.stdout
+
+
+def test_diagnose_and_checkpoint_are_honest(agent_proc):
+    r = rw("diagnose", "--agent", str(agent_proc.addr))
+    assert r.returncode == 0 and "no incidents" in r.stdout
+    r = rw("diagnose", "--agent", str(agent_proc.addr), "nosuch")
+    assert r.returncode == 1
+    r = rw("checkpoint", "--agent", str(agent_proc.addr))
+    assert r.returncode == 2 and "not available" in r.stderr
+
+
+@pytest.mark.e2e
+def test_run_starts_a_local_agent(tmp_path):
+    from rankwatch.agent.address import Address
+    from rankwatch.agent.client import AgentUnreachable, fetch_status
+
+    sock = tmp_path / "auto.sock"
+    proc = subprocess.Popen([*RW, "run", "--agent", str(sock), "--node-id", "nx", "--",
+                             "--standalone", "--nproc-per-node", "2", "-m", "rankwatch.hooks.train",
+                             "--steps", "60", "--log-every", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def seen():
+        try:
+            s = fetch_status(Address(path=str(sock)))
+        except AgentUnreachable:
+            return None
+        return s if len(s["ranks"]) == 2 and all(r["step"] > 0 for r in s["ranks"]) else None
+
+    status = wait_for(seen, 120, what="ranks at the auto-started agent")
+    assert status["node"] == "nx" and {r["node"] for r in status["ranks"]} == {"nx"}
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-2000:]
+    time.sleep(0.2)
+    assert not sock.exists(), "the local agent was not stopped with the job"
