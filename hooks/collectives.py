@@ -7,10 +7,12 @@ Two sources, one record format (:meth:`Recorder.collective`):
   ``torch.distributed`` and ``distributed_c10d`` (so ``all_gather_object``'s
   inner ``all_gather`` counts).  Only primitives are wrapped; aliases such as
   ``all_gather_into_tensor`` delegate to a wrapped primitive and count once.
-  A collective is timed from issue to completion: a sync call to its return,
-  an async one to its ``Work`` future's callback, which runs on the backend's
-  thread.  DTensor's functional collectives are timed from issue to the first
-  wait on their ``AsyncCollectiveTensor``.
+  A collective is timed from issue to completion as the issuing thread sees
+  it: a sync call to its return, an async one to the return of its
+  ``Work.wait()``, and DTensor's functional collectives to the first wait on
+  their ``AsyncCollectiveTensor``.  (A ``Work`` future callback would give the
+  backend thread's view, but it costs ~30 us per collective in GIL hand-offs
+  and its timestamp waits for the GIL anyway.)
 * **NCCL completion hooks**: with ``TORCH_NCCL_ENABLE_TIMING=1``,
   ``ProcessGroup._register_on_completion_hook`` reports each collective's
   GPU-measured duration, funcols included; the wrappers then stand down.
@@ -98,6 +100,8 @@ class CollectiveInstrumentation:
         self.errors = 0
         self.source = "none"
         self._pending: dict[int, tuple[int, int, int]] = {}  # funcol results not yet waited
+        self._default_pg: Any = None
+        self._pending_work: dict[int, tuple[int, int, int, int, int]] = {}  # async Works
 
     # -- public -----------------------------------------------------------
     def install(self) -> str:
@@ -118,6 +122,7 @@ class CollectiveInstrumentation:
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
         self._saved.clear()
+        self._default_pg = None
         self.source = "none"
 
     def last_seq(self) -> int:
@@ -162,6 +167,35 @@ class CollectiveInstrumentation:
             fn = getattr(c10d, fname, None)
             if fn is not None:
                 self._patch_everywhere(fn, self._dist_wrapper(fn, OP_CODE[op], c10d))
+        self._wrap_work_wait(dist.Work)
+
+    def _find_default(self, c10d: Any) -> Any:
+        self._default_pg = c10d._get_default_group()
+        return self._default_pg
+
+    def _track(self, pending: dict, key: int, value: tuple) -> None:
+        if len(pending) > _MAX_PENDING:  # issued and never waited on
+            self.errors += len(pending)
+            pending.clear()
+        pending[key] = value
+
+    def _wrap_work_wait(self, work_cls: type) -> None:
+        rec = self._rec
+        clock = time.perf_counter_ns
+        pending = self._pending_work
+        wait = work_cls.wait
+
+        @functools.wraps(wait)
+        def timed_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            out = wait(work, *args, **kwargs)
+            if pending:
+                p = pending.pop(id(work), None)
+                if p is not None:
+                    op, pgc, seq, t0, nbytes = p
+                    rec.collective(op, pgc, seq, t0, clock(), nbytes)
+            return out
+
+        self._patch(work_cls, "wait", timed_wait)
 
     def _dist_wrapper(self, fn: Callable, op: int, c10d: Any) -> Callable:
         params = list(inspect.signature(fn).parameters)
@@ -177,15 +211,14 @@ class CollectiveInstrumentation:
                 group = kwargs.get("group")
                 if group is None and g_index is not None and len(args) > g_index:
                     group = args[g_index]
-                pg = group if group is not None else c10d._get_default_group()
+                pg = group if group is not None else (self._default_pg or self._find_default(c10d))
                 seq = pg._get_sequence_number_for_group()
                 pgc = self._pg_code(pg)
                 nbytes = _nbytes(args[0] if args else kwargs.get("tensor"))
-                if work is None or not hasattr(work, "get_future"):
+                if work is None:
                     rec.collective(op, pgc, seq, t0, clock(), nbytes)
                 else:
-                    work.get_future().add_done_callback(
-                        lambda _f: rec.collective(op, pgc, seq, t0, clock(), nbytes))
+                    self._track(self._pending_work, id(work), (op, pgc, seq, t0, nbytes))
             except Exception:  # noqa: BLE001 - never raise into training
                 self.errors += 1
             return work
@@ -234,10 +267,7 @@ class CollectiveInstrumentation:
                 nbytes = _nbytes(args[0] if args else None)
                 if isinstance(out, act_cls) and not out.completed:
                     # Keyed by storage: views of the result (new ACTs) share it.
-                    if len(self._pending) > _MAX_PENDING:  # results nobody waited on
-                        self.errors += len(self._pending)
-                        self._pending.clear()
-                    self._pending[_storage_key(out)] = (op, t0, nbytes)
+                    self._track(self._pending, _storage_key(out), (op, t0, nbytes))
                 else:  # already waited (tracing, or a view that forced the wait)
                     rec.collective(op, 0, -1, t0, clock(), nbytes)
             except Exception:  # noqa: BLE001 - never raise into training
