@@ -5,23 +5,26 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rich import box
 from rich.table import Table
 
 __all__ = ["rank_table", "timeline"]
 
 
 def rank_table(status: dict[str, Any], title: str | None = None) -> Table:
-    t = Table(title=title or f"rankwatch — node {status['node']}", title_justify="left")
-    for col in ("rank", "node", "pid", "mesh", "step", "step s", "data", "fwd", "bwd", "opt",
-                "colls", "dropped", "state"):
-        t.add_column(col, justify="right" if col not in ("node", "mesh", "state") else "left")
+    t = Table(title=title or f"rankwatch — node {status['node']}", title_justify="left",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("rank", "node", "pid", "mesh", "step", "step ms", "data", "fwd", "bwd", "opt",
+                "colls", "drop", "state"):
+        t.add_column(col, justify="right" if col not in ("node", "mesh", "state") else "left",
+                     no_wrap=True)
     for r in status["ranks"]:
         ph = r["phase_seconds"]
         state = r["state"] if r["connected"] else f"{r['state']} (gone)"
         t.add_row(str(r["rank"]), r["node"], str(r["pid"]),
-                  ",".join(f"{k}{v}" for k, v in sorted(r["mesh"].items())), str(r["step"]),
-                  f"{r['step_seconds']:.3f}", *(f"{ph.get(p, 0.0):.3f}" for p in
-                                                 ("data", "forward", "backward", "optimizer")),
+                  " ".join(f"{k}{v}" for k, v in sorted(r["mesh"].items())), str(r["step"]),
+                  f"{r['step_seconds'] * 1e3:.1f}", *(f"{ph.get(p, 0.0) * 1e3:.1f}" for p in
+                                                     ("data", "forward", "backward", "optimizer")),
                   str(r["collectives"]), str(r["dropped"]),
                   "[green]ok[/]" if state == "ok" else f"[red]{state}[/]")
     caption = f"tokens/s {status['tokens_per_second']:.0f}"

@@ -106,8 +106,12 @@ class AgentClient:
     def _flush_loop(self) -> None:
         last = time.monotonic()
         idle_every = _IDLE_PROGRESS.total_seconds()
+        # Each wake-up takes the GIL from the training thread, so wake once per
+        # interval while records trickle in, and 8x per interval only while a
+        # full batch is building up (to honour "size or time, whichever first").
         while not self._stop.is_set():
-            time.sleep(min(0.01, self._interval))
+            filling = len(self._rec.collectives) >= self._max_batch // 8
+            time.sleep(self._interval / 8 if filling else self._interval)
             now = time.monotonic()
             due = now - last >= self._interval
             if len(self._rec.collectives) >= self._max_batch or (due and self._has_records()):

@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-out", type=Path, default=None,
                    help="write this rank's step times, losses and Flight Recorder dump here")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--ab-block", type=int, default=0,
+                   help="benchmarks: alternate blocks of N steps with rankwatch on and off")
     args = p.parse_args(argv)
     if args.steps < 0:
         p.error("--steps must be >= 0")
@@ -106,23 +108,26 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.batch_size * cfg.seq_len / dims.tp
     flops = tokens * transformer_flops_per_token(n_params, cfg.n_layers, cfg.dim, cfg.seq_len)
 
-    step_times, losses = [], []
+    step_times, losses, arms = [], [], []
+    ab = _ABSwitch(mon, args.ab_block)
     for step in range(start, args.steps):
+        m = ab.monitor_for(step - start)
         t0 = time.perf_counter()
-        with mon.step(step + 1, tokens=tokens, flops=flops):
+        with m.step(step + 1, tokens=tokens, flops=flops):
             batch = next(batches).to(dev)
-            mon.mark("data")
+            m.mark("data")
             logits = model(batch[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1))
-            mon.mark("forward")
+            m.mark("forward")
             loss.backward()
-            mon.mark("backward")
+            m.mark("backward")
             opt.step()
             opt.zero_grad(set_to_none=True)
-            mon.mark("optimizer")
+            m.mark("optimizer")
             if args.step_sleep:
                 time.sleep(args.step_sleep)
         step_times.append(time.perf_counter() - t0)
+        arms.append(ab.on)
         losses.append(loss.item())
         if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
             log.info("step %d loss %.4f step_time %.4fs", step + 1, losses[-1], step_times[-1])
@@ -131,15 +136,43 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt.save(step + 1, model, opt, extra={"world_size": world, "dp": dims.dp})
 
     if args.metrics_out:
-        _write_metrics(args.metrics_out, rank, start, step_times, losses)
+        _write_metrics(args.metrics_out, rank, start, step_times, losses, arms)
     mon.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
+class _ABSwitch:
+    """For overhead benchmarks: blocks of steps alternate with rankwatch on and off.
+
+    Both arms run in one job, so they see the same machine; the off arm also
+    removes the collective timers.  With ``block == 0`` it is always on.
+    """
+
+    def __init__(self, mon: object, block: int) -> None:
+        self._mon, self._block = mon, block
+        self._null = _monitor.NullMonitor()
+        self.on = True
+        # A/A control: label the arms but never switch, to show the noise floor.
+        self._control = os.environ.get("RANKWATCH_AB_CONTROL", "") not in ("", "0")
+
+    def monitor_for(self, i: int) -> object:
+        if self._block <= 0 or not isinstance(self._mon, _monitor.Monitor):
+            return self._mon
+        on = (i // self._block) % 2 == 0
+        if self._control:
+            self.on = on
+            return self._mon
+        if on != self.on:
+            instr = self._mon._instr
+            instr.install() if on else instr.uninstall()
+            self.on = on
+        return self._mon if on else self._null
+
+
 def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
-                   losses: list[float]) -> None:
+                   losses: list[float], arms: list[bool]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fr = {}
     try:
@@ -147,7 +180,7 @@ def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
     except Exception as exc:  # noqa: BLE001 - diagnostics only
         log.warning("no Flight Recorder dump: %s", exc)
     with open(out / f"rank{rank}.json", "w") as f:
-        json.dump({"rank": rank, "pid": os.getpid(), "start": start, "step_times": step_times, "losses": losses,
+        json.dump({"rank": rank, "pid": os.getpid(), "start": start, "step_times": step_times, "losses": losses, "rankwatch_on": arms,
                    "flight_recorder": fr.get("entries", [])}, f)
 
 

@@ -1,0 +1,138 @@
+"""Step-time overhead of full instrumentation, and of losing the agent mid-run.
+
+    python benchmarks/overhead.py [--pairs 6] [--steps 80]
+
+The harness job (default 4 ranks, dp2 x tp2, gloo, CPU; ``--nproc``/``--tp``) runs in interleaved pairs:
+rankwatch on (streaming to a live agent) and off (``--no-rankwatch``).  Each
+run's figure is the median of its step times after a warm-up; the result is
+the median over pairs of the on/off ratio.  Then, in the same way, runs whose
+agent is SIGKILLed a third of the way through (and restarted 2 s later)
+against undisturbed ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import AgentProcess, torchrun  # noqa: E402
+
+WARMUP = 10
+
+
+SHAPE = {"nproc": 4, "tp": 2}
+
+
+def run(tmp: Path, name: str, steps: int, agent: AgentProcess | None, *extra: str,
+        during=None) -> float:
+    out = tmp / name
+    job = torchrun(SHAPE["nproc"], "--steps", str(steps), "--tp", str(SHAPE["tp"]),
+                   "--metrics-out", str(out),
+                   "--log-every", "0", *extra, agent=agent.addr if agent else None,
+                   log=tmp / f"{name}.log")
+    if during:
+        during()
+    if job.wait(600) != 0:
+        raise RuntimeError((tmp / f"{name}.log").read_text()[-2000:])
+    medians = [statistics.median(json.loads((out / f"rank{r}.json").read_text())["step_times"][WARMUP:])
+               for r in range(SHAPE["nproc"])]
+    return statistics.median(medians)
+
+
+def ab_job(tmp: Path, agent: AgentProcess, steps: int, block: int = 10, control: bool = False) -> None:
+    """One job whose steps alternate in blocks between rankwatch on and off.
+
+    With ``control``, the blocks are labelled the same way but rankwatch stays
+    on throughout (an A/A test): its spread is the method's noise floor.
+    """
+    out = tmp / ("aa" if control else "ab")
+    job = torchrun(SHAPE["nproc"], "--steps", str(steps), "--tp", str(SHAPE["tp"]),
+                   "--metrics-out", str(out), "--log-every", "0", "--ab-block", str(block),
+                   agent=agent.addr, log=tmp / "ab.log",
+                   env={"RANKWATCH_AB_CONTROL": "1"} if control else None)
+    if job.wait(900) != 0:
+        raise RuntimeError((tmp / "ab.log").read_text()[-2000:])
+    ratios = []
+    for r in range(SHAPE["nproc"]):
+        d = json.loads((out / f"rank{r}.json").read_text())
+        times, arms = d["step_times"], d["rankwatch_on"]
+        blocks = [(arms[i], statistics.median(times[i + 1:i + block]))  # skip each block's 1st step
+                  for i in range(block * 2, len(times) - block + 1, block)]
+        ratios += [on / off for (a, on), (b, off) in zip(blocks[::2], blocks[1::2]) if a and not b]
+    print(f"| in-job {'A/A control' if control else 'A/B'}, blocks of {block} steps | ratio on/off {statistics.median(ratios):.4f} "
+          f"(median of {len(ratios)} block pairs over {SHAPE['nproc']} ranks; "
+          f"IQR {_q(ratios, 0.25):.3f}-{_q(ratios, 0.75):.3f}) |", flush=True)
+
+
+def _q(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[int(q * (len(xs) - 1))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--skip-failopen", action="store_true")
+    ap.add_argument("--ab-steps", type=int, default=600,
+                    help="steps of the in-job A/B run (blocks of 10 on, 10 off)")
+    args = ap.parse_args()
+    SHAPE.update(nproc=args.nproc, tp=args.tp)
+    print(f"job: {args.nproc} ranks, tp {args.tp}, {args.steps} steps")
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        agent = AgentProcess(tmp / "agent.sock").start()
+        for _ in range(2):
+            ab_job(tmp, agent, args.ab_steps, control=True)
+            ab_job(tmp, agent, args.ab_steps)
+        ratios, on_t, off_t = [], [], []
+        for i in range(args.pairs):
+            a, b = (("on", "off") if i % 2 == 0 else ("off", "on"))  # alternate the order too
+            t = {k: run(tmp, f"{k}{i}", args.steps, agent if k == "on" else None,
+                        *(() if k == "on" else ("--no-rankwatch",))) for k in (a, b)}
+            on_t.append(t["on"])
+            off_t.append(t["off"])
+            ratios.append(t["on"] / t["off"])
+            print(f"pair {i}: on {t['on'] * 1e3:.2f} ms, off {t['off'] * 1e3:.2f} ms, "
+                  f"ratio {ratios[-1]:.4f}", flush=True)
+        if not ratios:
+            return
+        print(f"| instrumentation on/off | median step {statistics.median(on_t) * 1e3:.2f} ms vs "
+              f"{statistics.median(off_t) * 1e3:.2f} ms | ratio {statistics.median(ratios):.4f} "
+              f"(median of {args.pairs} pairs) |")
+
+        def kill_and_restart(tag: str):
+            def during():
+                time.sleep(3 + args.steps * 0.03)
+                agent.kill()
+                time.sleep(2)
+                agent.log = tmp / f"agent-{tag}.log"
+                agent.start()
+            return during
+
+        if args.skip_failopen:
+            agent.stop()
+            return
+        fo = []
+        for i in range(max(3, args.pairs // 2)):
+            calm = run(tmp, f"calm{i}", args.steps, agent)
+            hit = run(tmp, f"hit{i}", args.steps, agent, during=kill_and_restart(str(i)))
+            fo.append(hit / calm)
+            print(f"fail-open pair {i}: agent killed {hit * 1e3:.2f} ms, undisturbed "
+                  f"{calm * 1e3:.2f} ms, ratio {fo[-1]:.4f}", flush=True)
+        print(f"| agent SIGKILLed mid-run / undisturbed | ratio {statistics.median(fo):.4f} "
+              f"(median of {len(fo)} pairs) |")
+        agent.stop()
+
+
+if __name__ == "__main__":
+    main()
