@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rankwatch import __version__
 from rankwatch.agent.address import Address, node_id, resolve
@@ -30,6 +32,16 @@ def _address(text: str) -> Address:
         return Address.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
 
 
 def _port(text: str) -> int:
@@ -57,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP port of /metrics (0 picks a free one; default 9478)")
     a.add_argument("--metrics-addr", default="0.0.0.0", help="interface of /metrics")
     a.add_argument("--node-id", default=None, help="default: $RANKWATCH_NODE_ID, then the host name")
+    a.add_argument("--state-dir", type=Path, default=None,
+                   help="keep incidents here (default /tmp/rankwatch-<uid>/<node-id>)")
+    a.add_argument("--hang-floor", type=_positive, default=5.0, metavar="SECONDS",
+                   help="shortest stall called a hang (default 5)")
 
     r = sub.add_parser("run", help="run torchrun with rankwatch wired in",
                        usage="rankwatch run [--agent ADDR] [--node-id ID] -- <torchrun args>")
@@ -94,9 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _cmd_agent(args: argparse.Namespace) -> int:
     from rankwatch.agent.server import Agent, AgentConfig
 
+    from rankwatch.agent.hang import HangConfig
+
     listen = args.listen or [resolve(None)]
-    agent = Agent(AgentConfig(node_id=node_id(args.node_id), listen=listen,
-                              metrics_port=args.metrics_port, metrics_addr=args.metrics_addr))
+    node = node_id(args.node_id)
+    state_dir = args.state_dir or Path(f"/tmp/rankwatch-{os.getuid()}") / node
+    agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=args.metrics_port,
+                              metrics_addr=args.metrics_addr, state_dir=state_dir,
+                              hang=HangConfig(floor_seconds=args.hang_floor)))
     try:
         agent.start()
     except (RuntimeError, OSError) as exc:

@@ -15,13 +15,16 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from rankwatch.agent.address import Address
+from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang
 from rankwatch.agent.host import HostCollector
+from rankwatch.agent.incidents import IncidentLog
 from rankwatch.agent.metrics import NodeCollector
 from rankwatch.agent.state import NodeState, Rejected
 from rankwatch.proto import pb
@@ -41,16 +44,21 @@ class AgentConfig:
         listen: addresses to serve gRPC on; Unix sockets get mode 0600.
         metrics_port: HTTP port for ``/metrics``; 0 picks a free one, None disables.
         metrics_addr: interface for ``/metrics``.
+        state_dir: where incidents are kept (``incidents.jsonl``); None keeps them in memory.
+        hang: hang-detection thresholds.
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
-                 metrics_addr: str = "0.0.0.0") -> None:
+                 metrics_addr: str = "0.0.0.0", state_dir: Path | None = None,
+                 hang: HangConfig | None = None) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
             raise ValueError(f"AgentConfig.metrics_port {metrics_port} out of range")
         self.node_id, self.listen = node_id, listen
         self.metrics_port, self.metrics_addr = metrics_port, metrics_addr
+        self.state_dir = state_dir
+        self.hang = hang or HangConfig()
 
 
 class Agent:
@@ -59,6 +67,10 @@ class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.state = NodeState(config.node_id)
+        self.incidents = IncidentLog(config.state_dir / "incidents.jsonl" if config.state_dir else None)
+        self.state.incidents = self.incidents.items
+        self._open_hang: dict | None = None
+        self._detector: threading.Thread | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(self.state))
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
@@ -92,10 +104,15 @@ class Agent:
             self._http, _ = start_http_server(self.config.metrics_port, self.config.metrics_addr,
                                               registry=self.registry)
             self.metrics_port = self._http.server_port
+        self._detector = threading.Thread(target=self._detect_loop, name="rankwatch-detect", daemon=True)
+        self._detector.start()
         log.info("agent %s serving gRPC on %s, /metrics on port %s", self.config.node_id,
                  ", ".join(map(str, self.config.listen)), self.metrics_port)
 
     def stop(self, grace: timedelta = timedelta(seconds=1)) -> None:
+        self._stopped.set()
+        if self._detector is not None:
+            self._detector.join(2)
         if self._grpc is not None:
             self._grpc.stop(grace.total_seconds()).wait()
             self._grpc = None
@@ -194,8 +211,76 @@ class Agent:
                 step=inc["step"], detected_at=inc["detected_at"], detail_json=json.dumps(inc["detail"])))
         return resp
 
+    # -- detection ------------------------------------------------------------
+    def _detect_loop(self) -> None:
+        while not self._stopped.wait(0.25):
+            try:
+                self.check_hang(self.state.clock())
+            except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
+                log.exception("hang detector error")
+
+    def check_hang(self, now: float) -> dict | None:
+        """Run the hang detector once; record a ``hang`` incident per stall."""
+        st = self.state
+        with st.lock:
+            ranks = list(st.ranks.values())
+            views = [RankProgress(
+                rank=r.rank, node=r.node, step=r.step, step_seconds=r.step_seconds,
+                steps_completed=r.steps_completed, activity=r.activity, progress_at=r.progress_at,
+                last_seen=r.last_seen, connected=r.connected, exited_cleanly=r.exited_cleanly,
+                group_seqs=dict(r.group_seqs), inflight=r.inflight, stacks=r.stacks) for r in ranks]
+        verdict = detect_hang(now, views, self.config.hang)
+        if verdict is None:
+            if self._open_hang is not None:
+                log.info("progress resumed after hang %s", self._open_hang["id"])
+                with st.lock:
+                    for r in ranks:
+                        if r.state == "hung":
+                            r.state = "ok"
+                self._open_hang = None
+            return None
+        if self._open_hang is not None:
+            return None
+        culprit = next(r for r in ranks if r.rank == verdict.culprit.rank)
+        alive, stopped = _process_state(culprit.pid)
+        fresh = culprit.stacks if culprit.stacks and now - culprit.stacks_at < 10 else None
+        detail = {
+            "collective": verdict.collective, "alive": alive, "stopped": stopped,
+            "stacks": fresh, "reason": verdict.reason, "pid": culprit.pid,
+            "stalled_seconds": round(verdict.stalled_for, 3),
+            "allowance_seconds": round(verdict.allowance, 3), "silent_ranks": verdict.silent,
+            "inflight": culprit.inflight,
+        }
+        if fresh is None:
+            detail["stacks_note"] = ("the process is stopped (SIGSTOP): its threads cannot run"
+                                     if stopped else "no stacks: the rank's sender thread is silent"
+                                     if verdict.culprit.rank in verdict.silent else
+                                     "the step had not yet run long enough for stacks")
+        with st.lock:
+            culprit.state = "hung"
+        self._open_hang = self.incidents.add(kind="hang", node=culprit.node, rank=culprit.rank,
+                                             step=culprit.step, detected_at=now, detail=detail)
+        log.warning("HANG: rank %d (pid %d, %s) %s; stalled %.1fs (allowance %.1fs); "
+                    "others wait in %s", culprit.rank, culprit.pid,
+                    "stopped" if stopped else "alive" if alive else "gone", verdict.reason,
+                    verdict.stalled_for, verdict.allowance, verdict.collective)
+        return self._open_hang
+
     def _rank_pids(self) -> dict[int, int]:
         return {r.rank: r.pid for r in self.state.snapshot() if r.connected}
+
+
+def _process_state(pid: int) -> tuple[bool, bool]:
+    """(alive, stopped) of a local process."""
+    import psutil
+
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        return False, False
+    if status == psutil.STATUS_ZOMBIE:
+        return False, False
+    return True, status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 
 def _prepare_socket_path(path: str) -> None:

@@ -39,6 +39,7 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_OP_NAMES = 64
 MAX_LABEL_LEN = 128
 STEP_WINDOW = 32
+MAX_STACKS = 256 << 10
 _ACTIVITY = {1: "train", 2: "eval", 3: "checkpoint", 4: "idle"}
 
 
@@ -80,6 +81,12 @@ class RankState:
     last_phases: dict[str, float] = field(default_factory=dict)
     collective_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(OPS), np.int64))
     state: str = "ok"
+    steps_completed: int = 0
+    progress_at: float = 0.0                # agent clock: last time step or a sequence moved
+    group_seqs: dict[str, int] = field(default_factory=dict)
+    inflight: dict | None = None
+    stacks: str | None = None
+    stacks_at: float = 0.0
 
     @property
     def step_seconds(self) -> float:
@@ -118,7 +125,7 @@ class NodeState:
         self.flops_total = 0.0
         self.records = {"collective": 0, "step": 0}
         self.rejected: dict[str, int] = {}
-        self.incidents: list[dict] = []
+        self.incidents: list[dict] = []  # replaced by the agent's IncidentLog items
         self._next_stream = 0
         self._last_log: dict[str, float] = {}
 
@@ -147,7 +154,8 @@ class NodeState:
                 local_rank=msg.local_rank, world_size=msg.world_size, backend=msg.backend,
                 device=msg.device, job_id=msg.job_id, peak_flops=msg.peak_flops,
                 mesh_coords=dict(msg.mesh_coords), mesh_shape=dict(msg.mesh_shape),
-                op_map=op_map, stream=self._next_stream, last_seen=self.clock())
+                op_map=op_map, stream=self._next_stream, last_seen=self.clock(),
+                progress_at=self.clock())
             self.ranks[msg.rank] = state
             log.info("rank %d (pid %d, %s) connected", msg.rank, msg.pid, msg.backend)
             if msg.node_id and msg.node_id != self.node_id:
@@ -189,13 +197,26 @@ class NodeState:
                 n += self._apply_collectives(rank, coll)
             if steps is not None:
                 n += self._apply_steps(rank, steps)
+            before = (rank.step, rank.last_collective_seq, rank.steps_completed)
             if batch.HasField("progress"):
-                p = batch.progress
-                rank.activity = _ACTIVITY.get(p.phase, "train")
-                rank.step_started_at = p.step_started_at
-                rank.step = max(rank.step, p.step)
-                rank.last_collective_seq = max(rank.last_collective_seq, p.last_collective_seq)
+                self._apply_progress(rank, batch.progress)
+            if (rank.step, rank.last_collective_seq, rank.steps_completed) != before:
+                rank.progress_at = rank.last_seen
             return n
+
+    def _apply_progress(self, rank: RankState, p: pb.Progress) -> None:
+        rank.activity = _ACTIVITY.get(p.phase, "train")
+        rank.step_started_at = p.step_started_at
+        rank.step = max(rank.step, p.step)
+        rank.last_collective_seq = max(rank.last_collective_seq, p.last_collective_seq)
+        for group, seq in p.group_seqs.items():
+            if seq > rank.group_seqs.get(group, -1):
+                rank.group_seqs[group] = seq
+                rank.progress_at = rank.last_seen
+        rank.inflight = ({"op": p.inflight.op, "group": p.inflight.group, "seq": p.inflight.seq,
+                          "since": p.inflight.since} if p.HasField("inflight") else None)
+        if p.stacks:
+            rank.stacks, rank.stacks_at = p.stacks, rank.last_seen
 
     def _apply_collectives(self, rank: RankState, cols: dict[str, np.ndarray]) -> int:
         ops = rank.op_map[cols["op"]]
@@ -212,6 +233,7 @@ class NodeState:
 
     def _apply_steps(self, rank: RankState, s: pb.StepColumns) -> int:
         n = len(s.step)
+        rank.steps_completed += n
         for i in range(n):
             rank.step_durations.append(s.duration[i])
             rank.step_tokens.append(s.tokens[i])
@@ -325,8 +347,13 @@ def _check_steps(s: pb.StepColumns) -> pb.StepColumns:
 
 
 def _check_progress(p: pb.Progress) -> None:
-    if not (math.isfinite(p.step_started_at) and math.isfinite(p.sampled_at)):
+    if not (math.isfinite(p.step_started_at) and math.isfinite(p.sampled_at)
+            and math.isfinite(p.inflight.since)):
         raise Rejected("invalid_value", "progress time is NaN or infinite")
+    if len(p.group_seqs) > 256 or len(p.stacks) > MAX_STACKS:
+        raise Rejected("oversized", "too many groups or too long stacks in progress")
+    for name in list(p.group_seqs) + [p.inflight.op, p.inflight.group]:
+        _check_label(name, "a group or op name")
     if p.step_started_at < 0 or p.step < -1:
         raise Rejected("invalid_value", "negative progress")
 

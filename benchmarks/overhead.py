@@ -91,47 +91,52 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         agent = AgentProcess(tmp / "agent.sock").start()
-        for _ in range(2):
-            ab_job(tmp, agent, args.ab_steps, control=True)
-            ab_job(tmp, agent, args.ab_steps)
-        ratios, on_t, off_t = [], [], []
-        for i in range(args.pairs):
-            a, b = (("on", "off") if i % 2 == 0 else ("off", "on"))  # alternate the order too
-            t = {k: run(tmp, f"{k}{i}", args.steps, agent if k == "on" else None,
-                        *(() if k == "on" else ("--no-rankwatch",))) for k in (a, b)}
-            on_t.append(t["on"])
-            off_t.append(t["off"])
-            ratios.append(t["on"] / t["off"])
-            print(f"pair {i}: on {t['on'] * 1e3:.2f} ms, off {t['off'] * 1e3:.2f} ms, "
-                  f"ratio {ratios[-1]:.4f}", flush=True)
-        if not ratios:
-            return
-        print(f"| instrumentation on/off | median step {statistics.median(on_t) * 1e3:.2f} ms vs "
-              f"{statistics.median(off_t) * 1e3:.2f} ms | ratio {statistics.median(ratios):.4f} "
-              f"(median of {args.pairs} pairs) |")
-
-        def kill_and_restart(tag: str):
-            def during():
-                time.sleep(3 + args.steps * 0.03)
-                agent.kill()
-                time.sleep(2)
-                agent.log = tmp / f"agent-{tag}.log"
-                agent.start()
-            return during
-
-        if args.skip_failopen:
+        try:
+            _main(tmp, agent, args)
+        finally:
             agent.stop()
-            return
-        fo = []
-        for i in range(max(3, args.pairs // 2)):
-            calm = run(tmp, f"calm{i}", args.steps, agent)
-            hit = run(tmp, f"hit{i}", args.steps, agent, during=kill_and_restart(str(i)))
-            fo.append(hit / calm)
-            print(f"fail-open pair {i}: agent killed {hit * 1e3:.2f} ms, undisturbed "
-                  f"{calm * 1e3:.2f} ms, ratio {fo[-1]:.4f}", flush=True)
-        print(f"| agent SIGKILLed mid-run / undisturbed | ratio {statistics.median(fo):.4f} "
-              f"(median of {len(fo)} pairs) |")
-        agent.stop()
+
+
+def _main(tmp: Path, agent: AgentProcess, args: argparse.Namespace) -> None:
+    for _ in range(2):
+        ab_job(tmp, agent, args.ab_steps, control=True)
+        ab_job(tmp, agent, args.ab_steps)
+    ratios, on_t, off_t = [], [], []
+    for i in range(args.pairs):
+        a, b = (("on", "off") if i % 2 == 0 else ("off", "on"))  # alternate the order too
+        t = {k: run(tmp, f"{k}{i}", args.steps, agent if k == "on" else None,
+                    *(() if k == "on" else ("--no-rankwatch",))) for k in (a, b)}
+        on_t.append(t["on"])
+        off_t.append(t["off"])
+        ratios.append(t["on"] / t["off"])
+        print(f"pair {i}: on {t['on'] * 1e3:.2f} ms, off {t['off'] * 1e3:.2f} ms, "
+              f"ratio {ratios[-1]:.4f}", flush=True)
+    if not ratios:
+        return
+    print(f"| instrumentation on/off | median step {statistics.median(on_t) * 1e3:.2f} ms vs "
+          f"{statistics.median(off_t) * 1e3:.2f} ms | ratio {statistics.median(ratios):.4f} "
+          f"(median of {args.pairs} pairs) |")
+
+    def kill_and_restart(tag: str):
+        def during():
+            time.sleep(3 + args.steps * 0.03)
+            agent.kill()
+            time.sleep(2)
+            agent.log = tmp / f"agent-{tag}.log"
+            agent.start()
+        return during
+
+    if args.skip_failopen:
+        return
+    fo = []
+    for i in range(max(3, args.pairs // 2)):
+        calm = run(tmp, f"calm{i}", args.steps, agent)
+        hit = run(tmp, f"hit{i}", args.steps, agent, during=kill_and_restart(str(i)))
+        fo.append(hit / calm)
+        print(f"fail-open pair {i}: agent killed {hit * 1e3:.2f} ms, undisturbed "
+              f"{calm * 1e3:.2f} ms, ratio {fo[-1]:.4f}", flush=True)
+    print(f"| agent SIGKILLed mid-run / undisturbed | ratio {statistics.median(fo):.4f} "
+          f"(median of {len(fo)} pairs) |")
 
 
 if __name__ == "__main__":

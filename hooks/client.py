@@ -19,8 +19,10 @@ from __future__ import annotations
 import logging
 import queue
 import random
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -29,7 +31,7 @@ import grpc
 import numpy as np
 
 from rankwatch.agent.address import Address
-from rankwatch.hooks.recorder import Recorder
+from rankwatch.hooks.recorder import ACTIVITY_TRAIN, OPS, Recorder
 from rankwatch.proto import pb, pb_grpc
 
 __all__ = ["AgentClient"]
@@ -61,7 +63,8 @@ class AgentClient:
     def __init__(self, recorder: Recorder, hello: pb.Hello, address: Address, *,
                  flush_interval: timedelta = timedelta(milliseconds=100),
                  max_batch: int = 1024, queue_batches: int = 256,
-                 last_seq: Callable[[], int] = lambda: -1) -> None:
+                 last_seq: Callable[[], int] = lambda: -1,
+                 group_seqs: Callable[[], dict[str, int]] = dict) -> None:
         self._rec = recorder
         self._hello = hello
         self._address = address
@@ -69,6 +72,9 @@ class AgentClient:
         self._max_batch = max_batch
         self._queue: queue.Queue[pb.Batch] = queue.Queue(maxsize=queue_batches)
         self._last_seq = last_seq
+        self._group_seqs = group_seqs
+        self._recent_steps: deque[float] = deque(maxlen=32)
+        self._stacks_at = 0.0
         self._stop = threading.Event()
         self._batch_seq = 0
         self._drained = 0          # collective records taken from the deque
@@ -156,11 +162,38 @@ class AgentClient:
         if steps:
             n += len(steps)
             batch.steps.CopyFrom(self._step_columns(steps))
-        batch.progress.CopyFrom(pb.Progress(
-            step=rec.step, step_started_at=rec.to_unix(rec.step_started_ns) if rec.step >= 0 else 0.0,
-            phase=rec.activity, last_collective_seq=self._last_seq(), sampled_at=time.time()))
+        batch.progress.CopyFrom(self._progress())
         batch.dropped_total = self.dropped_total
         return batch, n
+
+    def _progress(self) -> pb.Progress:
+        rec = self._rec
+        p = pb.Progress(step=rec.step, phase=rec.activity, last_collective_seq=self._last_seq(),
+                        sampled_at=time.time(),
+                        step_started_at=rec.to_unix(rec.step_started_ns) if rec.step >= 0 else 0.0)
+        p.group_seqs.update(self._group_seqs())
+        inflight = rec.inflight
+        if inflight is not None:
+            op, pg, t0 = inflight
+            p.inflight.CopyFrom(pb.InFlight(
+                op=OPS[op] if 0 <= op < len(OPS) else "other", since=rec.to_unix(t0),
+                group=str(getattr(pg, "group_name", "")) if pg is not None else "",
+                seq=_seq_of(pg)))
+        if self._stuck(rec):
+            p.stacks = _all_stacks()
+        return p
+
+    def _stuck(self, rec: Recorder) -> bool:
+        """The current step has run far longer than usual: time to take stacks (every 2 s)."""
+        if rec.activity != ACTIVITY_TRAIN or rec.step < 0:
+            return False
+        usual = sorted(self._recent_steps)[len(self._recent_steps) // 2] if self._recent_steps else 1.0
+        running = (time.perf_counter_ns() - rec.step_started_ns) * 1e-9
+        now = time.monotonic()
+        if running > max(2.0, 4 * usual) and now - self._stacks_at >= 2.0:
+            self._stacks_at = now
+            return True
+        return False
 
     def _collective_columns(self, records: list[tuple]) -> pb.CollectiveColumns:
         arr = np.array(records, dtype=np.int64)
@@ -183,6 +216,7 @@ class AgentClient:
             cols.step.append(step)
             cols.start.append(rec.to_unix(t0))
             cols.duration.append((t1 - t0) * 1e-9)
+            self._recent_steps.append((t1 - t0) * 1e-9)
             cols.data.append(data * 1e-9)
             cols.forward.append(fwd * 1e-9)
             cols.backward.append(bwd * 1e-9)
@@ -237,6 +271,23 @@ class AgentClient:
             batch.dropped_total = max(batch.dropped_total, self.dropped_total)
             self._yielded.append((time.monotonic(), _records_in(batch)))
             yield pb.ReportMessage(batch=batch)
+
+
+def _seq_of(pg: object) -> int:
+    try:
+        return int(pg._get_sequence_number_for_group()) if pg is not None else -1  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001
+        return -1
+
+
+def _all_stacks(limit: int = 64 << 10) -> str:
+    """Every thread's Python stack, read from this (sender) thread."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"Thread {names.get(ident, '?')} ({ident}):\n"
+                     + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)[-limit:]
 
 
 def _records_in(batch: pb.Batch) -> int:

@@ -125,6 +125,16 @@ class CollectiveInstrumentation:
         self._default_pg = None
         self.source = "none"
 
+    def group_seqs(self) -> dict[str, int]:
+        """Sequence number of every group seen, by group name (sender thread)."""
+        out = {}
+        for pg in list(self.pgs):
+            try:
+                out[str(pg.group_name)] = int(pg._get_sequence_number_for_group())
+            except Exception:  # noqa: BLE001 - a destroyed group
+                continue
+        return out
+
     def last_seq(self) -> int:
         """Highest collective sequence number on the default group (sender thread)."""
         try:
@@ -185,14 +195,18 @@ class CollectiveInstrumentation:
         pending = self._pending_work
         wait = work_cls.wait
 
+        pgs = self.pgs
+
         @functools.wraps(wait)
         def timed_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            p = pending.pop(id(work), None) if pending else None
+            if p is None:
+                return wait(work, *args, **kwargs)
+            op, pgc, seq, t0, nbytes = p
+            rec.inflight = (op, pgs[pgc], t0)
             out = wait(work, *args, **kwargs)
-            if pending:
-                p = pending.pop(id(work), None)
-                if p is not None:
-                    op, pgc, seq, t0, nbytes = p
-                    rec.collective(op, pgc, seq, t0, clock(), nbytes)
+            rec.inflight = None
+            rec.collective(op, pgc, seq, t0, clock(), nbytes)
             return out
 
         self._patch(work_cls, "wait", timed_wait)
@@ -206,12 +220,19 @@ class CollectiveInstrumentation:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = clock()
-            work = fn(*args, **kwargs)
             try:
                 group = kwargs.get("group")
                 if group is None and g_index is not None and len(args) > g_index:
                     group = args[g_index]
                 pg = group if group is not None else (self._default_pg or self._find_default(c10d))
+            except Exception:  # noqa: BLE001 - the verb itself will report a bad call
+                return fn(*args, **kwargs)
+            rec.inflight = (op, pg, t0)
+            try:
+                work = fn(*args, **kwargs)
+            finally:
+                rec.inflight = None
+            try:
                 seq = pg._get_sequence_number_for_group()
                 pgc = self._pg_code(pg)
                 nbytes = _nbytes(args[0] if args else kwargs.get("tensor"))
@@ -247,10 +268,13 @@ class CollectiveInstrumentation:
         @functools.wraps(wait)
         def timed_wait(act: Any) -> Any:
             pending = self._pending.pop(_storage_key(act), None) if self._pending else None
+            if pending is None:
+                return wait(act)
+            op, t0, nbytes = pending
+            rec.inflight = (op, None, t0)
             out = wait(act)
-            if pending is not None:
-                op, t0, nbytes = pending
-                rec.collective(op, 0, -1, t0, clock(), nbytes)
+            rec.inflight = None
+            rec.collective(op, 0, -1, t0, clock(), nbytes)
             return out
 
         return timed_wait

@@ -134,7 +134,8 @@ def _init(mesh: Any, address: Address, node: str, peak_flops: float | None,
     if collectives:
         instr.install()
     hello = _hello(mesh, node, peak_flops, job_id)
-    client = AgentClient(recorder, hello, address, last_seq=instr.last_seq)
+    client = AgentClient(recorder, hello, address, last_seq=instr.last_seq,
+                         group_seqs=instr.group_seqs)
     client.start()
     monitor = Monitor(recorder, instr, client)
     atexit.register(monitor.close)

@@ -65,6 +65,9 @@ class Recorder:
         self.step = -1
         self.step_started_ns = 0
         self.activity = ACTIVITY_IDLE
+        # (op code, process group or None, issue ns) of the collective the
+        # training thread is blocked in, or None.
+        self.inflight: tuple | None = None
         # Clock anchors to turn monotonic ns into Unix seconds off the hot path.
         self.mono0_ns = time.perf_counter_ns()
         self.wall0 = time.time()

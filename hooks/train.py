@@ -60,12 +60,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-out", type=Path, default=None,
                    help="write this rank's step times, losses and Flight Recorder dump here")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--fault", type=_fault, action="append", default=[], metavar="KIND:RANK:STEP:SECONDS",
+                   help="inject a fault (tests, demo): sleep_forward (a rank stuck in Python "
+                        "inside forward) or slow_checkpoint (a long save, all ranks); repeatable")
     p.add_argument("--ab-block", type=int, default=0,
                    help="benchmarks: alternate blocks of N steps with rankwatch on and off")
     args = p.parse_args(argv)
     if args.steps < 0:
         p.error("--steps must be >= 0")
     return args
+
+
+_FAULT_KINDS = ("sleep_forward", "slow_checkpoint")
+
+
+def _fault(text: str) -> tuple[str, int, int, float]:
+    try:
+        kind, rank, step, seconds = text.split(":")
+        fault = (kind, int(rank), int(step), float(seconds))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--fault {text!r}: expected KIND:RANK:STEP:SECONDS") from None
+    if kind not in _FAULT_KINDS:
+        raise argparse.ArgumentTypeError(f"--fault kind {kind!r} not in {_FAULT_KINDS}")
+    return fault
+
+
+def _injected_sleep_in_forward(seconds: float) -> None:
+    """A rank stuck in Python: named so that its frame is recognisable in stacks."""
+    time.sleep(seconds)
+
+
+def _faults_at(faults: list, kind: str, rank: int, step: int) -> float:
+    return sum(s for k, r, st, s in faults if k == kind and st == step and r in (rank, -1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         with m.step(step + 1, tokens=tokens, flops=flops):
             batch = next(batches).to(dev)
             m.mark("data")
+            if stuck := _faults_at(args.fault, "sleep_forward", rank, step + 1):
+                _injected_sleep_in_forward(stuck)
             logits = model(batch[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1))
             m.mark("forward")
@@ -131,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(loss.item())
         if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
             log.info("step %d loss %.4f step_time %.4fs", step + 1, losses[-1], step_times[-1])
+        if slow := _faults_at(args.fault, "slow_checkpoint", rank, step + 1):
+            with mon.activity("checkpoint"):
+                time.sleep(slow)
+                dist.barrier()
         if ckpt and ckpt.due(step + 1):
             with mon.activity("checkpoint"):
                 ckpt.save(step + 1, model, opt, extra={"world_size": world, "dp": dims.dp})

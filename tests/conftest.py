@@ -20,8 +20,9 @@ from rankwatch.agent.client import AgentUnreachable, fetch_status
 class AgentProcess:
     """``rankwatch agent`` in a subprocess, on a socket in the test's tmp dir."""
 
-    def __init__(self, sock: Path, node: str = "n0", log: Path | None = None) -> None:
-        self.sock, self.node = sock, node
+    def __init__(self, sock: Path, node: str = "n0", log: Path | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
+        self.sock, self.node, self.extra = sock, node, extra
         self.addr = Address(path=str(sock))
         self.log = log or sock.with_suffix(".log")
         self.proc: subprocess.Popen | None = None
@@ -31,7 +32,8 @@ class AgentProcess:
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--listen", str(self.sock),
-                 "--metrics-port", "0", "--metrics-addr", "127.0.0.1", "--node-id", self.node],
+                 "--metrics-port", "0", "--metrics-addr", "127.0.0.1", "--node-id", self.node,
+                 "--state-dir", str(self.sock.parent / f"state-{self.node}"), *self.extra],
                 stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.e2e
 
 def test_agent_killed_mid_run(tmp_path):
     agent = AgentProcess(tmp_path / "agent.sock").start()
+    agent2 = AgentProcess(tmp_path / "agent.sock", log=tmp_path / "agent2.log")
     out = tmp_path / "out"
     job = torchrun(2, "--steps", "150", "--tp", "1", "--metrics-out", str(out), "--log-every", "0",
                    agent=agent.addr, log=tmp_path / "job.log")
@@ -25,7 +26,7 @@ def test_agent_killed_mid_run(tmp_path):
         killed_at = time.monotonic()
         time.sleep(1.5)
         assert job.poll() is None, "training died with the agent"
-        agent2 = AgentProcess(tmp_path / "agent.sock", log=tmp_path / "agent2.log").start()
+        agent2.start()
         restarted = time.monotonic()
 
         def resumed():
@@ -45,6 +46,7 @@ def test_agent_killed_mid_run(tmp_path):
         if job.poll() is None:
             job.kill()
         agent.stop()
+        agent2.stop()
     rank0 = json.loads((out / "rank0.json").read_text())
     assert len(rank0["step_times"]) == 150
     print(f"resumed {resumed_after:.2f}s after restart; outage {restarted - killed_at:.1f}s; "

@@ -101,18 +101,43 @@ class CollectiveColumns(_message.Message):
     def __init__(self, op: _Optional[bytes] = ..., pg: _Optional[bytes] = ..., seq: _Optional[bytes] = ..., start: _Optional[bytes] = ..., duration: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("step", "step_started_at", "phase", "last_collective_seq", "sampled_at")
+    __slots__ = ("step", "step_started_at", "phase", "last_collective_seq", "sampled_at", "inflight", "group_seqs", "stacks")
+    class GroupSeqsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     LAST_COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_AT_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SEQS_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     step_started_at: float
     phase: Phase
     last_collective_seq: int
     sampled_at: float
-    def __init__(self, step: _Optional[int] = ..., step_started_at: _Optional[float] = ..., phase: _Optional[_Union[Phase, str]] = ..., last_collective_seq: _Optional[int] = ..., sampled_at: _Optional[float] = ...) -> None: ...
+    inflight: InFlight
+    group_seqs: _containers.ScalarMap[str, int]
+    stacks: str
+    def __init__(self, step: _Optional[int] = ..., step_started_at: _Optional[float] = ..., phase: _Optional[_Union[Phase, str]] = ..., last_collective_seq: _Optional[int] = ..., sampled_at: _Optional[float] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., stacks: _Optional[str] = ...) -> None: ...
+
+class InFlight(_message.Message):
+    __slots__ = ("op", "group", "seq", "since")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    group: str
+    seq: int
+    since: float
+    def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., since: _Optional[float] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives")

@@ -1,0 +1,133 @@
+"""Hang detection: a pure function of the ranks' progress and a clock.
+
+Progress is a rank's step and collective sequence numbers moving, as seen by
+the agent; a heartbeat is not progress (a rank's sender thread keeps beating
+while its main thread is stuck).  The job is hung when no rank has made
+progress for longer than its allowance:
+
+* a multiple of the rank's median step time, never below a floor;
+* a longer allowance before the first step completes (warm-up), and while a
+  rank marks itself in ``checkpoint`` or ``eval``.
+
+Then the culprit is localised: a rank whose stream went silent (its whole
+process is stopped or gone), else the rank behind on a group's collective
+sequence numbers, else the rank stuck longest outside a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["HangConfig", "HangVerdict", "RankProgress", "detect_hang"]
+
+
+@dataclass(kw_only=True)
+class HangConfig:
+    floor_seconds: float = 5.0
+    """No allowance is shorter than this."""
+    step_multiple: float = 5.0
+    """Allowance in multiples of the rank's median step time."""
+    first_step_seconds: float = 120.0
+    """Allowance before a rank has completed a step (start-up, warm-up)."""
+    checkpoint_seconds: float = 600.0
+    """Allowance while a rank is in a checkpoint save."""
+    eval_seconds: float = 600.0
+    """Allowance while a rank is in evaluation."""
+    silence_seconds: float = 2.0
+    """A rank whose stream has sent nothing for this long is silent (stopped or gone)."""
+
+    def __post_init__(self) -> None:
+        for knob in ("floor_seconds", "step_multiple", "first_step_seconds", "checkpoint_seconds",
+                     "eval_seconds", "silence_seconds"):
+            if not getattr(self, knob) > 0:
+                raise ValueError(f"HangConfig.{knob} must be positive")
+
+    def allowance(self, r: RankProgress) -> float:
+        if r.activity == "checkpoint":
+            return self.checkpoint_seconds
+        if r.activity == "eval":
+            return self.eval_seconds
+        if r.steps_completed == 0:
+            return self.first_step_seconds
+        return max(self.floor_seconds, self.step_multiple * r.step_seconds)
+
+
+@dataclass(kw_only=True)
+class RankProgress:
+    rank: int
+    node: str
+    step: int
+    step_seconds: float
+    steps_completed: int
+    activity: str
+    progress_at: float          # agent clock: last time step or a sequence number moved
+    last_seen: float            # agent clock: last message
+    connected: bool
+    exited_cleanly: bool = False
+    group_seqs: dict[str, int] = field(default_factory=dict)
+    inflight: dict[str, Any] | None = None   # {op, group, seq, since}
+    stacks: str | None = None
+
+
+@dataclass(kw_only=True)
+class HangVerdict:
+    culprit: RankProgress
+    reason: str
+    stalled_for: float
+    allowance: float
+    collective: dict[str, Any] | None     # what the others wait in: {op, seq, group}
+    silent: list[int]
+
+
+def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangVerdict | None:
+    """Return a verdict if every live rank is stalled beyond its allowance, else None."""
+    live = [r for r in ranks if not r.exited_cleanly]
+    if not live:
+        return None
+    allowance = max(cfg.allowance(r) for r in live)
+    stalled_for = min(now - r.progress_at for r in live)
+    if stalled_for < allowance:
+        return None
+    silent = [r for r in live if not r.connected or now - r.last_seen > cfg.silence_seconds]
+    waiting = [r for r in live if r not in silent]
+    collective = _waited_collective(waiting)
+    if silent:
+        culprit = min(silent, key=lambda r: (r.last_seen, r.rank))
+        reason = "its stream went silent while the others wait"
+    else:
+        behind = _behind_on_sequence(live)
+        if behind is not None:
+            culprit, group = behind
+            reason = f"behind the others on collective sequence numbers of group {group}"
+        else:
+            outside = [r for r in live if r.inflight is None]
+            culprit = min(outside or live, key=lambda r: (r.progress_at, r.rank))
+            reason = ("stuck outside any collective while the others wait" if outside
+                      else "every rank is inside a collective; the longest stalled is named")
+    return HangVerdict(culprit=culprit, reason=reason, stalled_for=stalled_for, allowance=allowance,
+                       collective=collective, silent=[r.rank for r in silent])
+
+
+def _waited_collective(waiting: list[RankProgress]) -> dict[str, Any] | None:
+    inflight = [r.inflight for r in waiting if r.inflight]
+    if not inflight:
+        return None
+    # The collective most waiting ranks are blocked in.
+    keys = [(i["op"], i["group"], i["seq"]) for i in inflight]
+    op, group, seq = max(set(keys), key=keys.count)
+    return {"op": op, "group": group, "seq": seq}
+
+
+def _behind_on_sequence(ranks: list[RankProgress]) -> tuple[RankProgress, str] | None:
+    worst = None
+    for group in sorted({g for r in ranks for g in r.group_seqs}):
+        members = [r for r in ranks if group in r.group_seqs]
+        if len(members) < 2:
+            continue
+        top = max(r.group_seqs[group] for r in members)
+        for r in members:
+            gap = top - r.group_seqs[group]
+            if gap > 0 and (worst is None or gap > worst[0]):
+                worst = (gap, r, group)
+    return (worst[1], worst[2]) if worst else None

@@ -1,0 +1,87 @@
+"""Hangs in real torchrun jobs, injected from outside (SIGSTOP) or by the harness's fault flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import torchrun, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def hangs(agent):
+    return [i for i in agent.status()["incidents"] if i["kind"] == "hang"]
+
+
+def stop_job(job):
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(30)
+
+
+def ranks_running(agent, n, min_step):
+    ranks = agent.status()["ranks"]
+    return len(ranks) == n and min(r["step"] for r in ranks) >= min_step and ranks
+
+
+def test_sigstopped_worker_named_within_10s(agent_proc, tmp_path):
+    job = torchrun(2, "--steps", "5000", "--log-every", "0", agent=agent_proc.addr,
+                   log=tmp_path / "job.log")
+    try:
+        ranks = wait_for(lambda: ranks_running(agent_proc, 2, 10), 90, what="job running")
+        victim = next(r for r in ranks if r["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGSTOP)
+        t0 = time.monotonic()
+        (inc,) = wait_for(lambda: hangs(agent_proc), 15, interval=0.1, what="hang incident")
+        latency = time.monotonic() - t0
+        assert latency < 10.0, latency
+        assert inc["rank"] == 1 and inc["node"] == "n0"
+        d = inc["detail"]
+        assert d["alive"] is True and d["stopped"] is True and d["pid"] == victim["pid"]
+        assert d["stacks"] is None and "SIGSTOP" in d["stacks_note"]
+        assert {r["rank"]: r["state"] for r in agent_proc.status()["ranks"]}[1] == "hung"
+        # Kept on disk, and readable with diagnose.
+        on_disk = (agent_proc.sock.parent / "state-n0" / "incidents.jsonl").read_text()
+        assert json.loads(on_disk.splitlines()[-1])["id"] == inc["id"]
+        out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "diagnose", "--agent",
+                              str(agent_proc.addr), inc["id"]], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and json.loads(out.stdout)["rank"] == 1
+        os.kill(victim["pid"], signal.SIGCONT)
+        wait_for(lambda: all(r["state"] == "ok" for r in agent_proc.status()["ranks"]), 20,
+                 what="recovery after SIGCONT")
+        assert len(hangs(agent_proc)) == 1, "one incident per stall"
+        print(f"SIGSTOP hang detected after {latency:.2f}s")
+    finally:
+        stop_job(job)
+
+
+def test_rank_stuck_in_python_carries_its_stack(agent_proc, tmp_path):
+    job = torchrun(2, "--steps", "12", "--log-every", "0", "--fault", "sleep_forward:1:8:14",
+                   agent=agent_proc.addr, log=tmp_path / "job.log")
+    try:
+        (inc,) = wait_for(lambda: hangs(agent_proc), 90, interval=0.2, what="hang incident")
+        assert inc["rank"] == 1 and inc["detail"]["alive"] and not inc["detail"]["stopped"]
+        assert "_injected_sleep_in_forward" in (inc["detail"]["stacks"] or ""), inc["detail"]
+        # The other rank waits inside a collective on the data-parallel group.
+        assert inc["detail"]["collective"] is not None
+        assert job.wait(90) == 0
+    finally:
+        stop_job(job)
+
+
+def test_slow_checkpoint_and_warmup_are_not_hangs(agent_proc, tmp_path):
+    # Every rank spends 8 s (over the 5 s floor, ~100x a step) in a checkpoint save.
+    job = torchrun(2, "--steps", "12", "--log-every", "0", "--fault", "slow_checkpoint:-1:6:8",
+                   agent=agent_proc.addr, log=tmp_path / "job.log")
+    try:
+        assert job.wait(120) == 0, (tmp_path / "job.log").read_text()[-2000:]
+        assert agent_proc.status()["incidents"] == []
+    finally:
+        stop_job(job)

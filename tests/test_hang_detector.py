@@ -1,0 +1,76 @@
+"""The hang detector as a pure function: injected time, no sleeping."""
+
+import pytest
+
+from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang
+
+CFG = HangConfig(floor_seconds=5.0, step_multiple=5.0, first_step_seconds=60.0,
+                 checkpoint_seconds=300.0, silence_seconds=2.0)
+
+
+def rank(r, *, progress_at=0.0, last_seen=None, steps=10, step_s=0.1, activity="train",
+         seqs=None, inflight=None, connected=True):
+    return RankProgress(rank=r, node="n0", step=steps, step_seconds=step_s, steps_completed=steps,
+                        activity=activity, progress_at=progress_at,
+                        last_seen=last_seen if last_seen is not None else 100.0,
+                        connected=connected, group_seqs=seqs or {}, inflight=inflight)
+
+
+def test_no_hang_within_allowance():
+    assert detect_hang(4.9, [rank(0), rank(1)], CFG) is None
+
+
+def test_one_rank_progressing_means_no_hang():
+    assert detect_hang(100.0, [rank(0), rank(1, progress_at=99.0)], CFG) is None
+
+
+def test_allowance_scales_with_step_time():
+    slow = [rank(0, step_s=2.0), rank(1, step_s=2.0)]
+    assert detect_hang(9.0, slow, CFG) is None
+    assert detect_hang(10.5, slow, CFG) is not None
+
+
+def test_silent_rank_is_culprit_and_collective_named():
+    waiting = {"op": "all_gather", "group": "1", "seq": 42, "since": 0.0}
+    v = detect_hang(10.0, [rank(0, last_seen=10.0, inflight=waiting),
+                           rank(1, last_seen=1.0),
+                           rank(2, last_seen=10.0, inflight=waiting)], CFG)
+    assert v.culprit.rank == 1 and v.silent == [1]
+    assert v.collective == {"op": "all_gather", "group": "1", "seq": 42}
+
+
+def test_rank_behind_on_sequence_is_culprit():
+    v = detect_hang(10.0, [rank(0, last_seen=10, seqs={"g": 9}), rank(1, last_seen=10, seqs={"g": 8}),
+                           rank(2, last_seen=10, seqs={"g": 9})], CFG)
+    assert v.culprit.rank == 1 and "behind" in v.reason
+
+
+def test_rank_outside_collective_is_culprit():
+    inside = {"op": "all_reduce", "group": "0", "seq": 3, "since": 0.0}
+    v = detect_hang(10.0, [rank(0, last_seen=10, inflight=inside), rank(1, last_seen=10),
+                           rank(2, last_seen=10, inflight=inside)], CFG)
+    assert v.culprit.rank == 1 and "outside" in v.reason
+
+
+@pytest.mark.parametrize("activity,limit", [("checkpoint", 300.0), ("eval", 600.0)])
+def test_phase_allowances(activity, limit):
+    ranks = [rank(0, activity=activity, last_seen=limit), rank(1, last_seen=limit)]
+    assert detect_hang(limit - 1, ranks, CFG) is None
+    assert detect_hang(limit + 1, ranks, CFG) is not None
+
+
+def test_first_step_warmup_allowance():
+    ranks = [rank(0, steps=0, last_seen=50), rank(1, steps=0, last_seen=50)]
+    assert detect_hang(50.0, ranks, CFG) is None
+    assert detect_hang(61.0, ranks, CFG) is not None
+
+
+def test_clean_exits_are_not_hangs():
+    r = rank(0, connected=False)
+    r.exited_cleanly = True
+    assert detect_hang(1000.0, [r], CFG) is None
+
+
+def test_config_validates():
+    with pytest.raises(ValueError, match="floor_seconds"):
+        HangConfig(floor_seconds=0)
