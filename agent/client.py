@@ -53,7 +53,9 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
             "backend": r.backend, "collectives": r.collectives,
             "last_collective_seq": r.last_collective_seq, "dropped": r.dropped,
             "connected": r.connected, "last_seen": r.last_seen,
-            "tokens_per_second": r.tokens_per_second,
+            "tokens_per_second": r.tokens_per_second, "slowdown": r.slowdown,
+            "own_work_seconds": r.own_work_seconds,
+            "collective_wait_seconds": r.collective_wait_seconds,
         } for r in resp.ranks],
         "incidents": [{
             "id": i.id, "kind": i.kind, "node": i.node, "rank": i.rank, "step": i.step,

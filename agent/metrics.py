@@ -61,6 +61,12 @@ class NodeCollector:
         state = GaugeMetricFamily("rankwatch_rank_state", "1 for a rank's current state.",
                                   labels=lbl + ["state"])
         tps = GaugeMetricFamily("rankwatch_rank_tokens_per_second", "A rank's share of tokens/s.", labels=lbl)
+        slow = GaugeMetricFamily("rankwatch_rank_straggler_slowdown_ratio",
+                                 "A rank's own work over the other ranks' median (1 = even).", labels=lbl)
+        own = GaugeMetricFamily("rankwatch_rank_own_work_seconds",
+                                "Median per-step time a rank was not blocked in collectives.", labels=lbl)
+        wait = GaugeMetricFamily("rankwatch_rank_collective_wait_seconds",
+                                 "Median per-step time a rank was blocked in collectives.", labels=lbl)
         rinfo = InfoMetricFamily("rankwatch_rank", "A rank's process, backend and mesh coordinates.",
                                  labels=lbl)
         for r in ranks:
@@ -78,11 +84,14 @@ class NodeCollector:
             for name in STATES:
                 state.add_metric(key + [name], 1.0 if r.state == name else 0.0)
             tps.add_metric(key, r.tokens_per_second)
+            slow.add_metric(key, r.slowdown)
+            own.add_metric(key, r.own_work_seconds)
+            wait.add_metric(key, r.comm_wait_seconds)
             mesh = {d: str(r.mesh_coords[d]) for d in _MESH_DIMS if d in r.mesh_coords}
             rinfo.add_metric(key, {"pid": str(r.pid), "backend": r.backend, "device": r.device,
                                    "local_rank": str(r.local_rank), **mesh,
                                    "mesh": ",".join(f"{k}={v}" for k, v in sorted(r.mesh_coords.items()))})
-        yield from (step, secs, phase, seq, colls, dropped, conn, state, tps, rinfo)
+        yield from (step, secs, phase, seq, colls, dropped, conn, state, tps, slow, own, wait, rinfo)
         counts = GaugeMetricFamily("rankwatch_ranks", "This node's ranks by state.", labels=["node", "state"])
         for name in STATES:
             counts.add_metric([node, name], sum(1 for r in ranks if r.state == name))

@@ -27,6 +27,7 @@ from rankwatch.agent.host import HostCollector
 from rankwatch.agent.incidents import IncidentLog
 from rankwatch.agent.metrics import NodeCollector
 from rankwatch.agent.state import NodeState, Rejected
+from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, score
 from rankwatch.proto import pb
 
 __all__ = ["Agent", "AgentConfig"]
@@ -46,11 +47,12 @@ class AgentConfig:
         metrics_addr: interface for ``/metrics``.
         state_dir: where incidents are kept (``incidents.jsonl``); None keeps them in memory.
         hang: hang-detection thresholds.
+        straggler: straggler-detection thresholds.
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
                  metrics_addr: str = "0.0.0.0", state_dir: Path | None = None,
-                 hang: HangConfig | None = None) -> None:
+                 hang: HangConfig | None = None, straggler: StragglerConfig | None = None) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -59,6 +61,7 @@ class AgentConfig:
         self.metrics_port, self.metrics_addr = metrics_port, metrics_addr
         self.state_dir = state_dir
         self.hang = hang or HangConfig()
+        self.straggler = straggler or StragglerConfig()
 
 
 class Agent:
@@ -70,6 +73,8 @@ class Agent:
         self.incidents = IncidentLog(config.state_dir / "incidents.jsonl" if config.state_dir else None)
         self.state.incidents = self.incidents.items
         self._open_hang: dict | None = None
+        self._stragglers = StragglerDetector(config.straggler)
+        self._evaluated_steps = 0
         self._detector: threading.Thread | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(self.state))
@@ -79,9 +84,26 @@ class Agent:
         self.metrics_port: int | None = None
         self.tcp_ports: list[int] = []
         self._stopped = threading.Event()
+        self._owns_sockets = False
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
+        # /metrics first: once gRPC answers, Status must report the metrics port.
+        if self.config.metrics_port is not None:
+            self._http, _ = start_http_server(self.config.metrics_port, self.config.metrics_addr,
+                                              registry=self.registry)
+            self.metrics_port = self._http.server_port
+        try:
+            self._start_grpc()
+        except BaseException:
+            self.stop(timedelta(0))
+            raise
+        self._detector = threading.Thread(target=self._detect_loop, name="rankwatch-detect", daemon=True)
+        self._detector.start()
+        log.info("agent %s serving gRPC on %s, /metrics on port %s", self.config.node_id,
+                 ", ".join(map(str, self.config.listen)), self.metrics_port)
+
+    def _start_grpc(self) -> None:
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rankwatch-grpc"),
             maximum_concurrent_rpcs=_MAX_RPCS,
@@ -100,14 +122,7 @@ class Agent:
             if addr.is_unix:
                 os.chmod(addr.path, 0o600)  # type: ignore[arg-type]
         self._grpc = server
-        if self.config.metrics_port is not None:
-            self._http, _ = start_http_server(self.config.metrics_port, self.config.metrics_addr,
-                                              registry=self.registry)
-            self.metrics_port = self._http.server_port
-        self._detector = threading.Thread(target=self._detect_loop, name="rankwatch-detect", daemon=True)
-        self._detector.start()
-        log.info("agent %s serving gRPC on %s, /metrics on port %s", self.config.node_id,
-                 ", ".join(map(str, self.config.listen)), self.metrics_port)
+        self._owns_sockets = True
 
     def stop(self, grace: timedelta = timedelta(seconds=1)) -> None:
         self._stopped.set()
@@ -120,9 +135,11 @@ class Agent:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
-        for addr in self.config.listen:
-            if addr.is_unix and os.path.exists(addr.path):  # type: ignore[arg-type]
-                os.unlink(addr.path)  # type: ignore[arg-type]
+        if self._owns_sockets:
+            for addr in self.config.listen:
+                if addr.is_unix and os.path.exists(addr.path):  # type: ignore[arg-type]
+                    os.unlink(addr.path)  # type: ignore[arg-type]
+            self._owns_sockets = False
         self._stopped.set()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -202,7 +219,8 @@ class Agent:
                 backend=r.backend, collectives=int(r.collective_counts.sum()),
                 last_collective_seq=r.last_collective_seq, dropped=r.dropped,
                 last_seen=r.last_seen, connected=r.connected,
-                tokens_per_second=r.tokens_per_second))
+                tokens_per_second=r.tokens_per_second, slowdown=r.slowdown,
+                own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds))
         with st.lock:
             incidents = list(st.incidents)
         for inc in incidents:
@@ -216,8 +234,9 @@ class Agent:
         while not self._stopped.wait(0.25):
             try:
                 self.check_hang(self.state.clock())
+                self.check_stragglers(self.state.clock())
             except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
-                log.exception("hang detector error")
+                log.exception("detector error")
 
     def check_hang(self, now: float) -> dict | None:
         """Run the hang detector once; record a ``hang`` incident per stall."""
@@ -265,6 +284,45 @@ class Agent:
                     "stopped" if stopped else "alive" if alive else "gone", verdict.reason,
                     verdict.stalled_for, verdict.allowance, verdict.collective)
         return self._open_hang
+
+    def check_stragglers(self, now: float) -> list[dict]:
+        """Score the ranks once per completed step of the slowest; record incidents."""
+        st = self.state
+        with st.lock:
+            ranks = [r for r in st.ranks.values() if r.connected]
+            done = min((r.steps_completed for r in ranks), default=0)
+            if done <= self._evaluated_steps or len(ranks) < 2:
+                return []
+            self._evaluated_steps = done
+            work = [RankWork(rank=r.rank, node=r.node, step=r.step, own=list(r.own_work),
+                             data=list(r.data_wait), wait=list(r.comm_wait),
+                             step_seconds=r.step_seconds, completed=r.steps_completed) for r in ranks]
+        events = self._stragglers.update(work, done)
+        scores = {s.rank: s for s in score(work, self.config.straggler)}
+        made = []
+        with st.lock:
+            for r in ranks:
+                if r.rank in scores:
+                    r.slowdown = scores[r.rank].slowdown
+                flagged = r.rank in self._stragglers.flagged
+                if r.state in ("ok", "straggler"):
+                    r.state = "straggler" if flagged else "ok"
+        for ev in events:
+            s = ev.score
+            if ev.kind == "cleared":
+                log.info("rank %d is no longer a straggler (slowdown %.2f)", s.rank, s.slowdown)
+                continue
+            detail = {"cause": s.cause, "slowdown": round(s.slowdown, 4),
+                      "excess_seconds": round(s.excess_seconds, 6),
+                      "cost": {"speedup_if_removed": round(s.speedup, 4),
+                               "step_seconds": round(ev.work.step_seconds, 6)},
+                      "window_steps": self.config.straggler.window}
+            made.append(self.incidents.add(kind="straggler", node=ev.work.node, rank=s.rank,
+                                           step=ev.work.step, detected_at=now, detail=detail))
+            log.warning("STRAGGLER: rank %d at step %d, %.0f%% slower own work (%s); "
+                        "the job would step %.2fx faster without it", s.rank, ev.work.step,
+                        (s.slowdown - 1) * 100, s.cause, s.speedup)
+        return made
 
     def _rank_pids(self) -> dict[int, int]:
         return {r.rank: r.pid for r in self.state.snapshot() if r.connected}

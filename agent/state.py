@@ -39,6 +39,7 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_OP_NAMES = 64
 MAX_LABEL_LEN = 128
 STEP_WINDOW = 32
+WORK_WINDOW = 64
 MAX_STACKS = 256 << 10
 _ACTIVITY = {1: "train", 2: "eval", 3: "checkpoint", 4: "idle"}
 
@@ -78,6 +79,11 @@ class RankState:
     step_durations: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     step_tokens: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     step_flops: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    # Per step: the rank's own work (wall time not blocked in collectives),
+    # its data-loader wait, and its time blocked in collectives.
+    own_work: deque = field(default_factory=lambda: deque(maxlen=WORK_WINDOW))
+    data_wait: deque = field(default_factory=lambda: deque(maxlen=WORK_WINDOW))
+    comm_wait: deque = field(default_factory=lambda: deque(maxlen=WORK_WINDOW))
     last_phases: dict[str, float] = field(default_factory=dict)
     collective_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(OPS), np.int64))
     state: str = "ok"
@@ -87,10 +93,19 @@ class RankState:
     inflight: dict | None = None
     stacks: str | None = None
     stacks_at: float = 0.0
+    slowdown: float = 1.0                   # own work over the other ranks' median
 
     @property
     def step_seconds(self) -> float:
         return float(np.median(self.step_durations)) if self.step_durations else 0.0
+
+    @property
+    def own_work_seconds(self) -> float:
+        return float(np.median(self.own_work)) if self.own_work else 0.0
+
+    @property
+    def comm_wait_seconds(self) -> float:
+        return float(np.median(self.comm_wait)) if self.comm_wait else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -235,6 +250,10 @@ class NodeState:
         n = len(s.step)
         rank.steps_completed += n
         for i in range(n):
+            wait = s.wait[i] if s.wait else 0.0
+            rank.own_work.append(max(0.0, s.duration[i] - wait))
+            rank.data_wait.append(s.data[i])
+            rank.comm_wait.append(wait)
             rank.step_durations.append(s.duration[i])
             rank.step_tokens.append(s.tokens[i])
             rank.step_flops.append(s.flops[i])
@@ -336,8 +355,10 @@ def _check_steps(s: pb.StepColumns) -> pb.StepColumns:
     if n > MAX_RECORDS_PER_BATCH:
         raise Rejected("oversized", f"{n} step records in one batch")
     fields = (s.start, s.duration, s.data, s.forward, s.backward, s.optimizer, s.tokens, s.flops)
-    if any(len(f) != n for f in fields):
+    if any(len(f) != n for f in fields) or len(s.wait) not in (0, n):
         raise Rejected("malformed", "step columns of different lengths")
+    if s.wait and (not all(math.isfinite(w) and w >= 0 for w in s.wait)):
+        raise Rejected("invalid_value", "step wait is NaN, infinite or negative")
     if n == 0:
         raise Rejected("malformed", "empty step columns")
     arr = np.array(fields, dtype=np.float64)

@@ -212,7 +212,7 @@ class AgentClient:
     def _step_columns(self, steps: list[tuple]) -> pb.StepColumns:
         rec = self._rec
         cols = pb.StepColumns()
-        for step, t0, t1, data, fwd, bwd, opt, tokens, flops in steps:
+        for step, t0, t1, data, fwd, bwd, opt, tokens, flops, blocked in steps:
             cols.step.append(step)
             cols.start.append(rec.to_unix(t0))
             cols.duration.append((t1 - t0) * 1e-9)
@@ -223,6 +223,7 @@ class AgentClient:
             cols.optimizer.append(opt * 1e-9)
             cols.tokens.append(tokens)
             cols.flops.append(flops)
+            cols.wait.append(blocked * 1e-9)
         return cols
 
     # -- sender ---------------------------------------------------------------

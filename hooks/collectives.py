@@ -204,9 +204,12 @@ class CollectiveInstrumentation:
                 return wait(work, *args, **kwargs)
             op, pgc, seq, t0, nbytes = p
             rec.inflight = (op, pgs[pgc], t0)
+            tw = clock()
             out = wait(work, *args, **kwargs)
+            t1 = clock()
             rec.inflight = None
-            rec.collective(op, pgc, seq, t0, clock(), nbytes)
+            rec.blocked_ns += t1 - tw
+            rec.collective(op, pgc, seq, t0, t1, nbytes)
             return out
 
         self._patch(work_cls, "wait", timed_wait)
@@ -237,7 +240,9 @@ class CollectiveInstrumentation:
                 pgc = self._pg_code(pg)
                 nbytes = _nbytes(args[0] if args else kwargs.get("tensor"))
                 if work is None:
-                    rec.collective(op, pgc, seq, t0, clock(), nbytes)
+                    t1 = clock()
+                    rec.blocked_ns += t1 - t0
+                    rec.collective(op, pgc, seq, t0, t1, nbytes)
                 else:
                     self._track(self._pending_work, id(work), (op, pgc, seq, t0, nbytes))
             except Exception:  # noqa: BLE001 - never raise into training
@@ -272,9 +277,12 @@ class CollectiveInstrumentation:
                 return wait(act)
             op, t0, nbytes = pending
             rec.inflight = (op, None, t0)
+            tw = clock()
             out = wait(act)
+            t1 = clock()
             rec.inflight = None
-            rec.collective(op, 0, -1, t0, clock(), nbytes)
+            rec.blocked_ns += t1 - tw
+            rec.collective(op, 0, -1, t0, t1, nbytes)
             return out
 
         return timed_wait

@@ -73,6 +73,8 @@ class Recorder:
         self.wall0 = time.time()
         self._acc: dict[str, int] = {}
         self._last_ns = 0
+        # Nanoseconds the training thread spent blocked in collectives this step.
+        self.blocked_ns = 0
 
     # -- collectives ------------------------------------------------------
     def collective(self, op: int, pg: int, seq: int, t0_ns: int, t1_ns: int, nbytes: int) -> None:
@@ -87,6 +89,7 @@ class Recorder:
         self.activity = ACTIVITY_TRAIN
         self._acc = {}
         self._last_ns = now
+        self.blocked_ns = 0
 
     def mark(self, phase: str) -> None:
         """Close ``phase`` now: the time since the previous mark is charged to it."""
@@ -100,7 +103,7 @@ class Recorder:
         acc = self._acc
         self.steps.append((self.step, self.step_started_ns, now, acc.get("data", 0),
                            acc.get("forward", 0), acc.get("backward", 0),
-                           acc.get("optimizer", 0), tokens, flops))
+                           acc.get("optimizer", 0), tokens, flops, self.blocked_ns))
         self.activity = ACTIVITY_IDLE
 
     def step_scope(self, step: int, tokens: float = 0.0, flops: float = 0.0) -> StepScope:

@@ -62,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--fault", type=_fault, action="append", default=[], metavar="KIND:RANK:STEP:SECONDS",
                    help="inject a fault (tests, demo): sleep_forward (a rank stuck in Python "
-                        "inside forward) or slow_checkpoint (a long save, all ranks); repeatable")
+                        "inside forward for SECONDS), slow_checkpoint (a save of SECONDS), "
+                        "slow_compute / slow_data (from STEP on, the rank's forward / data "
+                        "loading takes SECONDS x its usual step time longer); RANK -1 is every rank")
     p.add_argument("--ab-block", type=int, default=0,
                    help="benchmarks: alternate blocks of N steps with rankwatch on and off")
     args = p.parse_args(argv)
@@ -71,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-_FAULT_KINDS = ("sleep_forward", "slow_checkpoint")
+_FAULT_KINDS = ("sleep_forward", "slow_checkpoint", "slow_compute", "slow_data")
 
 
 def _fault(text: str) -> tuple[str, int, int, float]:
@@ -85,6 +87,12 @@ def _fault(text: str) -> tuple[str, int, int, float]:
     return fault
 
 
+def _usual(step_times: list[float]) -> float:
+    """This rank's usual step time, frozen at the first 20 clean steps' median."""
+    head = step_times[2:22] or step_times or [0.0]
+    return sorted(head)[len(head) // 2]
+
+
 def _injected_sleep_in_forward(seconds: float) -> None:
     """A rank stuck in Python: named so that its frame is recognisable in stacks."""
     time.sleep(seconds)
@@ -92,6 +100,10 @@ def _injected_sleep_in_forward(seconds: float) -> None:
 
 def _faults_at(faults: list, kind: str, rank: int, step: int) -> float:
     return sum(s for k, r, st, s in faults if k == kind and st == step and r in (rank, -1))
+
+
+def _slowdown_from(faults: list, kind: str, rank: int, step: int) -> float:
+    return sum(s for k, r, st, s in faults if k == kind and step >= st and r in (rank, -1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,9 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         with m.step(step + 1, tokens=tokens, flops=flops):
             batch = next(batches).to(dev)
+            if slow := _slowdown_from(args.fault, "slow_data", rank, step + 1):
+                time.sleep(slow * _usual(step_times))
             m.mark("data")
             if stuck := _faults_at(args.fault, "sleep_forward", rank, step + 1):
                 _injected_sleep_in_forward(stuck)
+            if slow := _slowdown_from(args.fault, "slow_compute", rank, step + 1):
+                time.sleep(slow * _usual(step_times))
             logits = model(batch[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1))
             m.mark("forward")

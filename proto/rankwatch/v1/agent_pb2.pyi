@@ -63,7 +63,7 @@ class Hello(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ..., job_id: _Optional[str] = ..., peak_flops: _Optional[float] = ..., op_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepColumns(_message.Message):
-    __slots__ = ("step", "start", "duration", "data", "forward", "backward", "optimizer", "tokens", "flops")
+    __slots__ = ("step", "start", "duration", "data", "forward", "backward", "optimizer", "tokens", "flops", "wait")
     STEP_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     DURATION_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class StepColumns(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FLOPS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
     step: _containers.RepeatedScalarFieldContainer[int]
     start: _containers.RepeatedScalarFieldContainer[float]
     duration: _containers.RepeatedScalarFieldContainer[float]
@@ -82,7 +83,8 @@ class StepColumns(_message.Message):
     optimizer: _containers.RepeatedScalarFieldContainer[float]
     tokens: _containers.RepeatedScalarFieldContainer[float]
     flops: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, step: _Optional[_Iterable[int]] = ..., start: _Optional[_Iterable[float]] = ..., duration: _Optional[_Iterable[float]] = ..., data: _Optional[_Iterable[float]] = ..., forward: _Optional[_Iterable[float]] = ..., backward: _Optional[_Iterable[float]] = ..., optimizer: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[float]] = ..., flops: _Optional[_Iterable[float]] = ...) -> None: ...
+    wait: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step: _Optional[_Iterable[int]] = ..., start: _Optional[_Iterable[float]] = ..., duration: _Optional[_Iterable[float]] = ..., data: _Optional[_Iterable[float]] = ..., forward: _Optional[_Iterable[float]] = ..., backward: _Optional[_Iterable[float]] = ..., optimizer: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[float]] = ..., flops: _Optional[_Iterable[float]] = ..., wait: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CollectiveColumns(_message.Message):
     __slots__ = ("op", "pg", "seq", "start", "duration", "nbytes")
@@ -174,7 +176,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node", "pid", "step", "step_seconds", "state", "phase_seconds", "mesh_coords", "backend", "collectives", "last_collective_seq", "dropped", "last_seen", "connected", "tokens_per_second")
+    __slots__ = ("rank", "node", "pid", "step", "step_seconds", "state", "phase_seconds", "mesh_coords", "backend", "collectives", "last_collective_seq", "dropped", "last_seen", "connected", "tokens_per_second", "slowdown", "own_work_seconds", "collective_wait_seconds")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +206,9 @@ class RankStatus(_message.Message):
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
+    OWN_WORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node: str
     pid: int
@@ -219,7 +224,10 @@ class RankStatus(_message.Message):
     last_seen: float
     connected: bool
     tokens_per_second: float
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., state: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., last_collective_seq: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+    slowdown: float
+    own_work_seconds: float
+    collective_wait_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., state: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., last_collective_seq: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ..., slowdown: _Optional[float] = ..., own_work_seconds: _Optional[float] = ..., collective_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class Incident(_message.Message):
     __slots__ = ("kind", "node", "rank", "step", "detected_at", "detail_json", "id")
