@@ -171,7 +171,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
         from rankwatch.agent.view import rank_table
 
-        Console().print(rank_table(status))
+        Console(width=None if sys.stdout.isatty() else 140).print(rank_table(status))
     return 0
 
 

@@ -2,8 +2,8 @@
 
 A 4-rank (dp2 x tp2) FSDP2+TP job on gloo reports to an agent at the default
 address, so ``rankwatch status --json`` in another terminal finds it, and
-``/metrics`` stays up while it runs.  It ends with the final view and a
-timeline of incidents.
+``/metrics`` stays up while it runs.  The job gets a straggler and a hang
+injected; it ends with the final view and a timeline of the incidents.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ _NODE = "demo-node0"
 
 
 def run_demo(steps: int = 120, live: bool = True, out: Console | None = None) -> int:
-    console = out or Console()
+    # Wide enough for the rank table even when output is not a terminal.
+    console = out or Console(width=None if sys.stdout.isatty() else 140)
     addr = resolve(None)
     agent = None
     if reachable(addr):
@@ -48,8 +49,12 @@ def run_demo(steps: int = 120, live: bool = True, out: Console | None = None) ->
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "-m", "rankwatch.hooks.train", "--steps", str(steps), "--dp", "2", "--tp", "2",
-           "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-interval", "50"]
+           "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-interval", "50",
+           # Injected faults: rank 2 computes 50% slower from step 20 (a straggler),
+           # and rank 3 is stuck in Python inside forward for 8 s at step 90 (a hang).
+           "--fault", "slow_compute:2:20:0.5", "--fault", "sleep_forward:3:90:8"]
     console.print(f"job: 4 ranks (dp2 x tp2, gloo), {steps} steps; logs in {workdir}/job.log")
+    console.print("faults: rank 2 slowed 50% from step 20; rank 3 stuck 8 s in forward at step 90")
     console.print("try [bold]rankwatch status[/] in another terminal")
     started = time.time()
     with open(workdir / "job.log", "w") as log:

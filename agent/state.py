@@ -290,11 +290,16 @@ class NodeState:
         with self.lock:
             return sorted(self.ranks.values(), key=lambda r: r.rank)
 
+    def _recent(self) -> list[RankState]:
+        """Ranks streaming now or within the last 10 s (a job that just ended still counts)."""
+        now = self.clock()
+        return [r for r in self.snapshot() if r.connected or now - r.last_seen < 10.0]
+
     def tokens_per_second(self) -> float:
-        return sum(r.tokens_per_second for r in self.snapshot() if r.connected)
+        return sum(r.tokens_per_second for r in self._recent())
 
     def mfu(self) -> float | None:
-        ranks = [r for r in self.snapshot() if r.connected]
+        ranks = self._recent()
         peak = sum(r.peak_flops for r in ranks)
         if not ranks or peak <= 0 or any(r.peak_flops <= 0 for r in ranks):
             return None

@@ -15,18 +15,18 @@ def rank_table(status: dict[str, Any], title: str | None = None) -> Table:
     t = Table(title=title or f"rankwatch — node {status['node']}", title_justify="left",
               box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("rank", "node", "pid", "mesh", "step", "step ms", "data", "fwd", "bwd", "opt",
-                "colls", "drop", "state"):
+                "colls", "drop", "slow", "state"):
         t.add_column(col, justify="right" if col not in ("node", "mesh", "state") else "left",
                      no_wrap=True)
     for r in status["ranks"]:
         ph = r["phase_seconds"]
-        state = r["state"] if r["connected"] else f"{r['state']} (gone)"
+        state = r["state"] if r["connected"] else f"{r['state']}, gone"
         t.add_row(str(r["rank"]), r["node"], str(r["pid"]),
                   " ".join(f"{k}{v}" for k, v in sorted(r["mesh"].items())), str(r["step"]),
                   f"{r['step_seconds'] * 1e3:.1f}", *(f"{ph.get(p, 0.0) * 1e3:.1f}" for p in
                                                      ("data", "forward", "backward", "optimizer")),
-                  str(r["collectives"]), str(r["dropped"]),
-                  "[green]ok[/]" if state == "ok" else f"[red]{state}[/]")
+                  str(r["collectives"]), str(r["dropped"]), f"{r.get('slowdown', 1.0):.2f}",
+                  f"[green]{state}[/]" if state.startswith("ok") else f"[red]{state}[/]")
     caption = f"tokens/s {status['tokens_per_second']:.0f}"
     if status.get("mfu") is not None:
         caption += f"  MFU {status['mfu']:.1%}"
