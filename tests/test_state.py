@@ -125,3 +125,15 @@ def test_histogram_matches_numpy():
     assert h.cumulative(0) == [("0.1", 3), ("1.0", 3), ("+Inf", 3)]
     assert h.cumulative(1) == [("0.1", 0), ("1.0", 1), ("+Inf", 2)]
     assert h.sums[1] == pytest.approx(2.5)
+
+
+def test_mfu_only_when_every_rank_knows_its_peak():
+    st = NodeState("n0")
+    s = pb.StepColumns(step=[1], start=[1.0], duration=[0.5], data=[0], forward=[0], backward=[0],
+                       optimizer=[0], tokens=[100], flops=[5e11])
+    r0 = st.hello(hello(rank=0, peak_flops=2e12))
+    st.ingest(r0, pb.Batch(seq=1, steps=s))
+    assert st.mfu() == pytest.approx(5e11 / 0.5 / 2e12)
+    r1 = st.hello(hello(rank=1, pid=99))  # no peak: CPU without --peak-tflops
+    st.ingest(r1, pb.Batch(seq=1, steps=s))
+    assert st.mfu() is None
