@@ -64,7 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="inject a fault (tests, demo): sleep_forward (a rank stuck in Python "
                         "inside forward for SECONDS), slow_checkpoint (a save of SECONDS), "
                         "slow_compute / slow_data (from STEP on, the rank's forward / data "
-                        "loading takes SECONDS x its usual step time longer); RANK -1 is every rank")
+                        "loading takes SECONDS x its usual step time longer), skip_collective "
+                        "(the rank skips the step's loss all-reduce, a desync, then stalls SECONDS); "
+                        "RANK -1 is every rank")
     p.add_argument("--ab-block", type=int, default=0,
                    help="benchmarks: alternate blocks of N steps with rankwatch on and off")
     args = p.parse_args(argv)
@@ -73,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-_FAULT_KINDS = ("sleep_forward", "slow_checkpoint", "slow_compute", "slow_data")
+_FAULT_KINDS = ("sleep_forward", "slow_checkpoint", "slow_compute", "slow_data", "skip_collective")
 
 
 def _fault(text: str) -> tuple[str, int, int, float]:
@@ -173,8 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         step_times.append(time.perf_counter() - t0)
         arms.append(ab.on)
         losses.append(loss.item())
+        # The dp-mean loss for the log: one small all-reduce per step on the dp group.
+        mean_loss = torch.tensor([losses[-1]], device=dev)
+        if skip := _faults_at(args.fault, "skip_collective", rank, step + 1):
+            time.sleep(skip)  # this rank never issues the all-reduce the others wait in
+        else:
+            dist.all_reduce(mean_loss, group=mesh["dp"].get_group())
         if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
-            log.info("step %d loss %.4f step_time %.4fs", step + 1, losses[-1], step_times[-1])
+            log.info("step %d loss %.4f (dp mean %.4f) step_time %.4fs", step + 1, losses[-1],
+                     mean_loss.item() / dims.dp, step_times[-1])
         if slow := _faults_at(args.fault, "slow_checkpoint", rank, step + 1):
             with mon.activity("checkpoint"):
                 time.sleep(slow)

@@ -85,3 +85,19 @@ def test_slow_checkpoint_and_warmup_are_not_hangs(agent_proc, tmp_path):
         assert agent_proc.status()["incidents"] == []
     finally:
         stop_job(job)
+
+
+def test_desync_names_the_rank_and_the_collective(agent_proc, tmp_path):
+    # Rank 1 skips the dp loss all-reduce of step 30; rank 0 waits in it.
+    job = torchrun(2, "--steps", "200", "--log-every", "0", "--fault", "skip_collective:1:30:60",
+                   agent=agent_proc.addr, log=tmp_path / "job.log")
+    try:
+        (inc,) = wait_for(lambda: hangs(agent_proc), 90, interval=0.2, what="hang incident")
+        d = inc["detail"]
+        assert inc["rank"] == 1 and "behind" in d["reason"], d
+        coll = d["collective"]
+        assert coll["op"] == "all_reduce" and coll["group"] and coll["seq"] > 0, coll
+        waiting = {r["rank"]: r for r in agent_proc.status()["ranks"]}[0]
+        assert waiting["state"] == "ok"
+    finally:
+        stop_job(job)
