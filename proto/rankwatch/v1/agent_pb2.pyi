@@ -248,7 +248,14 @@ class Incident(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_at: _Optional[float] = ..., detail_json: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu")
+    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes")
+    class TimeSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +266,12 @@ class StatusResponse(_message.Message):
     MESSAGES_REJECTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     MFU_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_NODE_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_NODES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     started_at: float
     metrics_port: int
@@ -269,4 +282,158 @@ class StatusResponse(_message.Message):
     messages_rejected: int
     tokens_per_second: float
     mfu: float
-    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ...) -> None: ...
+    coordinator: bool
+    coordinator_node: str
+    decisions: _containers.RepeatedCompositeFieldContainer[Decision]
+    time_seconds: _containers.ScalarMap[str, float]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    excluded_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., coordinator: _Optional[bool] = ..., coordinator_node: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., nodes: _Optional[_Iterable[str]] = ..., excluded_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CommandRequest(_message.Message):
+    __slots__ = ("rank", "pid")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class CheckpointCommand(_message.Message):
+    __slots__ = ("step", "reason")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    reason: str
+    def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("id", "checkpoint")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    checkpoint: CheckpointCommand
+    def __init__(self, id: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointCommand, _Mapping]] = ...) -> None: ...
+
+class RankSummary(_message.Message):
+    __slots__ = ("rank", "pid", "step", "step_seconds", "steps_completed", "activity", "progress_at", "last_seen", "connected", "exited_cleanly", "group_seqs", "inflight", "stacks", "alive", "stopped", "own_work", "data_wait", "comm_wait", "state", "local_rank", "tokens_per_second", "stacks_at")
+    class GroupSeqsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVITY_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    EXITED_CLEANLY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SEQS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    OWN_WORK_FIELD_NUMBER: _ClassVar[int]
+    DATA_WAIT_FIELD_NUMBER: _ClassVar[int]
+    COMM_WAIT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    STACKS_AT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    step: int
+    step_seconds: float
+    steps_completed: int
+    activity: str
+    progress_at: float
+    last_seen: float
+    connected: bool
+    exited_cleanly: bool
+    group_seqs: _containers.ScalarMap[str, int]
+    inflight: InFlight
+    stacks: str
+    alive: bool
+    stopped: bool
+    own_work: _containers.RepeatedScalarFieldContainer[float]
+    data_wait: _containers.RepeatedScalarFieldContainer[float]
+    comm_wait: _containers.RepeatedScalarFieldContainer[float]
+    state: str
+    local_rank: int
+    tokens_per_second: float
+    stacks_at: float
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ...) -> None: ...
+
+class NodeSummary(_message.Message):
+    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds")
+    class TimeSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    INCIDENTS_FIELD_NUMBER: _ClassVar[int]
+    TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    seq: int
+    sent_at: float
+    ranks: _containers.RepeatedCompositeFieldContainer[RankSummary]
+    incidents: _containers.RepeatedCompositeFieldContainer[Incident]
+    time_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class Decision(_message.Message):
+    __slots__ = ("id", "kind", "node", "generation", "step", "reason", "decided_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    kind: str
+    node: str
+    generation: int
+    step: int
+    reason: str
+    decided_at: float
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., decided_at: _Optional[float] = ...) -> None: ...
+
+class SyncReply(_message.Message):
+    __slots__ = ("coordinator", "decisions", "incidents")
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    INCIDENTS_FIELD_NUMBER: _ClassVar[int]
+    coordinator: str
+    decisions: _containers.RepeatedCompositeFieldContainer[Decision]
+    incidents: _containers.RepeatedCompositeFieldContainer[Incident]
+    def __init__(self, coordinator: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class CheckpointReply(_message.Message):
+    __slots__ = ("accepted", "step", "id", "message")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    step: int
+    id: str
+    message: str
+    def __init__(self, accepted: _Optional[bool] = ..., step: _Optional[int] = ..., id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...

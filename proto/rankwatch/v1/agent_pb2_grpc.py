@@ -44,6 +44,21 @@ class AgentStub:
                 request_serializer=rankwatch_dot_v1_dot_agent__pb2.StatusRequest.SerializeToString,
                 response_deserializer=rankwatch_dot_v1_dot_agent__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Commands = channel.unary_stream(
+                '/rankwatch.v1.Agent/Commands',
+                request_serializer=rankwatch_dot_v1_dot_agent__pb2.CommandRequest.SerializeToString,
+                response_deserializer=rankwatch_dot_v1_dot_agent__pb2.Command.FromString,
+                _registered_method=True)
+        self.Sync = channel.unary_unary(
+                '/rankwatch.v1.Agent/Sync',
+                request_serializer=rankwatch_dot_v1_dot_agent__pb2.NodeSummary.SerializeToString,
+                response_deserializer=rankwatch_dot_v1_dot_agent__pb2.SyncReply.FromString,
+                _registered_method=True)
+        self.RequestCheckpoint = channel.unary_unary(
+                '/rankwatch.v1.Agent/RequestCheckpoint',
+                request_serializer=rankwatch_dot_v1_dot_agent__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=rankwatch_dot_v1_dot_agent__pb2.CheckpointReply.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -62,6 +77,27 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Commands(self, request, context):
+        """A rank's command channel: the agent streams commands (checkpoint at step S).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sync(self, request, context):
+        """Node agent -> coordinator, a few times a second; the reply carries decisions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RequestCheckpoint(self, request, context):
+        """Operator (`rankwatch checkpoint`), or a node agent forwarding one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +110,21 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=rankwatch_dot_v1_dot_agent__pb2.StatusRequest.FromString,
                     response_serializer=rankwatch_dot_v1_dot_agent__pb2.StatusResponse.SerializeToString,
+            ),
+            'Commands': grpc.unary_stream_rpc_method_handler(
+                    servicer.Commands,
+                    request_deserializer=rankwatch_dot_v1_dot_agent__pb2.CommandRequest.FromString,
+                    response_serializer=rankwatch_dot_v1_dot_agent__pb2.Command.SerializeToString,
+            ),
+            'Sync': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sync,
+                    request_deserializer=rankwatch_dot_v1_dot_agent__pb2.NodeSummary.FromString,
+                    response_serializer=rankwatch_dot_v1_dot_agent__pb2.SyncReply.SerializeToString,
+            ),
+            'RequestCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestCheckpoint,
+                    request_deserializer=rankwatch_dot_v1_dot_agent__pb2.CheckpointRequest.FromString,
+                    response_serializer=rankwatch_dot_v1_dot_agent__pb2.CheckpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +181,87 @@ class Agent:
             '/rankwatch.v1.Agent/Status',
             rankwatch_dot_v1_dot_agent__pb2.StatusRequest.SerializeToString,
             rankwatch_dot_v1_dot_agent__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commands(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rankwatch.v1.Agent/Commands',
+            rankwatch_dot_v1_dot_agent__pb2.CommandRequest.SerializeToString,
+            rankwatch_dot_v1_dot_agent__pb2.Command.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankwatch.v1.Agent/Sync',
+            rankwatch_dot_v1_dot_agent__pb2.NodeSummary.SerializeToString,
+            rankwatch_dot_v1_dot_agent__pb2.SyncReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankwatch.v1.Agent/RequestCheckpoint',
+            rankwatch_dot_v1_dot_agent__pb2.CheckpointRequest.SerializeToString,
+            rankwatch_dot_v1_dot_agent__pb2.CheckpointReply.FromString,
             options,
             channel_credentials,
             insecure,
