@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep incidents here (default /tmp/rankwatch-<uid>/<node-id>)")
     a.add_argument("--hang-floor", type=_positive, default=5.0, metavar="SECONDS",
                    help="shortest stall called a hang (default 5)")
+    a.add_argument("--coordinator", type=_address, action="append", default=None, metavar="ADDR",
+                   help="the job's coordinator candidates in node-rank order, repeatable; the "
+                        "first that answers coordinates (this agent's own address may be one). "
+                        "Default: this agent coordinates its own node alone")
+    a.add_argument("--min-nodes", type=int, default=1, metavar="N",
+                   help="never exclude a node if fewer would remain (torchrun's --nnodes MIN)")
 
     r = sub.add_parser("run", help="run torchrun with rankwatch wired in",
                        usage="rankwatch run [--agent ADDR] [--node-id ID] -- <torchrun args>")
@@ -90,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("checkpoint", help="ask the job for a checkpoint now")
     c.add_argument("--agent", type=_address, default=None, metavar="ADDR")
+    c.add_argument("--reason", default="operator", help="recorded with the request")
 
     m = sub.add_parser("demo", help="a local CPU job under rankwatch, with a live view")
     m.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
@@ -115,9 +122,17 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     listen = args.listen or [resolve(None)]
     node = node_id(args.node_id)
     state_dir = args.state_dir or Path(f"/tmp/rankwatch-{os.getuid()}") / node
+    from rankwatch.agent.coordinator import PolicyConfig
+
+    try:
+        policy = PolicyConfig(min_nodes=args.min_nodes)
+    except ValueError as exc:
+        print(f"rankwatch agent: {exc}", file=sys.stderr)
+        return 2
     agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=args.metrics_port,
                               metrics_addr=args.metrics_addr, state_dir=state_dir,
-                              hang=HangConfig(floor_seconds=args.hang_floor)))
+                              hang=HangConfig(floor_seconds=args.hang_floor),
+                              coordinators=args.coordinator, policy=policy))
     try:
         agent.start()
     except (RuntimeError, OSError) as exc:
@@ -193,9 +208,22 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
-    print("rankwatch checkpoint: on-demand checkpoints are not available in this version "
-          "(the harness checkpoints every --checkpoint-interval steps)", file=sys.stderr)
-    return 2
+    """Ask the job for a checkpoint; every rank saves after the step the coordinator names."""
+    import grpc
+
+    from rankwatch.agent.jobsync import forward_checkpoint
+
+    addr = resolve(str(args.agent) if args.agent else None)
+    try:
+        reply = forward_checkpoint(addr, args.reason)
+    except grpc.RpcError as exc:
+        print(f"rankwatch checkpoint: no agent at {addr}: {exc.code().name}", file=sys.stderr)
+        return 1
+    if not reply.accepted:
+        print(f"rankwatch checkpoint: refused: {reply.message}", file=sys.stderr)
+        return 1
+    print(f"checkpoint {reply.id}: {reply.message}")
+    return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

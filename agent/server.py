@@ -21,12 +21,17 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from rankwatch.agent import otel
 from rankwatch.agent.address import Address
+from rankwatch.agent.coordinator import Coordinator, PolicyConfig, decision_dict
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang
 from rankwatch.agent.host import HostCollector
+from rankwatch.agent.goodput import Goodput
 from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.jobmetrics import JobCollector
+from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint, summary_incidents
 from rankwatch.agent.metrics import NodeCollector
-from rankwatch.agent.state import NodeState, Rejected
+from rankwatch.agent.state import NodeState, RankState, Rejected, _pid_alive
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, score
 from rankwatch.proto import pb
 
@@ -48,11 +53,16 @@ class AgentConfig:
         state_dir: where incidents are kept (``incidents.jsonl``); None keeps them in memory.
         hang: hang-detection thresholds.
         straggler: straggler-detection thresholds.
+        coordinators: the job's coordinator candidates, in node-rank order (this agent's own
+            address may be among them); empty: this agent coordinates its node alone.
+        policy: the coordinator's policy (exclusions, minimum nodes).
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
                  metrics_addr: str = "0.0.0.0", state_dir: Path | None = None,
-                 hang: HangConfig | None = None, straggler: StragglerConfig | None = None) -> None:
+                 hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
+                 coordinators: list[Address] | None = None, policy: PolicyConfig | None = None,
+                 sync_interval: float = 0.25) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -62,6 +72,9 @@ class AgentConfig:
         self.state_dir = state_dir
         self.hang = hang or HangConfig()
         self.straggler = straggler or StragglerConfig()
+        self.coordinators = list(coordinators or [])
+        self.policy = policy or PolicyConfig()
+        self.sync_interval = sync_interval
 
 
 class Agent:
@@ -76,8 +89,15 @@ class Agent:
         self._stragglers = StragglerDetector(config.straggler)
         self._evaluated_steps = 0
         self._detector: threading.Thread | None = None
+        self.coordinator = Coordinator(config.node_id, incidents=self.incidents, hang=config.hang,
+                                       straggler=config.straggler, policy=config.policy)
+        self.commands = CommandHub()
+        self.link = JobLink(self, config.coordinators, config.sync_interval)
+        self.goodput = Goodput()
+        self._checkpoint_steps: set[int] = set()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(self.state))
+        self.registry.register(JobCollector(self))
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
         self._grpc: grpc.Server | None = None
         self._http: Any = None
@@ -85,6 +105,7 @@ class Agent:
         self.tcp_ports: list[int] = []
         self._stopped = threading.Event()
         self._owns_sockets = False
+        self._otel: otel.SpanExport | None = None
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
@@ -93,6 +114,7 @@ class Agent:
             self._http, _ = start_http_server(self.config.metrics_port, self.config.metrics_addr,
                                               registry=self.registry)
             self.metrics_port = self._http.server_port
+        self._otel = otel.install(self)
         try:
             self._start_grpc()
         except BaseException:
@@ -100,6 +122,7 @@ class Agent:
             raise
         self._detector = threading.Thread(target=self._detect_loop, name="rankwatch-detect", daemon=True)
         self._detector.start()
+        self.link.start()
         log.info("agent %s serving gRPC on %s, /metrics on port %s", self.config.node_id,
                  ", ".join(map(str, self.config.listen)), self.metrics_port)
 
@@ -126,11 +149,14 @@ class Agent:
 
     def stop(self, grace: timedelta = timedelta(seconds=1)) -> None:
         self._stopped.set()
+        self.link.stop()
         if self._detector is not None:
             self._detector.join(2)
         if self._grpc is not None:
             self._grpc.stop(grace.total_seconds()).wait()
             self._grpc = None
+        if self._otel is not None:
+            self._otel.shutdown()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
@@ -154,6 +180,15 @@ class Agent:
             "Status": grpc.unary_unary_rpc_method_handler(
                 self._status, request_deserializer=self._decoder(pb.StatusRequest),
                 response_serializer=pb.StatusResponse.SerializeToString),
+            "Commands": grpc.unary_stream_rpc_method_handler(
+                self._commands, request_deserializer=self._decoder(pb.CommandRequest),
+                response_serializer=pb.Command.SerializeToString),
+            "Sync": grpc.unary_unary_rpc_method_handler(
+                self._sync, request_deserializer=self._decoder(pb.NodeSummary),
+                response_serializer=pb.SyncReply.SerializeToString),
+            "RequestCheckpoint": grpc.unary_unary_rpc_method_handler(
+                self._request_checkpoint, request_deserializer=self._decoder(pb.CheckpointRequest),
+                response_serializer=pb.CheckpointReply.SerializeToString),
         })
 
     def _decoder(self, cls: type) -> Callable[[bytes], Any]:
@@ -186,6 +221,8 @@ class Agent:
                         raise Rejected("malformed", f"rank {rank.rank} sent {body!r} mid-stream")
                     st.ingest(rank, msg.batch)
                     accepted += 1
+                    if msg.batch.checkpoints:
+                        self._on_checkpoints(rank, msg.batch.checkpoints)
                 except Rejected as exc:
                     st.note_rejected(exc)
                     rejected += 1
@@ -212,6 +249,20 @@ class Agent:
         mfu = st.mfu()
         if mfu is not None:
             resp.mfu = mfu
+        link = self.link
+        resp.coordinator = link.acting and bool(self.config.coordinators)
+        resp.coordinator_node = link.coordinator_node
+        for d in (self.coordinator.decisions if link.acting else link.decisions):
+            resp.decisions.append(pb.Decision(**d))
+        job = resp.coordinator
+        now = st.clock()
+        breakdown = self.goodput.breakdown(now, self.incident_view())
+        if breakdown is not None:
+            resp.goodput = breakdown["productive"] / breakdown["elapsed"]
+            resp.time_seconds.update(breakdown)
+        if job:
+            resp.nodes.extend(sorted(self.coordinator.nodes))
+            resp.excluded_nodes.extend(sorted(self.coordinator.excluded))
         for r in st.snapshot():
             resp.ranks.append(pb.RankStatus(
                 rank=r.rank, node=r.node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
@@ -221,8 +272,19 @@ class Agent:
                 last_seen=r.last_seen, connected=r.connected,
                 tokens_per_second=r.tokens_per_second, slowdown=r.slowdown,
                 own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds))
+        if job:
+            for node, r, excluded in self.coordinator.rank_summaries():
+                if node != st.node_id:
+                    resp.ranks.append(pb.RankStatus(
+                        rank=r.rank, node=node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
+                        state="excluded" if excluded else r.state, connected=r.connected,
+                        last_seen=r.last_seen, tokens_per_second=r.tokens_per_second))
         with st.lock:
             incidents = list(st.incidents)
+        if job:
+            own = {i["id"] for i in incidents}
+            incidents += [i for i in self.coordinator.job_incidents()
+                          if i["node"] != st.node_id and i["id"] not in own]
         for inc in incidents:
             resp.incidents.append(pb.Incident(
                 id=inc.get("id", ""), kind=inc["kind"], node=inc["node"], rank=inc["rank"],
@@ -233,8 +295,14 @@ class Agent:
     def _detect_loop(self) -> None:
         while not self._stopped.wait(0.25):
             try:
-                self.check_hang(self.state.clock())
-                self.check_stragglers(self.state.clock())
+                now = self.state.clock()
+                if self.link.acting and self.config.coordinators:
+                    self.coordinator.evaluate()
+                    continue
+                if self.link.coordinated(now):
+                    continue
+                self.check_hang(now)
+                self.check_stragglers(now)
             except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
                 log.exception("detector error")
 
@@ -252,6 +320,7 @@ class Agent:
         if verdict is None:
             if self._open_hang is not None:
                 log.info("progress resumed after hang %s", self._open_hang["id"])
+                self._open_hang["detail"]["resolved_at"] = now
                 with st.lock:
                     for r in ranks:
                         if r.state == "hung":
@@ -323,6 +392,133 @@ class Agent:
                         "the job would step %.2fx faster without it", s.rank, ev.work.step,
                         (s.slowdown - 1) * 100, s.cause, s.speedup)
         return made
+
+    # -- the job: coordinator, commands ------------------------------------------
+    def serves(self, addr: Address) -> bool:
+        return any(str(addr) == str(mine) for mine in self.config.listen)
+
+    def summary(self, seq: int) -> pb.NodeSummary:
+        """This node's compact summary for the coordinator."""
+        st = self.state
+        now = st.clock()
+        out = pb.NodeSummary(node_id=st.node_id, seq=seq, sent_at=now)
+        with st.lock:
+            if self.link.generation > 0:  # forget workers of earlier generations once gone
+                for k in [k for k, r in st.ranks.items()
+                          if not r.connected and now - r.last_seen > 5 and not _pid_alive(r.pid)]:
+                    del st.ranks[k]
+            ranks = list(st.ranks.values())
+            rows = [(r, dict(r.group_seqs), r.inflight, list(r.own_work), list(r.data_wait),
+                     list(r.comm_wait)) for r in ranks]
+            incidents = summary_incidents(list(st.incidents), st.node_id)
+        self.goodput.observe_steps(now, [r.step for r in ranks if r.connected],
+                                   max((r.step_seconds for r in ranks), default=0.0))
+        for r, seqs, inflight, own, data, wait in rows:
+            alive, stopped = _process_state(r.pid)
+            fresh = r.stacks if r.stacks and now - r.stacks_at < 10 else ""
+            rs = pb.RankSummary(
+                rank=r.rank, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
+                steps_completed=r.steps_completed, activity=r.activity, progress_at=r.progress_at,
+                last_seen=r.last_seen, connected=r.connected, exited_cleanly=r.exited_cleanly,
+                group_seqs=seqs, stacks=fresh, stacks_at=r.stacks_at, alive=alive, stopped=stopped,
+                own_work=own, data_wait=data, comm_wait=wait, state=r.state,
+                local_rank=r.local_rank, tokens_per_second=r.tokens_per_second)
+            if inflight:
+                rs.inflight.CopyFrom(pb.InFlight(op=inflight["op"], group=inflight["group"],
+                                                 seq=inflight["seq"], since=inflight["since"]))
+            out.ranks.append(rs)
+        for i in incidents:
+            out.incidents.append(pb.Incident(id=i["id"], kind=i["kind"], node=i["node"], rank=i["rank"],
+                                             step=i["step"], detected_at=i["detected_at"],
+                                             detail_json=json.dumps(i["detail"])))
+        return out
+
+    def is_coordinator(self) -> bool:
+        return self.link.acting and bool(self.config.coordinators)
+
+    def decisions(self) -> list[dict]:
+        return list(self.coordinator.decisions if self.link.acting else self.link.decisions)
+
+    def incident_view(self) -> list[dict]:
+        """This agent's incidents, plus, on the coordinator, the other nodes' own."""
+        with self.state.lock:
+            items = list(self.state.incidents)
+        if self.is_coordinator():
+            items += [i for i in self.coordinator.job_incidents() if i["node"] != self.state.node_id]
+        return items
+
+    def _on_checkpoints(self, rank: RankState, records: Any) -> None:
+        """A rank finished (or failed) a save: one ``checkpoint`` incident per step and node."""
+        for rec in records:
+            self.goodput.observe_checkpoint(rec.step, rec.duration)
+            key = rec.step if rec.ok else -rec.step - 1
+            with self.state.lock:
+                if key in self._checkpoint_steps:
+                    continue
+                self._checkpoint_steps.add(key)
+            reason = next((d["reason"] for d in self.decisions() if d["id"] == rec.request_id), "periodic")
+            detail = {"step": rec.step, "ok": rec.ok, "seconds": round(rec.duration, 6),
+                      "path": rec.path, "request": rec.request_id or None, "reason": reason,
+                      "started_at": rec.started_at}
+            if not rec.ok:
+                detail["error"] = rec.error
+            self.incidents.add(kind="checkpoint", node=self.state.node_id, rank=rank.rank, step=rec.step,
+                               detected_at=rec.started_at + rec.duration, detail=detail)
+            (log.info if rec.ok else log.warning)("checkpoint at step %d %s (%.2fs, %s)", rec.step,
+                                                  "saved" if rec.ok else "FAILED", rec.duration, reason)
+
+    def on_exclusion(self, decision: dict) -> None:
+        """A coordinator decision: mark this node's ranks excluded, or forget old-generation ranks."""
+        st = self.state
+        with st.lock:
+            if decision["node"] == st.node_id:
+                for r in st.ranks.values():
+                    r.state = "excluded"
+                log.warning("this node is excluded from the job: %s", decision["reason"])
+
+    def on_job_incident(self, coordinator: str, inc: pb.Incident) -> None:
+        """A job incident the coordinator decided about one of this node's ranks."""
+        incident = {"id": f"{coordinator}/{inc.id}", "kind": inc.kind, "node": inc.node, "rank": inc.rank,
+                    "step": inc.step, "detected_at": inc.detected_at,
+                    "detail": json.loads(inc.detail_json or "{}")}
+        if not self.incidents.merge(incident) or inc.kind != "hang":
+            return
+        with self.state.lock:
+            r = self.state.ranks.get(inc.rank)
+            if r is not None and r.state in ("ok", "straggler"):
+                r.state = "hung"
+
+    def _commands(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> Iterator[pb.Command]:
+        def step() -> int:
+            r = self.state.ranks.get(request.rank)
+            return r.step if r is not None else -1
+        yield from self.commands.stream(request.rank, context, step)
+
+    def _sync(self, request: pb.NodeSummary, context: grpc.ServicerContext) -> pb.SyncReply:
+        if not (self.link.acting and self.config.coordinators):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{self.config.node_id} is not the job's coordinator")
+        try:
+            return self.coordinator.sync(request)
+        except ValueError as exc:
+            self.state.note_rejected(Rejected("malformed", f"summary: {exc}"))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _request_checkpoint(self, request: pb.CheckpointRequest,
+                            context: grpc.ServicerContext) -> pb.CheckpointReply:
+        reason = request.reason or "operator"
+        if not self.link.acting and self.link.coordinator_addr is not None:
+            try:
+                return forward_checkpoint(self.link.coordinator_addr, reason)
+            except grpc.RpcError as exc:
+                return pb.CheckpointReply(accepted=False, message=f"coordinator unreachable: {exc.code().name}")
+        try:
+            d = self.coordinator.request_checkpoint(reason)
+        except LookupError as exc:
+            return pb.CheckpointReply(accepted=False, message=str(exc))
+        self.commands.publish_checkpoint(d)
+        return pb.CheckpointReply(accepted=True, step=d["step"], id=d["id"],
+                                  message=f"every rank saves after step {d['step']}")
 
     def _rank_pids(self) -> dict[int, int]:
         return {r.rank: r.pid for r in self.state.snapshot() if r.connected}

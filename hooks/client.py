@@ -9,6 +9,10 @@ Two daemon threads, neither of which the training thread ever waits on:
   feeds it from that queue.  When the agent is absent or dies it reconnects
   with capped exponential backoff.
 
+A third thread holds the ``Commands`` stream, on which the agent sends
+checkpoint requests; the training thread reads them with
+:meth:`AgentClient.requested_checkpoint` at a step boundary.
+
 Fail-open: a full queue drops the batch, a full deque drops its oldest
 records, and both are counted into ``dropped_total``, which every batch
 carries so the agent learns the count once it is back.
@@ -86,10 +90,15 @@ class AgentClient:
         self.connected = threading.Event()
         self.streams_opened = 0
         self._threads: list[threading.Thread] = []
+        self._cmd_lock = threading.Lock()
+        self._requests_pending: dict[str, tuple[int, str]] = {}   # command id -> (step, reason)
+        self._requests_seen: set[str] = set()
+        self._checkpoints: deque[pb.CheckpointRecord] = deque(maxlen=64)
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
-        for name, target in (("flusher", self._flush_loop), ("sender", self._send_loop)):
+        for name, target in (("flusher", self._flush_loop), ("sender", self._send_loop),
+                             ("commands", self._command_loop)):
             t = threading.Thread(target=target, name=f"rankwatch-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -128,7 +137,7 @@ class AgentClient:
                 last = now
 
     def _has_records(self) -> bool:
-        return bool(self._rec.collectives) or bool(self._rec.steps)
+        return bool(self._rec.collectives) or bool(self._rec.steps) or bool(self._checkpoints)
 
     def _flush_once(self, force: bool = False) -> None:
         try:
@@ -162,6 +171,8 @@ class AgentClient:
         if steps:
             n += len(steps)
             batch.steps.CopyFrom(self._step_columns(steps))
+        while self._checkpoints:
+            batch.checkpoints.append(self._checkpoints.popleft())
         batch.progress.CopyFrom(self._progress())
         batch.dropped_total = self.dropped_total
         return batch, n
@@ -255,6 +266,54 @@ class AgentClient:
                 channel.close()
             self._stop.wait(delay * (0.5 + random.random()))
             delay = min(delay * 2, _RECONNECT_MAX.total_seconds())
+
+    # -- commands -------------------------------------------------------------
+    def requested_checkpoint(self) -> tuple[int, str, str] | None:
+        """The earliest pending checkpoint request: (step, command id, reason), or None."""
+        with self._cmd_lock:
+            if not self._requests_pending:
+                return None
+            cid, (step, reason) = min(self._requests_pending.items(), key=lambda kv: kv[1][0])
+            return step, cid, reason
+
+    def checkpoint_saved(self, record: pb.CheckpointRecord) -> None:
+        """Report a save (or a failed one); requests at or before its step are served by it."""
+        with self._cmd_lock:  # a failed save is reported, not retried every step
+            for cid in [c for c, (s, _) in self._requests_pending.items() if s <= record.step]:
+                del self._requests_pending[cid]
+        self._checkpoints.append(record)
+
+    def _command_loop(self) -> None:
+        delay = _RECONNECT_MIN.total_seconds()
+        request = pb.CommandRequest(rank=self._hello.rank, pid=self._hello.pid)
+        while not self._stop.is_set():
+            channel = grpc.insecure_channel(self._address.grpc_target())
+            try:
+                for cmd in pb_grpc.AgentStub(channel).Commands(request):
+                    delay = _RECONNECT_MIN.total_seconds()
+                    self._take(cmd)
+                    if self._stop.is_set():
+                        break
+            except grpc.RpcError:
+                pass  # absent or restarting agent: the sender logs that; retry quietly
+            except Exception:  # noqa: BLE001
+                log.exception("rankwatch: command stream error")
+            finally:
+                channel.close()
+            self._stop.wait(delay * (0.5 + random.random()))
+            delay = min(delay * 2, _RECONNECT_MAX.total_seconds())
+
+    def _take(self, cmd: pb.Command) -> None:
+        if cmd.WhichOneof("body") != "checkpoint":
+            log.warning("rankwatch: ignoring unknown command %r", cmd.id)
+            return
+        with self._cmd_lock:
+            if cmd.id in self._requests_seen:
+                return  # a duplicate (replayed after a reconnect)
+            self._requests_seen.add(cmd.id)
+            self._requests_pending[cmd.id] = (cmd.checkpoint.step, cmd.checkpoint.reason)
+        log.info("rankwatch: checkpoint %s requested at step %d (%s)", cmd.id,
+                 cmd.checkpoint.step, cmd.checkpoint.reason)
 
     def _count_in_flight(self) -> None:
         horizon = time.monotonic() - _IN_FLIGHT.total_seconds()

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rankwatch.agent.address import Address, node_id, resolve
+from rankwatch.proto import pb
 from rankwatch.hooks.recorder import (
     ACTIVITY_CHECKPOINT,
     ACTIVITY_EVAL,
@@ -68,6 +69,28 @@ class Monitor:
     def dropped(self) -> int:
         return self._client.dropped_total if self._client else 0
 
+    def requested_checkpoint(self) -> int:
+        """The step of the earliest checkpoint the agent asked for, or -1.
+
+        Ranks may learn of a request at different steps, so agree before acting:
+        all-reduce this with MAX over the world and save when ``step >= `` the
+        result (the harness does).  A request whose step has passed is served at
+        the next agreed step.
+        """
+        req = self._client.requested_checkpoint() if self._client else None
+        return req[0] if req else -1
+
+    def checkpoint_saved(self, step: int, *, started_at: float, duration: float, path: str = "",
+                         ok: bool = True, error: str = "") -> None:
+        """Report a checkpoint save (periodic or requested) to the agent."""
+        if self._client is None:
+            return
+        req = self._client.requested_checkpoint()
+        rid = req[1] if req and req[0] <= step else ""
+        self._client.checkpoint_saved(pb.CheckpointRecord(
+            step=step, started_at=started_at, duration=duration, path=path, request_id=rid,
+            ok=ok, error=error[:2000]))
+
     def close(self) -> None:
         """Flush what is buffered (bounded wait) and remove the collective timers."""
         if self._client is not None:
@@ -91,6 +114,12 @@ class NullMonitor:
 
     def activity(self, name: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def requested_checkpoint(self) -> int:
+        return -1
+
+    def checkpoint_saved(self, step: int, **_: Any) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -188,9 +188,22 @@ def main(argv: list[str] | None = None) -> int:
             with mon.activity("checkpoint"):
                 time.sleep(slow)
                 dist.barrier()
+        saved = False
         if ckpt and ckpt.due(step + 1):
-            with mon.activity("checkpoint"):
-                ckpt.save(step + 1, model, opt, extra={"world_size": world, "dp": dims.dp})
+            saved = _save(ckpt, mon, step + 1, model, opt, {"world_size": world, "dp": dims.dp})
+        if isinstance(mon, _monitor.Monitor):
+            # A checkpoint the agent asked for: ranks may hear of it at different steps,
+            # so agree on the step (MAX over the world) before anyone saves.
+            want = torch.tensor([mon.requested_checkpoint()], dtype=torch.int64, device=dev)
+            dist.all_reduce(want, op=dist.ReduceOp.MAX)
+            target = int(want.item())
+            if 0 <= target <= step + 1 and not saved:
+                if ckpt is None:
+                    log.warning("checkpoint requested at step %d, but no --checkpoint-dir", target)
+                    mon.checkpoint_saved(step + 1, started_at=time.time(), duration=0.0, ok=False,
+                                         error="the job runs without --checkpoint-dir")
+                else:
+                    _save(ckpt, mon, step + 1, model, opt, {"world_size": world, "dp": dims.dp})
 
     if args.metrics_out:
         _write_metrics(args.metrics_out, rank, start, step_times, losses, arms)
@@ -198,6 +211,21 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _save(ckpt: Checkpointer, mon: object, step: int, model: torch.nn.Module,
+          opt: torch.optim.Optimizer, extra: dict) -> bool:
+    """Save on every rank and report it to the agent; a failed save is reported, not raised."""
+    started, t0 = time.time(), time.perf_counter()
+    with mon.activity("checkpoint"):
+        try:
+            path = ckpt.save(step, model, opt, extra=extra)
+        except Exception as exc:  # noqa: BLE001 - reported, then re-raised: a broken save is fatal
+            mon.checkpoint_saved(step, started_at=started, duration=time.perf_counter() - t0,
+                                 ok=False, error=f"{type(exc).__name__}: {exc}")
+            raise
+    mon.checkpoint_saved(step, started_at=started, duration=time.perf_counter() - t0, path=str(path))
+    return True
 
 
 class _ABSwitch:

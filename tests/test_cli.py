@@ -62,8 +62,11 @@ def test_diagnose_and_checkpoint_are_honest(agent_proc):
     assert r.returncode == 0 and "no incidents" in r.stdout
     r = rw("diagnose", "--agent", str(agent_proc.addr), "nosuch")
     assert r.returncode == 1
+    # No rank connected: the request is refused with the reason, not silently accepted.
     r = rw("checkpoint", "--agent", str(agent_proc.addr))
-    assert r.returncode == 2 and "not available" in r.stderr
+    assert r.returncode == 1 and "no rank is connected" in r.stderr
+    r = rw("checkpoint", "--agent", str(agent_proc.addr.path) + ".missing")
+    assert r.returncode == 1 and "no agent at" in r.stderr
 
 
 @pytest.mark.e2e

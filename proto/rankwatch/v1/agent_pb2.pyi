@@ -141,19 +141,39 @@ class InFlight(_message.Message):
     since: float
     def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., since: _Optional[float] = ...) -> None: ...
 
+class CheckpointRecord(_message.Message):
+    __slots__ = ("step", "started_at", "duration", "path", "request_id", "ok", "error")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    DURATION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    started_at: float
+    duration: float
+    path: str
+    request_id: str
+    ok: bool
+    error: str
+    def __init__(self, step: _Optional[int] = ..., started_at: _Optional[float] = ..., duration: _Optional[float] = ..., path: _Optional[str] = ..., request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
 class Batch(_message.Message):
-    __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives")
+    __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives", "checkpoints")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     dropped_total: int
     progress: Progress
     steps: StepColumns
     collectives: CollectiveColumns
-    def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ...) -> None: ...
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointRecord]
+    def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ...) -> None: ...
 
 class ReportMessage(_message.Message):
     __slots__ = ("hello", "batch")

@@ -1,0 +1,359 @@
+"""The job's coordinator: a global view built from node agents' summaries.
+
+Every node agent sends its coordinator a compact summary a few times a
+second (progress and recent own-work windows per rank, its own incidents, its
+goodput accounting): never raw events, so the coordinator's cost grows with
+the number of nodes, not with the number of records.  The coordinator
+
+* runs the hang detector over every rank of the job, so a culprit on another
+  node is named correctly (a node alone only sees its own ranks waiting);
+* runs the straggler detector across nodes;
+* calls a node dead when its ranks died or its agent went silent;
+* decides (the policy): exclude a dead node, a hung culprit's node or a node
+  with a fatal GPU fault, and bump the restart generation, unless that would
+  take the job below its minimum node count; checkpoint requests name the step
+  every rank saves at;
+* hands its decisions to every node in the sync reply.  Decisions are
+  append-only and idempotent by id; the rendezvous handler writes them to the
+  rendezvous store, where every node's torchrun reads them.
+
+Times in summaries are the sending node's clock; they are moved onto the
+coordinator's clock by the offset seen when the summary arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang
+from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector
+from rankwatch.proto import pb
+
+__all__ = ["Coordinator", "PolicyConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class PolicyConfig:
+    min_nodes: int = 1
+    """Never exclude a node if fewer than this many would remain (torchrun's --nnodes MIN)."""
+    node_timeout_seconds: float = 3.0
+    """A node whose agent has not synced for this long is silent."""
+    exclude_hung: bool = True
+    exclude_dead: bool = True
+    exclude_gpu_fatal: bool = True
+    checkpoint_lead_seconds: float = 2.0
+    """A requested checkpoint's step is at least this far ahead of the fastest rank."""
+
+    def __post_init__(self) -> None:
+        if self.min_nodes < 1:
+            raise ValueError("PolicyConfig.min_nodes must be at least 1")
+        if not self.node_timeout_seconds > 0 or not self.checkpoint_lead_seconds > 0:
+            raise ValueError("PolicyConfig timeouts must be positive")
+
+
+@dataclass
+class _Node:
+    summary: pb.NodeSummary
+    received_at: float
+    offset: float           # coordinator clock - node clock
+
+
+@dataclass
+class _Restart:
+    incident: dict[str, Any]
+    started_at: float
+    steps_before: dict[str, int] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Args:
+        node_id: the coordinator's own node.
+        incidents: the coordinator agent's incident log (job-level incidents go there).
+        clock: injected for tests.
+    """
+
+    def __init__(self, node_id: str, *, incidents: IncidentLog, hang: HangConfig | None = None,
+                 straggler: StragglerConfig | None = None, policy: PolicyConfig | None = None,
+                 clock=time.time) -> None:
+        self.node_id = node_id
+        self.incidents = incidents
+        self.hang = hang or HangConfig()
+        self.policy = policy or PolicyConfig()
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.nodes: dict[str, _Node] = {}
+        self.decisions: list[dict[str, Any]] = []
+        self.excluded: dict[str, str] = {}
+        self.dead: set[str] = set()
+        self.generation = 0
+        self._stragglers = StragglerDetector(straggler or StragglerConfig())
+        self._evaluated_steps = 0
+        self._open_hang: dict | None = None
+        self._restart: _Restart | None = None
+        self._flagged: set[tuple[str, int]] = set()
+
+    # -- intake ---------------------------------------------------------------
+    def sync(self, summary: pb.NodeSummary) -> pb.SyncReply:
+        """Take one node's summary; reply with every decision and the node's job incidents."""
+        now = self.clock()
+        if not summary.node_id:
+            raise ValueError("summary without node_id")
+        with self.lock:
+            prev = self.nodes.get(summary.node_id)
+            if prev is not None and summary.seq and summary.seq <= prev.summary.seq:
+                raise ValueError(f"stale summary {summary.seq} from {summary.node_id} "
+                                 f"(have {prev.summary.seq})")
+            self.nodes[summary.node_id] = _Node(summary, now, now - summary.sent_at)
+            if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
+                self.dead.discard(summary.node_id)
+            reply = pb.SyncReply(coordinator=self.node_id)
+            for d in self.decisions:
+                reply.decisions.append(_decision_pb(d))
+        for inc in self.incidents.items_for(node=summary.node_id):
+            reply.incidents.append(_incident_pb(inc))
+        return reply
+
+    # -- decisions --------------------------------------------------------------
+    def request_checkpoint(self, reason: str) -> dict[str, Any]:
+        """Decide the step every rank saves at: the fastest rank's step plus a lead."""
+        with self.lock:
+            ranks = [r for n in self._live_nodes() for r in n.summary.ranks if r.connected]
+            if not ranks:
+                raise LookupError("no rank is connected to any node of this job")
+            top = max(r.step for r in ranks)
+            step_s = max((r.step_seconds for r in ranks), default=0.0)
+            lead = max(2, math.ceil(self.policy.checkpoint_lead_seconds / step_s)) if step_s > 0 else 2
+            pending = [d for d in self.decisions if d["kind"] == "checkpoint" and d["step"] > top]
+            if pending:  # a duplicate: the pending request already covers it
+                return pending[-1]
+            return self._decide("checkpoint", step=top + lead, reason=reason)
+
+    def _decide(self, kind: str, *, node: str = "", step: int = 0, reason: str) -> dict[str, Any]:
+        if kind == "exclude":
+            self.generation += 1
+        d = {"id": f"{kind}-{len(self.decisions) + 1}", "kind": kind, "node": node,
+             "generation": self.generation, "step": step, "reason": reason,
+             "decided_at": self.clock()}
+        self.decisions.append(d)
+        log.warning("DECISION %s: %s%s%s", d["id"], kind, f" node {node}" if node else "",
+                    f" at step {step}" if kind == "checkpoint" else f" ({reason})")
+        return d
+
+    def exclude(self, node: str, reason: str) -> dict[str, Any] | None:
+        """Exclude ``node`` and request a restart, unless the job would fall below its minimum."""
+        with self.lock:
+            if node in self.excluded:
+                return None
+            remaining = [n for n in self.nodes if n not in self.excluded and n != node]
+            if len(remaining) < self.policy.min_nodes:
+                log.warning("not excluding node %s (%s): %d node(s) would remain, below the "
+                            "minimum of %d", node, reason, len(remaining), self.policy.min_nodes)
+                return None
+            self.excluded[node] = reason
+            d = self._decide("exclude", node=node, reason=reason)
+            steps = {n: max((r.step for r in v.summary.ranks), default=-1)
+                     for n, v in self.nodes.items()}
+        inc = self.incidents.add(kind="restart", node=node, rank=-1, step=max(steps.values(), default=-1),
+                                 detected_at=d["decided_at"],
+                                 detail={"generation": d["generation"], "excluded": node,
+                                         "reason": reason, "decision": d["id"],
+                                         "started_at": d["decided_at"]})
+        with self.lock:
+            self._restart = _Restart(inc, d["decided_at"], steps)
+        return d
+
+    # -- evaluation -------------------------------------------------------------
+    def evaluate(self) -> None:
+        """Run the job-wide detectors and the policy once."""
+        now = self.clock()
+        self._check_dead(now)
+        self._check_gpu(now)
+        self._check_hang(now)
+        self._check_stragglers(now)
+        self._check_recovered(now)
+
+    def _live_nodes(self) -> list[_Node]:
+        return [n for name, n in self.nodes.items() if name not in self.excluded]
+
+    def progress(self, now: float) -> list[RankProgress]:
+        """Every included rank's progress on the coordinator's clock."""
+        out = []
+        with self.lock:
+            for name, n in self.nodes.items():
+                if name in self.excluded:
+                    continue
+                silent_node = now - n.received_at > self.policy.node_timeout_seconds
+                for r in n.summary.ranks:
+                    out.append(RankProgress(
+                        rank=r.rank, node=name, step=r.step, step_seconds=r.step_seconds,
+                        steps_completed=r.steps_completed, activity=r.activity or "train",
+                        progress_at=r.progress_at + n.offset,
+                        last_seen=min(r.last_seen + n.offset, n.received_at) if silent_node
+                        else r.last_seen + n.offset,
+                        connected=r.connected and not silent_node, exited_cleanly=r.exited_cleanly,
+                        group_seqs=dict(r.group_seqs),
+                        inflight=({"op": r.inflight.op, "group": r.inflight.group,
+                                   "seq": r.inflight.seq, "since": r.inflight.since + n.offset}
+                                  if r.HasField("inflight") else None),
+                        stacks=r.stacks or None))
+        return out
+
+    def _rank(self, node: str, rank: int) -> pb.RankSummary | None:
+        n = self.nodes.get(node)
+        return next((r for r in n.summary.ranks if r.rank == rank), None) if n else None
+
+    def _check_hang(self, now: float) -> None:
+        views = self.progress(now)
+        verdict = detect_hang(now, views, self.hang) if views else None
+        if verdict is None:
+            if self._open_hang is not None:
+                log.info("job progress resumed after %s", self._open_hang["id"])
+                self._open_hang["detail"].setdefault("resolved_at", now)
+                self._open_hang = None
+            return
+        if self._open_hang is not None:
+            return
+        c = verdict.culprit
+        with self.lock:
+            summ = self._rank(c.node, c.rank)
+            node = self.nodes.get(c.node)
+            silent_node = node is None or now - node.received_at > self.policy.node_timeout_seconds
+        alive = None if silent_node else bool(summ and summ.alive)
+        stopped = bool(summ and summ.stopped) and not silent_node
+        fresh = summ.stacks if summ and summ.stacks and now - (summ.stacks_at + node.offset) < 10 else None
+        detail = {"collective": verdict.collective, "alive": alive, "stopped": stopped,
+                  "stacks": fresh, "reason": verdict.reason, "pid": summ.pid if summ else None,
+                  "stalled_seconds": round(verdict.stalled_for, 3),
+                  "allowance_seconds": round(verdict.allowance, 3),
+                  "silent_ranks": verdict.silent, "inflight": c.inflight,
+                  "nodes": sorted(self.nodes), "scope": "job"}
+        if fresh is None:
+            detail["stacks_note"] = ("the node's agent is silent" if silent_node else
+                                     "the process is stopped (SIGSTOP): its threads cannot run"
+                                     if stopped else "no fresh stacks from the rank")
+        self._open_hang = self.incidents.add(kind="hang", node=c.node, rank=c.rank, step=c.step,
+                                             detected_at=now, detail=detail)
+        log.warning("JOB HANG: rank %d on node %s %s; others wait in %s", c.rank, c.node,
+                    verdict.reason, verdict.collective)
+        if self.policy.exclude_hung and self.exclude(c.node, f"hang: rank {c.rank} {verdict.reason}"):
+            self._open_hang["detail"]["resolved_at"] = self.clock()
+
+    def _check_dead(self, now: float) -> None:
+        with self.lock:
+            dead = []
+            for name, n in self.nodes.items():
+                if name in self.excluded or name in self.dead:
+                    continue
+                ranks = n.summary.ranks
+                silent = now - n.received_at > self.policy.node_timeout_seconds
+                crashed = bool(ranks) and all(not r.connected and not r.exited_cleanly and not r.alive
+                                              for r in ranks)
+                others_live = any(now - m.received_at <= self.policy.node_timeout_seconds
+                                  for k, m in self.nodes.items() if k != name)
+                if crashed or (silent and others_live):
+                    dead.append((name, "its agent went silent" if silent else "all its ranks died"))
+            for name, _ in dead:
+                self.dead.add(name)
+        for name, why in dead:
+            log.warning("node %s is dead: %s", name, why)
+            if self.policy.exclude_dead:
+                self.exclude(name, f"node dead: {why}")
+
+    def _check_gpu(self, now: float) -> None:
+        with self.lock:
+            fatal = [(name, json.loads(i.detail_json or "{}")) for name, n in self.nodes.items()
+                     if name not in self.excluded for i in n.summary.incidents if i.kind == "gpu_fault"]
+        for name, detail in fatal:
+            if self.policy.exclude_gpu_fatal:
+                self.exclude(name, f"fatal GPU fault on gpu {detail.get('gpu')}: "
+                                   f"{detail.get('reason') or detail.get('action')}")
+
+    def _check_stragglers(self, now: float) -> None:
+        with self.lock:
+            ranks = [(name, r) for name, n in self.nodes.items() if name not in self.excluded
+                     for r in n.summary.ranks if r.connected]
+        if len(ranks) < 2 or len({name for name, _ in ranks}) < 2:
+            return  # one node: its own agent decides
+        done = min(r.steps_completed for _, r in ranks)
+        if done <= self._evaluated_steps:
+            return
+        self._evaluated_steps = done
+        work = [RankWork(rank=r.rank, node=name, step=r.step, own=list(r.own_work),
+                         data=list(r.data_wait), wait=list(r.comm_wait),
+                         step_seconds=r.step_seconds, completed=r.steps_completed)
+                for name, r in ranks]
+        for ev in self._stragglers.update(work, done):
+            s = ev.score
+            if ev.kind == "cleared":
+                continue
+            self.incidents.add(kind="straggler", node=ev.work.node, rank=s.rank, step=ev.work.step,
+                               detected_at=now,
+                               detail={"cause": s.cause, "slowdown": round(s.slowdown, 4),
+                                       "excess_seconds": round(s.excess_seconds, 6),
+                                       "cost": {"speedup_if_removed": round(s.speedup, 4),
+                                                "step_seconds": round(ev.work.step_seconds, 6)},
+                                       "scope": "job"})
+
+    def _check_recovered(self, now: float) -> None:
+        """Close a restart once every included node's ranks completed a step after it."""
+        r = self._restart
+        if r is None:
+            return
+        with self.lock:
+            nodes = self._live_nodes()
+            back = bool(nodes) and all(
+                any(x.connected and x.progress_at + n.offset > r.started_at and x.steps_completed > 0
+                    for x in n.summary.ranks) for n in nodes)
+        if back:
+            r.incident["detail"]["recovered_after_seconds"] = round(now - r.started_at, 3)
+            log.info("job back to training %.1fs after %s", now - r.started_at,
+                     r.incident["detail"]["decision"])
+            self._restart = None
+
+    # -- views ------------------------------------------------------------------
+    def job_incidents(self) -> list[dict[str, Any]]:
+        """Incidents the nodes raised themselves (gpu_fault, checkpoint, rank_exit)."""
+        out = []
+        with self.lock:
+            for n in self.nodes.values():
+                for i in n.summary.incidents:
+                    out.append({"id": i.id, "kind": i.kind, "node": i.node, "rank": i.rank,
+                                "step": i.step, "detected_at": i.detected_at + n.offset,
+                                "detail": json.loads(i.detail_json or "{}")})
+        return out
+
+    def node_states(self) -> dict[str, str]:
+        with self.lock:
+            return {n: "excluded" if n in self.excluded else "dead" if n in self.dead else "ok"
+                    for n in self.nodes}
+
+    def rank_summaries(self) -> list[tuple[str, pb.RankSummary, bool]]:
+        """(node, rank summary, node excluded) for every rank the coordinator knows."""
+        with self.lock:
+            return [(name, r, name in self.excluded) for name, n in sorted(self.nodes.items())
+                    for r in n.summary.ranks]
+
+
+def _decision_pb(d: dict[str, Any]) -> pb.Decision:
+    return pb.Decision(id=d["id"], kind=d["kind"], node=d["node"], generation=d["generation"],
+                       step=d["step"], reason=d["reason"], decided_at=d["decided_at"])
+
+
+def decision_dict(d: pb.Decision) -> dict[str, Any]:
+    return {"id": d.id, "kind": d.kind, "node": d.node, "generation": d.generation,
+            "step": d.step, "reason": d.reason, "decided_at": d.decided_at}
+
+
+def _incident_pb(inc: dict[str, Any]) -> pb.Incident:
+    return pb.Incident(id=inc["id"], kind=inc["kind"], node=inc["node"], rank=inc["rank"],
+                       step=inc["step"], detected_at=inc["detected_at"],
+                       detail_json=json.dumps(inc["detail"]))

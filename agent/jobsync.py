@@ -1,0 +1,197 @@
+"""A node agent's links to the rest of the job: its coordinator and its ranks' command streams.
+
+``JobLink`` sends the node's summary to the coordinator a few times a second
+and applies the reply: the coordinator's decisions (checkpoint at a step,
+exclusions, restart generations) and the job incidents that concern this node.
+The coordinator is the first reachable agent of the ``--coordinator`` list
+(in node-rank order), so the death of the coordinator's node hands the role on.
+With no list, the agent coordinates its own node alone.
+
+``CommandHub`` holds each rank's command stream (``Commands`` RPC): a
+checkpoint decision is sent to every rank, and replayed to a rank that
+connects later while its step is still ahead.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from rankwatch.agent.address import Address
+from rankwatch.agent.coordinator import decision_dict
+from rankwatch.proto import pb, pb_grpc
+
+if TYPE_CHECKING:
+    from rankwatch.agent.server import Agent
+
+__all__ = ["CommandHub", "JobLink", "forward_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+_RPC_TIMEOUT = 1.0
+_INCIDENTS_SENT = 50
+
+
+class CommandHub:
+    """Per-rank command queues; checkpoint decisions fan out to every rank."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[int, queue.Queue] = {}
+        self._checkpoints: dict[str, pb.Command] = {}
+
+    def publish_checkpoint(self, decision: dict[str, Any]) -> None:
+        cmd = pb.Command(id=decision["id"], checkpoint=pb.CheckpointCommand(
+            step=decision["step"], reason=decision["reason"]))
+        with self._lock:
+            if decision["id"] in self._checkpoints:
+                return
+            self._checkpoints[decision["id"]] = cmd
+            targets = list(self._queues.values())
+        for q in targets:
+            q.put(cmd)
+
+    def stream(self, rank: int, context: grpc.ServicerContext,
+               current_step: Callable[[], int]) -> Iterator[pb.Command]:
+        """Yield commands for ``rank`` until its stream closes."""
+        q: queue.Queue = queue.Queue()
+        with self._lock:
+            old = self._queues.get(rank)
+            self._queues[rank] = q
+            backlog = list(self._checkpoints.values())
+        if old is not None:
+            old.put(None)  # a restarted rank replaces its old stream
+        step = current_step()
+        for cmd in backlog:
+            if cmd.checkpoint.step > step:
+                q.put(cmd)
+        try:
+            while context.is_active():
+                try:
+                    cmd = q.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if cmd is None:
+                    return
+                yield cmd
+        finally:
+            with self._lock:
+                if self._queues.get(rank) is q:
+                    del self._queues[rank]
+
+
+class JobLink:
+    """Args:
+        agent: this node's agent.
+        candidates: coordinator agents in node-rank order (may include this agent).
+        interval: seconds between summaries.
+    """
+
+    def __init__(self, agent: Agent, candidates: list[Address], interval: float = 0.25) -> None:
+        self.agent = agent
+        self.candidates = candidates
+        self.interval = interval
+        self.acting = not candidates
+        self.coordinator_node = agent.config.node_id if not candidates else ""
+        self.coordinator_addr: Address | None = None
+        self.last_ok = 0.0
+        self.decisions: list[dict[str, Any]] = []
+        self.generation = 0
+        self._seq = 0
+        self._channels: dict[str, grpc.Channel] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- lifecycle --------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="rankwatch-sync", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)
+        for ch in self._channels.values():
+            ch.close()
+
+    def coordinated(self, now: float) -> bool:
+        """True while another agent coordinates this node and answers."""
+        return not self.acting and now - self.last_ok < self.agent.config.policy.node_timeout_seconds
+
+    # -- the loop ---------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.sync_once()
+            except Exception:  # noqa: BLE001 - the agent never dies of a sync bug
+                log.exception("sync with the coordinator failed")
+
+    def sync_once(self) -> None:
+        summary = self.agent.summary(self._next_seq())
+        for addr in self.candidates or [None]:
+            if addr is None or self.agent.serves(addr):
+                reply = self.agent.coordinator.sync(summary)
+                self._took_role(True, addr)
+            else:
+                try:
+                    reply = pb_grpc.AgentStub(self._channel(addr)).Sync(summary, timeout=_RPC_TIMEOUT)
+                except grpc.RpcError as exc:
+                    log.debug("coordinator candidate %s: %s", addr, exc.code().name)
+                    continue
+                self._took_role(False, addr)
+            self.last_ok = time.time()
+            self.apply(reply)
+            return
+        if self.last_ok and time.time() - self.last_ok > 5:
+            log.warning("no coordinator answers (%s)", ", ".join(map(str, self.candidates)))
+
+    def _took_role(self, acting: bool, addr: Address | None) -> None:
+        if acting != self.acting:
+            log.warning("this agent %s the job's coordinator", "is now" if acting else "is no longer")
+        self.acting, self.coordinator_addr = acting, addr
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _channel(self, addr: Address) -> grpc.Channel:
+        key = str(addr)
+        if key not in self._channels:
+            self._channels[key] = grpc.insecure_channel(addr.grpc_target())
+        return self._channels[key]
+
+    # -- applying the coordinator's reply ---------------------------------------
+    def apply(self, reply: pb.SyncReply) -> None:
+        self.coordinator_node = reply.coordinator
+        known = {d["id"] for d in self.decisions}
+        fresh = [decision_dict(d) for d in reply.decisions if d.id not in known]
+        self.decisions.extend(fresh)
+        for d in fresh:
+            if d["kind"] == "checkpoint":
+                self.agent.commands.publish_checkpoint(d)
+            elif d["kind"] == "exclude":
+                self.agent.on_exclusion(d)
+            self.generation = max(self.generation, d["generation"])
+        if not self.acting:
+            for inc in reply.incidents:
+                self.agent.on_job_incident(reply.coordinator, inc)
+
+
+def forward_checkpoint(addr: Address, reason: str) -> pb.CheckpointReply:
+    """Ask the agent at ``addr`` for a checkpoint (raises grpc.RpcError)."""
+    with grpc.insecure_channel(addr.grpc_target()) as ch:
+        return pb_grpc.AgentStub(ch).RequestCheckpoint(pb.CheckpointRequest(reason=reason),
+                                                       timeout=3 * _RPC_TIMEOUT)
+
+
+def summary_incidents(items: list[dict[str, Any]], node: str) -> list[dict[str, Any]]:
+    """This node's own incidents a coordinator needs (newest first, bounded)."""
+    own = [i for i in items if i["node"] == node and i["kind"] in ("gpu_fault", "checkpoint", "rank_exit")
+           and "/" not in i["id"]]
+    return own[-_INCIDENTS_SENT:]
