@@ -1,0 +1,79 @@
+"""Several "nodes" on one machine: one agent and one torchrun each, joined by c10d rendezvous.
+
+Node ``n0``'s agent also listens on loopback TCP and is every agent's
+coordinator candidate, as ``rankwatch agent --coordinator`` would be set on
+a real cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import AgentProcess
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, tmp: Path, nodes: int, agent_args: tuple[str, ...] = ()) -> None:
+        self.tmp = tmp
+        self.coord = f"127.0.0.1:{free_port()}"
+        self.rdzv_port = free_port()
+        self.agents: list[AgentProcess] = []
+        self.jobs: list[subprocess.Popen] = []
+        for i in range(nodes):
+            extra = (["--listen", self.coord] if i == 0 else []) + ["--coordinator", self.coord,
+                                                                    *agent_args]
+            self.agents.append(AgentProcess(tmp / f"n{i}.sock", node=f"n{i}", extra=tuple(extra)))
+
+    def __enter__(self) -> Cluster:
+        for a in self.agents:
+            a.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for job in self.jobs:
+            if job.poll() is None:
+                try:
+                    os.killpg(job.pid, signal.SIGCONT)
+                    os.killpg(job.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                job.wait(30)
+        for a in self.agents:
+            a.stop()
+
+    def torchrun(self, node: int, nnodes: str, nproc: int, *train_args: str, launcher: str = "torchrun",
+                 rdzv_conf: str = "", env: dict | None = None, launcher_args: tuple[str, ...] = ()
+                 ) -> subprocess.Popen:
+        """Start node ``node``'s torchrun (or ``rankwatch run``) of the harness."""
+        agent = self.agents[node]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKWATCH_AGENT": str(agent.addr),
+                    "RANKWATCH_NODE_ID": agent.node, **(env or {})}
+        tr = ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{self.rdzv_port}", "--rdzv-id", "job",
+              *(["--rdzv-conf", rdzv_conf] if rdzv_conf else []), *launcher_args,
+              "-m", "rankwatch.hooks.train", *train_args]
+        if launcher == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", *tr]
+        else:
+            cmd = [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr),
+                   "--node-id", agent.node, "--", *tr]
+        log = open(self.tmp / f"job-n{node}.log", "a")
+        job = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+        self.jobs.append(job)
+        return job
+
+    @property
+    def coordinator(self) -> AgentProcess:
+        return self.agents[0]

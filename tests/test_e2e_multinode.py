@@ -1,0 +1,109 @@
+"""Two torchrun "nodes" with their own agents: the coordinator names a culprit on the other node."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import wait_for
+from multinode import Cluster
+
+pytestmark = pytest.mark.e2e
+
+# The hang tests keep both nodes (no exclusion): they are about naming the culprit.
+_KEEP = ("--min-nodes", "2")
+
+
+def job_hangs(cluster):
+    return [i for i in cluster.coordinator.status()["incidents"] if i["kind"] == "hang"]
+
+
+def running(cluster, min_step):
+    ranks = cluster.coordinator.status()["ranks"]
+    return (len(ranks) == 2 and {r["node"] for r in ranks} == {"n0", "n1"}
+            and min(r["step"] for r in ranks) >= min_step and ranks)
+
+
+def start(cluster, *n1_args, steps="400"):
+    for node in (0, 1):
+        cluster.torchrun(node, "2", 1, "--steps", steps, "--log-every", "0",
+                         *(n1_args if node == 1 else ()))
+
+
+def test_sigstopped_worker_on_second_node(tmp_path):
+    with Cluster(tmp_path, 2, _KEEP) as c:
+        start(c, steps="5000")
+        ranks = wait_for(lambda: running(c, 10), 120, what="both nodes training")
+        victim = next(r for r in ranks if r["node"] == "n1")
+        os.kill(victim["pid"], signal.SIGSTOP)
+        t0 = time.monotonic()
+        (inc,) = wait_for(lambda: job_hangs(c), 20, interval=0.1, what="job hang incident")
+        latency = time.monotonic() - t0
+        assert latency < 10.0, latency
+        assert (inc["node"], inc["rank"]) == ("n1", victim["rank"]), inc
+        d = inc["detail"]
+        assert d["alive"] is True and d["stopped"] is True and d["pid"] == victim["pid"], d
+        # The culprit's own node agent got the job's verdict too, and marks its rank hung.
+        n1 = wait_for(lambda: (s := c.agents[1].status())["ranks"][0]["state"] == "hung" and s, 3,
+                      what="the verdict on n1's agent")
+        assert any(i["kind"] == "hang" and i["rank"] == victim["rank"] for i in n1["incidents"])
+        assert n1["coordinator_node"] == "n0"
+        # n0 raised no hang of its own about its waiting rank.
+        n0_hangs = [i for i in job_hangs(c) if i["node"] == "n0"]
+        assert n0_hangs == []
+        os.kill(victim["pid"], signal.SIGCONT)
+        print(f"cross-node SIGSTOP hang named after {latency:.2f}s")
+
+
+def test_desync_on_second_node(tmp_path):
+    with Cluster(tmp_path, 2, _KEEP) as c:
+        start(c, "--fault", "skip_collective:-1:30:60")
+        (inc,) = wait_for(lambda: job_hangs(c), 120, interval=0.2, what="job hang incident")
+        n1_rank = next(r["rank"] for r in c.agents[1].status()["ranks"])
+        assert (inc["node"], inc["rank"]) == ("n1", n1_rank), inc
+        d = inc["detail"]
+        assert "behind" in d["reason"], d
+        assert d["collective"]["op"] == "all_reduce" and d["collective"]["seq"] > 0, d
+
+
+def test_stuck_in_python_on_second_node(tmp_path):
+    with Cluster(tmp_path, 2, _KEEP) as c:
+        start(c, "--fault", "sleep_forward:-1:25:20", steps="40")
+        (inc,) = wait_for(lambda: job_hangs(c), 120, interval=0.2, what="job hang incident")
+        assert inc["node"] == "n1", inc
+        assert "_injected_sleep_in_forward" in (inc["detail"]["stacks"] or ""), inc["detail"]
+        assert inc["detail"]["alive"] and not inc["detail"]["stopped"]
+
+
+def test_checkpoint_on_demand_saves_one_step_on_every_node(tmp_path):
+    ck = tmp_path / "ck"
+    with Cluster(tmp_path, 2) as c:
+        for node in (0, 1):
+            c.torchrun(node, "2", 1, "--steps", "5000", "--log-every", "0", "--checkpoint-dir", str(ck))
+        wait_for(lambda: running(c, 20), 120, what="both nodes training")
+        # Asked through the second node's agent: it forwards to the coordinator.
+        from rankwatch.agent.jobsync import forward_checkpoint
+
+        reply = forward_checkpoint(c.agents[1].addr, "test")
+        assert reply.accepted, reply.message
+        again = forward_checkpoint(c.agents[0].addr, "duplicate")
+        assert again.id == reply.id and again.step == reply.step  # a duplicate is not a second save
+
+        def saved():
+            per_node = {}
+            for a in c.agents:
+                per_node[a.node] = [i for i in a.status()["incidents"] if i["kind"] == "checkpoint"]
+            return all(per_node.values()) and per_node
+
+        per_node = wait_for(saved, 60, what="checkpoint incidents on both nodes")
+        steps = {i["step"] for incs in per_node.values() for i in incs}
+        assert steps == {reply.step}, (steps, reply.step)
+        assert all(i["detail"]["ok"] and i["detail"]["request"] == reply.id
+                   for incs in per_node.values() for i in incs)
+        assert (ck / f"step_{reply.step:08d}" / "COMPLETE").is_file()
+        status = c.coordinator.status()
+        assert status["coordinator"] and status["goodput"] is not None
+        assert status["time_seconds"]["checkpoint"] > 0
