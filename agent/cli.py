@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 from rankwatch import __version__
@@ -42,6 +43,15 @@ def _positive(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{value} must be positive")
     return value
+
+
+def _gpu_source(text: str) -> tuple[str, object]:
+    from rankwatch.agent.gpu import parse_gpu_source
+
+    try:
+        return parse_gpu_source(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _port(text: str) -> int:
@@ -79,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "Default: this agent coordinates its own node alone")
     a.add_argument("--min-nodes", type=int, default=1, metavar="N",
                    help="never exclude a node if fewer would remain (torchrun's --nnodes MIN)")
+    a.add_argument("--gpu-source", type=_gpu_source, default="auto", metavar="{auto,nvml,none,script:PATH}",
+                   help="GPU health: NVML, none, or a fault script (JSON); auto (default) uses NVML "
+                        "if it initialises, else none")
+    a.add_argument("--dcgm-url", default=None, metavar="URL",
+                   help="scrape this dcgm-exporter /metrics for GPU health instead of NVML")
+    a.add_argument("--gpu-interval", type=_positive, default=None, metavar="SECONDS",
+                   help="between GPU readings (default 5; 0.5 for a script)")
 
     r = sub.add_parser("run", help="run torchrun with rankwatch wired in",
                        usage="rankwatch run [--agent ADDR] [--node-id ID] -- <torchrun args>")
@@ -124,15 +141,20 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     state_dir = args.state_dir or Path(f"/tmp/rankwatch-{os.getuid()}") / node
     from rankwatch.agent.coordinator import PolicyConfig
 
+    from rankwatch.agent.gpu import GpuConfig
+
     try:
         policy = PolicyConfig(min_nodes=args.min_nodes)
+        kind, script = args.gpu_source
+        gpu = GpuConfig(source=kind, script=script, dcgm_url=args.dcgm_url,
+                        interval=timedelta(seconds=args.gpu_interval) if args.gpu_interval else None)
     except ValueError as exc:
         print(f"rankwatch agent: {exc}", file=sys.stderr)
         return 2
     agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=args.metrics_port,
                               metrics_addr=args.metrics_addr, state_dir=state_dir,
                               hang=HangConfig(floor_seconds=args.hang_floor),
-                              coordinators=args.coordinator, policy=policy))
+                              coordinators=args.coordinator, policy=policy, gpu=gpu))
     try:
         agent.start()
     except (RuntimeError, OSError) as exc:

@@ -21,6 +21,8 @@ from rich.live import Live
 
 from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, resolve
 from rankwatch.agent.client import AgentUnreachable, fetch_status, reachable
+from rankwatch.agent.gpu import DEMO_SCRIPT, GpuConfig, GpuEvent, load_script
+from rankwatch.agent.gpu.view import gpu_timeline
 from rankwatch.agent.run import DEFAULT_METRICS_PORT, _port_free
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.agent.view import rank_table, timeline
@@ -35,11 +37,15 @@ def run_demo(steps: int = 120, live: bool = True, out: Console | None = None) ->
     console = out or Console(width=None if sys.stdout.isatty() else 140)
     addr = resolve(None)
     agent = None
+    gpu_events: list[GpuEvent] = []
     if reachable(addr):
         console.print(f"[yellow]an agent already answers at {addr}; the demo reports to it[/]")
     else:
         port = DEFAULT_METRICS_PORT if _port_free(DEFAULT_METRICS_PORT) else 0
-        agent = Agent(AgentConfig(node_id=_NODE, listen=[addr], metrics_port=port))
+        # Scripted GPUs: GPU 2 (rank 2's) throttles on heat, GPU 1 gathers corrected ECC errors.
+        agent = Agent(AgentConfig(node_id=_NODE, listen=[addr], metrics_port=port,
+                                  gpu=GpuConfig(source="script", script=load_script(DEMO_SCRIPT))))
+        agent.gpu_listeners.append(gpu_events.append)
         agent.start()
         console.print(f"agent [bold]{_NODE}[/] at {addr}; metrics at "
                       f"http://127.0.0.1:{agent.metrics_port}/metrics")
@@ -72,6 +78,8 @@ def run_demo(steps: int = 120, live: bool = True, out: Console | None = None) ->
     if status is not None:
         console.print(rank_table(status, title="final view"))
         console.print(timeline(status, started))
+    if gpu_events:
+        console.print(gpu_timeline(gpu_events, started))
     rc = job.returncode
     console.print(f"job exited with {rc} after {time.time() - started:.0f} s")
     if agent is not None:

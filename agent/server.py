@@ -27,6 +27,7 @@ from rankwatch.agent.coordinator import Coordinator, PolicyConfig, decision_dict
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang
 from rankwatch.agent.host import HostCollector
 from rankwatch.agent.goodput import Goodput
+from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
 from rankwatch.agent.incidents import IncidentLog
 from rankwatch.agent.jobmetrics import JobCollector
 from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint, summary_incidents
@@ -56,13 +57,14 @@ class AgentConfig:
         coordinators: the job's coordinator candidates, in node-rank order (this agent's own
             address may be among them); empty: this agent coordinates its node alone.
         policy: the coordinator's policy (exclusions, minimum nodes).
+        gpu: GPU health source and thresholds (default: NVML if it initialises, else none).
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
                  metrics_addr: str = "0.0.0.0", state_dir: Path | None = None,
                  hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
                  coordinators: list[Address] | None = None, policy: PolicyConfig | None = None,
-                 sync_interval: float = 0.25) -> None:
+                 sync_interval: float = 0.25, gpu: GpuConfig | None = None) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -75,6 +77,7 @@ class AgentConfig:
         self.coordinators = list(coordinators or [])
         self.policy = policy or PolicyConfig()
         self.sync_interval = sync_interval
+        self.gpu = gpu or GpuConfig()
 
 
 class Agent:
@@ -99,6 +102,9 @@ class Agent:
         self.registry.register(NodeCollector(self.state))
         self.registry.register(JobCollector(self))
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
+        self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
+        self.gpu_listeners = self.gpu.listeners  # called with every fatal and risk GpuEvent
+        self.registry.register(GpuCollector(self.gpu))
         self._grpc: grpc.Server | None = None
         self._http: Any = None
         self.metrics_port: int | None = None
@@ -117,6 +123,7 @@ class Agent:
         self._otel = otel.install(self)
         try:
             self._start_grpc()
+            self.gpu.start()
         except BaseException:
             self.stop(timedelta(0))
             raise
@@ -150,6 +157,7 @@ class Agent:
     def stop(self, grace: timedelta = timedelta(seconds=1)) -> None:
         self._stopped.set()
         self.link.stop()
+        self.gpu.stop()
         if self._detector is not None:
             self._detector.join(2)
         if self._grpc is not None:
@@ -519,6 +527,17 @@ class Agent:
         self.commands.publish_checkpoint(d)
         return pb.CheckpointReply(accepted=True, step=d["step"], id=d["id"],
                                   message=f"every rank saves after step {d['step']}")
+
+    def gpu_throttle_for_rank(self, rank: int) -> list[str]:
+        """Slowdown reasons active on the GPU this node's ``rank`` uses; [] if none or no GPU."""
+        r = self.state.ranks.get(rank)
+        return self.gpu.throttle_for_rank(r.device, r.local_rank) if r is not None else []
+
+    def _rank_devices(self) -> list[RankDevice]:
+        """The node's ranks that are streaming, or were in the last minute (a GPU fault may kill them)."""
+        now = self.state.clock()
+        return [RankDevice(r.rank, r.device, r.local_rank, r.step) for r in self.state.snapshot()
+                if r.connected or now - r.last_seen < 60]
 
     def _rank_pids(self) -> dict[int, int]:
         return {r.rank: r.pid for r in self.state.snapshot() if r.connected}

@@ -1,0 +1,230 @@
+"""The GPU monitor: reads a source, keeps the latest readings, turns faults into incidents.
+
+Two threads: one reads every GPU each interval and compares with the previous
+reading; one waits for XID events.  Findings (see :mod:`.faults`) name the ranks
+that use the GPU.  Fatal ones become ``gpu_fault`` incidents, and every finding
+goes to the listeners as a :class:`GpuEvent`.
+
+Which ranks use a GPU: a rank reports its ``device`` and ``local_rank``.  With
+``cuda:N`` it uses GPU N; otherwise (a device name such as "NVIDIA H100 80GB HBM3",
+or "cpu" in a CPU job driven by a scripted source) GPU ``local_rank``, the
+torchrun convention.  The index is taken as the node's NVML index, which holds
+when the ranks see every GPU in PCI bus order (``CUDA_VISIBLE_DEVICES`` unset,
+or a plain 0,1,2,... list, and ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).  A rank that
+sees a remapped subset names the wrong GPU; reporting the GPU's UUID from the
+rank would remove that assumption.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from rankwatch.agent.gpu.base import SLOWDOWN_REASONS, GpuReading, GpuSource, XidEvent
+from rankwatch.agent.gpu.config import GpuConfig, open_source
+from rankwatch.agent.gpu.faults import Finding, ThrottleTracker, compare, xid_finding
+from rankwatch.agent.gpu.xid import describe
+from rankwatch.agent.incidents import IncidentLog
+
+__all__ = ["GpuEvent", "GpuMonitor", "RankDevice", "gpu_of"]
+
+log = logging.getLogger(__name__)
+
+_CUDA = re.compile(r"cuda:(\d+)")
+_EVENT_WAIT = timedelta(milliseconds=500)
+
+
+@dataclass(frozen=True)
+class RankDevice:
+    """What the monitor needs to know of a rank on this node."""
+
+    rank: int
+    device: str
+    local_rank: int
+    step: int
+
+
+@dataclass(frozen=True)
+class GpuEvent:
+    """A fatal fault or a risk on one of this node's GPUs, for the agent's listeners."""
+
+    node: str
+    gpu: int
+    kind: str
+    """"fatal" (the GPU cannot go on: restart, reset or reboot) or "risk" (an early sign)."""
+    reason: str
+    """xid, gpu_lost, ecc_uncorrected, row_remap_failed, ecc_corrected, row_remap_pending, throttle."""
+    xid: int | None
+    action: str
+    """reboot, reset_gpu, restart_app; none for most risks; unknown for an unknown XID."""
+    ranks: tuple[int, ...]
+    at: float
+    """Unix time."""
+    uuid: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+    """What was seen, e.g. {"new_errors": 3, "total": 12} or {"throttle": ["hw_thermal_slowdown"]}."""
+    incident: dict[str, Any] | None = None
+    """The ``gpu_fault`` incident recorded for it, if any."""
+
+
+def gpu_of(device: str, local_rank: int) -> int:
+    """The GPU index a rank uses (see the module docstring)."""
+    m = _CUDA.fullmatch(device.strip())
+    return int(m.group(1)) if m else local_rank
+
+
+class GpuMonitor:
+    """Args:
+        node: this node's id.
+        config: the source and thresholds.
+        incidents: where ``gpu_fault`` incidents go.
+        ranks: this node's current ranks.
+        clock: Unix time, injected for tests.
+        source: used instead of the one ``config`` names (tests).
+    """
+
+    def __init__(self, node: str, config: GpuConfig, incidents: IncidentLog,
+                 ranks: Callable[[], list[RankDevice]], clock: Callable[[], float] = time.time,
+                 source: GpuSource | None = None) -> None:
+        self.node, self.config = node, config
+        self.listeners: list[Callable[[GpuEvent], None]] = []
+        self._incidents, self._ranks, self._clock = incidents, ranks, clock
+        self._source: GpuSource | None = source
+        self._readings: dict[int, GpuReading] = {}
+        self._xid_counts: dict[tuple[int, int], int] = {}
+        self._throttle = ThrottleTracker(config.throttle_sustain)
+        self._last_reported: dict[tuple[int, str, int | None], float] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def source_name(self) -> str | None:
+        return self._source.name if self._source is not None else None
+
+    # -- lifecycle --------------------------------------------------------------
+    def start(self) -> None:
+        """Open the source and start reading.
+
+        Raises:
+            NvmlUnavailable: the config asks for NVML and there is none.
+        """
+        if self._source is None:
+            self._source = open_source(self.config)
+        if self._source is None:
+            return
+        self.poll()  # the first reading is there before the agent serves
+        self._threads = [threading.Thread(target=self._poll_loop, name="rankwatch-gpu-poll", daemon=True),
+                         threading.Thread(target=self._event_loop, name="rankwatch-gpu-xid", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self, timeout: timedelta = timedelta(seconds=2)) -> None:
+        self._stopped.set()
+        for t in self._threads:
+            t.join(timeout.total_seconds())
+        if self._source is not None and not any(t.is_alive() for t in self._threads):
+            self._source.close()
+        self._threads = []
+
+    def _poll_loop(self) -> None:
+        while not self._stopped.wait(self.config.poll_interval.total_seconds()):
+            self.poll()
+
+    def _event_loop(self) -> None:
+        assert self._source is not None
+        while not self._stopped.is_set():
+            try:
+                events = self._source.events(_EVENT_WAIT)
+            except Exception:  # noqa: BLE001 - the agent never dies of a source bug
+                log.exception("GPU event source failed")
+                self._stopped.wait(_EVENT_WAIT.total_seconds())
+                continue
+            for ev in events:
+                self.on_xid(ev)
+
+    # -- inputs -----------------------------------------------------------------
+    def poll(self) -> None:
+        """Read every GPU once and act on what changed."""
+        assert self._source is not None
+        try:
+            readings = self._source.read()
+        except Exception:  # noqa: BLE001
+            log.exception("GPU source read failed")
+            return
+        now = self._clock()
+        findings: list[tuple[Finding, str]] = []
+        with self._lock:
+            for r in readings:
+                found = compare(self._readings.get(r.index), r)
+                throttle = self._throttle.update(r, now)
+                findings += [(f, r.uuid) for f in found + ([throttle] if throttle else [])]
+            self._readings = {r.index: r for r in readings}
+        for finding, uuid in findings:
+            self._report(finding, uuid, now)
+
+    def on_xid(self, event: XidEvent) -> None:
+        """Count an XID and act on it per the catalogue."""
+        with self._lock:
+            key = (event.gpu, event.xid)
+            self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
+            uuid = self._readings[event.gpu].uuid if event.gpu in self._readings else ""
+        finding = xid_finding(event)
+        if finding is None:
+            log.info("GPU %d: %s (catalogue: ignore)", event.gpu, describe(event.xid))
+            return
+        self._report(finding, uuid, event.at)
+
+    # -- outputs ----------------------------------------------------------------
+    def _report(self, f: Finding, uuid: str, at: float) -> None:
+        key = (f.gpu, f.reason, f.xid)
+        with self._lock:
+            last = self._last_reported.get(key)
+            if last is not None and at - last < self.config.repeat_cooldown.total_seconds():
+                return
+            self._last_reported[key] = at
+        ranks = [r for r in self._ranks() if gpu_of(r.device, r.local_rank) == f.gpu]
+        ranks.sort(key=lambda r: r.rank)
+        rank_ids = tuple(r.rank for r in ranks)
+        what = describe(f.xid) if f.xid is not None else f.reason.replace("_", " ")
+        incident = None
+        if f.incident:
+            detail = {"gpu": f.gpu, "uuid": uuid, "xid": f.xid, "action": f.action, "reason": f.reason,
+                      "ranks": list(rank_ids), "source": self.source_name, **f.detail}
+            incident = self._incidents.add(kind="gpu_fault", node=self.node,
+                                           rank=ranks[0].rank if ranks else -1,
+                                           step=ranks[0].step if ranks else -1, detected_at=at, detail=detail)
+        level = logging.WARNING if f.kind == "fatal" or f.incident else logging.INFO
+        log.log(level, "GPU %s %d: %s -> %s; ranks %s", "FAULT on" if f.kind == "fatal" else "risk on",
+                f.gpu, what, f.action, list(rank_ids) or "none")
+        event = GpuEvent(self.node, f.gpu, f.kind, f.reason, f.xid, f.action, rank_ids, at, uuid,
+                         dict(f.detail), incident)
+        for listener in list(self.listeners):
+            try:
+                listener(event)
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the others
+                log.exception("GPU event listener %r failed", listener)
+
+    # -- views ------------------------------------------------------------------
+    def readings(self) -> list[GpuReading]:
+        with self._lock:
+            return [self._readings[i] for i in sorted(self._readings)]
+
+    def xid_counts(self) -> dict[tuple[int, int], int]:
+        """(gpu, xid) -> XIDs seen since the agent started."""
+        with self._lock:
+            return dict(self._xid_counts)
+
+    def throttle_for_rank(self, device: str, local_rank: int) -> list[str]:
+        """Slowdown reasons active on the GPU a rank uses ([] if none, or no such GPU)."""
+        with self._lock:
+            reading = self._readings.get(gpu_of(device, local_rank))
+        if reading is None or not reading.up:
+            return []
+        return [r for r in reading.throttle or () if r in SLOWDOWN_REASONS]
