@@ -1,0 +1,114 @@
+#!/bin/bash
+# rankwatch Slurm prolog: start one rankwatch agent for the job on this node.
+#
+# slurm.conf:   Prolog=/etc/slurm/rankwatch/prolog.sh
+#               Epilog=/etc/slurm/rankwatch/epilog.sh
+#               PrologFlags=Alloc      # run on every node at allocation, before any step
+#
+# The agent runs as the job's user (its socket is mode 0600, so the job's ranks
+# can reach it), in a session of its own, and listens on
+#     $RUN_DIR/<job id>/agent.sock          (the job sets RANKWATCH_AGENT to it)
+# Its pid goes to $RUN_DIR/<job id>.pid (root's), its incidents and log to
+#     $STATE_DIR/<job id>/<node>/           (kept after the job by the epilog)
+# and one line per action to $LOG_FILE.
+#
+# Safe to run twice: an agent already up for the job is left alone.  It never
+# fails the job: whatever goes wrong is logged and the prolog exits 0 (a failing
+# prolog would drain the node), and `rankwatch run` starts a local agent when it
+# finds none.
+#
+# Settings are shell variables read from $RANKWATCH_SLURM_CONFIG, by default
+# /etc/default/rankwatch-slurm; slurmd gives prologs no PATH, so name the
+# rankwatch executable there unless it is on the standard PATH below.
+set -u
+umask 022
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+
+RANKWATCH=rankwatch                    # the rankwatch executable
+RUN_DIR=/run/rankwatch                 # sockets and pidfiles
+STATE_DIR=/var/lib/rankwatch/slurm     # incidents and agent logs, kept after the job
+LOG_FILE=/var/log/rankwatch/slurm.log  # what the prolog and epilog did
+METRICS_PORT=9478                      # 0 on nodes shared by several jobs (a free port each)
+AGENT_ARGS=""                          # more `rankwatch agent` flags, e.g. "--hang-floor 10"
+START_TIMEOUT=20                       # seconds to wait for the agent's socket
+config=${RANKWATCH_SLURM_CONFIG:-/etc/default/rankwatch-slurm}
+# shellcheck source=/dev/null
+[ -r "$config" ] && . "$config"
+
+job=${SLURM_JOB_ID:-}
+node=${SLURMD_NODENAME:-$(hostname -s)}
+uid=${SLURM_JOB_UID:-}
+gid=${SLURM_JOB_GID:-}
+
+log() {
+    mkdir -p "$(dirname "$LOG_FILE")" 2>/dev/null
+    printf '%s prolog job=%s node=%s %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$job" "$node" "$*" \
+        >>"$LOG_FILE" 2>/dev/null
+    return 0
+}
+
+case "$job" in ''|*[!0-9]*) log "error: SLURM_JOB_ID '$job' is not a job id"; exit 0 ;; esac
+case "$uid" in ''|*[!0-9]*) log "error: SLURM_JOB_UID '$uid' is not a uid"; exit 0 ;; esac
+[ -n "$gid" ] || gid=$(id -g "$uid" 2>/dev/null) || { log "error: no group for uid $uid"; exit 0; }
+
+sock_dir=$RUN_DIR/$job
+sock=$sock_dir/agent.sock
+pidfile=$RUN_DIR/$job.pid
+state=$STATE_DIR/$job/$node
+
+# The pid is this job's agent: the job user's `rankwatch agent` on this socket.
+is_job_agent() {
+    local pid=$1 cmdline
+    [ -r "/proc/$pid/cmdline" ] || return 1
+    [ "$(stat -c %u "/proc/$pid")" = "$uid" ] || return 1
+    cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline")
+    case "$cmdline" in *" agent "*"--listen $sock "*) return 0 ;; esac
+    return 1
+}
+
+if [ -r "$pidfile" ]; then
+    pid=$(cat "$pidfile")
+    if [ -n "$pid" ] && is_job_agent "$pid"; then
+        log "agent already running (pid $pid)"
+        exit 0
+    fi
+    log "removing stale pidfile (pid ${pid:-none} is not this job's agent)"
+    rm -f "$pidfile"
+fi
+
+# Root owns $RUN_DIR and the pidfile; the user owns only the socket's directory
+# and the state directory, which root never writes into.
+if ! install -d -m 0755 "$RUN_DIR" "$STATE_DIR/$job" \
+    || ! install -d -m 0700 -o "$uid" -g "$gid" "$sock_dir" \
+    || ! install -d -m 0750 -o "$uid" -g "$gid" "$state"; then
+    log "error: cannot create $sock_dir or $state"
+    exit 0
+fi
+rm -f "$sock"
+
+# setsid detaches the agent from slurmd; setpriv drops to the job's user before
+# the agent's log is opened, so root never writes through a user's symlink.
+# AGENT_ARGS is split into words on purpose.
+# shellcheck disable=SC2086
+(cd "$state" && exec setsid setpriv --reuid="$uid" --regid="$gid" --init-groups -- \
+    /bin/sh -c 'exec "$@" >>agent.log 2>&1' rankwatch-agent \
+    "$RANKWATCH" agent --listen "$sock" --node-id "$node" --state-dir "$state" \
+    --metrics-port "$METRICS_PORT" $AGENT_ARGS) </dev/null >/dev/null 2>&1 &
+pid=$!
+
+deadline=$((SECONDS + START_TIMEOUT))
+until [ -S "$sock" ]; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+        log "error: agent exited at start; $state/agent.log: $(tail -n 3 "$state/agent.log" 2>/dev/null | tr '\n' ' ')"
+        exit 0
+    fi
+    if [ "$SECONDS" -ge "$deadline" ]; then
+        log "error: agent gave no socket within ${START_TIMEOUT}s; stopping it (pid $pid)"
+        kill -KILL "$pid" 2>/dev/null
+        exit 0
+    fi
+    sleep 0.2
+done
+echo "$pid" >"$pidfile"
+log "agent started (pid $pid) on $sock, state in $state"
+exit 0

@@ -1,0 +1,324 @@
+"""The Slurm prolog and epilog (deploy/slurm/), under a real Slurm and on their own.
+
+The end-to-end test runs Debian's slurmctld and slurmd (one node, loopback,
+foreground) with a munged of its own, configured with the repository's prolog
+and epilog, and submits the repository's sbatch example.  slurmd gives prologs
+no environment of ours, so Prolog= and Epilog= name two-line wrappers that only
+point the scripts at a settings file in the test's tmp dir.
+
+The other tests run the scripts directly, as root, in the environment slurmd
+builds for them (SLURM_* only, no PATH).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from rankwatch.agent.address import Address
+from rankwatch.agent.client import fetch_status
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_DIR = REPO / "deploy" / "slurm"
+PROLOG, EPILOG, SBATCH = SLURM_DIR / "prolog.sh", SLURM_DIR / "epilog.sh", SLURM_DIR / "train.sbatch"
+RANKWATCH = Path(sys.executable).parent / "rankwatch"
+_TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+
+
+def _require(*tools: str, root: bool = True) -> None:
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not installed: install the Debian packages in "
+                    f".ci/apt-packages (slurmctld slurmd slurm-client munge shellcheck)")
+    if root and os.geteuid() != 0:
+        pytest.fail("the prolog and epilog run as root under slurmd; run this test as root")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_settings(path: Path, root: Path, agent_args: str = "--hang-floor 2") -> dict[str, Path]:
+    """The prolog/epilog settings file, everything under ``root``; returns the paths."""
+    paths = {"run": root / "run", "state": root / "state", "log": root / "log" / "slurm.log"}
+    path.write_text(f"RANKWATCH={shlex.quote(str(RANKWATCH))}\n"
+                    f"RUN_DIR={shlex.quote(str(paths['run']))}\n"
+                    f"STATE_DIR={shlex.quote(str(paths['state']))}\n"
+                    f"LOG_FILE={shlex.quote(str(paths['log']))}\n"
+                    "METRICS_PORT=0\n"
+                    f"AGENT_ARGS={shlex.quote(agent_args + ' --metrics-addr 127.0.0.1')}\n")
+    return paths
+
+
+def _alive(pid: int) -> bool:
+    """A live process (a zombie awaiting its reaper counts as gone)."""
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _logged_pid(log: Path, job: str) -> int:
+    m = re.search(rf"prolog job={job} .*agent started \(pid (\d+)\)", log.read_text())
+    assert m, f"the prolog logged no agent start for job {job}:\n{log.read_text()}"
+    return int(m.group(1))
+
+
+def _stop_leftover_agents(run_dir: Path) -> None:
+    """Teardown after a failed test: stop agents our prologs started and no epilog stopped."""
+    for pidfile in run_dir.glob("*.pid"):
+        pid = int(pidfile.read_text() or 0)
+        if pid and _alive(pid) and "rankwatch" in Path(f"/proc/{pid}/cmdline").read_text():
+            os.kill(pid, signal.SIGKILL)
+
+
+# -- the scripts on their own ------------------------------------------------------------
+
+def test_scripts_pass_shellcheck():
+    _require("shellcheck", root=False)
+    r = subprocess.run(["shellcheck", "--severity=style", str(PROLOG), str(EPILOG), str(SBATCH)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _slurmd_env(job: int, settings: Path, context: str) -> dict[str, str]:
+    """What slurmd gives a prolog/epilog (22.05): SLURM_* variables only, no PATH."""
+    return {"SLURM_JOB_ID": str(job), "SLURM_JOBID": str(job), "SLURMD_NODENAME": "n1",
+            "SLURM_JOB_UID": str(os.getuid()), "SLURM_JOB_GID": str(os.getgid()),
+            "SLURM_JOB_USER": "root", "SLURM_UID": str(os.getuid()), "SLURM_CLUSTER_NAME": "test",
+            "SLURM_JOB_PARTITION": "debug", "SLURM_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "1",
+            "SLURM_SCRIPT_CONTEXT": f"{context}_slurmd", "RANKWATCH_SLURM_CONFIG": str(settings)}
+
+
+def _run_script(script: Path, job: int, settings: Path) -> None:
+    context = "prolog" if script == PROLOG else "epilog"
+    r = subprocess.run([str(script)], env=_slurmd_env(job, settings, context), capture_output=True,
+                       text=True, timeout=40)
+    assert r.returncode == 0, f"{script.name} exited {r.returncode}: {r.stderr}"
+
+
+def test_prolog_is_idempotent_and_epilog_keeps_the_evidence(tmp_path):
+    _require("setpriv", "setsid")
+    paths = _write_settings(tmp_path / "settings", tmp_path)
+    job, sock = 41, paths["run"] / "41" / "agent.sock"
+    try:
+        _run_script(PROLOG, job, tmp_path / "settings")
+        pid = _logged_pid(paths["log"], "41")
+        assert (paths["run"] / "41.pid").read_text().strip() == str(pid)
+        assert fetch_status(Address(path=str(sock)))["node"] == "n1"
+        assert sock.stat().st_mode & 0o777 == 0o600
+
+        _run_script(PROLOG, job, tmp_path / "settings")           # a second prolog: a no-op
+        assert f"agent already running (pid {pid})" in paths["log"].read_text()
+        assert (paths["run"] / "41.pid").read_text().strip() == str(pid) and _alive(pid)
+
+        _run_script(EPILOG, job, tmp_path / "settings")
+        wait_for(lambda: not _alive(pid), 5, what="the agent to exit")
+        assert not (paths["run"] / "41").exists() and not (paths["run"] / "41.pid").exists()
+        kept = paths["state"] / "41" / "n1"
+        assert json.loads((kept / "status.json").read_text())["node"] == "n1"
+        assert "serving gRPC" in (kept / "agent.log").read_text()
+
+        _run_script(EPILOG, job, tmp_path / "settings")           # nothing left to stop
+        assert "no agent recorded for the job" in paths["log"].read_text()
+    finally:
+        _stop_leftover_agents(paths["run"])
+
+
+def test_epilog_never_kills_a_process_that_is_not_the_jobs_agent(tmp_path):
+    _require("setpriv")
+    paths = _write_settings(tmp_path / "settings", tmp_path)
+    paths["run"].mkdir()
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        (paths["run"] / "42.pid").write_text(f"{bystander.pid}\n")
+        _run_script(EPILOG, 42, tmp_path / "settings")
+        assert bystander.poll() is None, "the epilog killed a process that is not the job's agent"
+        assert f"agent (pid {bystander.pid}) already gone" in paths["log"].read_text()
+        assert not (paths["run"] / "42.pid").exists()
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_prolog_failure_is_logged_and_never_fails_the_job(tmp_path):
+    _require("setpriv", "setsid")
+    paths = _write_settings(tmp_path / "settings", tmp_path, agent_args="--hang-floor -1")
+    _run_script(PROLOG, 43, tmp_path / "settings")               # the agent refuses its flags
+    log = paths["log"].read_text()
+    assert "error: agent exited at start" in log and "--hang-floor" in log, log
+    assert not (paths["run"] / "43.pid").exists()
+
+    env = _slurmd_env(45, tmp_path / "settings", "prolog")
+    env["SLURM_JOB_ID"] = "45/../../etc"
+    assert subprocess.run([str(PROLOG)], env=env, timeout=20).returncode == 0
+    assert "error: SLURM_JOB_ID '45/../../etc' is not a job id" in paths["log"].read_text()
+
+
+# -- a real Slurm ------------------------------------------------------------------------
+
+class SlurmCluster:
+    """slurmctld + slurmd (one node named after this host, on loopback) + munged, in ``root``."""
+
+    def __init__(self, root: Path, settings: Path) -> None:
+        self.root, self.node = root, socket.gethostname().split(".")[0]
+        self.conf = root / "slurm.conf"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.procs: list[subprocess.Popen] = []
+        # munged wants every directory above its socket searchable by all: pytest's tmp is not.
+        self.munge_dir = Path(tempfile.mkdtemp(prefix="rankwatch-munge-"))
+        self.munge_dir.chmod(0o755)
+        self._write_conf(settings)
+
+    def _write_conf(self, settings: Path) -> None:
+        for name, script in (("prolog", PROLOG), ("epilog", EPILOG)):
+            wrapper = self.root / f"{name}-wrapper.sh"
+            wrapper.write_text(f"#!/bin/sh\nRANKWATCH_SLURM_CONFIG={shlex.quote(str(settings))} "
+                               f"exec {shlex.quote(str(script))}\n")
+            wrapper.chmod(0o755)
+        for d in ("ctld-state", "slurmd-spool"):
+            (self.root / d).mkdir()
+        r = self.root
+        self.conf.write_text(f"""\
+ClusterName=rankwatch-test
+SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={self.munge_dir / 'munge.sock'}
+StateSaveLocation={r / 'ctld-state'}
+SlurmdSpoolDir={r / 'slurmd-spool'}
+SlurmctldPidFile={r / 'slurmctld.pid'}
+SlurmdPidFile={r / 'slurmd.pid'}
+SlurmctldLogFile={r / 'slurmctld.log'}
+SlurmdLogFile={r / 'slurmd.log'}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SchedulerType=sched/builtin
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SwitchType=switch/none
+ReturnToService=2
+KillWait=2
+Prolog={r / 'prolog-wrapper.sh'}
+Epilog={r / 'epilog-wrapper.sh'}
+PrologFlags=Alloc
+NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN
+PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
+""")
+
+    def _spawn(self, name: str, *cmd: str) -> None:
+        with open(self.root / f"{name}.out", "w") as out:
+            self.procs.append(subprocess.Popen(list(cmd), env=self.env, stdout=out,
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+
+    def start(self) -> SlurmCluster:
+        m = self.munge_dir
+        subprocess.run(["mungekey", "--create", "--keyfile", str(m / "munge.key")], check=True,
+                       timeout=20)
+        self._spawn("munged", "munged", "--foreground", f"--socket={m / 'munge.sock'}",
+                    f"--key-file={m / 'munge.key'}", f"--pid-file={m / 'munged.pid'}",
+                    f"--seed-file={m / 'munged.seed'}", f"--log-file={m / 'munged.log'}")
+        wait_for(lambda: (m / "munge.sock").exists(), 10, what=f"munged: {self._tail('munged.out')}")
+        self._spawn("slurmctld", "slurmctld", "-D", "-f", str(self.conf))
+        self._spawn("slurmd", "slurmd", "-D", "-f", str(self.conf), "-N", self.node)
+        wait_for(lambda: self.run("sinfo", "-h", "-o", "%T").stdout.strip() == "idle", 30,
+                 interval=0.3, what=f"the node to be idle: {self.logs()}")
+        return self
+
+    def run(self, *cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=30)
+
+    def job_state(self, job: str) -> tuple[str, str]:
+        out = self.run("scontrol", "-o", "show", "job", job).stdout
+        state = re.search(r"JobState=(\S+)", out)
+        code = re.search(r"ExitCode=(\S+)", out)
+        return (state.group(1) if state else "?", code.group(1) if code else "?")
+
+    def _tail(self, name: str, n: int = 15) -> str:
+        path = self.root / name
+        return "\n".join(path.read_text().splitlines()[-n:]) if path.exists() else ""
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}\n{self._tail(n)}" for n in
+                         ("slurmctld.log", "slurmctld.out", "slurmd.log", "slurmd.out", "munged.out"))
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        shutil.rmtree(self.munge_dir, ignore_errors=True)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+def test_real_slurm_job_gets_an_agent_from_the_prolog_and_the_epilog_keeps_its_incidents(tmp_path):
+    _require("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "munged", "mungekey", "setpriv")
+    paths = _write_settings(tmp_path / "settings", tmp_path)
+    cluster = SlurmCluster(tmp_path, tmp_path / "settings")
+    try:
+        cluster.start()
+        # The repository's sbatch example on one node; rank 0 stalls in Python for 5 s at
+        # step 6, which the prolog's agent (hang floor 2 s) must report as a hang.
+        env = {**cluster.env, "PATH": f"{RANKWATCH.parent}:{os.environ['PATH']}",
+               "OMP_NUM_THREADS": "1", "RANKWATCH_RUN_DIR": str(paths["run"]),
+               "RDZV_PORT": str(_free_port()), "CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+        r = subprocess.run(["sbatch", "--parsable", "--nodes", "1", "--time", "3",
+                            "--chdir", str(tmp_path), "--output", str(tmp_path / "job.out"),
+                            str(SBATCH), "--steps", "12", "--fault", "sleep_forward:0:6:5"],
+                           env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        job = r.stdout.strip().split(";")[0]
+
+        state, code = wait_for(lambda: (s := cluster.job_state(job))[0] in _TERMINAL and s, 120,
+                               interval=0.5, what=f"job {job} to end")
+        out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+        assert (state, code) == ("COMPLETED", "0:0"), f"{state} {code}\n{out}\n{cluster.logs()}"
+
+        sock = paths["run"] / job / "agent.sock"
+        assert f"streaming to agent at unix:{sock}" in out, out
+        assert "starting a local one" not in out, "rankwatch run found no agent from the prolog"
+
+        # The epilog ran (the job is COMPLETED only after it): agent gone, evidence kept.
+        pid = _logged_pid(paths["log"], job)
+        assert f"epilog job={job} node={cluster.node} agent stopped (pid {pid})" in paths["log"].read_text()
+        wait_for(lambda: not _alive(pid), 5, what="the agent to exit")
+        assert not sock.parent.exists() and not (paths["run"] / f"{job}.pid").exists()
+
+        kept = paths["state"] / job / cluster.node
+        final = json.loads((kept / "status.json").read_text())
+        assert final["node"] == cluster.node
+        assert [(r["rank"], r["step"]) for r in final["ranks"]] == [(0, 12)]
+        incidents = [json.loads(line) for line in (kept / "incidents.jsonl").read_text().splitlines()]
+        assert [(i["kind"], i["rank"], i["node"]) for i in incidents] == [("hang", 0, cluster.node)]
+        assert "_injected_sleep_in_forward" in incidents[0]["detail"]["stacks"]
+    finally:
+        cluster.stop()
+        _stop_leftover_agents(paths["run"])
