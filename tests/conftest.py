@@ -18,11 +18,14 @@ from rankwatch.agent.client import AgentUnreachable, fetch_status
 
 
 class AgentProcess:
-    """``rankwatch agent`` in a subprocess, on a socket in the test's tmp dir."""
+    """``rankwatch agent`` in a subprocess, on a socket in the test's tmp dir.
+
+    ``env`` is laid over this process's environment for the agent.
+    """
 
     def __init__(self, sock: Path, node: str = "n0", log: Path | None = None,
-                 extra: tuple[str, ...] = ()) -> None:
-        self.sock, self.node, self.extra = sock, node, extra
+                 extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        self.sock, self.node, self.extra, self.env = sock, node, extra, env
         self.addr = Address(path=str(sock))
         self.log = log or sock.with_suffix(".log")
         self.proc: subprocess.Popen | None = None
@@ -34,7 +37,7 @@ class AgentProcess:
                 [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--listen", str(self.sock),
                  "--metrics-port", "0", "--metrics-addr", "127.0.0.1", "--node-id", self.node,
                  "--state-dir", str(self.sock.parent / f"state-{self.node}"), *self.extra],
-                stdout=log, stderr=subprocess.STDOUT)
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env} if self.env else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"agent died: {self.log.read_text()}"

@@ -1,0 +1,407 @@
+"""OpenTelemetry export: a node's steps, checkpoints, restarts and incidents as OTLP spans.
+
+Opt-in through the standard ``OTEL_*`` variables: with neither ``OTEL_TRACES_EXPORTER`` nor an
+``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`` set, the agent logs one line and exports nothing, and
+the OpenTelemetry SDK is not even imported.  Spans carry the times the ranks measured (a step
+span starts when the rank began the step), not the time the agent happened to receive them.
+
+Steps are sampled: every Nth step of every rank, plus every step slower than k times the rank's
+median (``RANKWATCH_OTEL_STEP_SAMPLE``).  The trace id of a step span is derived from the job id
+(torchrun's run id) and the step number, so the spans of step N from every rank on every node,
+and the incidents raised at step N, land in one trace without the agents talking to each other.
+
+Span creation runs on the ingesting thread but costs microseconds per sampled step, and only
+sampled steps pay it; serialisation and the network are the ``BatchSpanProcessor``'s thread,
+whose bounded queue drops spans rather than ever blocking ingestion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rankwatch import __version__
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from rankwatch.agent.incidents import IncidentLog
+    from rankwatch.agent.server import Agent
+    from rankwatch.agent.state import NodeState, RankState
+    from rankwatch.proto import pb
+
+__all__ = ["STEP_SAMPLE_ENV", "ExporterUnavailable", "SpanExport", "StepSampling", "install", "span_exporters"]
+
+log = logging.getLogger(__name__)
+
+STEP_SAMPLE_ENV = "RANKWATCH_OTEL_STEP_SAMPLE"
+DEFAULT_SERVICE_NAME = "rankwatch-agent"
+SHUTDOWN_TIMEOUT = timedelta(seconds=5)
+MIN_HISTORY = 8                 # steps of a rank's history before "slow" means anything
+MAX_SPANS_PER_BATCH = 64        # step spans made from one batch; the rest are counted as skipped
+MAX_ATTRIBUTE_CHARS = 32 << 10  # longer strings (hang stacks) are clipped
+ERROR_KINDS = frozenset({"hang", "gpu_fault", "rank_exit"})
+
+
+class ExporterUnavailable(RuntimeError):
+    """The ``OTEL_*`` variables ask for an exporter whose package is not installed."""
+
+
+# -- configuration --------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class StepSampling:
+    """Which completed steps become spans: ``every=N,slower=K`` in ``RANKWATCH_OTEL_STEP_SAMPLE``."""
+
+    every: int = 100
+    """Every step whose number is a multiple of this, on every rank (0: none)."""
+    slower: float = 2.0
+    """Every step longer than this many times the rank's median step time (0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"{STEP_SAMPLE_ENV}: every={self.every} must be >= 0")
+        if not (self.slower == 0 or (math.isfinite(self.slower) and self.slower >= 1)):
+            raise ValueError(f"{STEP_SAMPLE_ENV}: slower={self.slower} must be 0 or >= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> StepSampling:
+        """``"every=100,slower=2"``; either key may be left out (its default holds).
+
+        Raises:
+            ValueError: an unknown key or a bad number, naming the variable.
+        """
+        fields: dict[str, Any] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, _, value = item.partition("=")
+            try:
+                fields[key.strip()] = {"every": int, "slower": float}[key.strip()](value)
+            except KeyError:
+                raise ValueError(f"{STEP_SAMPLE_ENV}: unknown key {key!r} (every, slower)") from None
+            except ValueError:
+                raise ValueError(f"{STEP_SAMPLE_ENV}: {item!r} is not a number") from None
+        return cls(**fields)
+
+    def pick(self, steps: np.ndarray, durations: np.ndarray, median: float) -> tuple[np.ndarray, np.ndarray]:
+        """Indices of the sampled steps of one batch, and for each whether it was slow.
+
+        Args:
+            steps: step numbers.
+            durations: wall seconds of those steps.
+            median: the rank's median step time; 0 when there is too little history.
+        """
+        periodic = (steps % self.every == 0) if self.every else np.zeros(steps.shape, bool)
+        slow = (durations > self.slower * median) if self.slower and median > 0 else np.zeros(steps.shape, bool)
+        picked = np.flatnonzero(periodic | slow)
+        return picked, slow[picked]
+
+
+def span_exporters() -> list[SpanExporter]:
+    """The span exporters that the standard ``OTEL_*`` variables ask for; [] for none.
+
+    ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``, ``none``, comma-separated) decides; when it
+    is unset, an ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`` means ``otlp``.  The OTLP protocol
+    comes from ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`` (``grpc``, the Python SDK's default, or
+    ``http/protobuf``); the exporters read their endpoint, headers, timeout and TLS settings
+    from the same variables themselves.
+
+    Raises:
+        ValueError: an unknown exporter or protocol.
+        ExporterUnavailable: the exporter's package is not installed.
+    """
+    env = os.environ
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    names = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if not names:
+        endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        names = "otlp" if endpoint else "none"
+    return [_exporter(name) for name in (n.strip() for n in names.split(",")) if name not in ("", "none")]
+
+
+def _exporter(name: str) -> SpanExporter:
+    if name == "otlp":
+        protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                    or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
+        name = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}.get(protocol, "")
+        if not name:
+            raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r} is not supported "
+                             "(grpc or http/protobuf)")
+    try:
+        if name == "otlp_proto_grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        elif name == "otlp_proto_http":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        elif name == "console":
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+            return ConsoleSpanExporter()
+        else:
+            raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (otlp, console or none)")
+    except ImportError as exc:
+        raise ExporterUnavailable(f"the {name} exporter is not installed ({exc.name}); "
+                                  "install it with: pip install 'rankwatch[otlp]'") from None
+    return OTLPSpanExporter()
+
+
+# -- wiring ---------------------------------------------------------------------------------
+
+def install(agent: Agent) -> SpanExport | None:
+    """Export the agent's spans as the ``OTEL_*`` variables ask.
+
+    Never raises: when they ask for nothing, or the exporter cannot be built, this logs one
+    line and returns None, and the agent runs on without OpenTelemetry.
+    """
+    try:
+        exporters = span_exporters()
+        if not exporters:
+            log.info("OpenTelemetry export off: set OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER")
+            return None
+        export = SpanExport(_provider(agent.config.node_id, exporters), agent.state, agent.incidents,
+                            _sampling())
+    except Exception as exc:  # noqa: BLE001 - the agent runs on without spans
+        log.warning("OpenTelemetry export off: %s", exc)
+        return None
+    export.attach()
+    log.info("OpenTelemetry export on: %s; step spans: %s", ", ".join(type(e).__module__ for e in exporters),
+             export.sampling)
+    return export
+
+
+def _sampling() -> StepSampling:
+    try:
+        return StepSampling.parse(os.environ.get(STEP_SAMPLE_ENV, ""))
+    except ValueError as exc:
+        log.warning("%s; using the default %s", exc, StepSampling())
+        return StepSampling()
+
+
+def _provider(node_id: str, exporters: list[SpanExporter]) -> TracerProvider:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=_resource(node_id), id_generator=_TraceIds(), shutdown_on_exit=False)
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def _resource(node_id: str) -> Any:
+    """``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME`` first, then the agent's own facts."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    detected = Resource.create()
+    ours: dict[str, Any] = {"host.name": socket.gethostname(), "service.version": __version__}
+    ours = {k: v for k, v in ours.items() if k not in detected.attributes}
+    ours["rankwatch.node"] = node_id
+    if str(detected.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        ours[SERVICE_NAME] = DEFAULT_SERVICE_NAME
+    return detected.merge(Resource(ours))
+
+
+class _TraceIds:
+    """Random ids, except that a caller may name the next root span's trace id.
+
+    Duck-typed to the SDK's ``IdGenerator`` so that importing this module needs no SDK.
+    """
+
+    def __init__(self) -> None:
+        self._asked = threading.local()
+
+    def ask(self, trace_id: int) -> None:
+        """The next root span started on this thread gets ``trace_id`` (0: a random one)."""
+        self._asked.trace_id = trace_id
+
+    def generate_trace_id(self) -> int:
+        trace_id, self._asked.trace_id = getattr(self._asked, "trace_id", 0), 0
+        while not trace_id:
+            trace_id = random.getrandbits(128)
+        return trace_id
+
+    def generate_span_id(self) -> int:
+        span_id = 0
+        while not span_id:
+            span_id = random.getrandbits(64)
+        return span_id
+
+    def is_trace_id_random(self) -> bool:
+        return False  # step traces' ids are derived from the job and step, not drawn
+
+
+def step_trace_id(job_id: str, step: int) -> int:
+    """The trace of step ``step`` of job ``job_id``, the same on every node (0 without a job id)."""
+    if not job_id or step < 0:
+        return 0
+    return int.from_bytes(hashlib.blake2b(f"{job_id}\0{step}".encode(), digest_size=16).digest(), "big")
+
+
+# -- spans ----------------------------------------------------------------------------------
+
+class SpanExport:
+    """Turns the node's completed steps and its incidents into spans.
+
+    Args:
+        provider: owns the exporters; its id generator must be a :class:`_TraceIds`.
+        state: the node's ranks (step listeners are added here).
+        incidents: the agent's incident log (incident listeners are added here).
+        sampling: which steps become spans.
+    """
+
+    def __init__(self, provider: TracerProvider, state: NodeState, incidents: IncidentLog,
+                 sampling: StepSampling) -> None:
+        self.provider, self.state, self.incidents, self.sampling = provider, state, incidents, sampling
+        self._tracer = provider.get_tracer("rankwatch.agent", __version__)
+        self._ids: _TraceIds = provider.id_generator  # type: ignore[assignment]
+        self._closed = False
+        self.skipped_steps = 0
+        self._failures_logged_at = 0.0
+
+    def attach(self) -> None:
+        self.state.step_listeners.append(self.on_steps)
+        self.incidents.listeners.append(self.on_incident)
+
+    def shutdown(self, timeout: timedelta = SHUTDOWN_TIMEOUT) -> None:
+        """Stop listening and flush what is queued, waiting at most ``timeout`` for the collector."""
+        if self._closed:
+            return
+        self._closed = True
+        for listeners, listener in ((self.state.step_listeners, self.on_steps),
+                                    (self.incidents.listeners, self.on_incident)):
+            if listener in listeners:
+                listeners.remove(listener)
+        flush = threading.Thread(target=self.provider.shutdown, name="rankwatch-otel-flush", daemon=True)
+        flush.start()
+        flush.join(timeout.total_seconds())
+        if flush.is_alive():
+            log.warning("OpenTelemetry: the collector did not take the last spans within %s; "
+                        "they are lost", timeout)
+        if self.skipped_steps:
+            log.info("OpenTelemetry: %d sampled steps were over %d per batch and made no span",
+                     self.skipped_steps, MAX_SPANS_PER_BATCH)
+
+    # -- steps ----------------------------------------------------------------------------
+    def on_steps(self, rank: RankState, steps: pb.StepColumns) -> None:
+        """Step listener: span the sampled steps of one validated batch."""
+        if self._closed:
+            return
+        try:
+            history = list(rank.step_durations)
+            median = float(np.median(history)) if len(history) >= MIN_HISTORY else 0.0
+            picked, slow = self.sampling.pick(np.asarray(steps.step, np.int64),
+                                              np.asarray(steps.duration, np.float64), median)
+            if picked.size > MAX_SPANS_PER_BATCH:
+                self.skipped_steps += int(picked.size) - MAX_SPANS_PER_BATCH
+            base = rank_attributes(rank)
+            for i, is_slow in zip(picked[:MAX_SPANS_PER_BATCH].tolist(), slow.tolist()):
+                self._step_span(base, rank.job_id, steps, i, median, is_slow)
+        except Exception:  # noqa: BLE001 - ingestion never fails because of export
+            self._log_failure("step spans")
+
+    def _step_span(self, base: dict[str, Any], job_id: str, s: pb.StepColumns, i: int,
+                   median: float, slow: bool) -> None:
+        step, duration = int(s.step[i]), s.duration[i]
+        attrs = {**base, "rankwatch.step": step, "rankwatch.step.sampled": "slow" if slow else "periodic",
+                 "rankwatch.step.data_seconds": s.data[i], "rankwatch.step.forward_seconds": s.forward[i],
+                 "rankwatch.step.backward_seconds": s.backward[i],
+                 "rankwatch.step.optimizer_seconds": s.optimizer[i],
+                 "rankwatch.step.tokens": s.tokens[i], "rankwatch.step.flops": s.flops[i]}
+        if s.wait:
+            attrs["rankwatch.step.collective_wait_seconds"] = s.wait[i]
+        if median > 0:
+            attrs["rankwatch.step.slowdown"] = duration / median
+        start = _ns(s.start[i])
+        self._ids.ask(step_trace_id(job_id, step))
+        self._tracer.start_span("rankwatch.step", start_time=start, attributes=attrs).end(
+            end_time=start + _ns(duration))
+
+    # -- incidents --------------------------------------------------------------------------
+    def on_incident(self, incident: dict[str, Any]) -> None:
+        """Incident listener: one span per incident, from ``detail.started_at`` if given."""
+        if self._closed:
+            return
+        try:
+            self._incident_span(incident)
+        except Exception:  # noqa: BLE001 - the detectors never fail because of export
+            self._log_failure("an incident span")
+
+    def _incident_span(self, incident: dict[str, Any]) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        kind, detail = str(incident["kind"]), incident.get("detail")
+        detail = _clip(detail if isinstance(detail, dict) else {"value": detail})
+        end = float(incident["detected_at"])
+        started = detail.get("started_at")
+        start = float(started) if _is_number(started) and 0 < started <= end else end
+        rank, step = int(incident.get("rank", -1)), int(incident.get("step", -1))
+        local = self.state.ranks.get(rank) if incident.get("node") == self.state.node_id else None
+        attrs = {**(rank_attributes(local) if local is not None else {}),
+                 "rankwatch.node": str(incident.get("node", "")), "rankwatch.rank": rank,
+                 "rankwatch.step": step, "rankwatch.incident.id": str(incident.get("id", "")),
+                 "rankwatch.incident.kind": kind,
+                 "rankwatch.incident.detail": json.dumps(detail, default=str),
+                 **dict(_flatten(detail, "rankwatch.incident.detail"))}
+        self._ids.ask(step_trace_id(local.job_id, step) if local is not None else 0)
+        span = self._tracer.start_span(f"rankwatch.{kind}", start_time=_ns(start), attributes=attrs)
+        if kind in ERROR_KINDS:
+            span.set_status(Status(StatusCode.ERROR, str(detail.get("reason") or kind)))
+        span.end(end_time=_ns(end))
+
+    def _log_failure(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._failures_logged_at >= 60:
+            self._failures_logged_at = now
+            log.exception("OpenTelemetry: could not make %s (logged once a minute)", what)
+
+
+def rank_attributes(rank: RankState) -> dict[str, Any]:
+    """A rank's identity and mesh coordinates as span attributes."""
+    attrs: dict[str, Any] = {"rankwatch.node": rank.node, "rankwatch.rank": rank.rank,
+                             "rankwatch.local_rank": rank.local_rank,
+                             "rankwatch.world_size": rank.world_size, "process.pid": rank.pid}
+    if rank.job_id:
+        attrs["rankwatch.job_id"] = rank.job_id
+    for dim, coord in rank.mesh_coords.items():
+        attrs[f"rankwatch.mesh.{dim}"] = coord
+    return attrs
+
+
+def _ns(seconds: float) -> int:
+    return int(round(seconds * 1e9))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _clip(value: Any) -> Any:
+    """``value`` with every string longer than MAX_ATTRIBUTE_CHARS cut to that length."""
+    if isinstance(value, str) and len(value) > MAX_ATTRIBUTE_CHARS:
+        return value[:MAX_ATTRIBUTE_CHARS] + f"... [{len(value) - MAX_ATTRIBUTE_CHARS} more characters]"
+    if isinstance(value, dict):
+        return {str(k): _clip(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clip(v) for v in value]
+    return value
+
+
+def _flatten(detail: dict[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
+    """The scalar leaves of ``detail`` under dotted keys; lists and nulls stay in the JSON only."""
+    for key, value in detail.items():
+        name = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            yield from _flatten(value, name)
+        elif isinstance(value, (bool, str, float)) or (isinstance(value, int) and -(1 << 63) <= value < 1 << 63):
+            yield name, value
