@@ -1,7 +1,10 @@
 """``rankwatch run``: torchrun with the agent wired in.
 
-Everything after ``--`` goes to torchrun unchanged.  If no agent answers at
-the address, a local one is started for the job's lifetime.
+Everything after ``--`` goes to torchrun unchanged but for one thing: a
+``c10d`` rendezvous backend becomes ``rankwatch``, which is the same c10d
+dynamic rendezvous plus the coordinator's exclusions and restart generations
+(``RANKWATCH_RDZV=0`` keeps plain c10d).  If no agent answers at the
+address, a local one is started for the job's lifetime.
 """
 
 from __future__ import annotations
@@ -68,6 +71,34 @@ def stop_process(proc: subprocess.Popen, timeout: timedelta = timedelta(seconds=
             proc.wait()
 
 
+RDZV_ENV = "RANKWATCH_RDZV"
+
+
+def with_rankwatch_rendezvous(args: Sequence[str]) -> list[str]:
+    """torchrun's arguments with a c10d rendezvous backend replaced by ``rankwatch``."""
+    out = list(args)
+    for i, a in enumerate(out):
+        if a in ("--", "-m", "--module") or a.endswith(".py"):
+            break  # the training script and its own arguments follow
+        if a in ("--rdzv-backend", "--rdzv_backend") and i + 1 < len(out) and out[i + 1] == "c10d":
+            out[i + 1] = "rankwatch"
+        elif a in ("--rdzv-backend=c10d", "--rdzv_backend=c10d"):
+            out[i] = a.replace("c10d", "rankwatch")
+    return out
+
+
+def excluded_reason(addr: Address, node: str) -> str | None:
+    """Why the coordinator excluded ``node``, as this node's agent knows it; None if not."""
+    from rankwatch.agent.client import AgentUnreachable, fetch_status
+
+    try:
+        status = fetch_status(addr)
+    except AgentUnreachable:
+        return None
+    return next((d["reason"] for d in status["decisions"] if d["kind"] == "exclude" and d["node"] == node),
+                None)
+
+
 def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
                  start_agent: bool = True) -> int:
     """Run torchrun with the agent's address in the workers' environment; return its exit code."""
@@ -79,7 +110,14 @@ def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
     env[AGENT_ENV] = str(addr)
     env[NODE_ID_ENV] = node
     env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+    args = list(torchrun_args)
+    if env.get(RDZV_ENV, "1") != "0":
+        args = with_rankwatch_rendezvous(args)
+        if args != list(torchrun_args):
+            # torchrun's worker store shared across rounds keeps the old round's keys,
+            # and a restarted round then fails to connect (gloo connectFullMesh).
+            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args]
     proc = subprocess.Popen(cmd, env=env)
     forwarded = {}
 
@@ -90,7 +128,12 @@ def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
     for sig in (signal.SIGINT, signal.SIGTERM):
         forwarded[sig] = signal.signal(sig, forward)
     try:
-        return proc.wait()
+        code = proc.wait()
+        if code != 0 and (why := excluded_reason(addr, node)) is not None:
+            # torchrun itself exits non-zero after a graceful rendezvous exit.
+            log.warning("node %s left the job: excluded by the coordinator (%s)", node, why)
+            return 0
+        return code
     finally:
         for sig, handler in forwarded.items():
             signal.signal(sig, handler)

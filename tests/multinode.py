@@ -61,7 +61,9 @@ class Cluster:
                     "RANKWATCH_NODE_ID": agent.node, **(env or {})}
         tr = ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{self.rdzv_port}", "--rdzv-id", "job",
-              *(["--rdzv-conf", rdzv_conf] if rdzv_conf else []), *launcher_args,
+              # Node n0 hosts the rendezvous store, as the endpoint's own node would.
+              "--rdzv-conf", ",".join(filter(None, [rdzv_conf, f"is_host={int(node == 0)}"])),
+              *launcher_args,
               "-m", "rankwatch.hooks.train", *train_args]
         if launcher == "torchrun":
             cmd = [sys.executable, "-m", "torch.distributed.run", *tr]

@@ -1,0 +1,234 @@
+"""torchrun rendezvous backend ``rankwatch``: the stock c10d dynamic rendezvous, plus exclusions.
+
+Registered through the ``torchrun.handlers`` entry point, so torchrun's own
+elastic agent does every restart; rankwatch only decides *who* and *when*:
+
+* ``next_rendezvous()`` refuses a node the coordinator excluded with
+  ``RendezvousGracefulExitError``: that node's torchrun leaves cleanly (and
+  first leaves the rendezvous, so the others need not wait for its keep-alive
+  to expire);
+* ``num_nodes_waiting()`` reports a waiting node when the restart generation
+  in the store moved past the one this node joined, so every healthy node
+  restarts its workers at once, without spending ``--max-restarts``;
+* ``shutdown()`` of an excluded node does not close the rendezvous for the
+  others (the stock handler's does).
+
+Exclusions and the generation live in the rendezvous store under
+``rankwatch/<run_id>/``.  Only the coordinator's decisions are written: a
+relay thread in each node's torchrun polls its local agent, and the one whose
+agent is the coordinator writes them.  The relay also SIGKILLs this node's
+workers once the node is excluded, because torchrun waits its 30 s shutdown
+timeout before it kills a stopped (SIGSTOP) or hung worker.
+
+``rankwatch run`` selects this backend in place of ``c10d`` (same
+parameters); use ``--rdzv-backend rankwatch`` with plain torchrun.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import PrefixStore, Store
+from torch.distributed.elastic.rendezvous import (
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+)
+
+from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, Address
+
+__all__ = ["BACKEND", "ExcludingRendezvousHandler", "create_handler", "handler_factory"]
+
+log = logging.getLogger(__name__)
+
+BACKEND = "rankwatch"
+GENERATION_KEY = "generation"
+EXCLUDED_PREFIX = "excluded/"
+_LEAVE_TIMEOUT = timedelta(seconds=10)
+_KILL_GRACE = 1.0
+
+
+def handler_factory():
+    """The ``torchrun.handlers`` entry point: returns the handler creator torchrun registers."""
+    return create_handler
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as stock
+
+    backend, store = create_backend(params)
+    inner = stock(store, backend, params)
+    node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
+    agent = os.environ.get(AGENT_ENV)
+    return ExcludingRendezvousHandler(inner, store, node, Address.parse(agent) if agent else None)
+
+
+class ExcludingRendezvousHandler(RendezvousHandler):
+    """Args:
+        inner: the stock dynamic rendezvous handler.
+        store: the rendezvous store.
+        node: this node's id (``RANKWATCH_NODE_ID``), as the coordinator names it.
+        agent: this node's agent; None runs without a relay.
+    """
+
+    def __init__(self, inner: Any, store: Store, node: str, agent: Address | None,
+                 relay_interval: float = 0.25) -> None:
+        self._inner = inner
+        self._store = PrefixStore(f"rankwatch/{inner.get_run_id()}/", store)
+        self._node = node
+        self._joined_generation = 0
+        self._excluded: str | None = None
+        self._relay = _Relay(self, agent, relay_interval) if agent is not None else None
+
+    # -- the store ------------------------------------------------------------------
+    def generation(self) -> int:
+        return int(self._store.add(GENERATION_KEY, 0))  # add(0) reads without blocking
+
+    def excluded(self) -> str | None:
+        if self._excluded is None:
+            key = EXCLUDED_PREFIX + self._node
+            if self._store.check([key]):
+                self._excluded = self._store.get(key).decode(errors="replace") or "excluded"
+        return self._excluded
+
+    def write_decision(self, decision: dict[str, Any]) -> None:
+        """Apply a coordinator decision to the store (idempotent)."""
+        if decision["kind"] != "exclude":
+            return
+        key = EXCLUDED_PREFIX + decision["node"]
+        if not self._store.check([key]):
+            self._store.set(key, decision["reason"] or "excluded")
+        current = self.generation()
+        if decision["generation"] > current:
+            self._store.add(GENERATION_KEY, decision["generation"] - current)
+        log.warning("rankwatch: wrote %s (node %s, generation %d) to the rendezvous store",
+                    decision["id"], decision["node"], decision["generation"])
+
+    # -- RendezvousHandler ----------------------------------------------------------
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._relay is not None:
+            self._relay.start()
+        reason = self.excluded()
+        if reason is not None:
+            self._leave()
+            raise RendezvousGracefulExitError(f"node {self._node} is excluded from the job: {reason}")
+        self._joined_generation = self.generation()
+        return self._inner.next_rendezvous()
+
+    def num_nodes_waiting(self) -> int:
+        if self.excluded() is not None or self.generation() > self._joined_generation:
+            return max(1, self._inner.num_nodes_waiting())
+        return self._inner.num_nodes_waiting()
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        if self._relay is not None:
+            self._relay.stop()
+        if self._excluded is not None:
+            return True  # the stock shutdown would close the rendezvous for every node
+        return self._inner.shutdown()
+
+    def _leave(self) -> None:
+        """Leave the rendezvous now rather than when this node's keep-alive expires."""
+        try:
+            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+            self._inner._stop_heartbeats()
+            self._inner._op_executor.run(_RendezvousExitOp(),
+                                         self._inner._get_deadline(_LEAVE_TIMEOUT))
+        except Exception as exc:  # noqa: BLE001 - private API; the keep-alive expiry still works
+            log.warning("rankwatch: could not leave the rendezvous early (%s); the others wait "
+                        "for this node's keep-alive to expire", exc)
+
+
+class _Relay:
+    """Polls the node's agent: writes the coordinator's decisions, kills an excluded node's workers."""
+
+    def __init__(self, handler: ExcludingRendezvousHandler, agent: Address, interval: float) -> None:
+        self._handler = handler
+        self._agent = agent
+        self._interval = interval
+        self._written: set[str] = set()
+        self._killed: set[int] = set()
+        self._excluded_at = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="rankwatch-rdzv-relay", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        from rankwatch.agent.client import AgentUnreachable, fetch_status
+
+        while not self._stop.wait(self._interval):
+            try:
+                status = fetch_status(self._agent, timedelta(seconds=1))
+            except AgentUnreachable:
+                continue
+            try:
+                self._apply(status)
+            except Exception:  # noqa: BLE001 - never take torchrun down
+                log.exception("rankwatch: rendezvous relay error")
+
+    def _apply(self, status: dict[str, Any]) -> None:
+        h = self._handler
+        for d in status["decisions"]:
+            if status["coordinator"] and d["id"] not in self._written:
+                h.write_decision(d)
+                self._written.add(d["id"])
+        if h.excluded() is None:
+            return
+        # A grace period first, so the healthy nodes restart their workers on the new
+        # generation before this node's dying workers break their collectives.
+        self._excluded_at = self._excluded_at or time.monotonic()
+        if time.monotonic() - self._excluded_at < _KILL_GRACE:
+            return
+        mine = os.getpid()
+        for r in status["ranks"]:
+            pid = r["pid"]
+            if r["node"] == h._node and pid not in self._killed and _child_of(pid, mine):
+                log.warning("rankwatch: this node is excluded; killing worker pid %d (rank %d)",
+                            pid, r["rank"])
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._killed.add(pid)
+
+
+def _child_of(pid: int, parent: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).ppid() == parent
+    except psutil.Error:
+        return False

@@ -1,0 +1,74 @@
+"""Restarts through torchrun's own rendezvous: the coordinator excludes a failed node.
+
+Three torchrun "nodes" (one rank each) under ``rankwatch run``, ``--nnodes 2:3``
+and the ``rankwatch`` rendezvous backend (c10d plus exclusions), with
+``--max-restarts 0``: recovery must come from the exclusion path, not from
+spending restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import wait_for
+from multinode import Cluster
+
+pytestmark = pytest.mark.e2e
+
+_RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+_LAUNCH = ("--max-restarts", "0", "--monitor-interval", "0.1")
+
+
+def test_hung_node_is_excluded_and_the_job_continues_without_it(tmp_path):
+    ck = tmp_path / "ck"
+    with Cluster(tmp_path, 3, ("--min-nodes", "2")) as c:
+        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0",
+                           "--checkpoint-dir", str(ck), "--checkpoint-interval", "20",
+                           launcher="rankwatch", rdzv_conf=_RDZV, launcher_args=_LAUNCH)
+                for i in range(3)]
+        # Started one after another so node n0 hosts the store; all three train.
+        ranks = wait_for(lambda: (r := c.coordinator.status()["ranks"]) and len(r) == 3
+                         and min(x["step"] for x in r) >= 25 and r, 180, what="three nodes training")
+        victim = next(r for r in ranks if r["node"] == "n2")
+        t0 = time.monotonic()
+        os.kill(victim["pid"], signal.SIGSTOP)
+
+        def excluded():
+            s = c.coordinator.status()
+            return "n2" in s["excluded_nodes"] and s
+        status = wait_for(excluded, 30, what="n2 excluded")
+        t_excluded = time.monotonic() - t0
+        hang = next(i for i in status["incidents"] if i["kind"] == "hang")
+        assert (hang["node"], hang["rank"]) == ("n2", victim["rank"])
+        # n2's torchrun leaves cleanly (rankwatch run exits 0), its stopped worker is gone.
+        assert jobs[2].wait(60) == 0
+        assert not _alive(victim["pid"])
+
+        def resumed():
+            s = c.coordinator.status()
+            live = [r for r in s["ranks"] if r["node"] in ("n0", "n1") and r["connected"]]
+            pids = {r["pid"] for r in ranks if r["node"] in ("n0", "n1")}
+            restart = next((i for i in s["incidents"] if i["kind"] == "restart"), None)
+            back = (len(live) == 2 and all(r["pid"] not in pids for r in live) and restart
+                    and "recovered_after_seconds" in restart["detail"])
+            return back and (s, restart)
+        s, restart = wait_for(resumed, 90, interval=0.25, what="n0 and n1 training again")
+        t_back = time.monotonic() - t0
+        assert jobs[0].poll() is None and jobs[1].poll() is None, "no --max-restarts to spend"
+        assert s["goodput"] is not None and s["goodput"] < 1.0
+        assert s["time_seconds"]["restart"] > 0 and s["time_seconds"]["hang"] > 0
+        print(f"SIGSTOP -> excluded {t_excluded:.1f}s -> training again {t_back:.1f}s "
+              f"(restart {restart['detail']['recovered_after_seconds']:.1f}s after the decision)")
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
