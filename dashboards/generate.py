@@ -235,19 +235,16 @@ _RANK_STATE = "max by (node, rank) (\n  " + "\nor ".join(
 _RANK_STATE_MAPPINGS = ((0, "ok", "green"), (1, "straggler", "orange"), (2, "hung", "red"),
                         (3, "dead", "dark-red"), (4, "excluded", "purple"))
 
+# Every incident kind, restarts and checkpoints included, marks the time it was raised.
 _INCIDENTS = _annotation(
     "Incidents",
     f"sum by (node, kind) (rankwatch_incidents{{{N}}}) > sum by (node, kind) (rankwatch_incidents{{{N}}} offset 30s)",
     "red", "{{kind}} on {{node}}", "kind,node")
-_RESTARTS = _annotation(
-    "Restarts",
-    f"max by (reason) (rankwatch_restarts_total{{{J}}}) > max by (reason) (rankwatch_restarts_total{{{J}}} offset 30s)",
-    "orange", "restart ({{reason}})", "reason")
 
 JOB = Dashboard(
     uid="rankwatch-job", title="rankwatch / Job overview",
     description="Throughput, MFU, goodput, restarts and checkpoints of the training job.",
-    annotations=[_INCIDENTS, _RESTARTS],
+    annotations=[_INCIDENTS],
     items=[
         Row("Now"),
         P("Step time", "stat", (Q(f"max(rankwatch_rank_step_seconds{{{R}}})"),),

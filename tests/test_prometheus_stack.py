@@ -1,0 +1,267 @@
+"""A real Prometheus scrapes real agents watching a real torchrun job with injected faults.
+
+Every dashboard query (panels, annotations, template variables) goes through
+Prometheus's HTTP API: it must be valid PromQL, and it must return data for
+the run.  The run has a straggler (rank 1's compute slowed), a hang (rank 0
+stuck in Python), periodic and requested checkpoints, one undecodable message,
+scripted GPU faults (thermal slowdown, ECC, row remaps, NVLink and PCIe errors,
+an XID 79 and a lost GPU) and an agent that goes away.  The job's node is
+coordinated by another node's agent, as on a multi-node cluster.  The alert rules
+are loaded too: they must evaluate without error, and the alerts those faults
+call for must go pending or fire.
+
+PENDING names the dashboards' metrics that no agent exports yet.  The test
+asserts each is still absent, so it fails the day one lands: then remove it
+from PENDING, and its panels are checked for data like every other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from conftest import AgentProcess, parse_metrics, torchrun, wait_for
+from test_dashboards import (
+    DASHBOARDS,
+    HISTOGRAM_SUFFIXES,
+    all_values,
+    load,
+    metric_names,
+    queries,
+    require_tool,
+    substitute,
+    variable_queries,
+)
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+RULES = REPO / "dashboards" / "prometheus" / "alerts.yml"
+
+PENDING = {
+    "rankwatch_rank_straggler",          # straggler cause, per rank
+    "rankwatch_straggler_cost_ratio",    # straggler cost, per node
+}
+
+# Alerts the run's faults must drive at least to pending (most have a longer `for:` than the run).
+EXPECTED_ALERTS = {
+    "RankwatchTrainingHang",          # rank 0 stuck in forward
+    "RankwatchGPUFatalXid",           # scripted XID 79
+    "RankwatchGPULost",               # scripted lost GPU
+    "RankwatchGPUThermalThrottling",  # scripted hw_thermal_slowdown
+    "RankwatchGPURowRemapFailed",     # scripted failed remap
+    "RankwatchGPUUncorrectableECC",   # scripted uncorrected ECC errors
+    "RankwatchAgentDown",             # the second agent is stopped
+}
+
+GPU_SCRIPT = {
+    "gpus": {"count": 2, "name": "NVIDIA H100 80GB HBM3", "nvlinks": 2},
+    "events": [  # seconds after the agent started; Prometheus scrapes from about 3 s on
+        {"at": 8, "gpu": 0, "throttle": ["hw_thermal_slowdown"]},
+        {"at": 10, "gpu": 0, "ecc": {"corrected": 4, "uncorrected": 1}, "pcie_replays": 3,
+         "nvlink": {"1": {"crc_flit": 2, "replay": 1}}},
+        {"at": 10, "gpu": 1, "remap": {"correctable": 2, "pending": 1, "failed": 1}},
+        {"at": 12, "gpu": 1, "xid": 79},
+        {"at": 14, "gpu": 1, "lost": True},
+        {"at": 40, "gpu": 0, "throttle": []},
+    ],
+}
+
+STEPS = 150
+HARNESS = ("--steps", str(STEPS), "--log-every", "0", "--step-sleep", "0.1", "--peak-tflops", "1",
+           "--checkpoint-interval", "50",
+           "--fault", "slow_compute:1:20:0.5",     # rank 1 straggles from step 20
+           "--fault", "sleep_forward:0:110:8")    # rank 0 stuck 8 s in forward at step 110
+SCRAPE = "1s"
+RATE_INTERVAL = "5s"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Prometheus:
+    """The Debian ``prometheus`` binary on a free loopback port with a throwaway TSDB."""
+
+    def __init__(self, tmp: Path, targets: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / "prometheus.log"
+        self.config = tmp / "prometheus.yml"
+        self.config.write_text(yaml.safe_dump({
+            "global": {"scrape_interval": SCRAPE, "evaluation_interval": SCRAPE},
+            "rule_files": [str(RULES)],
+            "scrape_configs": [{"job_name": "rankwatch", "static_configs": [{"targets": targets}]}],
+        }))
+        self.cmd = [require_tool("prometheus"), f"--config.file={self.config}",
+                    f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Prometheus:
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self._ready, 30, interval=0.2, what="Prometheus ready")
+        return self
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, f"prometheus exited: {self.log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def api(self, path: str, **params: str) -> dict:
+        """GET /api/v1/<path>; a query Prometheus refuses comes back as its error payload."""
+        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return json.loads(exc.read())
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def send_undecodable(agent: AgentProcess) -> None:
+    """One message the agent cannot decode: it must count it and carry on."""
+    with grpc.insecure_channel(agent.addr.grpc_target()) as channel:
+        try:
+            channel.stream_unary("/rankwatch.v1.Agent/Report")(iter([b"\xff\xff\xff\xff"]), timeout=5)
+        except grpc.RpcError:
+            pass
+
+
+def request_checkpoint(agent: AgentProcess) -> None:
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "checkpoint", "--agent", str(agent.addr)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def exported_names(agents: list[AgentProcess]) -> set[str]:
+    return {name for a in agents for name, _ in parse_metrics(a.metrics())}
+
+
+def pending_in(expr: str) -> set[str]:
+    def base(m: str) -> str:
+        return next((m[: -len(s)] for s in HISTOGRAM_SUFFIXES if m.endswith(s)), m)
+
+    return {m for m in metric_names(expr) if base(m) in PENDING}
+
+
+@pytest.fixture
+def stack(tmp_path):
+    """Three agents: n0 the job's coordinator, n1 the node running the job (and its GPUs), and n2
+    an agent of another node that is stopped at the end.  --min-nodes 2 keeps the coordinator
+    from excluding n1 for its faults, so the job runs to its end."""
+    coord = f"127.0.0.1:{free_port()}"
+    script = tmp_path / "gpu-script.json"
+    script.write_text(json.dumps(GPU_SCRIPT))
+    job_args = ("--coordinator", coord, "--min-nodes", "2", "--hang-floor", "2")
+    agents = [
+        AgentProcess(tmp_path / "n0.sock", node="n0", extra=("--listen", coord, *job_args, "--gpu-source", "none")),
+        AgentProcess(tmp_path / "n1.sock", node="n1", extra=(
+            *job_args, "--gpu-source", f"script:{script}", "--gpu-interval", "0.5")),
+        AgentProcess(tmp_path / "n2.sock", node="n2", extra=("--gpu-source", "none")),
+    ]
+    prom = None
+    try:
+        for a in agents:
+            a.start()
+        prom = Prometheus(tmp_path, [f"127.0.0.1:{a.metrics_port}" for a in agents]).start()
+        yield prom, agents
+    finally:
+        if prom:
+            prom.stop()
+        for a in agents:
+            a.stop()
+
+
+def test_dashboards_and_alerts_on_a_real_stack(stack, tmp_path):
+    prom, agents = stack
+    coordinator, job_agent, other_agent = agents
+    started = time.time()
+    job = torchrun(2, *HARNESS, "--checkpoint-dir", str(tmp_path / "ckpt"), agent=job_agent.addr,
+                   log=tmp_path / "job.log")
+    try:
+        wait_for(lambda: any(r["step"] >= 30 for r in job_agent.status()["ranks"]), 60, interval=0.5,
+                 what="step 30")
+        send_undecodable(job_agent)
+        request_checkpoint(job_agent)
+        assert job.wait(150) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGCONT)
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(30)
+    time.sleep(3)  # a few more scrapes of the finished job
+    exported = exported_names(agents)
+    other_agent.stop()
+    instance = f"127.0.0.1:{other_agent.metrics_port}"
+    wait_for(lambda: prom.api("query", query=f'up{{instance="{instance}"}} == 0')["data"]["result"], 20,
+             interval=0.5, what="Prometheus to see the stopped agent down")
+    time.sleep(2)  # the rules evaluate once more
+    end = time.time()
+    span = f"{int(end - started) + 1}s"
+
+    still_absent = {m for m in PENDING if any(n == m or n == m + s for n in exported for s in HISTOGRAM_SUFFIXES)}
+    assert not still_absent, f"now exported, remove from PENDING: {sorted(still_absent)}"
+
+    checked, with_data, failures = 0, 0, []
+    for path in DASHBOARDS:
+        dash = load(path)
+        values = {**all_values(dash), "__rate_interval": RATE_INTERVAL, "__interval": SCRAPE, "__range": span}
+        exprs = [(where, substitute(e, values)) for where, e in queries(dash)]
+        exprs += [(f'{dash["uid"]}: variable {name}', f"group by ({label}) ({substitute(sel, values)})")
+                  for name, sel, label in variable_queries(dash)]
+        for where, expr in exprs:
+            checked += 1
+            instant = prom.api("query", query=expr, time=f"{end:.3f}")
+            if instant["status"] != "success":
+                failures.append(f"{where}: {instant.get('error')}\n    {expr}")
+                continue
+            if pending_in(expr):
+                continue
+            ranged = prom.api("query_range", query=expr, start=f"{started:.3f}", end=f"{end:.3f}", step="1")
+            if ranged["status"] != "success" or not ranged["data"]["result"]:
+                failures.append(f"{where}: no data over the run\n    {expr}")
+                continue
+            with_data += 1
+    print(f"\n{checked} dashboard queries valid, {with_data} returned data, "
+          f"{checked - with_data} pending on {sorted(PENDING)}")
+    assert not failures, "\n".join(failures)
+
+    rules = prom.api("rules")["data"]["groups"]
+    broken = [(r["name"], r.get("lastError")) for g in rules for r in g["rules"] if r["health"] != "ok"]
+    assert not broken, broken
+    fired = prom.api("query_range", query="group by (alertname) (ALERTS)", start=f"{started:.3f}",
+                     end=f"{end:.3f}", step="1")["data"]["result"]
+    fired_names = {s["metric"]["alertname"] for s in fired}
+    hung = prom.api("query", query=f'max_over_time(rankwatch_rank_state{{state="hung"}}[{span}])',
+                    time=f"{end:.3f}")["data"]["result"]
+    assert EXPECTED_ALERTS <= fired_names, (
+        f"alerts never pending or firing: {EXPECTED_ALERTS - fired_names}; incidents: "
+        f"{[(i['kind'], i['rank'], i['step']) for i in coordinator.status()['incidents']]}; hung state: {hung}")
+    print(f"alerts pending or firing during the run: {sorted(fired_names)}")
