@@ -61,6 +61,9 @@ def run_demo(steps: int = 120, live: bool = True, out: Console | None = None) ->
            "--fault", "slow_compute:2:20:0.5", "--fault", "sleep_forward:3:90:8"]
     console.print(f"job: 4 ranks (dp2 x tp2, gloo), {steps} steps; logs in {workdir}/job.log")
     console.print("faults: rank 2 slowed 50% from step 20; rank 3 stuck 8 s in forward at step 90")
+    if agent is not None:
+        console.print("GPUs (scripted): GPU 2 throttles on heat from 12 s; GPU 1 gathers corrected "
+                      "ECC errors from 30 s")
     console.print("try [bold]rankwatch status[/] in another terminal")
     started = time.time()
     with open(workdir / "job.log", "w") as log:
