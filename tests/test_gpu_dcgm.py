@@ -142,3 +142,22 @@ def test_agent_with_dcgm_exports_and_raises_incidents(exporter, tmp_path):
         assert m[("rankwatch_gpu_xid_errors_total", frozenset(g1 | {("xid", "79"), ("action", "reboot")}))] == 1
     finally:
         agent.stop(timedelta(0))
+
+
+def test_an_exporter_outage_hides_readings_but_not_what_changed_during_it(exporter):
+    from rankwatch.agent.gpu import GpuCollector, GpuMonitor
+    from rankwatch.agent.incidents import IncidentLog
+
+    incidents = IncidentLog(None)
+    monitor = GpuMonitor("n0", GpuConfig(dcgm_url=exporter.url), incidents, list,
+                         source=DcgmSource(exporter.url, timeout=timedelta(seconds=1)))
+    monitor.poll()
+    assert len(monitor.readings()) == 2
+    exporter.status = 503
+    monitor.poll()
+    assert monitor.readings() == []  # no stale values on /metrics
+    assert not any(family.samples for family in GpuCollector(monitor).collect())
+    exporter.status = 200
+    exporter.body = with_value(FIXTURE, "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", 0, "1")
+    monitor.poll()
+    assert [(i["detail"]["gpu"], i["detail"]["reason"]) for i in incidents.items] == [(0, "ecc_uncorrected")]

@@ -96,13 +96,15 @@ class GpuMonitor:
         self.listeners: list[Callable[[GpuEvent], None]] = []
         self._incidents, self._ranks, self._clock = incidents, ranks, clock
         self._source: GpuSource | None = source
-        self._readings: dict[int, GpuReading] = {}
+        self._readings: dict[int, GpuReading] = {}   # the latest read: what /metrics shows
+        self._last_seen: dict[int, GpuReading] = {}  # each GPU's last reading: what changes are against
         self._xid_counts: dict[tuple[int, int], int] = {}
         self._throttle = ThrottleTracker(config.throttle_sustain)
         self._last_reported: dict[tuple[int, str, int | None], float] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._closed = False
 
     @property
     def source_name(self) -> str | None:
@@ -129,8 +131,9 @@ class GpuMonitor:
         self._stopped.set()
         for t in self._threads:
             t.join(timeout.total_seconds())
-        if self._source is not None and not any(t.is_alive() for t in self._threads):
+        if self._source is not None and not self._closed and not any(t.is_alive() for t in self._threads):
             self._source.close()
+            self._closed = True
         self._threads = []
 
     def _poll_loop(self) -> None:
@@ -162,7 +165,9 @@ class GpuMonitor:
         findings: list[tuple[Finding, str]] = []
         with self._lock:
             for r in readings:
-                found = compare(self._readings.get(r.index), r)
+                # A source that missed a read (an exporter down) still compares against its last one.
+                found = compare(self._last_seen.get(r.index), r)
+                self._last_seen[r.index] = r
                 throttle = self._throttle.update(r, now)
                 findings += [(f, r.uuid) for f in found + ([throttle] if throttle else [])]
             self._readings = {r.index: r for r in readings}
@@ -174,7 +179,7 @@ class GpuMonitor:
         with self._lock:
             key = (event.gpu, event.xid)
             self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
-            uuid = self._readings[event.gpu].uuid if event.gpu in self._readings else ""
+            uuid = self._last_seen[event.gpu].uuid if event.gpu in self._last_seen else ""
         finding = xid_finding(event)
         if finding is None:
             log.info("GPU %d: %s (catalogue: ignore)", event.gpu, describe(event.xid))
