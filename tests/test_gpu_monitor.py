@@ -64,7 +64,7 @@ def test_a_fatal_xid_is_an_incident_naming_gpu_ranks_and_action():
     (inc,) = incidents.items
     assert (inc["kind"], inc["node"], inc["rank"], inc["step"]) == ("gpu_fault", "n0", 9, 41)
     d = inc["detail"]
-    assert (d["gpu"], d["xid"], d["action"], d["ranks"], d["reason"]) == (1, 79, "reboot", [9], "xid")
+    assert (d["gpu"], d["xid"], d["action"], d["ranks"], d["reason"], d["fatal"]) == (1, 79, "reboot", [9], "xid", True)
     assert d["uuid"].startswith("GPU-")
     (ev,) = events
     assert (ev.kind, ev.gpu, ev.xid, ev.action, ev.ranks, ev.incident) == ("fatal", 1, 79, "reboot", (9,), inc)
@@ -93,6 +93,14 @@ def test_risks_go_to_listeners_and_faults_become_incidents_as_the_script_runs():
     assert [i["detail"]["reason"] for i in incidents.items] == ["ecc_uncorrected", "gpu_lost"]
     assert [i["detail"]["action"] for i in incidents.items] == ["reset_gpu", "reboot"]
     assert events[1].detail["throttle"] == ["hw_thermal_slowdown"]
+
+
+def test_an_unknown_xid_is_an_incident_but_not_fatal():
+    monitor, clock, incidents, events = make()
+    monitor.on_xid(XidEvent(gpu=0, xid=999, at=clock.now))
+    (inc,) = incidents.items
+    assert (inc["detail"]["action"], inc["detail"]["fatal"]) == ("unknown", False)
+    assert events[0].kind == "risk"
 
 
 def test_without_ranks_the_incident_names_none():

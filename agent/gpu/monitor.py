@@ -201,7 +201,8 @@ class GpuMonitor:
         incident = None
         if f.incident:
             detail = {"gpu": f.gpu, "uuid": uuid, "xid": f.xid, "action": f.action, "reason": f.reason,
-                      "ranks": list(rank_ids), "source": self.source_name, **f.detail}
+                      "fatal": f.kind == "fatal", "ranks": list(rank_ids), "source": self.source_name,
+                      **f.detail}
             incident = self._incidents.add(kind="gpu_fault", node=self.node,
                                            rank=ranks[0].rank if ranks else -1,
                                            step=ranks[0].step if ranks else -1, detected_at=at, detail=detail)
