@@ -178,6 +178,10 @@ class SlurmCluster:
 
     def __init__(self, root: Path, settings: Path) -> None:
         self.root, self.node = root, socket.gethostname().split(".")[0]
+        try:  # the sbatch example's rendezvous endpoint is the first node's name
+            socket.gethostbyname(self.node)
+        except OSError as exc:
+            pytest.fail(f"this host's name {self.node!r} does not resolve ({exc}); add it to /etc/hosts")
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.procs: list[subprocess.Popen] = []
@@ -285,14 +289,14 @@ def test_real_slurm_job_gets_an_agent_from_the_prolog_and_the_epilog_keeps_its_i
     cluster = SlurmCluster(tmp_path, tmp_path / "settings")
     try:
         cluster.start()
-        # The repository's sbatch example on one node; rank 0 stalls in Python for 5 s at
+        # The repository's sbatch example on one node; rank 0 stalls in Python for 8 s at
         # step 6, which the prolog's agent (hang floor 2 s) must report as a hang.
         env = {**cluster.env, "PATH": f"{RANKWATCH.parent}:{os.environ['PATH']}",
                "OMP_NUM_THREADS": "1", "RANKWATCH_RUN_DIR": str(paths["run"]),
                "RDZV_PORT": str(_free_port()), "CHECKPOINT_DIR": str(tmp_path / "ckpt")}
         r = subprocess.run(["sbatch", "--parsable", "--nodes", "1", "--time", "3",
                             "--chdir", str(tmp_path), "--output", str(tmp_path / "job.out"),
-                            str(SBATCH), "--steps", "12", "--fault", "sleep_forward:0:6:5"],
+                            str(SBATCH), "--steps", "12", "--fault", "sleep_forward:0:6:8"],
                            env=env, capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, r.stderr
         job = r.stdout.strip().split(";")[0]
