@@ -40,6 +40,9 @@ __all__ = ["Coordinator", "PolicyConfig"]
 
 log = logging.getLogger(__name__)
 
+# A gpu_fault whose catalogue action is one of these takes its node out of the job.
+_FATAL_GPU_ACTIONS = ("reboot", "reset_gpu", "restart_app")
+
 
 @dataclass(kw_only=True)
 class PolicyConfig:
@@ -270,8 +273,9 @@ class Coordinator:
 
     def _check_gpu(self, now: float) -> None:
         with self.lock:
-            fatal = [(name, json.loads(i.detail_json or "{}")) for name, n in self.nodes.items()
-                     if name not in self.excluded for i in n.summary.incidents if i.kind == "gpu_fault"]
+            faults = [(name, json.loads(i.detail_json or "{}")) for name, n in self.nodes.items()
+                      if name not in self.excluded for i in n.summary.incidents if i.kind == "gpu_fault"]
+        fatal = [(name, d) for name, d in faults if d.get("action") in _FATAL_GPU_ACTIONS]
         for name, detail in fatal:
             if self.policy.exclude_gpu_fatal:
                 self.exclude(name, f"fatal GPU fault on gpu {detail.get('gpu')}: "

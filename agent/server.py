@@ -33,6 +33,7 @@ from rankwatch.agent.jobmetrics import JobCollector
 from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint, summary_incidents
 from rankwatch.agent.metrics import NodeCollector
 from rankwatch.agent.state import NodeState, RankState, Rejected, _pid_alive
+from rankwatch.agent.starvation import StarvationTracker
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, score
 from rankwatch.proto import pb
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 _SERVICE = "rankwatch.v1.Agent"
 _MAX_MESSAGE = 16 << 20
 _MAX_RPCS = 512
+_RISK_CHECKPOINT_EVERY = 600.0   # seconds between risk checkpoints for the same GPU and signal
 
 
 class AgentConfig:
@@ -89,7 +91,9 @@ class Agent:
         self.incidents = IncidentLog(config.state_dir / "incidents.jsonl" if config.state_dir else None)
         self.state.incidents = self.incidents.items
         self._open_hang: dict | None = None
-        self._stragglers = StragglerDetector(config.straggler)
+        self._stragglers = StragglerDetector(config.straggler, gpu_throttle=self.gpu_throttle_for_rank)
+        self._starvation = StarvationTracker()
+        self._straggler_view: tuple[dict[int, str], float] = ({}, 1.0)
         self._evaluated_steps = 0
         self._detector: threading.Thread | None = None
         self.coordinator = Coordinator(config.node_id, incidents=self.incidents, hang=config.hang,
@@ -99,11 +103,13 @@ class Agent:
         self.goodput = Goodput()
         self._checkpoint_steps: set[int] = set()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(NodeCollector(self.state))
+        self.registry.register(NodeCollector(self.state, lambda: self._straggler_view))
         self.registry.register(JobCollector(self))
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
         self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
         self.gpu_listeners = self.gpu.listeners  # called with every fatal and risk GpuEvent
+        self.gpu_listeners.append(self._on_gpu_event)
+        self._risk_requested: dict[tuple[int, str], float] = {}
         self.registry.register(GpuCollector(self.gpu))
         self._grpc: grpc.Server | None = None
         self._http: Any = None
@@ -363,7 +369,11 @@ class Agent:
         return self._open_hang
 
     def check_stragglers(self, now: float) -> list[dict]:
-        """Score the ranks once per completed step of the slowest; record incidents."""
+        """Score the ranks once per completed step of the slowest; record incidents.
+
+        Each rank's run delay (CPU starvation of its training thread) is sampled
+        here, so the detector can tell a starved host from slow compute.
+        """
         st = self.state
         with st.lock:
             ranks = [r for r in st.ranks.values() if r.connected]
@@ -374,31 +384,35 @@ class Agent:
             work = [RankWork(rank=r.rank, node=r.node, step=r.step, own=list(r.own_work),
                              data=list(r.data_wait), wait=list(r.comm_wait),
                              step_seconds=r.step_seconds, completed=r.steps_completed) for r in ranks]
+            pids = {r.rank: r.pid for r in ranks}
+        for w in work:
+            self._starvation.sample(w.rank, pids[w.rank], w.completed)
+            w.delay = self._starvation.per_step(w.rank)
         events = self._stragglers.update(work, done)
-        scores = {s.rank: s for s in score(work, self.config.straggler)}
-        made = []
+        scores = {s.rank: s for s in score(work, self.config.straggler, self.gpu_throttle_for_rank)}
+        flagged = self._stragglers.flagged
         with st.lock:
             for r in ranks:
                 if r.rank in scores:
                     r.slowdown = scores[r.rank].slowdown
-                flagged = r.rank in self._stragglers.flagged
                 if r.state in ("ok", "straggler"):
-                    r.state = "straggler" if flagged else "ok"
+                    r.state = "straggler" if r.rank in flagged else "ok"
+        job_step = max(w.step_seconds for w in work)
+        self._straggler_view = ({rank: s.cause for rank, s in flagged.items()},
+                                self._stragglers.cost_ratio(job_step))
+        made = []
         for ev in events:
             s = ev.score
             if ev.kind == "cleared":
                 log.info("rank %d is no longer a straggler (slowdown %.2f)", s.rank, s.slowdown)
                 continue
-            detail = {"cause": s.cause, "slowdown": round(s.slowdown, 4),
-                      "excess_seconds": round(s.excess_seconds, 6),
-                      "cost": {"speedup_if_removed": round(s.speedup, 4),
-                               "step_seconds": round(ev.work.step_seconds, 6)},
-                      "window_steps": self.config.straggler.window}
             made.append(self.incidents.add(kind="straggler", node=ev.work.node, rank=s.rank,
-                                           step=ev.work.step, detected_at=now, detail=detail))
-            log.warning("STRAGGLER: rank %d at step %d, %.0f%% slower own work (%s); "
-                        "the job would step %.2fx faster without it", s.rank, ev.work.step,
-                        (s.slowdown - 1) * 100, s.cause, s.speedup)
+                                           step=ev.work.step, detected_at=now,
+                                           detail=ev.detail(self.config.straggler.window)))
+            log.warning("STRAGGLER: %s at step %d, %.0f%% slower own work (%s); "
+                        "the job would step %.2fx faster without it",
+                        f"node {ev.work.node} (ranks {ev.ranks})" if ev.scope == "node" else f"rank {s.rank}",
+                        ev.work.step, (s.slowdown - 1) * 100, s.cause, s.speedup)
         return made
 
     # -- the job: coordinator, commands ------------------------------------------
@@ -512,9 +526,24 @@ class Agent:
             self.state.note_rejected(Rejected("malformed", f"summary: {exc}"))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-    def _request_checkpoint(self, request: pb.CheckpointRequest,
-                            context: grpc.ServicerContext) -> pb.CheckpointReply:
-        reason = request.reason or "operator"
+    def _on_gpu_event(self, event: Any) -> None:
+        """A GPU risk (rising ECC, a pending row remap, throttling): checkpoint while it is cheap.
+
+        Fatal faults need nothing here: they are ``gpu_fault`` incidents, which reach the
+        coordinator in this node's summary, and its policy excludes the node.
+        """
+        if event.kind != "risk":
+            return
+        key = (event.gpu, event.reason)
+        if event.at - self._risk_requested.get(key, float("-inf")) < _RISK_CHECKPOINT_EVERY:
+            return
+        self._risk_requested[key] = event.at
+        reply = self.checkpoint(f"gpu risk: {event.reason} on gpu {event.gpu} of {event.node}")
+        log.warning("GPU risk %s on gpu %d: checkpoint %s", event.reason, event.gpu,
+                    f"at step {reply.step}" if reply.accepted else f"not taken ({reply.message})")
+
+    def checkpoint(self, reason: str) -> pb.CheckpointReply:
+        """Ask the job for a checkpoint: through the coordinator, or this agent's own node."""
         if not self.link.acting and self.link.coordinator_addr is not None:
             try:
                 return forward_checkpoint(self.link.coordinator_addr, reason)
@@ -527,6 +556,10 @@ class Agent:
         self.commands.publish_checkpoint(d)
         return pb.CheckpointReply(accepted=True, step=d["step"], id=d["id"],
                                   message=f"every rank saves after step {d['step']}")
+
+    def _request_checkpoint(self, request: pb.CheckpointRequest,
+                            context: grpc.ServicerContext) -> pb.CheckpointReply:
+        return self.checkpoint(request.reason or "operator")
 
     def gpu_throttle_for_rank(self, rank: int) -> list[str]:
         """Slowdown reasons active on the GPU this node's ``rank`` uses; [] if none or no GPU."""

@@ -24,7 +24,8 @@ def free_port() -> int:
 
 
 class Cluster:
-    def __init__(self, tmp: Path, nodes: int, agent_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, tmp: Path, nodes: int, agent_args: tuple[str, ...] = (),
+                 node_args: dict[int, tuple[str, ...]] | None = None) -> None:
         self.tmp = tmp
         self.coord = f"127.0.0.1:{free_port()}"
         self.rdzv_port = free_port()
@@ -32,7 +33,8 @@ class Cluster:
         self.jobs: list[subprocess.Popen] = []
         for i in range(nodes):
             extra = (["--listen", self.coord] if i == 0 else []) + ["--coordinator", self.coord,
-                                                                    *agent_args]
+                                                                    *agent_args,
+                                                                    *(node_args or {}).get(i, ())]
             self.agents.append(AgentProcess(tmp / f"n{i}.sock", node=f"n{i}", extra=tuple(extra)))
 
     def __enter__(self) -> Cluster:

@@ -8,6 +8,7 @@ spending restarts.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -63,6 +64,46 @@ def test_hung_node_is_excluded_and_the_job_continues_without_it(tmp_path):
         assert s["time_seconds"]["restart"] > 0 and s["time_seconds"]["hang"] > 0
         print(f"SIGSTOP -> excluded {t_excluded:.1f}s -> training again {t_back:.1f}s "
               f"(restart {restart['detail']['recovered_after_seconds']:.1f}s after the decision)")
+
+
+def test_gpu_risk_checkpoints_and_a_fatal_xid_excludes_the_node(tmp_path):
+    # Scripted GPUs (one per node, for its one rank): a corrected-ECC rise on n1 is a
+    # risk (checkpoint now), an XID 79 on n2 is fatal (exclude n2, restart the rest).
+    def script(name, events):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"gpus": {"count": 1, "name": "scripted"}, "events": events}))
+        return ("--gpu-source", f"script:{path}")
+    ck = tmp_path / "ck"
+    with Cluster(tmp_path, 3, ("--min-nodes", "2"), node_args={
+            1: script("n1", [{"at": 24, "gpu": 0, "ecc": {"corrected": 4}}]),
+            2: script("n2", [{"at": 34, "gpu": 0, "xid": 79}])}) as c:
+        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0",
+                           "--checkpoint-dir", str(ck), launcher="rankwatch", rdzv_conf=_RDZV,
+                           launcher_args=_LAUNCH) for i in range(3)]
+
+        def risk_checkpoint():
+            incs = c.coordinator.status()["incidents"]
+            return [i for i in incs if i["kind"] == "checkpoint" and "gpu risk" in i["detail"]["reason"]]
+        (saved,) = wait_for(risk_checkpoint, 90, what="a checkpoint on the ECC risk")[:1]
+        assert saved["detail"]["ok"] and (ck / f"step_{saved['step']:08d}" / "COMPLETE").is_file()
+
+        def excluded():
+            s = c.coordinator.status()
+            return "n2" in s["excluded_nodes"] and s
+        s = wait_for(excluded, 60, what="n2 excluded on its XID")
+        fault = next(i for i in s["incidents"] if i["kind"] == "gpu_fault")
+        assert fault["node"] == "n2" and fault["detail"]["xid"] == 79 and fault["detail"]["action"] == "reboot"
+        assert "fatal GPU fault" in next(d["reason"] for d in s["decisions"] if d["kind"] == "exclude")
+        assert jobs[2].wait(60) == 0
+
+        def resumed():
+            s = c.coordinator.status()
+            restart = next((i for i in s["incidents"] if i["kind"] == "restart"), None)
+            return restart and "recovered_after_seconds" in restart["detail"] and s
+        s = wait_for(resumed, 90, what="n0 and n1 training again")
+        assert jobs[0].poll() is None and jobs[1].poll() is None
+        # They resumed from the risk checkpoint (or a later one): nothing before it is retrained.
+        assert min(r["step"] for r in s["ranks"] if r["connected"]) >= saved["step"]
 
 
 def _alive(pid: int) -> bool:
