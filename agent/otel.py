@@ -26,12 +26,10 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from rankwatch import __version__
 
@@ -96,18 +94,21 @@ class StepSampling:
                 raise ValueError(f"{STEP_SAMPLE_ENV}: {item!r} is not a number") from None
         return cls(**fields)
 
-    def pick(self, steps: np.ndarray, durations: np.ndarray, median: float) -> tuple[np.ndarray, np.ndarray]:
-        """Indices of the sampled steps of one batch, and for each whether it was slow.
+    def pick(self, steps: Sequence[int], durations: Sequence[float], median: float) -> list[tuple[int, bool]]:
+        """``(index, slow)`` of each sampled step of one batch.
+
+        Plain Python, not numpy: a batch holds a handful of steps, where numpy's per-call
+        overhead would be most of the cost.
 
         Args:
             steps: step numbers.
             durations: wall seconds of those steps.
             median: the rank's median step time; 0 when there is too little history.
         """
-        periodic = (steps % self.every == 0) if self.every else np.zeros(steps.shape, bool)
-        slow = (durations > self.slower * median) if self.slower and median > 0 else np.zeros(steps.shape, bool)
-        picked = np.flatnonzero(periodic | slow)
-        return picked, slow[picked]
+        every = self.every
+        limit = self.slower * median if self.slower and median > 0 else math.inf
+        return [(i, d > limit) for i, (n, d) in enumerate(zip(steps, durations))
+                if d > limit or (every and n % every == 0)]
 
 
 def span_exporters() -> list[SpanExporter]:
@@ -298,15 +299,16 @@ class SpanExport:
         if self._closed:
             return
         try:
-            history = list(rank.step_durations)
-            median = float(np.median(history)) if len(history) >= MIN_HISTORY else 0.0
-            picked, slow = self.sampling.pick(np.asarray(steps.step, np.int64),
-                                              np.asarray(steps.duration, np.float64), median)
-            if picked.size > MAX_SPANS_PER_BATCH:
-                self.skipped_steps += int(picked.size) - MAX_SPANS_PER_BATCH
+            history = sorted(rank.step_durations)
+            median = history[len(history) // 2] if len(history) >= MIN_HISTORY else 0.0
+            picked = self.sampling.pick(steps.step, steps.duration, median)
+            if not picked:
+                return
+            if len(picked) > MAX_SPANS_PER_BATCH:
+                self.skipped_steps += len(picked) - MAX_SPANS_PER_BATCH
             base = rank_attributes(rank)
-            for i, is_slow in zip(picked[:MAX_SPANS_PER_BATCH].tolist(), slow.tolist()):
-                self._step_span(base, rank.job_id, steps, i, median, is_slow)
+            for i, slow in picked[:MAX_SPANS_PER_BATCH]:
+                self._step_span(base, rank.job_id, steps, i, median, slow)
         except Exception:  # noqa: BLE001 - ingestion never fails because of export
             self._log_failure("step spans")
 
