@@ -1,4 +1,5 @@
-"""OpenTelemetry export: a node's steps, checkpoints, restarts and incidents as OTLP spans.
+"""OpenTelemetry export: a node's steps, checkpoints, restarts and incidents as OTLP spans,
+and its GPUs' health as OTLP metrics named by the OpenTelemetry hardware conventions.
 
 Opt-in through the standard ``OTEL_*`` variables: with neither ``OTEL_TRACES_EXPORTER`` nor an
 ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`` set, the agent logs one line and exports nothing, and
@@ -18,6 +19,7 @@ whose bounded queue drops spans rather than ever blocking ingestion.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import math
@@ -26,7 +28,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -34,15 +36,21 @@ from typing import TYPE_CHECKING, Any
 from rankwatch import __version__
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
 
+    from rankwatch.agent.gpu import GpuMonitor
+    from rankwatch.agent.gpu.base import GpuReading
     from rankwatch.agent.incidents import IncidentLog
     from rankwatch.agent.server import Agent
     from rankwatch.agent.state import NodeState, RankState
     from rankwatch.proto import pb
 
-__all__ = ["STEP_SAMPLE_ENV", "ExporterUnavailable", "SpanExport", "StepSampling", "install", "span_exporters"]
+__all__ = [
+    "STEP_SAMPLE_ENV", "ExporterUnavailable", "OtelExport", "SpanExport", "StepSampling", "exporters",
+    "gpu_instruments", "install", "step_trace_id",
+]
 
 log = logging.getLogger(__name__)
 
@@ -111,14 +119,23 @@ class StepSampling:
                 if d > limit or (every and n % every == 0)]
 
 
-def span_exporters() -> list[SpanExporter]:
-    """The span exporters that the standard ``OTEL_*`` variables ask for; [] for none.
+# signal -> (its exporter variable, OTLP module and class, console module and class)
+_SIGNALS = {
+    "traces": ("OTEL_TRACES_EXPORTER", "trace_exporter", "OTLPSpanExporter",
+               "opentelemetry.sdk.trace.export", "ConsoleSpanExporter"),
+    "metrics": ("OTEL_METRICS_EXPORTER", "metric_exporter", "OTLPMetricExporter",
+                "opentelemetry.sdk.metrics.export", "ConsoleMetricExporter"),
+}
 
-    ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``, ``none``, comma-separated) decides; when it
-    is unset, an ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`` means ``otlp``.  The OTLP protocol
-    comes from ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`` (``grpc``, the Python SDK's default, or
-    ``http/protobuf``); the exporters read their endpoint, headers, timeout and TLS settings
-    from the same variables themselves.
+
+def exporters(signal: str) -> list[Any]:
+    """The exporters of ``signal`` (traces, metrics) that the ``OTEL_*`` variables ask for.
+
+    ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` (``otlp``, ``console``, ``none``,
+    comma-separated) decide; when unset, an ``OTEL_EXPORTER_OTLP_[SIGNAL_]ENDPOINT`` means
+    ``otlp``.  The OTLP protocol comes from ``OTEL_EXPORTER_OTLP_[SIGNAL_]PROTOCOL`` (``grpc``,
+    the Python SDK's default, or ``http/protobuf``); the exporters read their endpoint,
+    headers, timeout and TLS settings from the same variables themselves.
 
     Raises:
         ValueError: an unknown exporter or protocol.
@@ -127,59 +144,82 @@ def span_exporters() -> list[SpanExporter]:
     env = os.environ
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return []
-    names = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    names = env.get(_SIGNALS[signal][0], "").strip().lower()
     if not names:
-        endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        endpoint = env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         names = "otlp" if endpoint else "none"
-    return [_exporter(name) for name in (n.strip() for n in names.split(",")) if name not in ("", "none")]
+    return [_exporter(signal, name) for name in (n.strip() for n in names.split(",")) if name not in ("", "none")]
 
 
-def _exporter(name: str) -> SpanExporter:
+def _exporter(signal: str, name: str) -> Any:
+    variable, otlp_module, otlp_class, console_module, console_class = _SIGNALS[signal]
     if name == "otlp":
-        protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        protocol = (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
                     or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
         name = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}.get(protocol, "")
         if not name:
             raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r} is not supported "
                              "(grpc or http/protobuf)")
+    if name == "console":
+        module, cls = console_module, console_class
+    elif name in ("otlp_proto_grpc", "otlp_proto_http"):
+        module, cls = f"opentelemetry.exporter.otlp.proto.{name.rsplit('_', 1)[1]}.{otlp_module}", otlp_class
+    else:
+        raise ValueError(f"{variable}: unknown exporter {name!r} (otlp, console or none)")
     try:
-        if name == "otlp_proto_grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        elif name == "otlp_proto_http":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        elif name == "console":
-            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-            return ConsoleSpanExporter()
-        else:
-            raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (otlp, console or none)")
+        return getattr(importlib.import_module(module), cls)()
     except ImportError as exc:
         raise ExporterUnavailable(f"the {name} exporter is not installed ({exc.name}); "
                                   "install it with: pip install 'rankwatch[otlp]'") from None
-    return OTLPSpanExporter()
 
 
 # -- wiring ---------------------------------------------------------------------------------
 
-def install(agent: Agent) -> SpanExport | None:
-    """Export the agent's spans as the ``OTEL_*`` variables ask.
+class OtelExport:
+    """What :func:`install` set up: span export, GPU metric export, or both."""
 
-    Never raises: when they ask for nothing, or the exporter cannot be built, this logs one
-    line and returns None, and the agent runs on without OpenTelemetry.
+    def __init__(self, spans: SpanExport | None, metrics: MeterProvider | None) -> None:
+        self.spans, self.metrics = spans, metrics
+
+    def shutdown(self, timeout: timedelta = SHUTDOWN_TIMEOUT) -> None:
+        """Flush both, waiting at most ``timeout`` each for the collector."""
+        if self.spans is not None:
+            self.spans.shutdown(timeout)
+        if self.metrics is not None:
+            _within(self.metrics.shutdown, timeout, "the last GPU metrics")
+
+
+def install(agent: Agent) -> OtelExport | None:
+    """Export the agent's spans and GPU metrics as the ``OTEL_*`` variables ask.
+
+    Never raises: when they ask for nothing, or an exporter cannot be built, this logs one
+    line and the agent runs on without that signal (None: without OpenTelemetry at all).
     """
+    spans = metrics = None
+    problems = []
     try:
-        exporters = span_exporters()
-        if not exporters:
-            log.info("OpenTelemetry export off: set OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER")
-            return None
-        export = SpanExport(_provider(agent.config.node_id, exporters), agent.state, agent.incidents,
-                            _sampling())
+        if span_exporters := exporters("traces"):
+            spans = SpanExport(_tracer_provider(agent.config.node_id, span_exporters), agent.state,
+                               agent.incidents, _sampling())
     except Exception as exc:  # noqa: BLE001 - the agent runs on without spans
-        log.warning("OpenTelemetry export off: %s", exc)
+        problems.append(f"spans: {exc}")
+    try:
+        if metric_exporters := exporters("metrics"):
+            metrics = _meter_provider(agent, metric_exporters)
+    except Exception as exc:  # noqa: BLE001 - the agent runs on without metrics
+        problems.append(f"GPU metrics: {exc}")
+    if problems:
+        log.warning("OpenTelemetry export off for %s", "; ".join(problems))
+    elif spans is None and metrics is None:
+        log.info("OpenTelemetry export off: set OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_TRACES_EXPORTER, "
+                 "OTEL_METRICS_EXPORTER)")
+    if spans is None and metrics is None:
         return None
-    export.attach()
-    log.info("OpenTelemetry export on: %s; step spans: %s", ", ".join(type(e).__module__ for e in exporters),
-             export.sampling)
-    return export
+    if spans is not None:
+        spans.attach()
+    log.info("OpenTelemetry export on: spans %s, GPU metrics %s",
+             f"with step sampling {spans.sampling}" if spans else "off", "on" if metrics else "off")
+    return OtelExport(spans, metrics)
 
 
 def _sampling() -> StepSampling:
@@ -190,14 +230,33 @@ def _sampling() -> StepSampling:
         return StepSampling()
 
 
-def _provider(node_id: str, exporters: list[SpanExporter]) -> TracerProvider:
+def _tracer_provider(node_id: str, chosen: list[SpanExporter]) -> TracerProvider:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     provider = TracerProvider(resource=_resource(node_id), id_generator=_TraceIds(), shutdown_on_exit=False)
-    for exporter in exporters:
+    for exporter in chosen:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+def _meter_provider(agent: Agent, chosen: list[Any]) -> MeterProvider:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(e) for e in chosen],
+                             resource=_resource(agent.config.node_id), shutdown_on_exit=False)
+    gpu_instruments(provider.get_meter("rankwatch.agent", __version__), agent.gpu)
+    return provider
+
+
+def _within(call: Callable[[], Any], timeout: timedelta, what: str) -> None:
+    """Run ``call`` (a flush) on a thread of its own; give up waiting after ``timeout``."""
+    flush = threading.Thread(target=call, name="rankwatch-otel-flush", daemon=True)
+    flush.start()
+    flush.join(timeout.total_seconds())
+    if flush.is_alive():
+        log.warning("OpenTelemetry: the collector did not take %s within %s; they are lost", what, timeout)
 
 
 def _resource(node_id: str) -> Any:
@@ -283,12 +342,7 @@ class SpanExport:
                                     (self.incidents.listeners, self.on_incident)):
             if listener in listeners:
                 listeners.remove(listener)
-        flush = threading.Thread(target=self.provider.shutdown, name="rankwatch-otel-flush", daemon=True)
-        flush.start()
-        flush.join(timeout.total_seconds())
-        if flush.is_alive():
-            log.warning("OpenTelemetry: the collector did not take the last spans within %s; "
-                        "they are lost", timeout)
+        _within(self.provider.shutdown, timeout, "the last spans")
         if self.skipped_steps:
             log.info("OpenTelemetry: %d sampled steps were over %d per batch and made no span",
                      self.skipped_steps, MAX_SPANS_PER_BATCH)
@@ -407,3 +461,68 @@ def _flatten(detail: dict[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
             yield from _flatten(value, name)
         elif isinstance(value, (bool, str, float)) or (isinstance(value, int) and -(1 << 63) <= value < 1 << 63):
             yield name, value
+
+
+# -- GPU metrics ------------------------------------------------------------------------------
+
+def gpu_instruments(meter: Any, gpu: GpuMonitor) -> None:
+    """Observable instruments over the GPU monitor's latest readings.
+
+    Named by the OpenTelemetry hardware semantic conventions (``hw.*``), with ``hw.type="gpu"``,
+    ``hw.id`` the GPU's UUID and ``rankwatch.gpu`` its index.  Readings the conventions have no
+    name for (clocks, throttle reasons, power limit, remapped rows) stay Prometheus-only.
+    """
+    from opentelemetry.metrics import Observation
+
+    def observe(values: Callable[[GpuReading], list[tuple[float, dict[str, str]]]]) -> Callable:
+        def callback(_options: Any) -> list[Observation]:
+            return [Observation(value, {**_gpu_attributes(r), **extra})
+                    for r in gpu.readings() for value, extra in values(r)]
+        return callback
+
+    def field(name: str, extra: dict[str, str] | None = None) -> Callable:
+        def values(r: GpuReading) -> list[tuple[float, dict[str, str]]]:
+            value = getattr(r, name)
+            return [(value, extra or {})] if r.up and value is not None else []
+        return observe(values)
+
+    meter.create_observable_gauge("hw.gpu.utilization", [field("utilization_ratio", {"hw.gpu.task": "general"})],
+                                  unit="1", description="Fraction of time the GPU was busy")
+    meter.create_observable_gauge("hw.gpu.memory.utilization", [field("memory_utilization_ratio")], unit="1",
+                                  description="Fraction of time the GPU memory was read or written")
+    meter.create_observable_up_down_counter("hw.gpu.memory.usage", [field("memory_used_bytes")], unit="By",
+                                            description="GPU memory used")
+    meter.create_observable_up_down_counter("hw.gpu.memory.limit", [field("memory_total_bytes")], unit="By",
+                                            description="Size of the GPU memory")
+    meter.create_observable_gauge("hw.temperature", [field("temperature_celsius")], unit="Cel",
+                                  description="GPU temperature")
+    meter.create_observable_gauge("hw.power", [field("power_watts")], unit="W", description="GPU power draw")
+    meter.create_observable_up_down_counter(
+        "hw.status", [observe(lambda r: [(int(r.up), {"hw.state": "ok"}), (int(not r.up), {"hw.state": "failed"})])],
+        unit="1", description="1 for the GPU's state: ok while it answers, failed once it is lost")
+    meter.create_observable_counter(
+        "hw.errors", [observe(lambda r: _gpu_errors(r, gpu.xid_counts()))], unit="{error}",
+        description="GPU errors by error.type: ecc_corrected, ecc_uncorrected, pcie_replay, "
+                    "nvlink_<type>, xid_<n>")
+
+
+def _gpu_attributes(r: GpuReading) -> dict[str, str]:
+    return {"hw.type": "gpu", "hw.id": r.uuid, "hw.name": r.name, "rankwatch.gpu": str(r.index)}
+
+
+def _gpu_errors(r: GpuReading, xids: dict[tuple[int, int], int]) -> list[tuple[float, dict[str, str]]]:
+    """A GPU's running error totals by ``error.type``."""
+    from rankwatch.agent.gpu.base import ECC_SEVERITIES
+
+    totals: dict[str, int] = {}
+    for severity in ECC_SEVERITIES:
+        if (count := r.ecc_count(severity)) is not None:
+            totals[f"ecc_{severity}"] = count
+    if r.pcie_replays is not None:
+        totals["pcie_replay"] = r.pcie_replays
+    for (_, kind), count in r.nvlink_errors.items():
+        totals[f"nvlink_{kind}"] = totals.get(f"nvlink_{kind}", 0) + count
+    for (index, xid), count in xids.items():
+        if index == r.index:
+            totals[f"xid_{xid}"] = count
+    return [(count, {"error.type": kind}) for kind, count in totals.items()]

@@ -23,31 +23,36 @@ from typing import Any
 
 import grpc
 import pytest
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from conftest import AgentProcess, torchrun, wait_for
 from rankwatch.agent import otel
 from rankwatch.agent.address import Address
+from rankwatch.agent.gpu import GpuConfig
+from rankwatch.agent.gpu.script import load_script
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.hooks.client import AgentClient
 from rankwatch.hooks.recorder import OPS, Recorder
 from rankwatch.proto import pb
 
-OTEL_VARS = ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
+OTEL_VARS = ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
              "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
-             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES",
+             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+             "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES",
              otel.STEP_SAMPLE_ENV)
 
 
 # -- a real OTLP endpoint ---------------------------------------------------------------------
 
 class OtlpSink:
-    """An OTLP trace receiver on 127.0.0.1: gRPC TraceService/Export, or HTTP POST /v1/traces."""
+    """An OTLP receiver on 127.0.0.1: gRPC TraceService and MetricsService, or HTTP POST /v1/traces."""
 
     def __init__(self, protocol: str = "grpc") -> None:
         self.protocol = protocol
         self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
+        self.metric_requests: list[metrics_service_pb2.ExportMetricsServiceRequest] = []
         self._lock = threading.Lock()
         self._server: Any = None
         self.port = 0
@@ -56,6 +61,7 @@ class OtlpSink:
         if self.protocol == "grpc":
             self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
             trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Receiver(self), self._server)
+            metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsReceiver(self), self._server)
             self.port = self._server.add_insecure_port("127.0.0.1:0")
             self._server.start()
         else:
@@ -78,6 +84,26 @@ class OtlpSink:
     def take(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
         with self._lock:
             self.requests.append(request)
+
+    def take_metrics(self, request: metrics_service_pb2.ExportMetricsServiceRequest) -> None:
+        with self._lock:
+            self.metric_requests.append(request)
+
+    def points(self) -> dict[tuple[str, frozenset], tuple[float, str, dict[str, Any]]]:
+        """The latest value of every metric stream: (name, attributes) -> (value, unit, resource)."""
+        with self._lock:
+            requests = list(self.metric_requests)
+        out = {}
+        for req in requests:
+            for rm in req.resource_metrics:
+                resource = _attributes(rm.resource.attributes)
+                for sm in rm.scope_metrics:
+                    for m in sm.metrics:
+                        for p in getattr(m, m.WhichOneof("data")).data_points:
+                            value = p.as_double if p.WhichOneof("value") == "as_double" else p.as_int
+                            attrs = frozenset(_attributes(p.attributes).items())
+                            out[(m.name, attrs)] = (value, m.unit, resource)
+        return out
 
     def spans(self) -> list[dict[str, Any]]:
         """Every span received, flattened, with its resource's attributes."""
@@ -103,6 +129,15 @@ class _Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):  # noqa: N802 - the generated service's name
         self.sink.take(request)
         return trace_service_pb2.ExportTraceServiceResponse()
+
+
+class _MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self, sink: OtlpSink) -> None:
+        self.sink = sink
+
+    def Export(self, request, context):  # noqa: N802 - the generated service's name
+        self.sink.take_metrics(request)
+        return metrics_service_pb2.ExportMetricsServiceResponse()
 
 
 def _http_handler(sink: OtlpSink) -> type[BaseHTTPRequestHandler]:
@@ -148,9 +183,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
-def thread_agent(tmp_path: Path, node: str = "n0") -> Agent:
+def thread_agent(tmp_path: Path, node: str = "n0", gpu: GpuConfig | None = None) -> Agent:
     agent = Agent(AgentConfig(node_id=node, listen=[Address(path=str(tmp_path / "a.sock"))],
-                              metrics_port=None))
+                              metrics_port=None, gpu=gpu or GpuConfig(source="none")))
     agent.start()
     return agent
 
@@ -181,23 +216,30 @@ def test_step_sampling_parses_and_picks() -> None:
 
 
 def test_exporters_follow_standard_env(clean_env: pytest.MonkeyPatch) -> None:
-    assert otel.span_exporters() == []
+    def chosen(signal: str) -> list[str]:  # e.g. ["grpc.OTLPSpanExporter", "ConsoleSpanExporter"]
+        return [f"{type(e).__module__.split('.')[4]}.{type(e).__name__}"
+                if ".otlp.proto." in type(e).__module__ else type(e).__name__ for e in otel.exporters(signal)]
+
+    assert otel.exporters("traces") == [] and otel.exporters("metrics") == []
     clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
-    (grpc_exporter,) = otel.span_exporters()
-    assert type(grpc_exporter).__module__.endswith("proto.grpc.trace_exporter")
+    assert chosen("traces") == ["grpc.OTLPSpanExporter"] and chosen("metrics") == ["grpc.OTLPMetricExporter"]
     clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
-    (http_exporter,) = otel.span_exporters()
-    assert type(http_exporter).__module__.endswith("proto.http.trace_exporter")
+    clean_env.setenv("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "grpc")
+    assert chosen("traces") == ["http.OTLPSpanExporter"] and chosen("metrics") == ["grpc.OTLPMetricExporter"]
     clean_env.setenv("OTEL_TRACES_EXPORTER", "none")
-    assert otel.span_exporters() == []
+    clean_env.setenv("OTEL_METRICS_EXPORTER", "console")
+    assert chosen("traces") == [] and chosen("metrics") == ["ConsoleMetricExporter"]
     clean_env.setenv("OTEL_TRACES_EXPORTER", "otlp,console")
-    assert [type(e).__name__ for e in otel.span_exporters()] == ["OTLPSpanExporter", "ConsoleSpanExporter"]
+    assert chosen("traces") == ["http.OTLPSpanExporter", "ConsoleSpanExporter"]
+    clean_env.setenv("OTEL_SDK_DISABLED", "true")
+    assert otel.exporters("traces") == [] and otel.exporters("metrics") == []
+    clean_env.delenv("OTEL_SDK_DISABLED")
     clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
     with pytest.raises(ValueError, match="http/json"):
-        otel.span_exporters()
+        otel.exporters("traces")
     clean_env.setenv("OTEL_TRACES_EXPORTER", "zipkin")
-    with pytest.raises(ValueError, match="zipkin"):
-        otel.span_exporters()
+    with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER: unknown exporter 'zipkin'"):
+        otel.exporters("traces")
 
 
 # -- the agent without OpenTelemetry ----------------------------------------------------------
@@ -214,7 +256,7 @@ def test_no_otel_env_agent_runs_and_exports_nothing(clean_env, tmp_path, caplog)
             with rec.step_scope(n):
                 rec.mark("forward")
         wait_for(lambda: agent.state.records["step"] == 10, 10, what="steps at the agent")
-        client.close()
+        client.close(timedelta(seconds=0.5))
         agent.incidents.add(kind="straggler", node="n0", rank=0, step=10, detected_at=time.time(),
                             detail={"cause": "compute", "slowdown": 1.5})
     finally:
@@ -227,7 +269,8 @@ def test_missing_exporter_package_logs_once_and_agent_runs(clean_env, tmp_path, 
     clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
     # An import of a module whose sys.modules entry is None raises ImportError: the package
     # is as good as absent.
-    clean_env.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    for signal in ("trace", "metric"):
+        clean_env.setitem(sys.modules, f"opentelemetry.exporter.otlp.proto.grpc.{signal}_exporter", None)
     agent = thread_agent(tmp_path)
     try:
         assert agent._otel is None and agent.state.step_listeners == []
@@ -256,7 +299,7 @@ def test_http_protobuf_steps_and_checkpoint_spans(clean_env, tmp_path) -> None:
                 time.sleep(0.25 if n == 13 else 0.01)
                 rec.mark("forward")
         wait_for(lambda: agent.state.records["step"] == 20, 10, what="steps at the agent")
-        client.close()
+        client.close(timedelta(seconds=0.5))
         t1 = time.time()
         agent.incidents.add(kind="checkpoint", node="n3", rank=3, step=20, detected_at=t1,
                             detail={"started_at": t1 - 1.5, "path": "/ckpt/step-20", "ok": True,
@@ -288,6 +331,54 @@ def test_http_protobuf_steps_and_checkpoint_spans(clean_env, tmp_path) -> None:
     resource = ckpt["resource"]
     assert resource["service.name"] == "rankwatch-agent" and resource["rankwatch.node"] == "n3"
     assert resource["deployment.environment"] == "test" and resource["host.name"] == "box7"
+
+
+# -- GPU metrics over OTLP/gRPC, from the scripted GPU source ---------------------------------
+
+def test_gpu_metrics_follow_hardware_conventions(clean_env, tmp_path) -> None:
+    sink = OtlpSink("grpc").start()
+    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint)
+    clean_env.setenv("OTEL_METRIC_EXPORT_INTERVAL", "200")
+    clean_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    script = tmp_path / "gpus.json"
+    script.write_text(json.dumps({"gpus": {"count": 2, "name": "NVIDIA H100 80GB HBM3", "nvlinks": 2}, "events": [
+        {"at": 0.1, "gpu": 1, "ecc": {"corrected": 3}, "nvlink": {"1": {"crc_flit": 4}}},
+        {"at": 0.3, "gpu": 1, "xid": 79, "lost": True}]}))
+    agent = thread_agent(tmp_path, gpu=GpuConfig(source="script", script=load_script(script),
+                                                  interval=timedelta(seconds=0.1)))
+    try:
+        gpu0 = wait_for(lambda: [r for r in agent.gpu.readings() if r.index == 0], 10, what="GPU readings")[0]
+        uuid1 = next(r.uuid for r in agent.gpu.readings() if r.index == 1)
+
+        def point(name: str, uuid: str, **extra: str) -> float | None:
+            index = "0" if uuid == gpu0.uuid else "1"
+            attrs = frozenset({"hw.type": "gpu", "hw.id": uuid, "hw.name": "NVIDIA H100 80GB HBM3",
+                               "rankwatch.gpu": index, **extra}.items())
+            return sink.points().get((name, attrs), (None,))[0]
+
+        wait_for(lambda: point("hw.status", uuid1, **{"hw.state": "failed"}) == 1
+                 and point("hw.errors", uuid1, **{"error.type": "xid_79"}) == 1, 10, what="GPU 1 lost, XID 79")
+        assert point("hw.status", uuid1, **{"hw.state": "ok"}) == 0
+        assert point("hw.errors", uuid1, **{"error.type": "ecc_corrected"}) == 3
+        assert point("hw.errors", uuid1, **{"error.type": "nvlink_crc_flit"}) == 4
+        assert point("hw.status", gpu0.uuid, **{"hw.state": "ok"}) == 1
+        assert point("hw.gpu.utilization", gpu0.uuid, **{"hw.gpu.task": "general"}) == pytest.approx(
+            gpu0.utilization_ratio)
+        assert point("hw.gpu.memory.limit", gpu0.uuid) == gpu0.memory_total_bytes
+        assert point("hw.temperature", gpu0.uuid) == pytest.approx(gpu0.temperature_celsius)
+        assert point("hw.power", gpu0.uuid) == pytest.approx(gpu0.power_watts)
+        units = {name: unit for (name, _), (_, unit, _) in sink.points().items()}
+        assert units["hw.temperature"] == "Cel" and units["hw.gpu.memory.usage"] == "By"
+        resource = next(iter(sink.points().values()))[2]
+        assert resource["rankwatch.node"] == "n0" and resource["service.name"] == "rankwatch-agent"
+        # The XID is a gpu_fault incident, and so an ERROR span.
+        (fault,) = wait_for(lambda: [s for s in sink.spans() if s["name"] == "rankwatch.gpu_fault"
+                                     and s["attrs"].get("rankwatch.incident.detail.xid") == 79], 10,
+                            what="gpu_fault span of XID 79")
+        assert fault["status"] == 2 and fault["attrs"]["rankwatch.incident.detail.action"] == "reboot"
+    finally:
+        agent.stop(timedelta(seconds=0.5))
+        sink.stop()
 
 
 # -- gRPC, a real torchrun job, the agent as a process ----------------------------------------
