@@ -117,7 +117,7 @@ class Agent:
         self.tcp_ports: list[int] = []
         self._stopped = threading.Event()
         self._owns_sockets = False
-        self._otel: otel.SpanExport | None = None
+        self._otel: otel.OtelExport | None = None
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
