@@ -21,9 +21,13 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rankwatch import __version__
 from rankwatch.agent.address import Address, node_id, resolve
+
+if TYPE_CHECKING:
+    from rankwatch.agent.straggler import StragglerConfig
 
 __all__ = ["main"]
 
@@ -83,10 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep incidents here (default /tmp/rankwatch-<uid>/<node-id>)")
     a.add_argument("--hang-floor", type=_positive, default=5.0, metavar="SECONDS",
                    help="shortest stall called a hang (default 5)")
+    a.add_argument("--straggler-threshold", type=_positive, default=None, metavar="RATIO",
+                   help="flag ranks whose own work is this much above the others' (default 0.08: 8%%)")
+    a.add_argument("--straggler-window", type=int, default=None, metavar="STEPS",
+                   help="steps per straggler slowdown estimate (default 16)")
+    a.add_argument("--straggler-evidence", type=_positive, default=None, metavar="LEVEL",
+                   help="CUSUM level that confirms a slowdown: higher is slower and surer")
     a.add_argument("--coordinator", type=_address, action="append", default=None, metavar="ADDR",
                    help="the job's coordinator candidates in node-rank order, repeatable; the "
                         "first that answers coordinates (this agent's own address may be one). "
                         "Default: this agent coordinates its own node alone")
+    a.add_argument("--token-file", type=Path, default=None, metavar="PATH",
+                   help="the job's shared token (mode 0600) for coordinator and control RPCs "
+                        "(default: $RANKWATCH_TOKEN; none: unchecked)")
     a.add_argument("--min-nodes", type=int, default=1, metavar="N",
                    help="never exclude a node if fewer would remain (torchrun's --nnodes MIN)")
     a.add_argument("--gpu-source", type=_gpu_source, default="auto", metavar="{auto,nvml,none,script:PATH}",
@@ -114,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("checkpoint", help="ask the job for a checkpoint now")
     c.add_argument("--agent", type=_address, default=None, metavar="ADDR")
     c.add_argument("--reason", default="operator", help="recorded with the request")
+    c.add_argument("--token-file", type=Path, default=None, metavar="PATH",
+                   help="the job's shared token (default: $RANKWATCH_TOKEN)")
 
     m = sub.add_parser("demo", help="a local CPU job under rankwatch, with a live view")
     m.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
@@ -143,8 +158,12 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
     from rankwatch.agent.gpu import GpuConfig
 
+    from rankwatch.agent.auth import load_token
+
     try:
         policy = PolicyConfig(min_nodes=args.min_nodes)
+        token = load_token(args.token_file)
+        straggler = _straggler_config(args)
         kind, script = args.gpu_source
         gpu = GpuConfig(source=kind, script=script, dcgm_url=args.dcgm_url,
                         interval=timedelta(seconds=args.gpu_interval) if args.gpu_interval else None)
@@ -153,8 +172,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         return 2
     agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=args.metrics_port,
                               metrics_addr=args.metrics_addr, state_dir=state_dir,
-                              hang=HangConfig(floor_seconds=args.hang_floor),
-                              coordinators=args.coordinator, policy=policy, gpu=gpu))
+                              hang=HangConfig(floor_seconds=args.hang_floor), straggler=straggler,
+                              coordinators=args.coordinator, policy=policy, gpu=gpu, token=token))
     try:
         agent.start()
     except (RuntimeError, OSError) as exc:
@@ -164,6 +183,18 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: agent.stop())
     agent.wait()
     return 0
+
+
+def _straggler_config(args: argparse.Namespace) -> StragglerConfig:
+    """The agent's --straggler-* flags over the defaults (a clear threshold never above the flag one)."""
+    from rankwatch.agent.straggler import StragglerConfig
+
+    knobs = {"threshold": args.straggler_threshold, "window": args.straggler_window,
+             "evidence": args.straggler_evidence}
+    knobs = {k: v for k, v in knobs.items() if v is not None}
+    if "threshold" in knobs:
+        knobs["clear_threshold"] = min(StragglerConfig.clear_threshold, knobs["threshold"])
+    return StragglerConfig(**knobs)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -233,12 +264,20 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     """Ask the job for a checkpoint; every rank saves after the step the coordinator names."""
     import grpc
 
+    from rankwatch.agent.auth import load_token
     from rankwatch.agent.jobsync import forward_checkpoint
 
     addr = resolve(str(args.agent) if args.agent else None)
     try:
-        reply = forward_checkpoint(addr, args.reason)
+        reply = forward_checkpoint(addr, args.reason, load_token(args.token_file))
+    except ValueError as exc:
+        print(f"rankwatch checkpoint: {exc}", file=sys.stderr)
+        return 2
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            print(f"rankwatch checkpoint: refused: {exc.details()} (--token-file or $RANKWATCH_TOKEN)",
+                  file=sys.stderr)
+            return 1
         print(f"rankwatch checkpoint: no agent at {addr}: {exc.code().name}", file=sys.stderr)
         return 1
     if not reply.accepted:

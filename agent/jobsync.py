@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from rankwatch.agent.address import Address
+from rankwatch.agent.auth import metadata
 from rankwatch.agent.coordinator import decision_dict
 from rankwatch.proto import pb, pb_grpc
 
@@ -104,6 +105,7 @@ class JobLink:
         self.decisions: list[dict[str, Any]] = []
         self.generation = 0
         self._seq = 0
+        self._warned: set[str] = set()
         self._channels: dict[str, grpc.Channel] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -140,8 +142,11 @@ class JobLink:
                 self._took_role(True, addr)
             else:
                 try:
-                    reply = pb_grpc.AgentStub(self._channel(addr)).Sync(summary, timeout=_RPC_TIMEOUT)
+                    reply = pb_grpc.AgentStub(self._channel(addr)).Sync(
+                        summary, timeout=_RPC_TIMEOUT, metadata=metadata(self.agent.config.token))
                 except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        self._warn_once(f"coordinator {addr} refused this node's token: {exc.details()}")
                     log.debug("coordinator candidate %s: %s", addr, exc.code().name)
                     continue
                 self._took_role(False, addr)
@@ -150,6 +155,11 @@ class JobLink:
             return
         if self.last_ok and time.time() - self.last_ok > 5:
             log.warning("no coordinator answers (%s)", ", ".join(map(str, self.candidates)))
+
+    def _warn_once(self, text: str) -> None:
+        if text not in self._warned:
+            self._warned.add(text)
+            log.error("%s", text)
 
     def _took_role(self, acting: bool, addr: Address | None) -> None:
         if acting != self.acting:
@@ -183,11 +193,12 @@ class JobLink:
                 self.agent.on_job_incident(reply.coordinator, inc)
 
 
-def forward_checkpoint(addr: Address, reason: str) -> pb.CheckpointReply:
+def forward_checkpoint(addr: Address, reason: str, token: str | None = None) -> pb.CheckpointReply:
     """Ask the agent at ``addr`` for a checkpoint (raises grpc.RpcError)."""
     with grpc.insecure_channel(addr.grpc_target()) as ch:
         return pb_grpc.AgentStub(ch).RequestCheckpoint(pb.CheckpointRequest(reason=reason),
-                                                       timeout=3 * _RPC_TIMEOUT)
+                                                       timeout=3 * _RPC_TIMEOUT,
+                                                       metadata=metadata(token))
 
 
 def summary_incidents(items: list[dict[str, Any]], node: str) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from rankwatch.agent import otel
 from rankwatch.agent.address import Address
+from rankwatch.agent.auth import authorized
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig, decision_dict
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang
 from rankwatch.agent.host import HostCollector
@@ -59,6 +60,7 @@ class AgentConfig:
         coordinators: the job's coordinator candidates, in node-rank order (this agent's own
             address may be among them); empty: this agent coordinates its node alone.
         policy: the coordinator's policy (exclusions, minimum nodes).
+        token: the job's shared token for Sync and RequestCheckpoint (None: no check).
         gpu: GPU health source and thresholds (default: NVML if it initialises, else none).
     """
 
@@ -66,7 +68,7 @@ class AgentConfig:
                  metrics_addr: str = "0.0.0.0", state_dir: Path | None = None,
                  hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
                  coordinators: list[Address] | None = None, policy: PolicyConfig | None = None,
-                 sync_interval: float = 0.25, gpu: GpuConfig | None = None) -> None:
+                 sync_interval: float = 0.25, token: str | None = None, gpu: GpuConfig | None = None) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -79,6 +81,7 @@ class AgentConfig:
         self.coordinators = list(coordinators or [])
         self.policy = policy or PolicyConfig()
         self.sync_interval = sync_interval
+        self.token = token
         self.gpu = gpu or GpuConfig()
 
 
@@ -517,6 +520,7 @@ class Agent:
         yield from self.commands.stream(request.rank, context, step)
 
     def _sync(self, request: pb.NodeSummary, context: grpc.ServicerContext) -> pb.SyncReply:
+        self._authorize(context, "Sync")
         if not (self.link.acting and self.config.coordinators):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"{self.config.node_id} is not the job's coordinator")
@@ -546,7 +550,7 @@ class Agent:
         """Ask the job for a checkpoint: through the coordinator, or this agent's own node."""
         if not self.link.acting and self.link.coordinator_addr is not None:
             try:
-                return forward_checkpoint(self.link.coordinator_addr, reason)
+                return forward_checkpoint(self.link.coordinator_addr, reason, self.config.token)
             except grpc.RpcError as exc:
                 return pb.CheckpointReply(accepted=False, message=f"coordinator unreachable: {exc.code().name}")
         try:
@@ -559,7 +563,13 @@ class Agent:
 
     def _request_checkpoint(self, request: pb.CheckpointRequest,
                             context: grpc.ServicerContext) -> pb.CheckpointReply:
+        self._authorize(context, "RequestCheckpoint")
         return self.checkpoint(request.reason or "operator")
+
+    def _authorize(self, context: grpc.ServicerContext, what: str) -> None:
+        if not authorized(context, self.config.token):
+            self.state.note_rejected(Rejected("unauthenticated", f"{what} from {context.peer()}"))
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{what} needs the job's token")
 
     def gpu_throttle_for_rank(self, rank: int) -> list[str]:
         """Slowdown reasons active on the GPU this node's ``rank`` uses; [] if none or no GPU."""
