@@ -49,11 +49,15 @@ def test_promtool_unit_tests_pass():
 
 
 def test_a_wrong_expectation_fails(tmp_path):
-    """The unit tests can fail: flip one firing case's expected rank and promtool must object."""
+    """The unit tests can fail: expect the straggler alert with the wrong cause and promtool objects."""
     shutil.copy(RULES, tmp_path / RULES.name)
-    text = UNIT_TESTS.read_text()
-    assert text.count("cause: compute") == 1
-    (tmp_path / UNIT_TESTS.name).write_text(text.replace("cause: compute", "cause: data"))
+    doc = yaml.safe_load(UNIT_TESTS.read_text())
+    doc["tests"] = [t for t in doc["tests"]
+                    if any(c["alertname"] == "RankwatchStragglerDetected" for c in t["alert_rule_test"])]
+    firing = [a for t in doc["tests"] for c in t["alert_rule_test"] for a in c["exp_alerts"]]
+    assert firing
+    firing[0]["exp_labels"]["cause"] = "data"
+    (tmp_path / UNIT_TESTS.name).write_text(yaml.safe_dump(doc))
     out = promtool("test", "rules", UNIT_TESTS.name, cwd=tmp_path)
     assert out.returncode != 0 and "RankwatchStragglerDetected" in out.stdout + out.stderr
 
