@@ -4,144 +4,421 @@ In synchronous training every rank's step takes as long as the slowest
 rank's, so wall step time cannot tell ranks apart.  Each rank reports, per
 step, the time its training thread was blocked in collectives; the rest of
 the step is its *own work* (compute, data loading, host time).  The straggler
-works longest and waits least.
+works longest and waits least; the others wait for it.
 
-Decision, per evaluation over the last ``window`` steps of every rank:
+Each evaluation lines the ranks' recent steps up by step number and compares,
+step by step, each rank's own work with the median of the *other* ranks' own
+work at the same step (leave-one-out, so two ranks can be compared, and a step
+that is slow for everyone cancels out):
 
-* ``slowdown`` = the lower quartile of the rank's own work / the median over
-  the *other* ranks of theirs (leave-one-out, so two ranks can be compared;
-  the lower quartile because host contention only adds time);
-* a rank is flagged once it has stayed at or above ``1 + threshold`` for
-  ``confirm`` steps, and cleared once it has stayed below ``1 + clear_threshold``
-  for ``clear_after`` steps (hysteresis: no flapping);
-* the cause is ``data`` when most of the excess is data-loader wait, else
+* ``slowdown`` = the median over the last ``window`` steps of that per-step
+  ratio (robust to bursts on either side);
+* onset: a one-sided CUSUM of the per-step log ratio, each term clipped to
+  ``±clip`` so that one wild step weighs no more than a few ordinary ones,
+  less a ``drift`` that ordinary noise does not exceed for long.  A rank is
+  flagged once its CUSUM reaches ``evidence`` *and* its windowed slowdown is at
+  least ``1 + threshold``;
+* hysteresis: a flagged rank is cleared only after ``clear_after`` steps with
+  its slowdown below ``1 + clear_threshold``;
+* a slowdown whose cause is ``host`` needs ``host_evidence``, more than the
+  others: CPU contention on a shared host comes and goes;
+* a whole node: when every rank of one node is flagged (and the job spans more
+  than one node), one node-level event replaces the per-rank ones;
+* the cause (:func:`_cause`): ``data`` when most of the excess is data-loader
+  wait, ``host`` when most of it is the training thread waiting for a CPU
+  (run delay, :mod:`rankwatch.agent.starvation`), ``communication`` when most
+  of it is the rank leaving its collectives late (its steps start after the
+  others'), ``gpu_health`` when its GPU reports a slowdown throttle, else
   ``compute``;
-* the cost is the job's step-time speed-up if the straggler's excess were gone.
+* the cost: the job's step-time speed-up if the straggler's excess were gone.
 """
 
 from __future__ import annotations
 
-import statistics
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["RankWork", "StragglerConfig", "StragglerDetector", "StragglerEvent", "score"]
+import numpy as np
+
+__all__ = ["CAUSES", "RankWork", "Score", "StragglerConfig", "StragglerDetector", "StragglerEvent",
+           "cost_ratio", "score"]
+
+CAUSES = ("compute", "data", "communication", "host", "gpu_health")
+# GPU throttle reasons that slow a GPU down (idle, clock settings and sync boost do not).
+SLOWING_THROTTLES = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown",
+                               "hw_thermal_slowdown", "hw_power_brake_slowdown"})
 
 
 @dataclass(kw_only=True)
 class StragglerConfig:
     window: int = 16
-    """Steps per rank in each evaluation."""
+    """Steps per rank in each slowdown estimate (and each cause attribution)."""
     warmup_steps: int = 30
     """Steps a rank must complete before it is scored (start-up is uneven)."""
     threshold: float = 0.08
-    """Flag at slowdown >= 1 + threshold."""
+    """A rank is flagged only while its slowdown is at least 1 + threshold."""
     clear_threshold: float = 0.03
-    """Clear below 1 + clear_threshold."""
-    confirm: int = 24
-    """Steps a rank must stay above the threshold before it is flagged."""
+    """A flagged rank is cleared after ``clear_after`` steps below 1 + clear_threshold."""
+    evidence: float = 1.5
+    """CUSUM level (sum of log ratios above ``drift``) that confirms an onset."""
+    host_evidence: float = 6.0
+    """CUSUM level for a slowdown caused by CPU starvation (``host``): contention on a
+    shared host comes and goes, so it must last longer before it is called a straggler."""
+    drift: float = 0.05
+    """Per-step log ratio that ordinary noise is not expected to exceed for long."""
+    clip: float = 0.3
+    """Each step's log ratio counts at most this much, either way."""
     clear_after: int = 40
-    """Steps a flagged rank must stay below the clear threshold before the flag is lifted."""
+    """Steps below the clear threshold before a flag is lifted."""
+    node_grace: int = 8
+    """Steps a flagged rank waits for its node's other ranks before it is reported alone."""
+    cause_share: float = 0.5
+    """A cause needs at least this share of the excess (data wait, run delay, late start)."""
 
     def __post_init__(self) -> None:
         if self.window < 3:
             raise ValueError("StragglerConfig.window must be at least 3")
         if not 0 < self.clear_threshold <= self.threshold:
             raise ValueError("StragglerConfig needs 0 < clear_threshold <= threshold")
-        if self.confirm < 1 or self.clear_after < 1:
-            raise ValueError("StragglerConfig.confirm and clear_after must be at least 1")
+        for knob in ("evidence", "drift", "clip"):
+            if not getattr(self, knob) > 0:
+                raise ValueError(f"StragglerConfig.{knob} must be positive")
+        if self.host_evidence < self.evidence:
+            raise ValueError("StragglerConfig.host_evidence must be at least evidence")
+        if self.clear_after < 1 or self.warmup_steps < 0 or self.node_grace < 0:
+            raise ValueError("StragglerConfig.clear_after must be >= 1, warmup_steps and "
+                             "node_grace >= 0")
+        if not 0 < self.cause_share <= 1:
+            raise ValueError("StragglerConfig.cause_share must be in (0, 1]")
 
 
 @dataclass(kw_only=True)
 class RankWork:
+    """One rank's recent steps, oldest first; the last entry of each list is step ``completed``.
+
+    ``delay`` (run delay per step) and ``start`` (Unix time each step began) may
+    be shorter or absent; they are used where they cover the window.
+    """
+
     rank: int
     node: str
     step: int
-    own: list[float]             # recent own work per step, oldest first
+    own: list[float]
     data: list[float]
     wait: list[float]
-    step_seconds: float          # median wall step time
-    completed: int = 1 << 30     # steps completed so far
+    step_seconds: float                   # median wall step time
+    completed: int = 1 << 30              # steps completed so far
+    delay: list[float] | None = None
+    start: list[float] | None = None
 
 
 @dataclass(kw_only=True)
 class Score:
     rank: int
-    slowdown: float
+    node: str
+    slowdown: float                       # own work over the others' median, window median
     cause: str
-    excess_seconds: float
-    speedup: float               # job step time / step time without this excess
+    excess_seconds: float                 # per step, over the others' median
+    speedup: float                        # job step time / step time without this excess
+    evidence: float = 0.0                 # the rank's CUSUM
 
 
 @dataclass(kw_only=True)
 class StragglerEvent:
-    kind: str                    # "flagged" or "cleared"
+    """A flag raised or lifted.  ``scope`` is ``rank``, or ``node`` when every rank of
+    ``work.node`` is slow: ``score`` is then the node's slowest rank and ``ranks`` all of them."""
+
+    kind: str                             # "flagged" or "cleared"
     score: Score
     work: RankWork
+    scope: str = "rank"
+    ranks: list[int] = field(default_factory=list)
+
+    def detail(self, window: int) -> dict:
+        """The ``straggler`` incident's detail (``status --json`` contract: cause, slowdown)."""
+        s = self.score
+        return {"cause": s.cause, "slowdown": round(s.slowdown, 4), "scope": self.scope,
+                "ranks": self.ranks, "excess_seconds": round(s.excess_seconds, 6),
+                "cost": {"speedup_if_removed": round(s.speedup, 4),
+                         "step_seconds": round(self.work.step_seconds, 6)},
+                "window_steps": window}
 
 
-def score(ranks: list[RankWork], cfg: StragglerConfig) -> list[Score]:
-    """Instantaneous scores of every rank with a full window (needs 2+ such ranks)."""
-    full = [r for r in ranks if len(r.own) >= cfg.window and r.completed >= cfg.warmup_steps + cfg.window]
-    if len(full) < 2:
-        return []
-    med = {r.rank: _low(r.own[-cfg.window:]) for r in full}
-    data = {r.rank: _low(r.data[-cfg.window:]) for r in full}
-    out = []
-    for r in full:
-        others = [med[o.rank] for o in full if o.rank != r.rank]
-        base = statistics.median(others)
-        if base <= 0:
-            continue
-        excess = med[r.rank] - base
-        data_excess = data[r.rank] - statistics.median(data[o.rank] for o in full if o.rank != r.rank)
-        cause = "data" if excess > 0 and data_excess >= 0.5 * excess else "compute"
-        step = r.step_seconds or med[r.rank]
-        speedup = step / max(step - max(excess, 0.0), 1e-9)
-        out.append(Score(rank=r.rank, slowdown=med[r.rank] / base, cause=cause,
-                         excess_seconds=excess, speedup=speedup))
+GpuThrottle = Callable[[int], list[str]]
+
+
+@dataclass
+class _Window:
+    """The ranks' last ``n`` common steps as (ranks, n) arrays; NaN where a column is missing."""
+
+    ranks: list[RankWork]
+    own: np.ndarray
+    data: np.ndarray
+    delay: np.ndarray
+    start: np.ndarray
+
+
+def _window(ranks: list[RankWork], last: int, n: int) -> _Window:
+    rows = {name: np.full((len(ranks), n), np.nan) for name in ("own", "data", "delay", "start")}
+    for i, r in enumerate(ranks):
+        for name in rows:
+            col = getattr(r, name)
+            if not col:
+                continue
+            end = len(col) - (r.completed - last)        # index after step ``last``
+            lo = max(0, end - n)
+            if end > lo:
+                rows[name][i, n - (end - lo):] = col[lo:end]
+    return _Window(ranks, rows["own"], rows["data"], rows["delay"], rows["start"])
+
+
+def _loo_median(x: np.ndarray) -> np.ndarray:
+    """Per column, the median of every *other* row's value: (ranks, steps) -> same shape."""
+    n = x.shape[0] - 1
+    order = np.argsort(x, axis=0)
+    s = np.take_along_axis(x, order, axis=0)
+    pos = np.empty_like(order)
+    np.put_along_axis(pos, order, np.arange(x.shape[0])[:, None].repeat(x.shape[1], 1), axis=0)
+
+    def kth(k: int) -> np.ndarray:
+        # the k-th smallest of the others: skip the row's own sorted position
+        idx = np.where(k < pos, k, k + 1)
+        return np.take_along_axis(s, idx, axis=0)
+
+    if n % 2:
+        return kth(n // 2)
+    return 0.5 * (kth(n // 2 - 1) + kth(n // 2))
+
+
+def _tail_medians(x: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """Per row, the median of its last ``spans[row]`` finite values (NaN if none)."""
+    out = np.full(x.shape[0], np.nan)
+    for k in np.unique(spans):
+        rows = np.flatnonzero(spans == k)
+        block = x[rows, x.shape[1] - k:]
+        finite = np.isfinite(block)
+        whole = finite.all(axis=1)
+        if whole.any():
+            out[rows[whole]] = np.median(block[whole], axis=1)
+        for i in np.flatnonzero(~whole & finite.any(axis=1)):  # rare: a column partly missing
+            out[rows[i]] = np.median(block[i][finite[i]])
     return out
 
 
-def _low(xs: list[float]) -> float:
-    """The lower quartile: contention on a shared host only ever adds time, so
-    bursts inflate a median but rarely the lower quartile; a real slowdown
-    raises every sample."""
-    xs = sorted(xs)
-    return xs[(len(xs) - 1) // 4]
+def _eligible(ranks: list[RankWork], cfg: StragglerConfig, last: int) -> list[RankWork]:
+    return [r for r in ranks if r.completed >= cfg.warmup_steps + cfg.window
+            and len(r.own) - (r.completed - last) >= cfg.window]
+
+
+def score(ranks: list[RankWork], cfg: StragglerConfig, gpu_throttle: GpuThrottle | None = None,
+          spans: dict[int, int] | None = None) -> list[Score]:
+    """Scores over the last ``window`` steps that every scored rank has (needs 2+ ranks).
+
+    ``spans`` narrows a rank's estimate to its last N steps (at least 3): the
+    detector passes the steps since a rank's onset, so that a slowdown caught
+    early is not diluted by the steps before it.
+    """
+    if not ranks:
+        return []
+    last = min(r.completed for r in ranks)
+    full = _eligible(ranks, cfg, last)
+    if len(full) < 2:
+        return []
+    w = _window(full, last, cfg.window)
+    nothing = np.full(len(full), np.nan)
+
+    def excess(x: np.ndarray) -> np.ndarray:
+        return _tail_medians(x - _loo_median(x), k) if np.isfinite(x).any() else nothing
+
+    k = np.array([min(cfg.window, max(3, (spans or {}).get(r.rank, cfg.window))) for r in full])
+    base = _loo_median(w.own)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slowdown = _tail_medians(w.own / base, k)
+    own, base_k = _tail_medians(w.own, k), _tail_medians(base, k)
+    own_excess = _tail_medians(w.own - base, k)
+    data_excess, delay_excess, lag = excess(w.data), excess(w.delay), excess(w.start)
+    out = []
+    for i, r in enumerate(full):
+        if not np.isfinite(slowdown[i]) or not base_k[i] > 0:
+            continue
+        lag_i = max(float(lag[i]), 0.0) if np.isfinite(lag[i]) else 0.0
+        excess = float(own_excess[i]) + lag_i
+        cause = _cause(excess, lag_i, float(data_excess[i]), float(delay_excess[i]),
+                       gpu_throttle(r.rank) if gpu_throttle else [], cfg)
+        ratio = float(slowdown[i])
+        if cause == "communication":
+            ratio = (float(own[i]) + lag_i) / float(base_k[i])
+        step = r.step_seconds or float(own[i])
+        out.append(Score(rank=r.rank, node=r.node, slowdown=ratio, cause=cause,
+                         excess_seconds=excess, speedup=step / max(step - max(excess, 0.0), 1e-9)))
+    return out
+
+
+def _cause(excess: float, lag: float, data: float, delay: float, throttles: list[str],
+           cfg: StragglerConfig) -> str:
+    """Attribute a rank's excess (seconds per step) to what measurably makes it up."""
+    share = cfg.cause_share * excess
+    if excess <= 0:
+        return "compute"
+    if math.isfinite(data) and data >= share:
+        return "data"
+    if math.isfinite(delay) and delay >= share:
+        return "host"
+    if lag >= share:
+        return "communication"
+    if SLOWING_THROTTLES.intersection(throttles):
+        return "gpu_health"
+    return "compute"
+
+
+def cost_ratio(flagged: list[Score], step_seconds: float) -> float:
+    """The job's step-time speed-up if every flagged straggler's excess were gone.
+
+    Every rank waits for the slowest, so removing them all saves the largest excess.
+    """
+    excess = max((s.excess_seconds for s in flagged), default=0.0)
+    if step_seconds <= 0 or excess <= 0:
+        return 1.0
+    return step_seconds / max(step_seconds - excess, 1e-9)
 
 
 @dataclass
 class StragglerDetector:
-    """Hysteresis over :func:`score`; one instance per agent (or coordinator)."""
+    """Onset (CUSUM) and hysteresis over per-step scores; one instance per agent or coordinator.
+
+    Args:
+        cfg: thresholds and windows.
+        gpu_throttle: ``rank -> active GPU throttle reasons`` (NVML names), if known.
+    """
 
     cfg: StragglerConfig = field(default_factory=StragglerConfig)
+    gpu_throttle: GpuThrottle | None = None
     flagged: dict[int, Score] = field(default_factory=dict)
-    _above: dict[int, int] = field(default_factory=dict)
+    _cusum: dict[int, float] = field(default_factory=dict)
     _below: dict[int, int] = field(default_factory=dict)
+    _ready: dict[int, int] = field(default_factory=dict)
+    _last: int = 0
 
-    def update(self, ranks: list[RankWork], step: int) -> list[StragglerEvent]:
-        """Score at the job's ``step`` (the slowest rank's completed steps)."""
-        events = []
-        by_rank = {r.rank: r for r in ranks}
-        for s in score(ranks, self.cfg):
-            # _above/_below hold the step at which the current run began.
-            if s.slowdown >= 1 + self.cfg.threshold:
-                self._above.setdefault(s.rank, step)
-            else:
-                self._above.pop(s.rank, None)
-            if s.slowdown < 1 + self.cfg.clear_threshold:
-                self._below.setdefault(s.rank, step)
-            else:
-                self._below.pop(s.rank, None)
-            above = step - self._above[s.rank] if s.rank in self._above else -1
-            below = step - self._below[s.rank] if s.rank in self._below else -1
-            if s.rank in self.flagged:
-                if below >= self.cfg.clear_after:
-                    del self.flagged[s.rank]
-                    events.append(StragglerEvent(kind="cleared", score=s, work=by_rank[s.rank]))
-                else:
-                    self.flagged[s.rank] = s
-            elif above >= self.cfg.confirm:
-                self.flagged[s.rank] = s
-                events.append(StragglerEvent(kind="flagged", score=s, work=by_rank[s.rank]))
+    def update(self, ranks: list[RankWork], step: int | None = None) -> list[StragglerEvent]:
+        """Take every step completed since the last call; return flags raised or lifted.
+
+        ``step`` is accepted for callers that pass the job's step; the ranks' own
+        ``completed`` counts are what the steps are lined up by.
+        """
+        if not ranks:
+            return []
+        last = min(r.completed for r in ranks)
+        full = _eligible(ranks, self.cfg, last)
+        if last <= self._last or len(full) < 2:
+            self._last = max(self._last, last)
+            return []
+        # Steps not yet taken, past warm-up, that every scored rank still holds.
+        new = min(last - max(self._last, self.cfg.warmup_steps),
+                  *(len(r.own) - (r.completed - last) for r in full))
+        self._last = last
+        self._accumulate(full, last, new)
+        if not self.flagged and max(self._cusum.values(), default=0.0) < self.cfg.evidence:
+            return []  # the common case: nothing to confirm or to clear
+        scores = {s.rank: s for s in score(full, self.cfg, self.gpu_throttle, self._spans(full, last))}
+        for s in scores.values():
+            s.evidence = self._cusum.get(s.rank, 0.0)
+        by_rank = {r.rank: r for r in full}
+        events = self._clear(scores, by_rank, last)
+        events += self._flag(scores, by_rank, ranks, last)
         return events
+
+    def _accumulate(self, full: list[RankWork], last: int, new: int) -> None:
+        w = _window(full, last, new)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            x = np.clip(np.log(w.own / _loo_median(w.own)), -self.cfg.clip, self.cfg.clip)
+        x = np.nan_to_num(x, nan=0.0) - self.cfg.drift
+        live = {r.rank for r in full}
+        for gone in set(self._cusum) - live:
+            del self._cusum[gone]
+        for i, r in enumerate(full):
+            s = self._cusum.get(r.rank, 0.0)
+            for v in x[i]:
+                s = max(0.0, s + float(v))
+            self._cusum[r.rank] = s
+
+    def _spans(self, full: list[RankWork], last: int) -> dict[int, int]:
+        """Per rank with evidence, the steps since its likeliest onset inside the window.
+
+        The onset is where the sum of the newest steps' log ratios, each less
+        ``log(1 + threshold)``, peaks: steps before a slowdown pull the sum down.
+        """
+        w = _window(full, last, self.cfg.window)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            x = np.clip(np.log(w.own / _loo_median(w.own)), -self.cfg.clip, self.cfg.clip)
+        tail = np.cumsum(np.nan_to_num(x, nan=0.0)[:, ::-1] - math.log1p(self.cfg.threshold), axis=1)
+        best = np.argmax(tail[:, 2:], axis=1) + 3
+        return {r.rank: int(best[i]) for i, r in enumerate(full) if self._cusum.get(r.rank)}
+
+    def _clear(self, scores: dict[int, Score], by_rank: dict[int, RankWork],
+               last: int) -> list[StragglerEvent]:
+        events = []
+        for rank in list(self.flagged):
+            s = scores.get(rank)
+            if s is None:
+                continue
+            if s.slowdown < 1 + self.cfg.clear_threshold:
+                self._below.setdefault(rank, last)
+            else:
+                self._below.pop(rank, None)
+            if rank in self._below and last - self._below[rank] >= self.cfg.clear_after:
+                del self.flagged[rank]
+                self._below.pop(rank)
+                self._cusum[rank] = 0.0
+                events.append(StragglerEvent(kind="cleared", score=s, work=by_rank[rank]))
+            else:
+                self.flagged[rank] = s
+        return events
+
+    def _flag(self, scores: dict[int, Score], by_rank: dict[int, RankWork], ranks: list[RankWork],
+              last: int) -> list[StragglerEvent]:
+        cfg = self.cfg
+        slow = {rank for rank, s in scores.items() if s.slowdown >= 1 + cfg.threshold}
+        for rank in list(self._ready):
+            if rank not in slow or rank in self.flagged:
+                del self._ready[rank]
+        for rank in slow - set(self.flagged):
+            need = cfg.host_evidence if scores[rank].cause == "host" else cfg.evidence
+            if self._cusum.get(rank, 0.0) >= need:
+                self._ready.setdefault(rank, last)
+        if not self._ready:
+            return []
+        nodes: dict[str, list[int]] = {}
+        for r in ranks:
+            nodes.setdefault(r.node, []).append(r.rank)
+        events = []
+        for node, members in sorted(nodes.items()):
+            ready = sorted(r for r in members if r in self._ready)
+            if not ready:
+                continue
+            whole = len(nodes) > 1 and all(r in self._ready or r in self.flagged for r in members)
+            if whole and all(r in scores for r in members):
+                events.append(self._raise([scores[r] for r in members], by_rank, "node", members))
+                continue
+            # Wait a little for the node's other ranks only while they are all slow too.
+            waiting = len(nodes) > 1 and all(r in slow or r in self.flagged for r in members)
+            for rank in ready:
+                if not waiting or last - self._ready[rank] >= cfg.node_grace:
+                    events.append(self._raise([scores[rank]], by_rank, "rank", [rank]))
+        return events
+
+    def _raise(self, group: list[Score], by_rank: dict[int, RankWork], scope: str,
+               members: list[int]) -> StragglerEvent:
+        for s in group:
+            self.flagged[s.rank] = s
+            self._ready.pop(s.rank, None)
+        worst = max(group, key=lambda s: s.slowdown)
+        if scope == "node":
+            causes = [s.cause for s in group]
+            worst = Score(**{**worst.__dict__, "cause": max(set(causes), key=causes.count)})
+        return StragglerEvent(kind="flagged", score=worst, work=by_rank[worst.rank], scope=scope,
+                              ranks=sorted(members))
+
+    def cost_ratio(self, step_seconds: float) -> float:
+        """The job's speed-up if the currently flagged stragglers were gone (1 = none)."""
+        return cost_ratio(list(self.flagged.values()), step_seconds)

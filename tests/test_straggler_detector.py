@@ -1,30 +1,34 @@
 """The straggler detector as a pure function over per-step own work: no processes, no sleeping."""
 
-import random
+from __future__ import annotations
 
+import random
+from pathlib import Path
+
+import numpy as np
 import pytest
 
-from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, score
+from rankwatch.agent.starvation import StarvationTracker, run_delay_seconds
+from rankwatch.agent.straggler import (
+    RankWork,
+    StragglerConfig,
+    StragglerDetector,
+    _loo_median,
+    cost_ratio,
+    score,
+)
 
-CFG = StragglerConfig(window=16, threshold=0.08, clear_threshold=0.03, confirm=10, clear_after=20,
-                      warmup_steps=0)
+CFG = StragglerConfig(warmup_steps=0)
+N = 64  # steps the agent keeps per rank
 
 
-def work(rank, own, data=None, step_s=0.1):
-    return RankWork(rank=rank, node="n0", step=len(own), own=own, data=data or [0.001] * len(own),
-                    wait=[0.0] * len(own), step_seconds=step_s, completed=len(own))
-
-
-def run(detector, series, data=None, start=0):
-    """Feed step by step; return {rank: first step flagged}."""
-    flagged = {}
-    n = len(series[0])
-    for t in range(start + 1, n + 1):
-        ranks = [work(r, s[:t], (data or {}).get(r, [0.001] * n)[:t]) for r, s in enumerate(series)]
-        for ev in detector.update(ranks, t):
-            if ev.kind == "flagged":
-                flagged.setdefault(ev.score.rank, (t, ev.score))
-    return flagged
+def work(rank, own, data=None, node="n0", step_s=0.1, delay=None, start=None):
+    n = len(own)
+    return RankWork(rank=rank, node=node, step=n, own=list(own[-N:]),
+                    data=list((data if data is not None else [0.001] * n)[-N:]),
+                    wait=[0.0] * min(n, N), step_seconds=step_s, completed=n,
+                    delay=None if delay is None else list(delay[-N:]),
+                    start=None if start is None else list(start[-N:]))
 
 
 def noisy(rng, n, base=0.05, jitter=0.05):
@@ -33,41 +37,104 @@ def noisy(rng, n, base=0.05, jitter=0.05):
             for _ in range(n)]
 
 
+def feed(detector, series, nodes=None, data=None, every=1):
+    """Feed step by step (``every`` steps per update); return the events with their step."""
+    events = []
+    for t in range(every, len(series[0]) + 1, every):
+        ranks = [work(r, s[:t], None if data is None else data[r][:t],
+                      node=(nodes or {}).get(r, "n0")) for r, s in enumerate(series)]
+        events += [(t, ev) for ev in detector.update(ranks, t)]
+    return events
+
+
+def first_flags(events):
+    out = {}
+    for t, ev in events:
+        if ev.kind == "flagged":
+            for rank in ev.ranks:
+                out.setdefault(rank, (t, ev))
+    return out
+
+
+def test_leave_one_out_median_matches_brute_force():
+    rng = np.random.default_rng(0)
+    for ranks in range(2, 10):
+        x = rng.random((ranks, 7))
+        want = np.array([np.median(np.delete(x, i, axis=0), axis=0) for i in range(ranks)])
+        np.testing.assert_allclose(_loo_median(x), want)
+
+
 def test_two_ranks_compared_leave_one_out():
     s = {x.rank: x for x in score([work(0, [0.1] * 16), work(1, [0.125] * 16)], CFG)}
     assert s[1].slowdown == pytest.approx(1.25) and s[0].slowdown == pytest.approx(0.8)
     assert s[1].cause == "compute" and s[1].speedup == pytest.approx(0.1 / (0.1 - 0.025))
+    assert s[1].node == "n0" and s[1].excess_seconds == pytest.approx(0.025)
 
 
 def test_data_cause():
-    own = [0.1] * 16
-    s = {x.rank: x for x in score([work(0, own), work(1, [0.15] * 16, data=[0.051] * 16)], CFG)}
+    s = {x.rank: x for x in score([work(0, [0.1] * 16), work(1, [0.15] * 16, data=[0.051] * 16)], CFG)}
     assert s[1].cause == "data"
 
 
-@pytest.mark.parametrize("slow,within", [(0.25, 25), (0.5, 25), (0.10, 50)])
+def test_host_cause_from_run_delay():
+    own = [[0.1] * 16, [0.1] * 16, [0.13] * 16]
+    delay = [[0.002] * 16, [0.002] * 16, [0.025] * 16]
+    s = {x.rank: x for x in score([work(r, own[r], delay=delay[r]) for r in range(3)], CFG)}
+    assert s[2].cause == "host" and s[2].slowdown == pytest.approx(1.3)
+
+
+def test_communication_cause_from_late_starts():
+    # Rank 2's own work is normal, but it leaves its collectives 30 ms late: its steps
+    # start after the others' by that much, every step.
+    starts = [[t * 0.15 + (0.03 if r == 2 else 0.0) for t in range(16)] for r in range(3)]
+    s = {x.rank: x for x in score([work(r, [0.1] * 16, start=starts[r]) for r in range(3)], CFG)}
+    assert s[2].cause == "communication" and s[2].slowdown == pytest.approx(1.3)
+    assert s[2].excess_seconds == pytest.approx(0.03)
+    assert s[0].cause == "compute" and s[0].slowdown == pytest.approx(1.0)
+
+
+def test_gpu_health_cause_only_for_slowing_throttles():
+    ranks = [work(0, [0.1] * 16), work(1, [0.1] * 16), work(2, [0.12] * 16)]
+    hot = {2: ["hw_thermal_slowdown", "gpu_idle"]}
+    s = {x.rank: x for x in score(ranks, CFG, gpu_throttle=lambda r: hot.get(r, []))}
+    assert s[2].cause == "gpu_health"
+    s = {x.rank: x for x in score(ranks, CFG, gpu_throttle=lambda r: ["gpu_idle", "sync_boost"])}
+    assert s[2].cause == "compute"
+
+
+@pytest.mark.parametrize("slow,within", [(0.25, 20), (0.5, 12), (0.10, 50)])
 def test_slowdown_flagged_quickly(slow, within):
     rng = random.Random(1)
     onset, n = 60, 160
     series = [noisy(rng, n) for _ in range(8)]
     series[3] = [x * (1 + slow) if t >= onset else x for t, x in enumerate(series[3])]
-    flagged = run(StragglerDetector(CFG), series)
+    flagged = first_flags(feed(StragglerDetector(CFG), series))
     assert set(flagged) == {3}
-    step, sc = flagged[3]
-    assert step - onset <= within and sc.slowdown == pytest.approx(1 + slow, rel=0.1)
+    step, ev = flagged[3]
+    assert step - onset <= within and ev.score.slowdown == pytest.approx(1 + slow, rel=0.1)
+    assert ev.scope == "rank" and ev.ranks == [3] and ev.detail(16)["cause"] == "compute"
 
 
-def test_no_false_positive_on_100k_steps_of_noise():
-    # 100,000 steps of 8 ranks with jitter and contention bursts.
+def test_batched_updates_flag_as_fast():
+    # The agent evaluates a few times a second: several steps arrive per update.
+    rng = random.Random(2)
+    onset, n = 60, 160
+    series = [noisy(rng, n) for _ in range(4)]
+    series[1] = [x * 1.25 if t >= onset else x for t, x in enumerate(series[1])]
+    step, _ = first_flags(feed(StragglerDetector(CFG), series, every=7))[1]
+    assert step - onset <= 20 + 7
+
+
+def test_no_false_positive_on_20k_steps_of_noise():
     rng = random.Random(7)
     det = StragglerDetector(CFG)
-    ranks_own = [[] for _ in range(8)]
-    for t in range(1, 100_001):
+    own = [[] for _ in range(8)]
+    for t in range(1, 20_001):
         for r in range(8):
-            ranks_own[r].append(noisy(rng, 1)[0])
-            del ranks_own[r][:-16]
+            own[r] += noisy(rng, 1)
+            del own[r][:-N]
         ranks = [RankWork(rank=r, node="n0", step=t, own=list(o), data=[0.001] * len(o),
-                          wait=[0.0] * len(o), step_seconds=0.1, completed=t) for r, o in enumerate(ranks_own)]
+                          wait=[0.0] * len(o), step_seconds=0.1, completed=t) for r, o in enumerate(own)]
         assert not det.update(ranks, t), f"false positive at step {t}"
 
 
@@ -75,23 +142,86 @@ def test_hysteresis_no_flapping():
     rng = random.Random(3)
     n = 400
     series = [noisy(rng, n) for _ in range(4)]
-    # Rank 2 hovers around the threshold after step 50: flagged at most once.
-    series[2] = [x * (1.09 if (t // 5) % 2 else 1.06) if t >= 50 else x for t, x in enumerate(series[2])]
-    det = StragglerDetector(CFG)
-    events = []
-    for t in range(1, n + 1):
-        ranks = [work(r, s[:t]) for r, s in enumerate(series)]
-        events += det.update(ranks, t)
-    assert len([e for e in events if e.kind == "flagged"]) <= 1
-    assert len([e for e in events if e.kind == "cleared"]) == 0
+    # Rank 2 hovers around the threshold after step 50: flagged at most once, never cleared.
+    series[2] = [x * (1.10 if (t // 5) % 2 else 1.06) if t >= 50 else x for t, x in enumerate(series[2])]
+    kinds = [ev.kind for _, ev in feed(StragglerDetector(CFG), series)]
+    assert kinds.count("flagged") <= 1 and "cleared" not in kinds
 
 
 def test_cleared_after_recovery():
     n = 200
     series = [[0.05] * n for _ in range(3)]
     series[1] = [0.08 if 20 <= t < 100 else 0.05 for t in range(n)]
-    det = StragglerDetector(CFG)
-    kinds = []
-    for t in range(1, n + 1):
-        kinds += [e.kind for e in det.update([work(r, s[:t]) for r, s in enumerate(series)], t)]
-    assert kinds == ["flagged", "cleared"]
+    events = feed(StragglerDetector(CFG), series)
+    assert [ev.kind for _, ev in events] == ["flagged", "cleared"]
+    cleared_at = events[1][0]
+    assert 100 + CFG.clear_after <= cleared_at <= 100 + CFG.clear_after + CFG.window
+
+
+def test_whole_node_is_one_node_level_straggler():
+    rng = random.Random(4)
+    onset, n = 60, 140
+    nodes = {r: "n0" if r < 4 else "n1" for r in range(8)}
+    series = [noisy(rng, n) for _ in range(8)]
+    for r in range(4, 8):  # every rank of n1, e.g. a thermally throttled node
+        series[r] = [x * 1.3 if t >= onset else x for t, x in enumerate(series[r])]
+    events = [(t, ev) for t, ev in feed(StragglerDetector(CFG), series, nodes=nodes) if ev.kind == "flagged"]
+    assert len(events) == 1, [(t, ev.scope, ev.ranks) for t, ev in events]
+    t, ev = events[0]
+    assert ev.scope == "node" and ev.work.node == "n1" and ev.ranks == [4, 5, 6, 7]
+    assert t - onset <= 20 + CFG.node_grace and ev.detail(16)["scope"] == "node"
+
+
+def test_one_slow_rank_of_a_multi_node_job_is_reported_alone():
+    rng = random.Random(5)
+    onset, n = 60, 140
+    nodes = {r: "n0" if r < 4 else "n1" for r in range(8)}
+    series = [noisy(rng, n) for _ in range(8)]
+    series[6] = [x * 1.3 if t >= onset else x for t, x in enumerate(series[6])]
+    events = [(t, ev) for t, ev in feed(StragglerDetector(CFG), series, nodes=nodes) if ev.kind == "flagged"]
+    assert [(ev.scope, ev.ranks, ev.work.node) for _, ev in events] == [("rank", [6], "n1")]
+    assert events[0][0] - onset <= 20
+
+
+def test_cost_ratio_is_the_largest_excess():
+    base = score([work(0, [0.1] * 16), work(1, [0.1] * 16), work(2, [0.15] * 16), work(3, [0.12] * 16)], CFG)
+    flagged = [s for s in base if s.rank in (2, 3)]
+    assert cost_ratio(flagged, 0.2) == pytest.approx(0.2 / (0.2 - 0.05))
+    assert cost_ratio([], 0.2) == 1.0
+
+
+def test_config_errors_name_the_knob():
+    with pytest.raises(ValueError, match="window"):
+        StragglerConfig(window=2)
+    with pytest.raises(ValueError, match="evidence"):
+        StragglerConfig(evidence=0)
+    with pytest.raises(ValueError, match="clear_threshold"):
+        StragglerConfig(threshold=0.05, clear_threshold=0.1)
+
+
+def test_starvation_tracker_spreads_run_delay_over_steps(tmp_path: Path):
+    proc = tmp_path / "proc"
+    (proc / "42").mkdir(parents=True)
+
+    def schedstat(delay_ns):
+        (proc / "42" / "schedstat").write_text(f"123456 {delay_ns} 7\n")
+
+    t = StarvationTracker(maxlen=8, proc=proc)
+    schedstat(1_000_000)
+    t.sample(0, 42, 10)
+    assert t.per_step(0) is None
+    schedstat(7_000_000)
+    t.sample(0, 42, 13)           # 6 ms over 3 steps
+    t.sample(0, 42, 13)           # no step finished: nothing added
+    schedstat(9_000_000)
+    t.sample(0, 42, 14)
+    assert t.per_step(0) == pytest.approx([0.002, 0.002, 0.002, 0.002])
+    (proc / "42" / "schedstat").unlink()
+    t.sample(0, 42, 15)           # process gone: what was measured stays
+    assert len(t.per_step(0)) == 4
+    t.sample(0, 43, 1)            # a new process for the rank starts over
+    assert run_delay_seconds(43, proc) is None and len(t.per_step(0)) == 4
+
+
+def test_run_delay_of_this_process_is_readable():
+    assert run_delay_seconds(__import__("os").getpid()) is not None
