@@ -7,7 +7,7 @@ as histograms; histograms are per node, by op.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -28,8 +28,11 @@ _MESH_DIMS = ("dp", "tp", "pp", "cp", "ep")
 class NodeCollector:
     """``collect()`` renders the node's state; registered in the agent's own registry."""
 
-    def __init__(self, state: NodeState) -> None:
+    def __init__(self, state: NodeState,
+                 stragglers: Callable[[], tuple[dict[int, str], float]] | None = None) -> None:
         self._state = state
+        # ({rank: cause} of the flagged stragglers, the job's speed-up without them)
+        self._stragglers = stragglers or (lambda: ({}, 1.0))
 
     def collect(self) -> Iterable[Metric]:
         st = self._state
@@ -92,10 +95,24 @@ class NodeCollector:
                                    "local_rank": str(r.local_rank), **mesh,
                                    "mesh": ",".join(f"{k}={v}" for k, v in sorted(r.mesh_coords.items()))})
         yield from (step, secs, phase, seq, colls, dropped, conn, state, tps, slow, own, wait, rinfo)
+        yield from self._straggler_metrics(node, {r.rank for r in ranks})
         counts = GaugeMetricFamily("rankwatch_ranks", "This node's ranks by state.", labels=["node", "state"])
         for name in STATES:
             counts.add_metric([node, name], sum(1 for r in ranks if r.state == name))
         yield counts
+
+    def _straggler_metrics(self, node: str, own_ranks: set[int]) -> Iterable[Metric]:
+        causes, cost = self._stragglers()
+        flag = GaugeMetricFamily("rankwatch_rank_straggler", "1 while a rank is flagged as a straggler, "
+                                 "with its cause.", labels=["node", "rank", "cause"])
+        for rank, cause in sorted(causes.items()):
+            if rank in own_ranks:
+                flag.add_metric([node, str(rank), cause], 1.0)
+        yield flag
+        g = GaugeMetricFamily("rankwatch_straggler_cost_ratio", "The job's step-time speed-up if the "
+                              "current stragglers were gone (1 = none).", labels=["node"])
+        g.add_metric([node], cost)
+        yield g
 
     def _node_metrics(self, node: str, st: NodeState) -> Iterable[Metric]:
         h = HistogramMetricFamily("rankwatch_step_duration_seconds",

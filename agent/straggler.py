@@ -191,6 +191,15 @@ def _loo_median(x: np.ndarray) -> np.ndarray:
     return 0.5 * (kth(n // 2 - 1) + kth(n // 2))
 
 
+def _effective(w: _Window) -> np.ndarray:
+    """Own work plus how late the step started after the others' (where starts are known):
+    a rank that leaves its collectives late holds everyone up by that much."""
+    if not np.isfinite(w.start).any():
+        return w.own
+    lag = np.nan_to_num(w.start - _loo_median(w.start), nan=0.0)
+    return w.own + np.maximum(lag, 0.0)
+
+
 def _tail_medians(x: np.ndarray, spans: np.ndarray) -> np.ndarray:
     """Per row, the median of its last ``spans[row]`` finite values (NaN if none)."""
     out = np.full(x.shape[0], np.nan)
@@ -331,7 +340,7 @@ class StragglerDetector:
     def _accumulate(self, full: list[RankWork], last: int, new: int) -> None:
         w = _window(full, last, new)
         with np.errstate(divide="ignore", invalid="ignore"):
-            x = np.clip(np.log(w.own / _loo_median(w.own)), -self.cfg.clip, self.cfg.clip)
+            x = np.clip(np.log(_effective(w) / _loo_median(w.own)), -self.cfg.clip, self.cfg.clip)
         x = np.nan_to_num(x, nan=0.0) - self.cfg.drift
         live = {r.rank for r in full}
         for gone in set(self._cusum) - live:
@@ -350,7 +359,7 @@ class StragglerDetector:
         """
         w = _window(full, last, self.cfg.window)
         with np.errstate(divide="ignore", invalid="ignore"):
-            x = np.clip(np.log(w.own / _loo_median(w.own)), -self.cfg.clip, self.cfg.clip)
+            x = np.clip(np.log(_effective(w) / _loo_median(w.own)), -self.cfg.clip, self.cfg.clip)
         tail = np.cumsum(np.nan_to_num(x, nan=0.0)[:, ::-1] - math.log1p(self.cfg.threshold), axis=1)
         best = np.argmax(tail[:, 2:], axis=1) + 3
         return {r.rank: int(best[i]) for i, r in enumerate(full) if self._cusum.get(r.rank)}

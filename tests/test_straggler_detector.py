@@ -93,6 +93,37 @@ def test_communication_cause_from_late_starts():
     assert s[0].cause == "compute" and s[0].slowdown == pytest.approx(1.0)
 
 
+def test_late_collectives_are_flagged_as_communication():
+    # Rank 2 leaves its collectives 25 ms late from step 60 on (its own work stays normal):
+    # every step of it starts that much after the others'.
+    rng = random.Random(6)
+    onset, n = 60, 140
+    own = [noisy(rng, n) for _ in range(4)]
+    starts = [[t * 0.1 + (0.025 if r == 2 and t >= onset else 0.0) for t in range(n)] for r in range(4)]
+    det, events = StragglerDetector(CFG), []
+    for t in range(1, n + 1):
+        ranks = [work(r, own[r][:t], start=starts[r][:t]) for r in range(4)]
+        events += [(t, ev) for ev in det.update(ranks, t) if ev.kind == "flagged"]
+    assert [(ev.ranks, ev.score.cause) for _, ev in events] == [([2], "communication")]
+    assert events[0][0] - onset <= 20 and events[0][1].score.slowdown == pytest.approx(1.5, rel=0.15)
+
+
+def test_host_cause_needs_more_evidence():
+    rng = random.Random(8)
+    onset, n = 60, 200
+    own = [noisy(rng, n) for _ in range(4)]
+    own[1] = [x + (0.02 if t >= onset else 0.0) for t, x in enumerate(own[1])]
+    delay = [[0.001 + (0.018 if r == 1 and t >= onset else 0.0) for t in range(n)] for r in range(4)]
+    det, flagged = StragglerDetector(CFG), None
+    for t in range(1, n + 1):
+        for ev in det.update([work(r, own[r][:t], delay=delay[r][:t]) for r in range(4)], t):
+            flagged = flagged or (t, ev)
+    t, ev = flagged
+    assert ev.score.cause == "host" and ev.ranks == [1]
+    # 40% slower: compute would be confirmed after ~6 steps, host needs host_evidence
+    assert 15 <= t - onset <= 40
+
+
 def test_gpu_health_cause_only_for_slowing_throttles():
     ranks = [work(0, [0.1] * 16), work(1, [0.1] * 16), work(2, [0.12] * 16)]
     hot = {2: ["hw_thermal_slowdown", "gpu_idle"]}

@@ -1,0 +1,51 @@
+"""When each rank's recent steps began: the straggler detector's view of late collectives.
+
+A rank whose collectives complete late for it (a slow link, a slow NIC, a
+congested switch port) leaves each step's last collective after the others,
+so its next step starts after theirs, while its own work stays normal.  The
+ranks of one node stamp their steps with one clock; across nodes this
+assumes clocks synchronised well below a step (NTP or PTP).
+
+:class:`StepStarts` is a :class:`NodeState` step listener: it keeps each
+rank's last step starts, aligned with its completed-step count.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from rankwatch.agent.state import RankState
+from rankwatch.proto import pb
+
+__all__ = ["StepStarts"]
+
+
+class StepStarts:
+    """Args:
+        maxlen: steps kept per rank (match the agent's own-work window).
+    """
+
+    def __init__(self, maxlen: int = 64) -> None:
+        self._maxlen = maxlen
+        self._lock = threading.Lock()
+        # rank -> (pid, steps completed after the newest entry, starts oldest first)
+        self._starts: dict[int, tuple[int, int, deque[float]]] = {}
+
+    def on_steps(self, rank: RankState, steps: pb.StepColumns) -> None:
+        """The state's step listener: called after each batch of ``rank``'s steps is applied."""
+        with self._lock:
+            held = self._starts.get(rank.rank)
+            starts = held[2] if held is not None and held[0] == rank.pid else deque(maxlen=self._maxlen)
+            starts.extend(steps.start)
+            self._starts[rank.rank] = (rank.pid, rank.steps_completed, starts)
+
+    def for_rank(self, rank: int, completed: int) -> list[float] | None:
+        """The rank's step starts with the last one at step ``completed``, or None if not held."""
+        with self._lock:
+            held = self._starts.get(rank)
+            if held is None or held[1] < completed:
+                return None
+            starts = list(held[2])
+        extra = held[1] - completed  # steps that arrived after the caller's snapshot
+        return starts[:len(starts) - extra] if extra else starts
