@@ -35,6 +35,7 @@ from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint, sum
 from rankwatch.agent.metrics import NodeCollector
 from rankwatch.agent.state import NodeState, RankState, Rejected, _pid_alive
 from rankwatch.agent.starvation import StarvationTracker
+from rankwatch.agent.stepstarts import StepStarts
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, score
 from rankwatch.proto import pb
 
@@ -96,6 +97,8 @@ class Agent:
         self._open_hang: dict | None = None
         self._stragglers = StragglerDetector(config.straggler, gpu_throttle=self.gpu_throttle_for_rank)
         self._starvation = StarvationTracker()
+        self._step_starts = StepStarts()
+        self.state.step_listeners.append(self._step_starts.on_steps)
         self._straggler_view: tuple[dict[int, str], float] = ({}, 1.0)
         self._evaluated_steps = 0
         self._detector: threading.Thread | None = None
@@ -375,7 +378,8 @@ class Agent:
         """Score the ranks once per completed step of the slowest; record incidents.
 
         Each rank's run delay (CPU starvation of its training thread) is sampled
-        here, so the detector can tell a starved host from slow compute.
+        here, and its step starts come from a step listener, so the detector can
+        tell a starved host or late collectives from slow compute.
         """
         st = self.state
         with st.lock:
@@ -391,6 +395,7 @@ class Agent:
         for w in work:
             self._starvation.sample(w.rank, pids[w.rank], w.completed)
             w.delay = self._starvation.per_step(w.rank)
+            w.start = self._step_starts.for_rank(w.rank, w.completed)
         events = self._stragglers.update(work, done)
         scores = {s.rank: s for s in score(work, self.config.straggler, self.gpu_throttle_for_rank)}
         flagged = self._stragglers.flagged
