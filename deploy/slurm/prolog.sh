@@ -10,7 +10,8 @@
 #     $RUN_DIR/<job id>/agent.sock          (the job sets RANKWATCH_AGENT to it)
 # Its pid goes to $RUN_DIR/<job id>.pid (root's), its incidents and log to
 #     $STATE_DIR/<job id>/<node>/           (kept after the job by the epilog)
-# and one line per action to $LOG_FILE.
+# and one line per action to $LOG_FILE.  With COORDINATOR_PORT set, the agents of
+# a multi-node job elect a coordinator among the job's first nodes (below).
 #
 # Safe to run twice: an agent already up for the job is left alone.  It never
 # fails the job: whatever goes wrong is logged and the prolog exits 0 (a failing
@@ -30,6 +31,8 @@ STATE_DIR=/var/lib/rankwatch/slurm     # incidents and agent logs, kept after th
 LOG_FILE=/var/log/rankwatch/slurm.log  # what the prolog and epilog did
 METRICS_PORT=9478                      # 0 on nodes shared by several jobs (a free port each)
 AGENT_ARGS=""                          # more `rankwatch agent` flags, e.g. "--hang-floor 10"
+COORDINATOR_PORT=""                    # set (e.g. 9479) to coordinate the job across its nodes
+COORDINATOR_CANDIDATES=2               # the job's first N nodes may coordinate, in that order
 START_TIMEOUT=20                       # seconds to wait for the agent's socket
 config=${RANKWATCH_SLURM_CONFIG:-/etc/default/rankwatch-slurm}
 # shellcheck source=/dev/null
@@ -76,6 +79,23 @@ if [ -r "$pidfile" ]; then
     rm -f "$pidfile"
 fi
 
+# Across nodes: the job's first nodes (Slurm's order, the same on every node) are
+# the coordinator candidates; each listens on TCP too, and the first that answers
+# coordinates.  The port is unauthenticated: use it on a trusted network only.
+coordination=()
+if [ -n "$COORDINATOR_PORT" ]; then
+    case "$COORDINATOR_PORT$COORDINATOR_CANDIDATES" in
+        *[!0-9]*) log "error: COORDINATOR_PORT/COORDINATOR_CANDIDATES must be numbers"; exit 0 ;;
+    esac
+    mapfile -t candidates < <(scontrol show hostnames "${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-$node}}" \
+        2>/dev/null | head -n "$COORDINATOR_CANDIDATES")
+    [ "${#candidates[@]}" -gt 0 ] || { log "warning: cannot list the job's nodes; coordinating this node alone"; candidates=("$node"); }
+    for candidate in "${candidates[@]}"; do
+        coordination+=(--coordinator "$candidate:$COORDINATOR_PORT")
+        [ "$candidate" = "$node" ] && coordination+=(--listen "$candidate:$COORDINATOR_PORT")
+    done
+fi
+
 # Root owns $RUN_DIR and the pidfile; the user owns only the socket's directory
 # and the state directory, which root never writes into.
 if ! install -d -m 0755 "$RUN_DIR" "$STATE_DIR/$job" \
@@ -93,7 +113,7 @@ rm -f "$sock"
 (cd "$state" && exec setsid setpriv --reuid="$uid" --regid="$gid" --init-groups -- \
     /bin/sh -c 'exec "$@" >>agent.log 2>&1' rankwatch-agent \
     "$RANKWATCH" agent --listen "$sock" --node-id "$node" --state-dir "$state" \
-    --metrics-port "$METRICS_PORT" $AGENT_ARGS) </dev/null >/dev/null 2>&1 &
+    --metrics-port "$METRICS_PORT" "${coordination[@]}" $AGENT_ARGS) </dev/null >/dev/null 2>&1 &
 pid=$!
 
 deadline=$((SECONDS + START_TIMEOUT))
@@ -110,5 +130,5 @@ until [ -S "$sock" ]; do
     sleep 0.2
 done
 echo "$pid" >"$pidfile"
-log "agent started (pid $pid) on $sock, state in $state"
+log "agent started (pid $pid) on $sock${COORDINATOR_PORT:+, coordinators ${candidates[*]} on port $COORDINATOR_PORT}, state in $state"
 exit 0
