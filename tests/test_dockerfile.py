@@ -97,14 +97,15 @@ def test_build_stage_context_builds_a_complete_wheel(tmp_path):
     for instr in _stages()["build"]:
         if instr.startswith("COPY ") and "--from" not in instr:
             sources += instr.split()[1:-1]
-    tracked = subprocess.run(["git", "ls-files", "--", *sources], cwd=REPO, capture_output=True,
-                             text=True, check=True, timeout=30).stdout.split()
+    # What docker would send: the files under the COPY sources, less .dockerignore's.
+    files = [p for s in sources for p in ([REPO / s] if (REPO / s).is_file() else (REPO / s).rglob("*"))]
     rules = _ignore_rules()
     ctx = tmp_path / "ctx"
-    for rel in tracked:
-        if _in_context(rel, rules) and (REPO / rel).is_file():
+    for path in files:
+        rel = path.relative_to(REPO).as_posix()
+        if path.is_file() and _in_context(rel, rules):
             (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, ctx / rel)
+            shutil.copy2(path, ctx / rel)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-cache-dir", "--no-deps",
                         "--no-build-isolation", "--wheel-dir", str(tmp_path / "wheels"), str(ctx)],
                        capture_output=True, text=True, timeout=120)
