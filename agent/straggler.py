@@ -60,7 +60,7 @@ class StragglerConfig:
     """A rank is flagged only while its slowdown is at least 1 + threshold."""
     clear_threshold: float = 0.03
     """A flagged rank is cleared after ``clear_after`` steps below 1 + clear_threshold."""
-    evidence: float = 1.5
+    evidence: float = 2.0
     """CUSUM level (sum of log ratios above ``drift``) that confirms an onset."""
     host_evidence: float = 6.0
     """CUSUM level for a slowdown caused by CPU starvation (``host``): contention on a
