@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the job's shared token (default: $RANKWATCH_TOKEN)")
 
     m = sub.add_parser("demo", help="a local CPU job under rankwatch, with a live view")
-    m.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
+    m.add_argument("--steps", type=int, default=160, help="training steps (default 160)")
     m.add_argument("--no-live", action="store_true", help="print lines instead of a live table")
     return p
 

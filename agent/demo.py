@@ -1,14 +1,27 @@
-"""``rankwatch demo``: a local CPU job under rankwatch, watched live.
+"""``rankwatch demo``: a local three-node CPU job under rankwatch, with faults, watched live.
 
-A 4-rank (dp2 x tp2) FSDP2+TP job on gloo reports to an agent at the default
-address, so ``rankwatch status --json`` in another terminal finds it, and
-``/metrics`` stays up while it runs.  The job gets a straggler and a hang
-injected; it ends with the final view and a timeline of the incidents.
+Three "nodes" on this machine, each with its own agent and its own
+``rankwatch run`` (torchrun, one rank each, ``--nnodes 2:3``, the rankwatch
+rendezvous backend).  Node 0's agent listens at the default address and is
+the coordinator, so ``rankwatch status`` in another terminal shows the whole
+job, and its ``/metrics`` is on port 9478 (or a free one).  Injected, all from
+outside the code under test:
+
+* node 1's rank computes 50% slower from step 20 (a straggler), and its
+  scripted GPU throttles and then gathers corrected ECC errors (a risk: the
+  coordinator asks for a checkpoint);
+* node 2's rank gets stuck in Python inside forward (a hang): the coordinator
+  names it, excludes node 2, and nodes 0 and 1 restart through torchrun's own
+  rendezvous, resume from the newest checkpoint and finish.
+
+It ends with the final view, the timeline and the goodput breakdown.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,82 +32,108 @@ from pathlib import Path
 from rich.console import Console, Group
 from rich.live import Live
 
-from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, resolve
+from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, Address, resolve
 from rankwatch.agent.client import AgentUnreachable, fetch_status, reachable
-from rankwatch.agent.gpu import DEMO_SCRIPT, GpuConfig, GpuEvent, load_script
-from rankwatch.agent.gpu.view import gpu_timeline
+from rankwatch.agent.coordinator import PolicyConfig
+from rankwatch.agent.gpu import GpuConfig, load_script
 from rankwatch.agent.run import DEFAULT_METRICS_PORT, _port_free
 from rankwatch.agent.server import Agent, AgentConfig
-from rankwatch.agent.view import rank_table, timeline
+from rankwatch.agent.view import goodput_line, rank_table, timeline
 
 __all__ = ["run_demo"]
 
-_NODE = "demo-node0"
+_NODES = ("demo-n0", "demo-n1", "demo-n2")
+_RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120"
+# Node 1's scripted GPU: heat throttling, then corrected ECC errors (risk -> checkpoint).
+_GPU_SCRIPT = {"gpus": {"count": 1, "name": "NVIDIA H100 80GB HBM3 (scripted)"},
+               "events": [{"at": 15, "gpu": 0, "throttle": ["hw_thermal_slowdown"]},
+                          {"at": 30, "gpu": 0, "ecc": {"corrected": 6}}]}
 
 
-def run_demo(steps: int = 120, live: bool = True, out: Console | None = None) -> int:
-    # Wide enough for the rank table even when output is not a terminal.
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) -> int:
     console = out or Console(width=None if sys.stdout.isatty() else 140)
     addr = resolve(None)
-    agent = None
-    gpu_events: list[GpuEvent] = []
     if reachable(addr):
-        console.print(f"[yellow]an agent already answers at {addr}; the demo reports to it[/]")
-    else:
-        port = DEFAULT_METRICS_PORT if _port_free(DEFAULT_METRICS_PORT) else 0
-        # Scripted GPUs: GPU 2 (rank 2's) throttles on heat, GPU 1 gathers corrected ECC errors.
-        agent = Agent(AgentConfig(node_id=_NODE, listen=[addr], metrics_port=port,
-                                  gpu=GpuConfig(source="script", script=load_script(DEMO_SCRIPT))))
-        agent.gpu_listeners.append(gpu_events.append)
-        agent.start()
-        console.print(f"agent [bold]{_NODE}[/] at {addr}; metrics at "
-                      f"http://127.0.0.1:{agent.metrics_port}/metrics")
+        console.print(f"[red]an agent already answers at {addr}; stop it (or set {AGENT_ENV}) "
+                      "and run the demo again[/]")
+        return 1
     workdir = Path(tempfile.mkdtemp(prefix="rankwatch-demo-"))
-    env = {**os.environ, AGENT_ENV: str(addr), NODE_ID_ENV: _NODE,
-           "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "2000"),
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "rankwatch.hooks.train", "--steps", str(steps), "--dp", "2", "--tp", "2",
-           "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-interval", "50",
-           # Injected faults: rank 2 computes 50% slower from step 20 (a straggler),
-           # and rank 3 is stuck in Python inside forward for 8 s at step 90 (a hang).
-           "--fault", "slow_compute:2:20:0.5", "--fault", "sleep_forward:3:90:8"]
-    console.print(f"job: 4 ranks (dp2 x tp2, gloo), {steps} steps; logs in {workdir}/job.log")
-    console.print("faults: rank 2 slowed 50% from step 20; rank 3 stuck 8 s in forward at step 90")
-    if agent is not None:
-        console.print("GPUs (scripted): GPU 2 throttles on heat from 12 s; GPU 1 gathers corrected "
-                      "ECC errors from 30 s")
+    script = workdir / "gpu-n1.json"
+    script.write_text(json.dumps(_GPU_SCRIPT))
+    coord = Address.parse(f"127.0.0.1:{_free_port()}")
+    agents = []
+    for i, node in enumerate(_NODES):
+        listen = [addr, coord] if i == 0 else [Address(path=str(workdir / f"{node}.sock"))]
+        port = (DEFAULT_METRICS_PORT if _port_free(DEFAULT_METRICS_PORT) else 0) if i == 0 else 0
+        gpu = GpuConfig(source="script", script=load_script(script)) if i == 1 else GpuConfig(source="none")
+        agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=port,
+                                  metrics_addr="127.0.0.1", state_dir=workdir / node,
+                                  coordinators=[coord], policy=PolicyConfig(min_nodes=2), gpu=gpu))
+        agent.start()
+        agents.append(agent)
+    console.print(f"coordinator agent [bold]{_NODES[0]}[/] at {addr}; metrics at "
+                  f"http://127.0.0.1:{agents[0].metrics_port}/metrics")
+    console.print(f"job: 3 nodes x 1 rank (--nnodes 2:3, gloo, FSDP2), {steps} steps; "
+                  f"logs and checkpoints in {workdir}")
+    console.print("faults: demo-n1 computes 50% slower from step 20 and its GPU throttles, then "
+                  "logs ECC errors; demo-n2 is stuck in forward at step 70")
     console.print("try [bold]rankwatch status[/] in another terminal")
+    rdzv_port = _free_port()
     started = time.time()
-    with open(workdir / "job.log", "w") as log:
-        job = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            status = _watch(job, addr, console, live)
-        finally:
+    jobs = []
+    for i, node in enumerate(_NODES):
+        agent_addr = agents[i].config.listen[0]
+        fault = {1: ["--fault", "slow_compute:-1:20:0.5"], 2: ["--fault", "sleep_forward:-1:70:120"]}
+        cmd = [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent_addr),
+               "--node-id", node, "--",
+               "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", "rankwatch-demo",
+               "--rdzv-conf", f"{_RDZV_CONF},is_host={int(i == 0)}",
+               "--max-restarts", "0", "--monitor-interval", "0.1",
+               "-m", "rankwatch.hooks.train", "--steps", str(steps), "--log-every", "0",
+               "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-interval", "40",
+               *fault.get(i, [])]
+        env = {**os.environ, AGENT_ENV: str(agent_addr), NODE_ID_ENV: node, "OMP_NUM_THREADS": "1"}
+        log = open(workdir / f"{node}.log", "w")
+        jobs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True))
+    status = None
+    try:
+        status = _watch(jobs, addr, console, live)
+    finally:
+        for job in jobs:
             if job.poll() is None:
                 job.terminate()
-                job.wait()
+                try:
+                    job.wait(10)
+                except subprocess.TimeoutExpired:
+                    job.kill()
     try:
         status = fetch_status(addr)
     except AgentUnreachable:
         pass
     if status is not None:
-        console.print(rank_table(status, title="final view"))
+        console.print(rank_table(status, title="final view (the coordinator's)"))
         console.print(timeline(status, started))
-    if gpu_events:
-        console.print(gpu_timeline(gpu_events, started))
-    rc = job.returncode
-    console.print(f"job exited with {rc} after {time.time() - started:.0f} s")
-    if agent is not None:
+        console.print(goodput_line(status))
+    codes = [j.returncode for j in jobs]
+    console.print(f"nodes exited with {codes} after {time.time() - started:.0f} s")
+    for agent in agents:
         agent.stop(timedelta(seconds=1))
-    return 0 if rc == 0 else 1
+    return 0 if all(c == 0 for c in codes) else 1
 
 
-def _watch(job: subprocess.Popen, addr, console: Console, live: bool) -> dict | None:
+def _watch(jobs: list[subprocess.Popen], addr: Address, console: Console, live: bool) -> dict | None:
     status = None
     last_print = 0.0
     with Live(console=console, refresh_per_second=4, transient=False) if live else _NoLive() as view:
-        while job.poll() is None:
+        while any(j.poll() is None for j in jobs):
             time.sleep(0.5)
             try:
                 status = fetch_status(addr, timedelta(seconds=1))
@@ -104,9 +143,10 @@ def _watch(job: subprocess.Popen, addr, console: Console, live: bool) -> dict | 
                 view.update(Group(rank_table(status)))
             elif time.monotonic() - last_print > 5:
                 last_print = time.monotonic()
-                steps = [r["step"] for r in status["ranks"]]
+                steps = [r["step"] for r in status["ranks"] if r["connected"]]
                 console.print(f"ranks {len(steps)} steps {min(steps, default=-1)}..{max(steps, default=-1)}"
-                              f" tokens/s {status['tokens_per_second']:.0f}")
+                              f" tokens/s {status['tokens_per_second']:.0f}"
+                              f" incidents {len(status['incidents'])}")
     return status
 
 

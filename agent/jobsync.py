@@ -58,6 +58,11 @@ class CommandHub:
         for q in targets:
             q.put(cmd)
 
+    def done(self, command_id: str) -> None:
+        """A rank of this node saved for ``command_id``: ranks connecting later need not."""
+        with self._lock:
+            self._checkpoints.pop(command_id, None)
+
     def stream(self, rank: int, context: grpc.ServicerContext,
                current_step: Callable[[], int]) -> Iterator[pb.Command]:
         """Yield commands for ``rank`` until its stream closes."""

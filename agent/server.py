@@ -302,9 +302,14 @@ class Agent:
         with st.lock:
             incidents = list(st.incidents)
         if job:
-            own = {i["id"] for i in incidents}
-            incidents += [i for i in self.coordinator.job_incidents()
-                          if i["node"] != st.node_id and i["id"] not in own]
+            # Other nodes' own incidents; a checkpoint shows once per step however many nodes saved it.
+            saved = {i["step"] for i in incidents if i["kind"] == "checkpoint"}
+            for i in sorted(self.coordinator.job_incidents(), key=lambda i: i["detected_at"]):
+                if i["node"] == st.node_id or (i["kind"] == "checkpoint" and i["step"] in saved):
+                    continue
+                if i["kind"] == "checkpoint":
+                    saved.add(i["step"])
+                incidents.append(i)
         for inc in incidents:
             resp.incidents.append(pb.Incident(
                 id=inc.get("id", ""), kind=inc["kind"], node=inc["node"], rank=inc["rank"],
@@ -435,7 +440,8 @@ class Agent:
         with st.lock:
             if self.link.generation > 0:  # forget workers of earlier generations once gone
                 for k in [k for k, r in st.ranks.items()
-                          if not r.connected and now - r.last_seen > 5 and not _pid_alive(r.pid)]:
+                          if not r.connected and not r.exited_cleanly and now - r.last_seen > 5
+                          and not _pid_alive(r.pid)]:
                     del st.ranks[k]
             ranks = list(st.ranks.values())
             rows = [(r, dict(r.group_seqs), r.inflight, list(r.own_work), list(r.data_wait),
@@ -481,6 +487,8 @@ class Agent:
         """A rank finished (or failed) a save: one ``checkpoint`` incident per step and node."""
         for rec in records:
             self.goodput.observe_checkpoint(rec.step, rec.duration)
+            if rec.request_id:
+                self.commands.done(rec.request_id)
             key = rec.step if rec.ok else -rec.step - 1
             with self.state.lock:
                 if key in self._checkpoint_steps:

@@ -42,8 +42,32 @@ def timeline(status: dict[str, Any], started_at: float) -> Table:
         t.add_column(col)
     for inc in sorted(status["incidents"], key=lambda i: i["detected_at"]):
         t.add_row(f"{inc['detected_at'] - started_at:.1f}", inc["kind"], inc["node"],
-                  str(inc["rank"]), str(inc["step"]),
-                  ", ".join(f"{k}={v}" for k, v in inc["detail"].items() if k != "stacks"))
+                  str(inc["rank"]), str(inc["step"]), _brief(inc["detail"]))
     if not status["incidents"]:
         t.add_row(f"{time.time() - started_at:.1f}", "-", "-", "-", "-", "no incidents")
     return t
+
+
+def goodput_line(status: dict[str, Any]) -> str:
+    """Goodput and where the rest of the time went, in one line."""
+    t = status.get("time_seconds") or {}
+    if status.get("goodput") is None or not t:
+        return "goodput: no steps yet"
+    lost = ", ".join(f"{k} {t[k]:.1f}s" for k in ("hang", "restart", "recompute", "checkpoint") if t.get(k))
+    return (f"goodput {status['goodput']:.1%}: {t['productive']:.1f}s productive of "
+            f"{t['elapsed']:.1f}s" + (f"; lost to {lost}" if lost else ""))
+
+
+# Evidence kept for `diagnose`, too long for a timeline row.
+_LONG = {"stacks", "stacks_note", "path", "started_at", "resolved_at", "nodes", "inflight", "silent_ranks",
+         "scope", "decision", "allowance_seconds", "pid", "uuid", "window_steps"}
+
+
+def _brief(detail: dict[str, Any]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k}: {fmt(x)}" for k, x in v.items()) + "}"
+        return str(v)
+    return ", ".join(f"{k}={fmt(v)}" for k, v in detail.items() if k not in _LONG and v is not None)
