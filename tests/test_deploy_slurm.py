@@ -71,7 +71,7 @@ def _write_settings(path: Path, root: Path, agent_args: str = "--hang-floor 2",
 def _alive(pid: int) -> bool:
     """A live process (a zombie awaiting its reaper counts as gone)."""
     try:
-        return not Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
 
@@ -325,8 +325,9 @@ def test_real_slurm_job_gets_an_agent_from_the_prolog_and_the_epilog_keeps_its_i
         assert final["coordinator"] is True and final["coordinator_node"] == cluster.node
         assert [(r["rank"], r["step"]) for r in final["ranks"]] == [(0, 12)]
         incidents = [json.loads(line) for line in (kept / "incidents.jsonl").read_text().splitlines()]
-        assert [(i["kind"], i["rank"], i["node"]) for i in incidents] == [("hang", 0, cluster.node)]
-        assert incidents[0]["detail"]["alive"] is True and "stacks" in incidents[0]["detail"]
+        hangs = [i for i in incidents if i["kind"] == "hang"]
+        assert [(i["rank"], i["node"]) for i in hangs] == [(0, cluster.node)], incidents
+        assert hangs[0]["detail"]["alive"] is True and "stacks" in hangs[0]["detail"]
     finally:
         cluster.stop()
         _stop_leftover_agents(paths["run"])
