@@ -190,6 +190,12 @@ def thread_agent(tmp_path: Path, node: str = "n0", gpu: GpuConfig | None = None)
     return agent
 
 
+def otel_listeners(agent: Agent) -> list:
+    """The agent's step and incident listeners that belong to span export."""
+    return [f for f in agent.state.step_listeners + agent.incidents.listeners
+            if isinstance(getattr(f, "__self__", None), otel.SpanExport)]
+
+
 def rank_client(addr: Address, rank: int, job_id: str) -> tuple[Recorder, AgentClient]:
     rec = Recorder(capacity=1 << 12)
     hello = pb.Hello(rank=rank, world_size=4, pid=os.getpid(), node_id="n0", backend="gloo",
@@ -249,7 +255,7 @@ def test_no_otel_env_agent_runs_and_exports_nothing(clean_env, tmp_path, caplog)
     agent = thread_agent(tmp_path)
     try:
         assert agent._otel is None
-        assert agent.state.step_listeners == [] and agent.incidents.listeners == []
+        assert not otel_listeners(agent)
         rec, client = rank_client(agent.config.listen[0], 0, "job-a")
         client.start()
         for n in range(1, 11):
@@ -273,7 +279,7 @@ def test_missing_exporter_package_logs_once_and_agent_runs(clean_env, tmp_path, 
         clean_env.setitem(sys.modules, f"opentelemetry.exporter.otlp.proto.grpc.{signal}_exporter", None)
     agent = thread_agent(tmp_path)
     try:
-        assert agent._otel is None and agent.state.step_listeners == []
+        assert agent._otel is None and not otel_listeners(agent)
         warned = [r.getMessage() for r in caplog.records if r.name == "rankwatch.agent.otel"]
         assert len(warned) == 1 and "pip install 'rankwatch[otlp]'" in warned[0], warned
     finally:
@@ -290,7 +296,7 @@ def test_http_protobuf_steps_and_checkpoint_spans(clean_env, tmp_path) -> None:
     clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,host.name=box7")
     agent = thread_agent(tmp_path, node="n3")
     try:
-        assert agent._otel is not None
+        assert agent._otel is not None and len(otel_listeners(agent)) == 2
         rec, client = rank_client(agent.config.listen[0], 3, "job-b")
         client.start()
         t0 = time.time()
