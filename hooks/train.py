@@ -138,23 +138,24 @@ def main(argv: list[str] | None = None) -> int:
 
     ckpt = Checkpointer(root=args.checkpoint_dir, interval=args.checkpoint_interval,
                         keep=args.keep_checkpoints) if args.checkpoint_dir else None
-    start = ckpt.load(model, opt)[0] if ckpt else 0
+    start, extra = ckpt.load(model, opt) if ckpt else (0, {})
 
     dp_rank = mesh["dp"].get_local_rank()
-    global_batch = args.batch_size * dims.dp
+    global_batch, accum = _global_batch(extra.get("global_batch"), args.batch_size, dims.dp, rank)
     ds = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
     batches = iter(build_loader(ds, args.batch_size, dp_rank, dims.dp, start * global_batch))
     # Each rank's share of the job's tokens and FLOPs (TP ranks split a batch).
-    tokens = args.batch_size * cfg.seq_len / dims.tp
+    tokens = accum * args.batch_size * cfg.seq_len / dims.tp
     flops = tokens * transformer_flops_per_token(n_params, cfg.n_layers, cfg.dim, cfg.seq_len)
 
-    step_times, losses, arms = [], [], []
+    ckpt_extra = {"world_size": world, "dp": dims.dp, "global_batch": global_batch}
+    step_times, losses, arms, dp_means = [], [], [], []
     ab = _ABSwitch(mon, args.ab_block)
     for step in range(start, args.steps):
         m = ab.monitor_for(step - start)
         t0 = time.perf_counter()
         with m.step(step + 1, tokens=tokens, flops=flops):
-            batch = next(batches).to(dev)
+            micro = [next(batches).to(dev) for _ in range(accum)]
             if slow := _slowdown_from(args.fault, "slow_data", rank, step + 1):
                 time.sleep(slow * _usual(step_times))
             m.mark("data")
@@ -162,10 +163,16 @@ def main(argv: list[str] | None = None) -> int:
                 _injected_sleep_in_forward(stuck)
             if slow := _slowdown_from(args.fault, "slow_compute", rank, step + 1):
                 time.sleep(slow * _usual(step_times))
-            logits = model(batch[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1))
-            m.mark("forward")
-            loss.backward()
+            # Gradient accumulation keeps the global batch when the job shrank; with more
+            # than one micro-batch, "forward" is the first one's and "backward" the rest.
+            for i, batch in enumerate(micro):
+                logits = model(batch[:, :-1])
+                part = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1))
+                loss = part.detach() if i == 0 else loss + part.detach()
+                if i == 0:
+                    m.mark("forward")
+                (part / accum if accum > 1 else part).backward()
+            loss = loss / accum
             m.mark("backward")
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -181,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(skip)  # this rank never issues the all-reduce the others wait in
         else:
             dist.all_reduce(mean_loss, group=mesh["dp"].get_group())
+        dp_means.append(mean_loss.item() / dims.dp)
         if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
             log.info("step %d loss %.4f (dp mean %.4f) step_time %.4fs", step + 1, losses[-1],
                      mean_loss.item() / dims.dp, step_times[-1])
@@ -190,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 dist.barrier()
         saved = False
         if ckpt and ckpt.due(step + 1):
-            saved = _save(ckpt, mon, step + 1, model, opt, {"world_size": world, "dp": dims.dp})
+            saved = _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
         if isinstance(mon, _monitor.Monitor):
             # A checkpoint the agent asked for: ranks may hear of it at different steps,
             # so agree on the step (MAX over the world) before anyone saves.
@@ -203,14 +211,37 @@ def main(argv: list[str] | None = None) -> int:
                     mon.checkpoint_saved(step + 1, started_at=time.time(), duration=0.0, ok=False,
                                          error="the job runs without --checkpoint-dir")
                 else:
-                    _save(ckpt, mon, step + 1, model, opt, {"world_size": world, "dp": dims.dp})
+                    _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
 
     if args.metrics_out:
-        _write_metrics(args.metrics_out, rank, start, step_times, losses, arms)
+        _write_metrics(args.metrics_out, rank, start, step_times, losses, arms, dp_means)
     mon.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _global_batch(saved: int | None, batch_size: int, dp: int, rank: int) -> tuple[int, int]:
+    """The global batch to keep and the gradient accumulation that keeps it.
+
+    A job resumed on fewer data-parallel ranks keeps the checkpoint's global batch
+    by accumulating gradients, so its loss curve does not jump.  When that is not
+    possible (the global batch is not a multiple of the new one), it says so and
+    trains with the new global batch.
+    """
+    now = batch_size * dp
+    if not saved or saved == now:
+        return now, 1
+    if saved % now == 0:
+        if rank == 0:
+            log.warning("resumed at dp=%d: accumulating %d micro-batches to keep the global batch "
+                        "of %d samples", dp, saved // now, saved)
+        return saved, saved // now
+    if rank == 0:
+        log.warning("resumed at dp=%d: the checkpoint's global batch of %d samples is not a multiple "
+                    "of %d (batch %d x dp %d), so the global batch changes to %d; expect the loss "
+                    "curve to shift", dp, saved, now, batch_size, dp, now)
+    return now, 1
 
 
 def _save(ckpt: Checkpointer, mon: object, step: int, model: torch.nn.Module,
@@ -257,7 +288,7 @@ class _ABSwitch:
 
 
 def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
-                   losses: list[float], arms: list[bool]) -> None:
+                   losses: list[float], arms: list[bool], dp_means: list[float]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fr = {}
     try:
@@ -265,7 +296,8 @@ def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
     except Exception as exc:  # noqa: BLE001 - diagnostics only
         log.warning("no Flight Recorder dump: %s", exc)
     with open(out / f"rank{rank}.json", "w") as f:
-        json.dump({"rank": rank, "pid": os.getpid(), "start": start, "step_times": step_times, "losses": losses, "rankwatch_on": arms,
+        json.dump({"rank": rank, "pid": os.getpid(), "start": start, "step_times": step_times,
+                   "losses": losses, "dp_mean_losses": dp_means, "rankwatch_on": arms,
                    "flight_recorder": fr.get("entries", [])}, f)
 
 

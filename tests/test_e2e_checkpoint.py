@@ -35,3 +35,20 @@ def test_resume_continues_the_loss_curve(tmp_path):
     straight = run(tmp_path, "straight", 8, tmp_path / "other", "--no-rankwatch")
     assert straight["losses"][:6] == pytest.approx(first["losses"], rel=1e-6)
     assert resumed["losses"] == pytest.approx(straight["losses"][6:], rel=1e-5)
+
+
+def test_resume_on_fewer_ranks_keeps_the_global_batch(tmp_path):
+    # Two dp ranks save at step 4; one rank resumes (DCP reshards) and accumulates two
+    # micro-batches per step, so its losses follow the uninterrupted two-rank run.
+    ckpt = tmp_path / "ckpt"
+    run(tmp_path, "two", 4, ckpt, "--checkpoint-interval", "4", "--no-rankwatch")
+    out = tmp_path / "one"
+    job = torchrun(1, "--steps", "7", "--checkpoint-dir", str(ckpt), "--metrics-out", str(out),
+                   "--log-every", "0", "--no-rankwatch", log=tmp_path / "one.log")
+    assert job.wait(180) == 0, (tmp_path / "one.log").read_text()[-3000:]
+    assert "accumulating 2 micro-batches" in (tmp_path / "one.log").read_text()
+    resumed = json.loads((out / "rank0.json").read_text())
+    assert resumed["start"] == 4
+    straight = run(tmp_path, "straight", 7, tmp_path / "other", "--no-rankwatch")
+    # The dp-mean loss of the straight run against the single rank's mean over its micro-batches.
+    assert resumed["losses"] == pytest.approx(straight["dp_mean_losses"][4:], rel=1e-4)
