@@ -29,6 +29,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang
@@ -86,7 +87,7 @@ class Coordinator:
 
     def __init__(self, node_id: str, *, incidents: IncidentLog, hang: HangConfig | None = None,
                  straggler: StragglerConfig | None = None, policy: PolicyConfig | None = None,
-                 clock=time.time) -> None:
+                 clock=time.time, on_incident: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.node_id = node_id
         self.incidents = incidents
         self.hang = hang or HangConfig()
@@ -98,7 +99,10 @@ class Coordinator:
         self.excluded: dict[str, str] = {}
         self.dead: set[str] = set()
         self.generation = 0
-        self._stragglers = StragglerDetector(straggler or StragglerConfig())
+        self._straggler_cfg = straggler or StragglerConfig()
+        self._stragglers = StragglerDetector(self._straggler_cfg)
+        self._on_incident = on_incident or (lambda _: None)
+        self._refused: set[str] = set()
         self._evaluated_steps = 0
         self._open_hang: dict | None = None
         self._restart: _Restart | None = None
@@ -158,8 +162,10 @@ class Coordinator:
                 return None
             remaining = [n for n in self.nodes if n not in self.excluded and n != node]
             if len(remaining) < self.policy.min_nodes:
-                log.warning("not excluding node %s (%s): %d node(s) would remain, below the "
-                            "minimum of %d", node, reason, len(remaining), self.policy.min_nodes)
+                if node not in self._refused:  # said once per node, not on every evaluation
+                    self._refused.add(node)
+                    log.warning("not excluding node %s (%s): %d node(s) would remain, below the "
+                                "minimum of %d", node, reason, len(remaining), self.policy.min_nodes)
                 return None
             self.excluded[node] = reason
             d = self._decide("exclude", node=node, reason=reason)
@@ -245,6 +251,7 @@ class Coordinator:
                                      if stopped else "no fresh stacks from the rank")
         self._open_hang = self.incidents.add(kind="hang", node=c.node, rank=c.rank, step=c.step,
                                              detected_at=now, detail=detail)
+        self._on_incident(self._open_hang)
         log.warning("JOB HANG: rank %d on node %s %s; others wait in %s", c.rank, c.node,
                     verdict.reason, verdict.collective)
         if self.policy.exclude_hung and self.exclude(c.node, f"hang: rank {c.rank} {verdict.reason}"):
@@ -287,6 +294,9 @@ class Coordinator:
                      for r in n.summary.ranks if r.connected]
         if len(ranks) < 2 or len({name for name, _ in ranks}) < 2:
             return  # one node: its own agent decides
+        per_node: dict[str, int] = {}
+        for name, _ in ranks:
+            per_node[name] = per_node.get(name, 0) + 1
         done = min(r.steps_completed for _, r in ranks)
         if done <= self._evaluated_steps:
             return
@@ -296,16 +306,14 @@ class Coordinator:
                          step_seconds=r.step_seconds, completed=r.steps_completed)
                 for name, r in ranks]
         for ev in self._stragglers.update(work, done):
-            s = ev.score
-            if ev.kind == "cleared":
+            # A node's own agent compares its ranks with each other; the coordinator adds
+            # what no node can see alone: a whole slow node, or a node's only rank.
+            if ev.kind == "cleared" or (ev.scope != "node" and per_node[ev.work.node] > 1):
                 continue
-            self.incidents.add(kind="straggler", node=ev.work.node, rank=s.rank, step=ev.work.step,
-                               detected_at=now,
-                               detail={"cause": s.cause, "slowdown": round(s.slowdown, 4),
-                                       "excess_seconds": round(s.excess_seconds, 6),
-                                       "cost": {"speedup_if_removed": round(s.speedup, 4),
-                                                "step_seconds": round(ev.work.step_seconds, 6)},
-                                       "scope": "job"})
+            inc = self.incidents.add(kind="straggler", node=ev.work.node, rank=ev.score.rank,
+                                     step=ev.work.step, detected_at=now,
+                                     detail={**ev.detail(self._straggler_cfg.window), "job": True})
+            self._on_incident(inc)
 
     def _check_recovered(self, now: float) -> None:
         """Close a restart once every included node's ranks completed a step after it."""

@@ -103,7 +103,9 @@ class Agent:
         self._evaluated_steps = 0
         self._detector: threading.Thread | None = None
         self.coordinator = Coordinator(config.node_id, incidents=self.incidents, hang=config.hang,
-                                       straggler=config.straggler, policy=config.policy)
+                                       straggler=config.straggler, policy=config.policy,
+                                       on_incident=self._own_job_incident)
+        self._marked_at: dict[int, float] = {}   # rank -> when a job verdict marked it
         self.commands = CommandHub()
         self.link = JobLink(self, config.coordinators, config.sync_interval)
         self.goodput = Goodput()
@@ -323,10 +325,9 @@ class Agent:
                 now = self.state.clock()
                 if self.link.acting and self.config.coordinators:
                     self.coordinator.evaluate()
-                    continue
-                if self.link.coordinated(now):
-                    continue
-                self.check_hang(now)
+                elif not self.link.coordinated(now):
+                    self.check_hang(now)
+                # This node's ranks against each other; the coordinator compares nodes.
                 self.check_stragglers(now)
             except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
                 log.exception("detector error")
@@ -443,6 +444,12 @@ class Agent:
                           if not r.connected and not r.exited_cleanly and now - r.last_seen > 5
                           and not _pid_alive(r.pid)]:
                     del st.ranks[k]
+            for k, at in list(self._marked_at.items()):
+                r = st.ranks.get(k)
+                if r is None or (r.state == "hung" and r.progress_at > at):
+                    if r is not None:
+                        r.state = "ok"  # progress after the verdict: the hang is over
+                    del self._marked_at[k]
             ranks = list(st.ranks.values())
             rows = [(r, dict(r.group_seqs), r.inflight, list(r.own_work), list(r.data_wait),
                      list(r.comm_wait)) for r in ranks]
@@ -519,12 +526,25 @@ class Agent:
         incident = {"id": f"{coordinator}/{inc.id}", "kind": inc.kind, "node": inc.node, "rank": inc.rank,
                     "step": inc.step, "detected_at": inc.detected_at,
                     "detail": json.loads(inc.detail_json or "{}")}
-        if not self.incidents.merge(incident) or inc.kind != "hang":
+        if self.incidents.merge(incident):
+            self._mark(incident)
+
+    def _own_job_incident(self, incident: dict) -> None:
+        """The coordinator's verdict about a rank of the coordinator's own node."""
+        if incident["node"] == self.state.node_id:
+            self._mark(incident)
+
+    def _mark(self, incident: dict) -> None:
+        """A job verdict sets the rank's state; it returns to ok once the rank progresses again."""
+        state = {"hang": "hung", "straggler": "straggler"}.get(incident["kind"])
+        if state is None:
             return
         with self.state.lock:
-            r = self.state.ranks.get(inc.rank)
-            if r is not None and r.state in ("ok", "straggler"):
-                r.state = "hung"
+            for rank in incident["detail"].get("ranks") or [incident["rank"]]:
+                r = self.state.ranks.get(rank)
+                if r is not None and r.state in ("ok", "straggler", "hung"):
+                    r.state = state
+                    self._marked_at[rank] = self.state.clock() if state == "hung" else float("inf")
 
     def _commands(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> Iterator[pb.Command]:
         def step() -> int:

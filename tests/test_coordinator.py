@@ -1,0 +1,105 @@
+"""The coordinator's decisions from synthetic node summaries (the e2e tests run real jobs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rankwatch.agent.coordinator import Coordinator, PolicyConfig
+from rankwatch.agent.incidents import IncidentLog
+from rankwatch.proto import pb
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def summary(node, seq, now, ranks):
+    s = pb.NodeSummary(node_id=node, seq=seq, sent_at=now)
+    for r in ranks:
+        s.ranks.append(pb.RankSummary(connected=True, alive=True, steps_completed=100,
+                                      step_seconds=0.1, activity="train", **r))
+    return s
+
+
+def make(policy=None):
+    clock = Clock()
+    return Coordinator("n0", incidents=IncidentLog(None), policy=policy or PolicyConfig(),
+                       clock=clock), clock
+
+
+def test_names_the_culprit_on_another_node_and_excludes_it():
+    c, clock = make()
+    t = clock.t
+    c.sync(summary("n0", 1, t, [dict(rank=0, step=50, progress_at=t, last_seen=t, group_seqs={"0": 900})]))
+    c.sync(summary("n1", 1, t, [dict(rank=1, step=50, progress_at=t, last_seen=t, group_seqs={"0": 899},
+                                    stopped=False)]))
+    clock.t += 6  # beyond the 5 s floor; both nodes keep syncing, nobody progresses
+    c.sync(summary("n0", 2, clock.t, [dict(rank=0, step=50, progress_at=t, last_seen=clock.t,
+                                           group_seqs={"0": 900})]))
+    c.sync(summary("n1", 2, clock.t, [dict(rank=1, step=50, progress_at=t, last_seen=clock.t,
+                                           group_seqs={"0": 899})]))
+    c.evaluate()
+    (hang,) = [i for i in c.incidents.items if i["kind"] == "hang"]
+    assert (hang["node"], hang["rank"]) == ("n1", 1) and "behind" in hang["detail"]["reason"]
+    assert c.excluded == {"n1": c.excluded["n1"]} and c.generation == 1
+    (d,) = [d for d in c.decisions if d["kind"] == "exclude"]
+    assert d["node"] == "n1" and d["generation"] == 1
+    # The decision travels in every sync reply; the culprit's node also gets the incident.
+    reply = c.sync(summary("n1", 3, clock.t, []))
+    assert [x.id for x in reply.decisions] == [d["id"]]
+    assert any(i.kind == "hang" for i in reply.incidents)
+
+
+def test_never_below_min_nodes_and_a_silent_node_is_dead():
+    c, clock = make(PolicyConfig(min_nodes=2, node_timeout_seconds=3))
+    t = clock.t
+    for n in ("n0", "n1"):
+        c.sync(summary(n, 1, t, [dict(rank=int(n[1]), step=5, progress_at=t, last_seen=t)]))
+    clock.t += 4
+    c.sync(summary("n0", 2, clock.t, [dict(rank=0, step=9, progress_at=clock.t, last_seen=clock.t)]))
+    c.evaluate()
+    assert c.node_states() == {"n0": "ok", "n1": "dead"}
+    assert c.excluded == {}, "one node would remain, below --min-nodes 2"
+
+
+def test_checkpoint_step_is_ahead_of_the_fastest_rank_and_duplicates_merge():
+    c, clock = make()
+    with pytest.raises(LookupError):
+        c.request_checkpoint("nobody")
+    t = clock.t
+    c.sync(summary("n0", 1, t, [dict(rank=0, step=40, progress_at=t, last_seen=t)]))
+    c.sync(summary("n1", 1, t, [dict(rank=1, step=42, progress_at=t, last_seen=t)]))
+    d = c.request_checkpoint("operator")
+    assert d["step"] == 42 + 20  # 2 s of 0.1 s steps past the fastest rank
+    assert c.request_checkpoint("again") is d
+
+
+def test_stale_or_anonymous_summaries_are_refused():
+    c, clock = make()
+    c.sync(summary("n0", 5, clock.t, []))
+    with pytest.raises(ValueError, match="stale"):
+        c.sync(summary("n0", 4, clock.t, []))
+    with pytest.raises(ValueError, match="node_id"):
+        c.sync(pb.NodeSummary(seq=1))
+
+
+def test_only_a_fatal_gpu_fault_excludes():
+    c, clock = make()
+    t = clock.t
+    s1 = summary("n1", 1, t, [dict(rank=1, step=5, progress_at=t, last_seen=t)])
+    s1.incidents.append(pb.Incident(id="gpu_fault-1", kind="gpu_fault", node="n1", rank=1,
+                                    detail_json='{"gpu": 0, "xid": 999, "action": "unknown"}'))
+    c.sync(summary("n0", 1, t, [dict(rank=0, step=5, progress_at=t, last_seen=t)]))
+    c.sync(s1)
+    c.evaluate()
+    assert c.excluded == {}
+    s1 = summary("n1", 2, t, [dict(rank=1, step=5, progress_at=t, last_seen=t)])
+    s1.incidents.append(pb.Incident(id="gpu_fault-2", kind="gpu_fault", node="n1", rank=1,
+                                    detail_json='{"gpu": 0, "xid": 79, "action": "reboot"}'))
+    c.sync(s1)
+    c.evaluate()
+    assert "fatal GPU fault" in c.excluded["n1"]
