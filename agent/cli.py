@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--token-file", type=Path, default=None, metavar="PATH",
                    help="the job's shared token (mode 0600) for coordinator and control RPCs "
                         "(default: $RANKWATCH_TOKEN; none: unchecked)")
+    a.add_argument("--evict-straggler-speedup", type=_positive, default=1.25, metavar="X",
+                   help="evict a straggling node at the next checkpoint when the job would step "
+                        "X times faster without it (default 1.25; inf never evicts)")
     a.add_argument("--min-nodes", type=int, default=1, metavar="N",
                    help="never exclude a node if fewer would remain (torchrun's --nnodes MIN)")
     a.add_argument("--gpu-source", type=_gpu_source, default="auto", metavar="{auto,nvml,none,script:PATH}",
@@ -161,7 +164,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     from rankwatch.agent.auth import load_token
 
     try:
-        policy = PolicyConfig(min_nodes=args.min_nodes)
+        policy = PolicyConfig(min_nodes=args.min_nodes,
+                              evict_straggler_speedup=args.evict_straggler_speedup)
         token = load_token(args.token_file)
         straggler = _straggler_config(args)
         kind, script = args.gpu_source

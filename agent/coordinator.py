@@ -56,6 +56,9 @@ class PolicyConfig:
     exclude_gpu_fatal: bool = True
     checkpoint_lead_seconds: float = 2.0
     """A requested checkpoint's step is at least this far ahead of the fastest rank."""
+    evict_straggler_speedup: float = 1.25
+    """Evict a straggling node at the next checkpoint when the job would step this much
+    faster without it (``inf`` never evicts)."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1:
@@ -103,6 +106,7 @@ class Coordinator:
         self._stragglers = StragglerDetector(self._straggler_cfg)
         self._on_incident = on_incident or (lambda _: None)
         self._refused: set[str] = set()
+        self._evictions: dict[str, tuple[int, str]] = {}   # node -> (checkpoint step, reason)
         self._evaluated_steps = 0
         self._open_hang: dict | None = None
         self._restart: _Restart | None = None
@@ -188,6 +192,7 @@ class Coordinator:
         self._check_gpu(now)
         self._check_hang(now)
         self._check_stragglers(now)
+        self._check_evictions()
         self._check_recovered(now)
 
     def _live_nodes(self) -> list[_Node]:
@@ -314,6 +319,32 @@ class Coordinator:
                                      step=ev.work.step, detected_at=now,
                                      detail={**ev.detail(self._straggler_cfg.window), "job": True})
             self._on_incident(inc)
+            self._plan_eviction(ev.work.node, ev.score.speedup, ev.score.cause)
+
+    def _plan_eviction(self, node: str, speedup: float, cause: str) -> None:
+        """A costly straggling node: checkpoint now, exclude it once that checkpoint is complete."""
+        if speedup < self.policy.evict_straggler_speedup or node in self._evictions or node in self.excluded:
+            return
+        reason = f"straggler: the job would step {speedup:.2f}x faster without node {node} ({cause})"
+        try:
+            d = self.request_checkpoint(f"before evicting {node}")
+        except LookupError:
+            return
+        self._evictions[node] = (d["step"], reason)
+        log.warning("%s; evicting it after the checkpoint at step %d", reason, d["step"])
+
+    def _check_evictions(self) -> None:
+        if not self._evictions:
+            return
+        with self.lock:
+            saved = [i.step for n in self.nodes.values() for i in n.summary.incidents
+                     if i.kind == "checkpoint" and json.loads(i.detail_json or "{}").get("ok")]
+        saved += [i["step"] for i in self.incidents.items
+                  if i["kind"] == "checkpoint" and i["detail"].get("ok")]
+        for node, (step, reason) in list(self._evictions.items()):
+            if any(s >= step for s in saved):
+                del self._evictions[node]
+                self.exclude(node, reason)
 
     def _check_recovered(self, now: float) -> None:
         """Close a restart once every included node's ranks completed a step after it."""

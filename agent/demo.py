@@ -74,7 +74,10 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
         gpu = GpuConfig(source="script", script=load_script(script)) if i == 1 else GpuConfig(source="none")
         agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=port,
                                   metrics_addr="127.0.0.1", state_dir=workdir / node,
-                                  coordinators=[coord], policy=PolicyConfig(min_nodes=2), gpu=gpu))
+                                  coordinators=[coord], gpu=gpu,
+                                  # The straggler stays (it is shown, not evicted), so the
+                                  # hang on node 2 is what takes a node out.
+                                  policy=PolicyConfig(min_nodes=2, evict_straggler_speedup=float("inf"))))
         agent.start()
         agents.append(agent)
     console.print(f"coordinator agent [bold]{_NODES[0]}[/] at {addr}; metrics at "

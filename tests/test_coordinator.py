@@ -20,8 +20,8 @@ class Clock:
 def summary(node, seq, now, ranks):
     s = pb.NodeSummary(node_id=node, seq=seq, sent_at=now)
     for r in ranks:
-        s.ranks.append(pb.RankSummary(connected=True, alive=True, steps_completed=100,
-                                      step_seconds=0.1, activity="train", **r))
+        s.ranks.append(pb.RankSummary(**{"connected": True, "alive": True, "steps_completed": 100,
+                                         "step_seconds": 0.1, "activity": "train", **r}))
     return s
 
 
@@ -103,3 +103,34 @@ def test_only_a_fatal_gpu_fault_excludes():
     c.sync(s1)
     c.evaluate()
     assert "fatal GPU fault" in c.excluded["n1"]
+
+
+def test_a_costly_straggling_node_is_evicted_after_the_next_checkpoint():
+    from rankwatch.agent.straggler import StragglerConfig
+
+    c, clock = make()
+    c._stragglers = type(c._stragglers)(StragglerConfig(warmup_steps=0))
+    t = clock.t
+    for seq in range(1, 200):
+        done = 40 + seq
+        clock.t = t + seq * 0.1
+        c.sync(summary("n0", seq, clock.t, [dict(rank=0, step=done, steps_completed=done,
+                                                  progress_at=clock.t, last_seen=clock.t,
+                                                  own_work=[0.1] * 16, comm_wait=[0.1] * 16,
+                                                  data_wait=[0.0] * 16)]))
+        c.sync(summary("n1", seq, clock.t, [dict(rank=1, step=done, steps_completed=done,
+                                                  progress_at=clock.t, last_seen=clock.t,
+                                                  own_work=[0.2] * 16, comm_wait=[0.0] * 16,
+                                                  data_wait=[0.0] * 16)]))
+        c.evaluate()
+        if c._evictions:
+            break
+    assert "n1" in c._evictions, "a 2x slower single-rank node is flagged and planned for eviction"
+    step, _ = c._evictions["n1"]
+    assert c.excluded == {} and any(d["kind"] == "checkpoint" for d in c.decisions)
+    saved = summary("n0", 1000, clock.t, [dict(rank=0, step=step, progress_at=clock.t, last_seen=clock.t)])
+    saved.incidents.append(pb.Incident(id="checkpoint-1", kind="checkpoint", node="n0", rank=0, step=step,
+                                       detail_json='{"ok": true}'))
+    c.sync(saved)
+    c.evaluate()
+    assert c.excluded["n1"].startswith("straggler")
