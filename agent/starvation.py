@@ -1,15 +1,13 @@
-"""CPU starvation of a rank's process: time its threads were runnable but not running.
+"""CPU starvation of a rank's training thread: time it was runnable but not running.
 
 A rank whose host is saturated (more runnable threads than cores, a noisy
 neighbour, an agent or data-loader process hogging the CPU) spends part of
 each step waiting on the kernel's run queue.  Linux accounts that per thread
-as ``run_delay`` (the second field of ``/proc/<pid>/task/<tid>/schedstat``,
-nanoseconds, kept whenever the kernel has ``CONFIG_SCHED_INFO``).  The sum
-over the process's threads counts, not the training thread's alone: a step
-also stretches while the training thread waits for the GIL held by a starved
-thread of its own, or for a starved collective worker thread.  Time a thread
-sleeps, waits on I/O or a GPU, or spends SIGSTOPped is not run delay, so only
-CPU starvation counts.
+as ``run_delay`` (the second field of ``/proc/<pid>/schedstat``, nanoseconds,
+kept whenever the kernel has ``CONFIG_SCHED_INFO``).  ``/proc/<pid>/schedstat``
+is the thread-group leader's, which in a torchrun worker is the main thread:
+the training thread.  Time the thread sleeps, waits on I/O or a GPU, or spends
+SIGSTOPped is not run delay, so only CPU starvation counts.
 
 The agent samples it for its own ranks and spreads each sample's increase
 evenly over the steps completed since the previous one, giving per-step
@@ -25,23 +23,12 @@ __all__ = ["StarvationTracker", "run_delay_seconds"]
 
 
 def run_delay_seconds(pid: int, proc: Path = Path("/proc")) -> float | None:
-    """Seconds the process's threads have waited on a run queue, summed; None if unknown.
-
-    A thread that exited takes its share with it, so the sum can drop; the
-    tracker counts only increases.
-    """
-    total, seen = 0, False
+    """Seconds the process's main thread has waited on a run queue, or None if unknown."""
     try:
-        tasks = list((proc / str(pid) / "task").iterdir())
-    except OSError:
+        fields = (proc / str(pid) / "schedstat").read_text().split()
+        return int(fields[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
         return None
-    for task in tasks:
-        try:
-            total += int((task / "schedstat").read_text().split()[1])
-            seen = True
-        except (OSError, IndexError, ValueError):
-            continue  # a thread that just exited
-    return total * 1e-9 if seen else None
 
 
 class StarvationTracker:
