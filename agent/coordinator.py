@@ -249,6 +249,7 @@ class Coordinator:
                   "stalled_seconds": round(verdict.stalled_for, 3),
                   "allowance_seconds": round(verdict.allowance, 3),
                   "silent_ranks": verdict.silent, "inflight": c.inflight,
+                  "started_at": round(now - verdict.stalled_for, 3),
                   "nodes": sorted(self.nodes), "scope": "job"}
         if fresh is None:
             detail["stacks_note"] = ("the node's agent is silent" if silent_node else

@@ -363,6 +363,7 @@ class Agent:
             "stacks": fresh, "reason": verdict.reason, "pid": culprit.pid,
             "stalled_seconds": round(verdict.stalled_for, 3),
             "allowance_seconds": round(verdict.allowance, 3), "silent_ranks": verdict.silent,
+            "started_at": round(now - verdict.stalled_for, 3),
             "inflight": culprit.inflight,
         }
         if fresh is None:
