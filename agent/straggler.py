@@ -152,7 +152,6 @@ GpuThrottle = Callable[[int], list[str]]
 class _Window:
     """The ranks' last ``n`` common steps as (ranks, n) arrays; NaN where a column is missing."""
 
-    ranks: list[RankWork]
     own: np.ndarray
     data: np.ndarray
     delay: np.ndarray
@@ -170,7 +169,7 @@ def _window(ranks: list[RankWork], last: int, n: int) -> _Window:
             lo = max(0, end - n)
             if end > lo:
                 rows[name][i, n - (end - lo):] = col[lo:end]
-    return _Window(ranks, rows["own"], rows["data"], rows["delay"], rows["start"])
+    return _Window(rows["own"], rows["data"], rows["delay"], rows["start"])
 
 
 def _loo_median(x: np.ndarray) -> np.ndarray:
@@ -317,6 +316,10 @@ class StragglerDetector:
         """
         if not ranks:
             return []
+        present = {r.rank for r in ranks}
+        for gone in set(self.flagged) - present:  # a rank that left is no straggler any more
+            del self.flagged[gone]
+            self._below.pop(gone, None)
         last = min(r.completed for r in ranks)
         full = _eligible(ranks, self.cfg, last)
         if last <= self._last or len(full) < 2:
@@ -405,12 +408,14 @@ class StragglerDetector:
             ready = sorted(r for r in members if r in self._ready)
             if not ready:
                 continue
-            whole = len(nodes) > 1 and all(r in self._ready or r in self.flagged for r in members)
+            whole = (len(nodes) > 1 and len(members) > 1
+                     and all(r in self._ready or r in self.flagged for r in members))
             if whole and all(r in scores for r in members):
                 events.append(self._raise([scores[r] for r in members], by_rank, "node", members))
                 continue
             # Wait a little for the node's other ranks only while they are all slow too.
-            waiting = len(nodes) > 1 and all(r in slow or r in self.flagged for r in members)
+            waiting = len(nodes) > 1 and len(members) > 1 and all(
+                r in slow or r in self.flagged for r in members)
             for rank in ready:
                 if not waiting or last - self._ready[rank] >= cfg.node_grace:
                     events.append(self._raise([scores[rank]], by_rank, "rank", [rank]))

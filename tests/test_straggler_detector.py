@@ -214,6 +214,16 @@ def test_one_slow_rank_of_a_multi_node_job_is_reported_alone():
     assert events[0][0] - onset <= 20
 
 
+def test_a_rank_that_leaves_is_no_longer_flagged():
+    series = [[0.05] * 120 for _ in range(3)]
+    series[2] = [0.08] * 120
+    det = StragglerDetector(CFG)
+    first_flags(feed(det, series))
+    assert set(det.flagged) == {2}
+    det.update([work(r, series[r] + [0.05]) for r in (0, 1)], 121)
+    assert not det.flagged and det.cost_ratio(0.1) == 1.0
+
+
 def test_cost_ratio_is_the_largest_excess():
     base = score([work(0, [0.1] * 16), work(1, [0.1] * 16), work(2, [0.15] * 16), work(3, [0.12] * 16)], CFG)
     flagged = [s for s in base if s.rank in (2, 3)]
