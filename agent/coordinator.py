@@ -120,7 +120,9 @@ class Coordinator:
             raise ValueError("summary without node_id")
         with self.lock:
             prev = self.nodes.get(summary.node_id)
-            if prev is not None and summary.seq and summary.seq <= prev.summary.seq:
+            # A lower seq with a later clock is the node's agent restarted, not a replay.
+            if (prev is not None and summary.seq <= prev.summary.seq
+                    and summary.sent_at <= prev.summary.sent_at):
                 raise ValueError(f"stale summary {summary.seq} from {summary.node_id} "
                                  f"(have {prev.summary.seq})")
             self.nodes[summary.node_id] = _Node(summary, now, now - summary.sent_at)
