@@ -72,6 +72,35 @@ class AgentProcess:
                 self.proc.wait()
 
 
+_LEAK_ENV = "RANKWATCH_TEST_PROCESS_TAG"
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Kill whatever a test started and left behind.
+
+    torchrun starts each worker in its own session, so killing a launcher's process
+    group leaves its workers training (or stopped) on a 2-core machine.  Every process
+    a test starts inherits a tag in its environment; after the test, any process still
+    carrying it is continued and killed.
+    """
+    import uuid
+
+    import psutil
+
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(_LEAK_ENV, tag)
+    yield
+    me = os.getpid()
+    for p in psutil.process_iter():
+        try:
+            if p.pid != me and p.environ().get(_LEAK_ENV) == tag:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+        except (psutil.Error, OSError):
+            pass
+
+
 @pytest.fixture
 def agent_proc(tmp_path: Path) -> Iterator[AgentProcess]:
     agent = AgentProcess(tmp_path / "agent.sock").start()

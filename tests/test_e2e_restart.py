@@ -106,6 +106,47 @@ def test_gpu_risk_checkpoints_and_a_fatal_xid_excludes_the_node(tmp_path):
         assert min(r["step"] for r in s["ranks"] if r["connected"]) >= saved["step"]
 
 
+def test_dead_node_is_excluded_and_refused_when_it_returns(tmp_path):
+    # Node n2's whole process tree and its agent are SIGKILLed: the coordinator hears nothing
+    # from n2 for 3 s, calls it dead and excludes it.  n0 and n1 train on (their workers broke
+    # on the dead peer, so torchrun restarts them: one --max-restarts each).  A torchrun
+    # started again on n2 is refused by the rendezvous and leaves cleanly.
+    ck = tmp_path / "ck"
+    args = ("--steps", "100000", "--log-every", "0", "--checkpoint-dir", str(ck),
+            "--checkpoint-interval", "20")
+    launch = ("--max-restarts", "1", "--monitor-interval", "0.1")
+    with Cluster(tmp_path, 3, ("--min-nodes", "2")) as c:
+        jobs = [c.torchrun(i, "2:3", 1, *args, launcher="rankwatch", rdzv_conf=_RDZV, launcher_args=launch)
+                for i in range(3)]
+        ranks = wait_for(lambda: (r := c.coordinator.status()["ranks"]) and len(r) == 3
+                         and min(x["step"] for x in r) >= 25 and r, 180, what="three nodes training")
+        os.killpg(jobs[2].pid, signal.SIGKILL)
+        victim = next(r for r in ranks if r["node"] == "n2")
+        try:
+            os.kill(victim["pid"], signal.SIGKILL)  # the worker runs in its own session
+        except ProcessLookupError:
+            pass
+        c.agents[2].kill()
+        t0 = time.monotonic()
+        s = wait_for(lambda: "n2" in (x := c.coordinator.status())["excluded_nodes"] and x, 30,
+                     what="n2 excluded as dead")
+        assert "node dead" in next(d["reason"] for d in s["decisions"] if d["kind"] == "exclude")
+        old = {r["pid"] for r in ranks}
+
+        def back():
+            s = c.coordinator.status()
+            live = {r["node"] for r in s["ranks"] if r["connected"] and r["pid"] not in old and r["step"] > 0}
+            return live == {"n0", "n1"} and s
+        wait_for(back, 120, interval=0.25, what="n0 and n1 training again")
+        print(f"node killed -> training again on two nodes after {time.monotonic() - t0:.1f}s")
+        assert jobs[0].poll() is None and jobs[1].poll() is None
+        # n2 comes back: its agent and torchrun start again, and the rendezvous refuses it.
+        c.agents[2].start()
+        again = c.torchrun(2, "2:3", 1, *args, launcher="rankwatch", rdzv_conf=_RDZV, launcher_args=launch)
+        assert again.wait(90) == 0
+        assert "excluded" in (tmp_path / "job-n2.log").read_text()
+
+
 def _alive(pid: int) -> bool:
     import psutil
 
