@@ -118,6 +118,7 @@ class Agent:
         self.gpu_listeners = self.gpu.listeners  # called with every fatal and risk GpuEvent
         self.gpu_listeners.append(self._on_gpu_event)
         self._risk_requested: dict[tuple[int, str], float] = {}
+        self._pending_risk: str | None = None
         self.registry.register(GpuCollector(self.gpu))
         self._grpc: grpc.Server | None = None
         self._http: Any = None
@@ -329,6 +330,9 @@ class Agent:
                     self.check_hang(now)
                 # This node's ranks against each other; the coordinator compares nodes.
                 self.check_stragglers(now)
+                if self._pending_risk and any(r.connected and r.steps_completed
+                                              for r in self.state.snapshot()):
+                    self._risk_checkpoint(self._pending_risk)
             except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
                 log.exception("detector error")
 
@@ -576,9 +580,14 @@ class Agent:
         if event.at - self._risk_requested.get(key, float("-inf")) < _RISK_CHECKPOINT_EVERY:
             return
         self._risk_requested[key] = event.at
-        reply = self.checkpoint(f"gpu risk: {event.reason} on gpu {event.gpu} of {event.node}")
-        log.warning("GPU risk %s on gpu %d: checkpoint %s", event.reason, event.gpu,
-                    f"at step {reply.step}" if reply.accepted else f"not taken ({reply.message})")
+        self._risk_checkpoint(f"gpu risk: {event.reason} on gpu {event.gpu} of {event.node}")
+
+    def _risk_checkpoint(self, reason: str) -> None:
+        reply = self.checkpoint(reason)
+        # Before the job's first step there is nothing to save yet: ask again once it trains.
+        self._pending_risk = reason if not reply.accepted and "no rank" in reply.message else None
+        log.warning("%s: checkpoint %s", reason, f"at step {reply.step}" if reply.accepted
+                    else f"not taken yet ({reply.message})")
 
     def checkpoint(self, reason: str) -> pb.CheckpointReply:
         """Ask the job for a checkpoint: through the coordinator, or this agent's own node."""
