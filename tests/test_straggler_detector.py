@@ -266,3 +266,15 @@ def test_starvation_tracker_spreads_run_delay_over_steps(tmp_path: Path):
 
 def test_run_delay_of_this_process_is_readable():
     assert run_delay_seconds(__import__("os").getpid()) is not None
+
+
+def test_agent_flags_set_the_config():
+    from rankwatch.agent.cli import _straggler_config, build_parser
+
+    args = build_parser().parse_args(["agent", "--straggler-threshold", "0.02", "--straggler-window", "24",
+                                      "--straggler-evidence", "3"])
+    cfg = _straggler_config(args)
+    assert (cfg.threshold, cfg.clear_threshold, cfg.window, cfg.evidence) == (0.02, 0.02, 24, 3.0)
+    assert _straggler_config(build_parser().parse_args(["agent"])) == StragglerConfig()
+    with pytest.raises(ValueError, match="window"):
+        _straggler_config(build_parser().parse_args(["agent", "--straggler-window", "2"]))
