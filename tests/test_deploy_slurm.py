@@ -12,6 +12,7 @@ builds for them (SLURM_* only, no PATH).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -108,10 +109,10 @@ def _slurmd_env(job: int, settings: Path, context: str) -> dict[str, str]:
             "SLURM_SCRIPT_CONTEXT": f"{context}_slurmd", "RANKWATCH_SLURM_CONFIG": str(settings)}
 
 
-def _run_script(script: Path, job: int, settings: Path) -> None:
+def _run_script(script: Path, job: int, settings: Path, **env: str) -> None:
     context = "prolog" if script == PROLOG else "epilog"
-    r = subprocess.run([str(script)], env=_slurmd_env(job, settings, context), capture_output=True,
-                       text=True, timeout=40)
+    r = subprocess.run([str(script)], env={**_slurmd_env(job, settings, context), **env},
+                       capture_output=True, text=True, timeout=40)
     assert r.returncode == 0, f"{script.name} exited {r.returncode}: {r.stderr}"
 
 
@@ -171,6 +172,47 @@ def test_prolog_failure_is_logged_and_never_fails_the_job(tmp_path):
     env["SLURM_JOB_ID"] = "45/../../etc"
     assert subprocess.run([str(PROLOG)], env=env, timeout=20).returncode == 0
     assert "error: SLURM_JOB_ID '45/../../etc' is not a job id" in paths["log"].read_text()
+
+
+def test_coordinator_port_and_token_key_give_the_job_a_token_its_agents_require(tmp_path):
+    _require("setpriv", "setsid", "scontrol", "sha256sum")
+    port = _free_port()
+    paths = _write_settings(tmp_path / "settings", tmp_path, coordinator_port=port)
+    key = tmp_path / "token.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    with open(tmp_path / "settings", "a") as f:
+        f.write(f"TOKEN_KEY_FILE={shlex.quote(str(key))}\n")
+    # scontrol expands the job's node list with slurm.conf, which slurmd names in SLURM_CONF.
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=test\nSlurmctldHost=localhost\nNodeName=localhost\n")
+    job_env = {"SLURMD_NODENAME": "localhost", "SLURM_NODELIST": "localhost,n2", "SLURM_CONF": str(conf)}
+    cli_env = {k: v for k, v in os.environ.items() if k != "RANKWATCH_TOKEN"}
+    try:
+        _run_script(PROLOG, 46, tmp_path / "settings", **job_env)
+        token = paths["run"] / "46" / "token"
+        assert token.stat().st_mode & 0o777 == 0o600
+        assert token.read_text().strip() == hashlib.sha256(key.read_bytes() + b":46").hexdigest()
+        agent = Address(path=str(paths["run"] / "46" / "agent.sock"))
+        wait_for(lambda: fetch_status(agent)["coordinator"], 10, what="the agent to coordinate")
+        assert fetch_status(agent)["coordinator_node"] == "localhost"
+
+        ask = [str(RANKWATCH), "checkpoint", "--agent", f"localhost:{port}"]
+        r = subprocess.run(ask, capture_output=True, text=True, timeout=30, env=cli_env)
+        assert r.returncode == 1 and "refused" in r.stderr and "--token-file" in r.stderr, r.stderr
+        r = subprocess.run([*ask, "--token-file", str(token)], capture_output=True, text=True,
+                           timeout=30, env=cli_env)
+        assert "--token-file" not in r.stderr, r.stderr        # past the token check
+
+        _run_script(EPILOG, 46, tmp_path / "settings", **job_env)
+        assert not token.exists()
+
+        key.chmod(0o640)                                        # a key others may read: refused
+        _run_script(PROLOG, 47, tmp_path / "settings", **job_env)
+        assert "must be root's, mode 0600" in paths["log"].read_text()
+        assert not (paths["run"] / "47.pid").exists()
+    finally:
+        _stop_leftover_agents(paths["run"])
 
 
 # -- a real Slurm ------------------------------------------------------------------------
@@ -272,6 +314,14 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                          ("slurmctld.log", "slurmctld.out", "slurmd.log", "slurmd.out", "munged.out"))
 
     def stop(self) -> None:
+        """Cancel what still runs (while munge and the daemons are up), stop the daemons, and
+        kill any job step or job process left behind: they all carry this cluster's SLURM_CONF."""
+        if len(self.procs) == 3 and all(p.poll() is None for p in self.procs):
+            self.run("scancel", "--partition", "debug")
+            try:
+                wait_for(lambda: not self.run("squeue", "-h").stdout.strip(), 20, interval=0.5)
+            except TimeoutError:
+                pass
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
@@ -280,6 +330,13 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        mark = f"SLURM_CONF={self.conf}".encode()
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                if mark in environ.read_bytes().split(b"\0") and environ.parent.name != str(os.getpid()):
+                    os.kill(int(environ.parent.name), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
         shutil.rmtree(self.munge_dir, ignore_errors=True)
 
 

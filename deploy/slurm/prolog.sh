@@ -33,6 +33,7 @@ METRICS_PORT=9478                      # 0 on nodes shared by several jobs (a fr
 AGENT_ARGS=""                          # more `rankwatch agent` flags, e.g. "--hang-floor 10"
 COORDINATOR_PORT=""                    # set (e.g. 9479) to coordinate the job across its nodes
 COORDINATOR_CANDIDATES=2               # the job's first N nodes may coordinate, in that order
+TOKEN_KEY_FILE=/etc/rankwatch/slurm-token.key  # root's, 0600, the same on every node: per-job tokens
 START_TIMEOUT=20                       # seconds to wait for the agent's socket
 config=${RANKWATCH_SLURM_CONFIG:-/etc/default/rankwatch-slurm}
 # shellcheck source=/dev/null
@@ -81,8 +82,9 @@ fi
 
 # Across nodes: the job's first nodes (Slurm's order, the same on every node) are
 # the coordinator candidates; each listens on TCP too, and the first that answers
-# coordinates.  The port is unauthenticated: use it on a trusted network only.
+# coordinates.  With TOKEN_KEY_FILE, the calls between them carry the job's token.
 coordination=()
+token=""
 if [ -n "$COORDINATOR_PORT" ]; then
     case "$COORDINATOR_PORT$COORDINATOR_CANDIDATES" in
         *[!0-9]*) log "error: COORDINATOR_PORT/COORDINATOR_CANDIDATES must be numbers"; exit 0 ;;
@@ -94,6 +96,17 @@ if [ -n "$COORDINATOR_PORT" ]; then
         coordination+=(--coordinator "$candidate:$COORDINATOR_PORT")
         [ "$candidate" = "$node" ] && coordination+=(--listen "$candidate:$COORDINATOR_PORT")
     done
+    if [ ! -e "$TOKEN_KEY_FILE" ]; then
+        log "warning: no $TOKEN_KEY_FILE: port $COORDINATOR_PORT takes unauthenticated calls"
+    elif [ ! -s "$TOKEN_KEY_FILE" ] || [ "$(stat -c %u "$TOKEN_KEY_FILE")" != 0 ] \
+        || [ $((8#$(stat -c %a "$TOKEN_KEY_FILE") & 8#077)) -ne 0 ]; then
+        log "error: $TOKEN_KEY_FILE must be root's, mode 0600 and not empty; not starting the agent"
+        exit 0
+    else
+        # The same on every node of the job, for this job only; never on a command line.
+        token=$({ cat "$TOKEN_KEY_FILE"; printf ':%s' "$job"; } | sha256sum | cut -d ' ' -f 1)
+        coordination+=(--token-file "$sock_dir/token")
+    fi
 fi
 
 # Root owns $RUN_DIR and the pidfile; the user owns only the socket's directory
@@ -105,6 +118,13 @@ if ! install -d -m 0755 "$RUN_DIR" "$STATE_DIR/$job" \
     exit 0
 fi
 rm -f "$sock"
+# Written as the job's user (readable by it alone), like everything in its directories.
+# shellcheck disable=SC2016
+if [ -n "$token" ] && ! printf '%s\n' "$token" | setpriv --reuid="$uid" --regid="$gid" --init-groups -- \
+        /bin/sh -c 'umask 077 && cat >"$1"' rankwatch-token "$sock_dir/token"; then
+    log "error: cannot write the job's token to $sock_dir/token"
+    exit 0
+fi
 
 # setsid detaches the agent from slurmd; setpriv drops to the job's user before
 # the agent's log is opened, so root never writes through a user's symlink.
