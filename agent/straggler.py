@@ -142,7 +142,7 @@ class StragglerEvent:
                 "ranks": self.ranks, "excess_seconds": round(s.excess_seconds, 6),
                 "cost": {"speedup_if_removed": round(s.speedup, 4),
                          "step_seconds": round(self.work.step_seconds, 6)},
-                "window_steps": window}
+                "evidence": round(s.evidence, 3), "window_steps": window}
 
 
 GpuThrottle = Callable[[int], list[str]]
