@@ -105,7 +105,11 @@ def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
     agent = None
     if start_agent and not reachable(addr):
         log.info("no agent at %s; starting a local one", addr)
-        agent = start_local_agent(addr, node)
+        try:
+            agent = start_local_agent(addr, node)
+        except (RuntimeError, OSError) as exc:
+            # Fail-open: training never waits on rankwatch; the ranks retry the address.
+            log.warning("could not start a local agent (%s); training goes on without one", exc)
     env = dict(os.environ)
     env[AGENT_ENV] = str(addr)
     env[NODE_ID_ENV] = node

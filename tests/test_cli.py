@@ -93,3 +93,17 @@ def test_run_starts_a_local_agent(tmp_path):
     assert proc.returncode == 0, out[-2000:]
     time.sleep(0.2)
     assert not sock.exists(), "the local agent was not stopped with the job"
+
+
+@pytest.mark.e2e
+def test_run_trains_when_no_agent_can_start(tmp_path):
+    # The agent's socket directory cannot be created (its parent is a file): rankwatch run
+    # says so and trains anyway.
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    r = subprocess.run([*RW, "run", "--agent", str(blocker / "agent.sock"), "--node-id", "nx", "--",
+                        "--standalone", "--nproc-per-node", "1", "-m", "rankwatch.hooks.train",
+                        "--steps", "5", "--log-every", "0"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "training goes on without one" in r.stdout + r.stderr
