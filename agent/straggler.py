@@ -54,8 +54,9 @@ SLOWING_THROTTLES = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal_slowdo
 class StragglerConfig:
     window: int = 16
     """Steps per rank in each slowdown estimate (and each cause attribution)."""
-    warmup_steps: int = 30
-    """Steps a rank must complete before it is scored (start-up is uneven)."""
+    warmup_steps: int = 100
+    """Steps a rank must complete before it is scored: a job's first steps are uneven
+    (allocator, caches, connections) on every rank, and flagged there as noise."""
     threshold: float = 0.08
     """A rank is flagged only while its slowdown is at least 1 + threshold."""
     clear_threshold: float = 0.03
