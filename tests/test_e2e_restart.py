@@ -99,7 +99,9 @@ def test_gpu_risk_checkpoints_and_a_fatal_xid_excludes_the_node(tmp_path):
         def resumed():
             s = c.coordinator.status()
             restart = next((i for i in s["incidents"] if i["kind"] == "restart"), None)
-            return restart and "recovered_after_seconds" in restart["detail"] and s
+            live = {r["node"] for r in s["ranks"] if r["connected"] and r["step"] > 0}
+            return (restart and "recovered_after_seconds" in restart["detail"]
+                    and live == {"n0", "n1"} and s)
         s = wait_for(resumed, 90, what="n0 and n1 training again")
         assert jobs[0].poll() is None and jobs[1].poll() is None
         # They resumed from the risk checkpoint: nothing before it is retrained.  (On a machine
