@@ -54,7 +54,7 @@ SLOWING_THROTTLES = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal_slowdo
 class StragglerConfig:
     window: int = 16
     """Steps per rank in each slowdown estimate (and each cause attribution)."""
-    warmup_steps: int = 100
+    warmup_steps: int = 30
     """Steps a rank must complete before it is scored: a job's first steps are uneven
     (allocator, caches, connections) on every rank, and flagged there as noise."""
     threshold: float = 0.08

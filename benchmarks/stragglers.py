@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import AgentProcess, torchrun, wait_for  # noqa: E402
 
-ONSET = 150
+ONSET = 100
 VICTIM = 1
 _PERIOD = 0.1
 

@@ -16,7 +16,7 @@ from conftest import parse_metrics, torchrun, wait_for
 
 pytestmark = pytest.mark.e2e
 
-ONSET = 130
+ONSET = 80
 
 
 def straggler_incidents(agent, rank, since_step=0):
@@ -95,9 +95,9 @@ def test_rank_starved_of_cpu_is_a_host_straggler(agent_proc, tmp_path: Path):
     try:
         def running() -> list[dict] | None:
             ranks = agent_proc.status()["ranks"]
-            return ranks if len(ranks) == 2 and all(r["step"] >= 120 for r in ranks) else None
+            return ranks if len(ranks) == 2 and all(r["step"] >= 50 for r in ranks) else None
 
-        ranks = wait_for(running, 120, what="both ranks past step 120")
+        ranks = wait_for(running, 120, what="both ranks past step 50")
         pids = {r["rank"]: r["pid"] for r in ranks}
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
         _pin(hog.pid, 0, 0)
