@@ -38,6 +38,7 @@ from rankwatch.agent.coordinator import PolicyConfig
 from rankwatch.agent.gpu import GpuConfig, load_script
 from rankwatch.agent.run import DEFAULT_METRICS_PORT, _port_free
 from rankwatch.agent.server import Agent, AgentConfig
+from rankwatch.agent.straggler import StragglerConfig
 from rankwatch.agent.view import goodput_line, rank_table, timeline
 
 __all__ = ["run_demo"]
@@ -73,6 +74,8 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
         port = (DEFAULT_METRICS_PORT if _port_free(DEFAULT_METRICS_PORT) else 0) if i == 0 else 0
         gpu = GpuConfig(source="script", script=load_script(script)) if i == 1 else GpuConfig(source="none")
         agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=port,
+                                  # A short job: score ranks after 30 steps, not the default warm-up.
+                                  straggler=StragglerConfig(warmup_steps=30),
                                   metrics_addr="127.0.0.1", state_dir=workdir / node,
                                   coordinators=[coord], gpu=gpu,
                                   # The straggler stays (it is shown, not evicted), so the
