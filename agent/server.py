@@ -273,10 +273,9 @@ class Agent:
         if mfu is not None:
             resp.mfu = mfu
         link = self.link
-        resp.coordinator = link.acting and bool(self.config.coordinators)
+        resp.coordinator = self.is_coordinator()
         resp.coordinator_node = link.coordinator_node
-        for d in (self.coordinator.decisions if link.acting else link.decisions):
-            resp.decisions.append(pb.Decision(**d))
+        resp.decisions.extend(pb.Decision(**d) for d in self.decisions())
         job = resp.coordinator
         now = st.clock()
         breakdown = self.goodput.breakdown(now, self.incident_view())
