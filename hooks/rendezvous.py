@@ -8,8 +8,13 @@ elastic agent does every restart; rankwatch only decides *who* and *when*:
   first leaves the rendezvous, so the others need not wait for its keep-alive
   to expire);
 * ``num_nodes_waiting()`` reports a waiting node when the restart generation
-  in the store moved past the one this node joined, so every healthy node
-  restarts its workers at once, without spending ``--max-restarts``;
+  in the store moved past the one this node joined *and* a newly excluded
+  node is a member of this node's round, so every healthy node restarts its
+  workers at once, without spending ``--max-restarts``.  An exclusion of a
+  node that is already gone from the round (a dead node, whose peers' workers
+  failed and re-formed the round without it) restarts nothing: a second
+  restart there would race the healthy nodes' fresh workers against each
+  other and could spend their last ``--max-restarts``;
 * ``shutdown()`` of an excluded node does not close the rendezvous for the
   others (the stock handler's does).
 
@@ -52,6 +57,8 @@ log = logging.getLogger(__name__)
 BACKEND = "rankwatch"
 GENERATION_KEY = "generation"
 EXCLUDED_PREFIX = "excluded/"
+EXCLUSION_PREFIX = "exclusion/"  # exclusion/<generation> -> the node that generation excluded
+MEMBER_PREFIX = "rankwatch/member/"  # in a round's own store: one key per member node
 _LEAVE_TIMEOUT = timedelta(seconds=10)
 _KILL_GRACE = 1.0
 
@@ -86,6 +93,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._store = PrefixStore(f"rankwatch/{inner.get_run_id()}/", store)
         self._node = node
         self._joined_generation = 0
+        self._round_store: Store | None = None
         self._excluded: str | None = None
         self._relay = _Relay(self, agent, relay_interval) if agent is not None else None
 
@@ -107,6 +115,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         key = EXCLUDED_PREFIX + decision["node"]
         if not self._store.check([key]):
             self._store.set(key, decision["reason"] or "excluded")
+        self._store.set(f"{EXCLUSION_PREFIX}{decision['generation']}", decision["node"])
         current = self.generation()
         if decision["generation"] > current:
             self._store.add(GENERATION_KEY, decision["generation"] - current)
@@ -128,13 +137,43 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         if reason is not None:
             self._leave()
             raise RendezvousGracefulExitError(f"node {self._node} is excluded from the job: {reason}")
-        self._joined_generation = self.generation()
-        return self._inner.next_rendezvous()
+        generation = self.generation()  # read before joining: a later exclusion is checked
+        info = self._inner.next_rendezvous()
+        self._joined_generation = generation
+        self._round_store = info.store  # this round's own (prefixed) store
+        try:
+            self._round_store.set(MEMBER_PREFIX + self._node, "1")
+        except Exception as exc:  # noqa: BLE001 - without it every exclusion restarts this round
+            log.warning("rankwatch: could not record this node in the round (%s)", exc)
+            self._round_store = None
+        return info
 
     def num_nodes_waiting(self) -> int:
-        if self.excluded() is not None or self.generation() > self._joined_generation:
+        if self.excluded() is not None or self._restart_needed():
             return max(1, self._inner.num_nodes_waiting())
         return self._inner.num_nodes_waiting()
+
+    def _restart_needed(self) -> bool:
+        """True when an exclusion since this node joined concerns a member of its round."""
+        current = self.generation()
+        if current <= self._joined_generation:
+            return False
+        for g in range(self._joined_generation + 1, current + 1):
+            node = self._excluded_by(g)
+            if node is None or self._round_store is None:
+                return True  # unknown: restart, as is always safe
+            if self._round_store.check([MEMBER_PREFIX + node]):
+                return True
+            log.warning("rankwatch: node %s was excluded (generation %d) but is not in this "
+                        "round; no restart needed", node, g)
+        self._joined_generation = current
+        return False
+
+    def _excluded_by(self, generation: int) -> str | None:
+        key = f"{EXCLUSION_PREFIX}{generation}"
+        if not self._store.check([key]):
+            return None
+        return self._store.get(key).decode(errors="replace")
 
     def is_closed(self) -> bool:
         return self._inner.is_closed()

@@ -42,7 +42,9 @@ class Cluster:
             a.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            self.print_logs()
         for job in self.jobs:
             if job.poll() is None:
                 try:
@@ -53,6 +55,13 @@ class Cluster:
                 job.wait(30)
         for a in self.agents:
             a.stop()
+
+    def print_logs(self, lines: int = 40) -> None:
+        """Print each job's exit code and the tail of each node's logs (shown when a test fails)."""
+        print("jobs:", [(job.pid, job.poll()) for job in self.jobs])
+        for log in sorted(self.tmp.glob("job-n*.log")) + sorted(self.tmp.glob("n*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            print(f"==== {log.name} (last {len(tail)} lines)", *tail, sep="\n")
 
     def torchrun(self, node: int, nnodes: str, nproc: int, *train_args: str, launcher: str = "torchrun",
                  rdzv_conf: str = "", env: dict | None = None, launcher_args: tuple[str, ...] = ()

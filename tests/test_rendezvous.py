@@ -1,0 +1,74 @@
+"""The ``rankwatch`` rendezvous handler over a real c10d rendezvous (TCPStore, stock dynamic handler).
+
+Two "nodes" join one round from two threads of this process; the coordinator's
+decisions are written into the store exactly as the relay writes them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError, RendezvousParameters
+
+from multinode import free_port
+from rankwatch.hooks.rendezvous import create_handler
+
+
+def _handlers(nodes, monkeypatch, port):
+    made = []
+    for i, node in enumerate(nodes):
+        monkeypatch.setenv("RANKWATCH_NODE_ID", node)
+        monkeypatch.delenv("RANKWATCH_AGENT", raising=False)  # no relay: decisions are written here
+        params = RendezvousParameters(
+            backend="rankwatch", endpoint=f"127.0.0.1:{port}", run_id="job", min_nodes=2, max_nodes=3,
+            is_host=i == 0, last_call_timeout=1, join_timeout=30, keep_alive_interval=1)
+        made.append(create_handler(params))
+    return made
+
+
+def _join(handlers):
+    infos = [None] * len(handlers)
+    errors = []
+
+    def join(i):
+        try:
+            infos[i] = handlers[i].next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return infos
+
+
+def _decision(node, generation):
+    return {"kind": "exclude", "id": f"exclude-{generation}", "node": node, "generation": generation,
+            "reason": f"test: {node} excluded"}
+
+
+def test_only_an_exclusion_of_a_round_member_restarts_it(monkeypatch):
+    a, b = _handlers(["n0", "n1"], monkeypatch, free_port())
+    try:
+        infos = _join([a, b])
+        assert sorted(i.world_size for i in infos) == [2, 2]
+        assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0
+        # A node that is not in this round (dead before it formed) is excluded: nothing restarts.
+        a.write_decision(_decision("n2", 1))
+        assert a.generation() == 1
+        assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0
+        # A member is excluded: both restart, and the excluded one is refused on the next join.
+        a.write_decision(_decision("n1", 2))
+        assert a.num_nodes_waiting() > 0 and b.num_nodes_waiting() > 0
+        with pytest.raises(RendezvousGracefulExitError, match="n1 is excluded"):
+            b.next_rendezvous()
+        # Writing the same decision again (every relay retries) changes nothing.
+        a.write_decision(_decision("n1", 2))
+        assert a.generation() == 2
+    finally:
+        for h in (b, a):
+            h.shutdown()
