@@ -506,15 +506,18 @@ class Agent:
                     continue
                 self._checkpoint_steps.add(key)
             reason = next((d["reason"] for d in self.decisions() if d["id"] == rec.request_id), "periodic")
+            complete_after = max(rec.completed_after, rec.duration)
             detail = {"step": rec.step, "ok": rec.ok, "seconds": round(rec.duration, 6),
+                      "complete_seconds": round(complete_after, 6), "asynchronous": rec.asynchronous,
                       "path": rec.path, "request": rec.request_id or None, "reason": reason,
                       "started_at": rec.started_at}
             if not rec.ok:
                 detail["error"] = rec.error
             self.incidents.add(kind="checkpoint", node=self.state.node_id, rank=rank.rank, step=rec.step,
-                               detected_at=rec.started_at + rec.duration, detail=detail)
-            (log.info if rec.ok else log.warning)("checkpoint at step %d %s (%.2fs, %s)", rec.step,
-                                                  "saved" if rec.ok else "FAILED", rec.duration, reason)
+                               detected_at=rec.started_at + complete_after, detail=detail)
+            (log.info if rec.ok else log.warning)(
+                "checkpoint at step %d %s (training thread %.3fs, complete after %.2fs, %s)", rec.step,
+                "saved" if rec.ok else "FAILED", rec.duration, complete_after, reason)
 
     def on_exclusion(self, decision: dict) -> None:
         """A coordinator decision: mark this node's ranks excluded, or forget old-generation ranks."""

@@ -4,6 +4,15 @@ A checkpoint is a directory ``step_<N>`` holding the DCP shards, each rank's
 RNG state and, written last and atomically by rank 0 after every rank has
 finished, ``COMPLETE`` (JSON with the step).  Only directories with that
 marker are ever loaded, so a save cut short is ignored on resume.
+
+Saves are asynchronous by default (``dcp.async_save``): the training thread
+only stages the state (a CPU copy) and goes on; a background thread writes the
+shards and runs DCP's own gather on a dedicated gloo group, so it never
+interleaves with the training collectives.  DCP's coordinator (rank 0) writes
+``.metadata`` only after every rank's shards are written, and rank 0's future
+completes after that, so rank 0 writes ``COMPLETE`` from its completion
+callback.  One save is in flight at a time: a save that comes due while the
+previous one is still writing waits for it.
 """
 
 from __future__ import annotations
@@ -13,7 +22,10 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["Checkpointer", "latest_complete"]
+__all__ = ["Checkpointer", "SaveRecord", "latest_complete"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +61,26 @@ def latest_complete(root: Path) -> tuple[int, Path] | None:
     return best
 
 
+@dataclass
+class SaveRecord:
+    """One save as this rank saw it."""
+
+    step: int
+    path: Path
+    started_at: float
+    """Unix seconds."""
+    blocked: float = 0.0
+    """Seconds the training thread spent on it."""
+    completed_after: float = 0.0
+    """Seconds from the start until this rank's part was written (and, on rank 0, marked)."""
+    asynchronous: bool = False
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
 @dataclass(kw_only=True)
 class Checkpointer:
     root: Path
@@ -57,28 +89,99 @@ class Checkpointer:
     """Save every this many steps; 0 saves only on request."""
     keep: int = 3
     """Complete checkpoints kept; older ones are deleted."""
+    asynchronous: bool = True
+    """Write in the background (``dcp.async_save``); False blocks until written."""
+    _group: Any = field(default=None, init=False, repr=False)
+    _pending: tuple[SaveRecord, threading.Event] | None = field(default=None, init=False, repr=False)
+    _finished: list[SaveRecord] = field(default_factory=list, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def setup(self) -> None:
+        """Create the background saves' gloo group (collective: every rank calls it, once)."""
+        if self.asynchronous and self._group is None:
+            self._group = dist.new_group(backend="gloo")
 
     def due(self, step: int) -> bool:
         return self.interval > 0 and step > 0 and step % self.interval == 0
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             extra: dict[str, Any] | None = None) -> Path:
-        """Save ``step`` on every rank (collective); rank 0 then marks it complete."""
-        path = self.root / f"step_{step:08d}"
+             extra: dict[str, Any] | None = None) -> SaveRecord:
+        """Save ``step`` on every rank (collective); rank 0 marks it complete once all have written.
+
+        Returns this rank's record; an asynchronous save's record is finished
+        later and handed out by :meth:`finished`.  Raises if the synchronous part
+        fails (the state could not be staged).
+        """
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight
+        rec = SaveRecord(step=step, path=self.root / f"step_{step:08d}", started_at=time.time(),
+                         asynchronous=self.asynchronous)
         rank = dist.get_rank()
         if rank == 0:
-            if (path / MARKER).exists():  # an old run's complete save of this step
-                shutil.rmtree(path)
-            path.mkdir(parents=True, exist_ok=True)
+            if (rec.path / MARKER).exists():  # an old run's complete save of this step
+                shutil.rmtree(rec.path)
+            rec.path.mkdir(parents=True, exist_ok=True)
         dist.barrier()
+        torch.save({"cpu": torch.get_rng_state()}, rec.path / f"rng_rank{rank}.pt")
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-        torch.save({"cpu": torch.get_rng_state()}, path / f"rng_rank{rank}.pt")
-        dist.barrier()
-        if rank == 0:
-            _atomic_write(path / MARKER, json.dumps({"step": step, **(extra or {})}))
-            self._prune()
-        return path
+        state = {"model": model_sd, "optim": optim_sd}
+        marker = json.dumps({"step": step, **(extra or {})})
+        if not self.asynchronous:
+            dcp.save(state, checkpoint_id=str(rec.path))
+            dist.barrier()
+            if rank == 0:
+                self._complete(rec.path, marker)
+            rec.blocked = rec.completed_after = time.perf_counter() - t0
+            with self._lock:
+                self._finished.append(rec)
+            return rec
+        if self._group is None:
+            self.setup()
+        future = dcp.async_save(state, checkpoint_id=str(rec.path), process_group=self._group)
+        if not isinstance(future, Future):  # an AsyncSaveResponse (a non-default stager)
+            future = future.upload_completion
+        written = threading.Event()
+        self._pending = (rec, written)
+        future.add_done_callback(lambda f: self._done(rec, f, t0, marker if rank == 0 else None, written))
+        rec.blocked = time.perf_counter() - t0
+        return rec
+
+    def _done(self, rec: SaveRecord, future: Future, t0: float, marker: str | None,
+              written: threading.Event) -> None:
+        """The background write finished (on the writer thread)."""
+        try:
+            future.result()
+            if marker is not None:
+                self._complete(rec.path, marker)
+        except Exception as exc:  # noqa: BLE001 - reported through finished(); no marker written
+            rec.error = f"{type(exc).__name__}: {exc}"
+            log.error("rankwatch: checkpoint of step %d failed: %s", rec.step, rec.error)
+        rec.completed_after = time.perf_counter() - t0
+        with self._lock:
+            self._finished.append(rec)
+        written.set()
+
+    def finished(self) -> list[SaveRecord]:
+        """Saves that completed (or failed) since the last call; cheap, call it every step."""
+        if not self._finished:
+            return []
+        with self._lock:
+            done, self._finished = self._finished, []
+        if self._pending is not None and self._pending[0] in done:
+            self._pending = None
+        return done
+
+    def wait(self) -> float:
+        """Block until the save in flight (if any) is written; return the seconds waited."""
+        if self._pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._pending[1].wait()
+        return time.perf_counter() - t0
+
+    def _complete(self, path: Path, marker: str) -> None:
+        _atomic_write(path / MARKER, marker)
+        self._prune()
 
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, dict]:
         """Load the newest complete checkpoint; return ``(step, extra)``, or ``(0, {})``."""

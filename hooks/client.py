@@ -276,11 +276,18 @@ class AgentClient:
             cid, (step, reason) = min(self._requests_pending.items(), key=lambda kv: kv[1][0])
             return step, cid, reason
 
-    def checkpoint_saved(self, record: pb.CheckpointRecord) -> None:
-        """Report a save (or a failed one); requests at or before its step are served by it."""
-        with self._cmd_lock:  # a failed save is reported, not retried every step
-            for cid in [c for c, (s, _) in self._requests_pending.items() if s <= record.step]:
+    def serve_requests(self, step: int) -> str:
+        """A save of ``step`` began: requests at or before it are served by it (a failed save
+        is reported, not retried every step).  Returns the earliest served request's id, or ""."""
+        with self._cmd_lock:
+            served = sorted((s, c) for c, (s, _) in self._requests_pending.items() if s <= step)
+            for _, cid in served:
                 del self._requests_pending[cid]
+        return served[0][1] if served else ""
+
+    def checkpoint_saved(self, record: pb.CheckpointRecord) -> None:
+        """Report a finished save (or a failed one)."""
+        self.serve_requests(record.step)
         self._checkpoints.append(record)
 
     def _command_loop(self) -> None:

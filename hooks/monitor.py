@@ -49,6 +49,7 @@ class Monitor:
         self.recorder = recorder
         self._instr = instrumentation
         self._client = client
+        self._served: dict[int, str] = {}  # step -> the request id its save serves
         self.mark = recorder.mark  # the hot path: a bound method, no indirection
 
     def step(self, step: int, tokens: float = 0.0, flops: float = 0.0) -> StepScope:
@@ -80,16 +81,28 @@ class Monitor:
         req = self._client.requested_checkpoint() if self._client else None
         return req[0] if req else -1
 
+    def checkpoint_started(self, step: int) -> None:
+        """A save of ``step`` begins: the agent's requests up to it are served by it."""
+        if self._client is not None:
+            self._served[step] = self._client.serve_requests(step)
+
     def checkpoint_saved(self, step: int, *, started_at: float, duration: float, path: str = "",
-                         ok: bool = True, error: str = "") -> None:
-        """Report a checkpoint save (periodic or requested) to the agent."""
+                         ok: bool = True, error: str = "", completed_after: float = 0.0,
+                         asynchronous: bool = False) -> None:
+        """Report a finished checkpoint save (periodic or requested) to the agent.
+
+        ``duration`` is the training thread's time on it; ``completed_after`` the
+        time until it was complete on disk (later, for an asynchronous save).
+        """
         if self._client is None:
             return
-        req = self._client.requested_checkpoint()
-        rid = req[1] if req and req[0] <= step else ""
+        rid = self._served.pop(step, None)
+        if rid is None:  # reported without checkpoint_started
+            rid = self._client.serve_requests(step)
         self._client.checkpoint_saved(pb.CheckpointRecord(
             step=step, started_at=started_at, duration=duration, path=path, request_id=rid,
-            ok=ok, error=error[:2000]))
+            ok=ok, error=error[:2000], completed_after=max(completed_after, duration),
+            asynchronous=asynchronous))
 
     def close(self) -> None:
         """Flush what is buffered (bounded wait) and remove the collective timers."""
@@ -117,6 +130,9 @@ class NullMonitor:
 
     def requested_checkpoint(self) -> int:
         return -1
+
+    def checkpoint_started(self, step: int) -> None:
+        pass
 
     def checkpoint_saved(self, step: int, **_: Any) -> None:
         pass

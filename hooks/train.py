@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save and resume here")
     p.add_argument("--checkpoint-interval", type=int, default=0, help="save every N steps (0: never)")
     p.add_argument("--keep-checkpoints", type=int, default=3)
+    p.add_argument("--checkpoint-sync", action="store_true",
+                   help="block the training thread until each save is written (default: the "
+                        "shards are written in the background, dcp.async_save)")
     p.add_argument("--batch-size", type=int, default=4, help="samples per dp rank per step")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--dim", type=int, default=64)
@@ -137,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
 
     ckpt = Checkpointer(root=args.checkpoint_dir, interval=args.checkpoint_interval,
-                        keep=args.keep_checkpoints) if args.checkpoint_dir else None
+                        keep=args.keep_checkpoints, asynchronous=not args.checkpoint_sync
+                        ) if args.checkpoint_dir else None
+    if ckpt:
+        ckpt.setup()
     start, extra = ckpt.load(model, opt) if ckpt else (0, {})
 
     dp_rank = mesh["dp"].get_local_rank()
@@ -212,7 +218,13 @@ def main(argv: list[str] | None = None) -> int:
                                          error="the job runs without --checkpoint-dir")
                 else:
                     _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
+        if ckpt:
+            _report(mon, ckpt.finished())
 
+    if ckpt:  # the last save in flight is written before the job ends
+        with mon.activity("checkpoint"):
+            ckpt.wait()
+        _report(mon, ckpt.finished())
     if args.metrics_out:
         _write_metrics(args.metrics_out, rank, start, step_times, losses, arms, dp_means)
     mon.close()
@@ -246,17 +258,26 @@ def _global_batch(saved: int | None, batch_size: int, dp: int, rank: int) -> tup
 
 def _save(ckpt: Checkpointer, mon: object, step: int, model: torch.nn.Module,
           opt: torch.optim.Optimizer, extra: dict) -> bool:
-    """Save on every rank and report it to the agent; a failed save is reported, not raised."""
+    """Save on every rank; a save that fails to start is reported to the agent, then raised."""
     started, t0 = time.time(), time.perf_counter()
+    mon.checkpoint_started(step)
     with mon.activity("checkpoint"):
         try:
-            path = ckpt.save(step, model, opt, extra=extra)
+            ckpt.save(step, model, opt, extra=extra)
         except Exception as exc:  # noqa: BLE001 - reported, then re-raised: a broken save is fatal
             mon.checkpoint_saved(step, started_at=started, duration=time.perf_counter() - t0,
                                  ok=False, error=f"{type(exc).__name__}: {exc}")
             raise
-    mon.checkpoint_saved(step, started_at=started, duration=time.perf_counter() - t0, path=str(path))
+    _report(mon, ckpt.finished())  # a synchronous save is finished already
     return True
+
+
+def _report(mon: object, records: list) -> None:
+    """Report finished saves (complete on disk, or failed in the background) to the agent."""
+    for rec in records:
+        mon.checkpoint_saved(rec.step, started_at=rec.started_at, duration=rec.blocked,
+                             completed_after=rec.completed_after, asynchronous=rec.asynchronous,
+                             path=str(rec.path) if rec.ok else "", ok=rec.ok, error=rec.error)
 
 
 class _ABSwitch:

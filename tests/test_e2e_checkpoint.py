@@ -52,3 +52,80 @@ def test_resume_on_fewer_ranks_keeps_the_global_batch(tmp_path):
     straight = run(tmp_path, "straight", 7, tmp_path / "other", "--no-rankwatch")
     # The dp-mean loss of the straight run against the single rank's mean over its micro-batches.
     assert resumed["losses"] == pytest.approx(straight["dp_mean_losses"][4:], rel=1e-4)
+
+
+def _kill_tree(job) -> None:
+    """SIGKILL torchrun and its workers (each worker runs in its own session)."""
+    import os
+    import signal
+
+    import psutil
+
+    try:
+        procs = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
+    except psutil.Error:
+        procs = []
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    job.wait(30)
+
+
+def test_killed_during_saves_every_resume_loads_a_complete_checkpoint(tmp_path):
+    # A job saving (asynchronously) every step is SIGKILLed, workers and all, at five
+    # different moments after a save begins: 0, 5, 15, 40 and 100 ms after its directory
+    # appears.  Each restart must load the newest *complete* checkpoint on disk at the
+    # kill, and the last run's losses must be exactly those of a run never interrupted:
+    # no step lost, none applied twice.
+    import re
+    import time
+
+    from rankwatch.hooks.checkpoint import latest_complete
+
+    steps = 60
+    ckpt = tmp_path / "ckpt"
+    common = ("--checkpoint-dir", str(ckpt), "--checkpoint-interval", "1", "--log-every", "0",
+              "--no-rankwatch", "--dim", "128", "--hidden-dim", "512")
+    newest_complete = 0
+    half_written = []
+    for i, delay in enumerate((0.0, 0.005, 0.015, 0.040, 0.100)):
+        log = tmp_path / f"killed{i}.log"
+        job = torchrun(2, "--steps", str(steps), *common, log=log)
+        dirs = lambda: {p.name for p in ckpt.iterdir()} if ckpt.is_dir() else set()  # noqa: E731
+        seen = dirs()
+        deadline = time.monotonic() + 120
+        target = newest_complete + 3  # let each run train a few steps past its resume point
+        while time.monotonic() < deadline and job.poll() is None:
+            new = dirs() - seen
+            if any(int(n.split("_")[1]) >= target for n in new):
+                break
+            seen |= new
+            time.sleep(0.001)
+        assert job.poll() is None, log.read_text()[-3000:]
+        time.sleep(delay)
+        _kill_tree(job)
+        if i:  # it resumed from the newest complete checkpoint of the kill before
+            m = re.search(r"resumed from \S+ \(step (\d+)\)", log.read_text())
+            assert m and int(m.group(1)) == newest_complete, (newest_complete, log.read_text()[-2000:])
+        found = latest_complete(ckpt)
+        assert found is not None
+        newest_complete = found[0]
+        half_written += [f"{p.name}: {sorted(f.name for f in p.iterdir())}" for p in ckpt.iterdir()
+                         if p.name.startswith("step_") and not (p / MARKER).exists()]
+    print(f"kills left {len(half_written)} half-written saves:", *half_written, sep="\n  ")
+    assert half_written, "no kill landed during a save"
+    out = tmp_path / "final"
+    job = torchrun(2, "--steps", str(steps), *common, "--metrics-out", str(out),
+                   log=tmp_path / "final.log")
+    assert job.wait(180) == 0, (tmp_path / "final.log").read_text()[-3000:]
+    final = json.loads((out / "rank0.json").read_text())
+    assert final["start"] == newest_complete
+    straight = run(tmp_path, "straight", steps, tmp_path / "other", "--no-rankwatch",
+                   "--dim", "128", "--hidden-dim", "512")
+    assert final["losses"] == pytest.approx(straight["losses"][newest_complete:], rel=1e-5)

@@ -142,7 +142,7 @@ class InFlight(_message.Message):
     def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., since: _Optional[float] = ...) -> None: ...
 
 class CheckpointRecord(_message.Message):
-    __slots__ = ("step", "started_at", "duration", "path", "request_id", "ok", "error")
+    __slots__ = ("step", "started_at", "duration", "path", "request_id", "ok", "error", "completed_after", "asynchronous")
     STEP_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     DURATION_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,8 @@ class CheckpointRecord(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_AFTER_FIELD_NUMBER: _ClassVar[int]
+    ASYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
     step: int
     started_at: float
     duration: float
@@ -157,7 +159,9 @@ class CheckpointRecord(_message.Message):
     request_id: str
     ok: bool
     error: str
-    def __init__(self, step: _Optional[int] = ..., started_at: _Optional[float] = ..., duration: _Optional[float] = ..., path: _Optional[str] = ..., request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    completed_after: float
+    asynchronous: bool
+    def __init__(self, step: _Optional[int] = ..., started_at: _Optional[float] = ..., duration: _Optional[float] = ..., path: _Optional[str] = ..., request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., completed_after: _Optional[float] = ..., asynchronous: _Optional[bool] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives", "checkpoints")
