@@ -59,6 +59,10 @@ class PolicyConfig:
     evict_straggler_speedup: float = 1.25
     """Evict a straggling node at the next checkpoint when the job would step this much
     faster without it (``inf`` never evicts)."""
+    crashed_grace_seconds: float = 15.0
+    """A node whose agent is alive but whose ranks all died is dead only if no rank has come
+    back for this long: torchrun restarts workers itself, and every restart (ours included)
+    kills all of a node's ranks for a few seconds."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1:
@@ -72,6 +76,7 @@ class _Node:
     summary: pb.NodeSummary
     received_at: float
     offset: float           # coordinator clock - node clock
+    ranks_dead_since: float | None = None
 
 
 @dataclass
@@ -125,7 +130,9 @@ class Coordinator:
                     and summary.sent_at <= prev.summary.sent_at):
                 raise ValueError(f"stale summary {summary.seq} from {summary.node_id} "
                                  f"(have {prev.summary.seq})")
-            self.nodes[summary.node_id] = _Node(summary, now, now - summary.sent_at)
+            prev = self.nodes.get(summary.node_id)
+            self.nodes[summary.node_id] = _Node(summary, now, now - summary.sent_at,
+                                                prev.ranks_dead_since if prev else None)
             if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
                 self.dead.discard(summary.node_id)
             reply = pb.SyncReply(coordinator=self.node_id)
@@ -273,8 +280,13 @@ class Coordinator:
                     continue
                 ranks = n.summary.ranks
                 silent = now - n.received_at > self.policy.node_timeout_seconds
-                crashed = bool(ranks) and all(not r.connected and not r.exited_cleanly and not r.alive
-                                              for r in ranks)
+                all_died = bool(ranks) and all(not r.connected and not r.exited_cleanly and not r.alive
+                                               for r in ranks)
+                if not all_died:
+                    n.ranks_dead_since = None
+                elif n.ranks_dead_since is None:
+                    n.ranks_dead_since = now
+                crashed = all_died and now - n.ranks_dead_since >= self.policy.crashed_grace_seconds
                 others_live = any(now - m.received_at <= self.policy.node_timeout_seconds
                                   for k, m in self.nodes.items() if k != name)
                 if crashed or (silent and others_live):

@@ -16,7 +16,13 @@ elastic agent does every restart; rankwatch only decides *who* and *when*:
   restart there would race the healthy nodes' fresh workers against each
   other and could spend their last ``--max-restarts``;
 * ``shutdown()`` of an excluded node does not close the rendezvous for the
-  others (the stock handler's does).
+  others (the stock handler's does);
+* a node that finds the job full (``--nnodes MIN:MAX`` with MAX nodes in the
+  round) waits as a hot spare until a round has room, and its wait neither
+  restarts the others nor times out.  (The stock handler leaves a node that
+  was in the wait list when a round filled up there: every healthy node then
+  sees a waiting node, restarts, and the same happens again, a restart storm;
+  and the stranded node times out after ``join_timeout``.)
 
 Exclusions and the generation live in the rendezvous store under
 ``rankwatch/<run_id>/``.  Only the coordinator's decisions are written: a
@@ -46,6 +52,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousTimeoutError,
 )
 
 from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, Address
@@ -61,6 +68,7 @@ EXCLUSION_PREFIX = "exclusion/"  # exclusion/<generation> -> the node that gener
 MEMBER_PREFIX = "rankwatch/member/"  # in a round's own store: one key per member node
 _LEAVE_TIMEOUT = timedelta(seconds=10)
 _KILL_GRACE = 1.0
+_SPARE_POLL = 0.5
 
 
 def handler_factory():
@@ -138,7 +146,16 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             self._leave()
             raise RendezvousGracefulExitError(f"node {self._node} is excluded from the job: {reason}")
         generation = self.generation()  # read before joining: a later exclusion is checked
-        info = self._inner.next_rendezvous()
+        while True:
+            self._wait_as_spare()
+            try:
+                info = self._inner.next_rendezvous()
+                break
+            except RendezvousTimeoutError:
+                if not self._job_full():
+                    raise
+                log.warning("rankwatch: node %s timed out in the wait list of a full job; it "
+                            "waits on as a hot spare", self._node)
         self._joined_generation = generation
         self._round_store = info.store  # this round's own (prefixed) store
         try:
@@ -151,7 +168,36 @@ class ExcludingRendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         if self.excluded() is not None or self._restart_needed():
             return max(1, self._inner.num_nodes_waiting())
-        return self._inner.num_nodes_waiting()
+        waiting = self._inner.num_nodes_waiting()  # syncs the state _job_full reads
+        if waiting and self._job_full(sync=False, spare=False):
+            return 0  # a restart cannot admit them: they are spares until a round has room
+        return waiting
+
+    def _job_full(self, sync: bool = True, spare: bool = True) -> bool:
+        """True when the current round is complete with MAX nodes (and, with ``spare``, this
+        node is not among them)."""
+        inner = self._inner
+        try:
+            if sync:
+                with inner._heartbeat_lock:
+                    inner._state_holder.sync()
+            state = inner._state_holder.state
+            return (state.complete and not state.closed
+                    and len(state.participants) >= inner._settings.max_nodes
+                    and not (spare and inner._this_node in state.participants))
+        except Exception:  # noqa: BLE001 - private API: behave as the stock handler
+            return False
+
+    def _wait_as_spare(self) -> None:
+        """Wait, outside the stock join loop, while the job is full."""
+        if not self._job_full():
+            return
+        log.warning("rankwatch: the job is full; node %s waits as a hot spare", self._node)
+        while self._job_full():
+            if self.excluded() is not None:
+                return  # next_rendezvous's caller refuses it on its next call
+            time.sleep(_SPARE_POLL)
+        log.warning("rankwatch: a round has room; hot spare %s joins", self._node)
 
     def _restart_needed(self) -> bool:
         """True when an exclusion since this node joined concerns a member of its round."""

@@ -66,6 +66,33 @@ def test_never_below_min_nodes_and_a_silent_node_is_dead():
     assert c.excluded == {}, "one node would remain, below --min-nodes 2"
 
 
+
+def test_ranks_killed_by_a_restart_are_not_a_dead_node_unless_none_come_back():
+    c, clock = make(PolicyConfig(min_nodes=1, crashed_grace_seconds=15))
+    dead = dict(connected=False, alive=False, exited_cleanly=False)
+
+    def sync_all(seq, n1_ranks):
+        c.sync(summary("n0", seq, clock.t, [dict(rank=0, step=5, progress_at=clock.t, last_seen=clock.t)]))
+        c.sync(summary("n1", seq, clock.t, n1_ranks))
+        c.evaluate()
+
+    sync_all(1, [dict(rank=1, step=5, progress_at=clock.t, last_seen=clock.t, pid=11)])
+    clock.t += 4  # torchrun restarts n1's workers: the old rank is gone, no new one yet
+    sync_all(2, [dict(rank=1, step=5, pid=11, **dead)])
+    clock.t += 5
+    sync_all(3, [dict(rank=1, step=5, pid=11, **dead)])
+    assert c.excluded == {}
+    clock.t += 1  # the new worker connects: the clock starts again
+    sync_all(4, [dict(rank=1, step=5, pid=11, **dead), dict(rank=1, step=6, pid=12, progress_at=clock.t,
+                                                             last_seen=clock.t)])
+    clock.t += 20
+    sync_all(5, [dict(rank=1, step=5, pid=12, **dead)])  # that one dies too, and none come back
+    assert c.excluded == {}
+    clock.t += 16
+    sync_all(6, [dict(rank=1, step=5, pid=12, **dead)])
+    assert list(c.excluded) == ["n1"] and "all its ranks died" in c.excluded["n1"]
+
+
 def test_checkpoint_step_is_ahead_of_the_fastest_rank_and_duplicates_merge():
     c, clock = make()
     with pytest.raises(LookupError):

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.e2e
 
 _RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
 _LAUNCH = ("--max-restarts", "0", "--monitor-interval", "0.1")
+# Four torchruns and their workers on two cores delay keep-alives past 2 s, and the stock
+# rendezvous then drops live nodes from the round: allow 5 s.
+_RDZV_SPARE = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
 
 
 def test_hung_node_is_excluded_and_the_job_continues_without_it(tmp_path):
@@ -160,3 +163,40 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def test_a_hot_spare_takes_the_excluded_nodes_place(tmp_path):
+    # Four nodes for a job of at most three (--nnodes 2:3): the fourth waits as a spare
+    # without restarting the others (--max-restarts 0).  A hung node is excluded;
+    # the spare joins the next round and the world is three ranks again.
+    ck = tmp_path / "ck"
+    with Cluster(tmp_path, 4, ("--min-nodes", "2")) as c:
+        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0",
+                           "--checkpoint-dir", str(ck), "--checkpoint-interval", "20",
+                           launcher="rankwatch", rdzv_conf=_RDZV_SPARE, launcher_args=_LAUNCH)
+                for i in range(4)]
+
+        def three_training():
+            r = [x for x in c.coordinator.status()["ranks"] if x["connected"]]
+            return len(r) == 3 and min(x["step"] for x in r) >= 25 and r
+        ranks = wait_for(three_training, 180, what="three nodes training, one spare")
+        active = {r["node"] for r in ranks}
+        spare = ({"n0", "n1", "n2", "n3"} - active).pop()
+        assert jobs[int(spare[1:])].poll() is None, "the spare's torchrun waits"
+        victim = next(r for r in ranks if r["node"] != "n0")  # n0 hosts the store
+        os.kill(victim["pid"], signal.SIGSTOP)
+        t0 = time.monotonic()
+        s = wait_for(lambda: victim["node"] in (x := c.coordinator.status())["excluded_nodes"] and x,
+                     30, what=f"{victim['node']} excluded")
+        assert next(i for i in s["incidents"] if i["kind"] == "hang")["node"] == victim["node"]
+        assert jobs[int(victim["node"][1:])].wait(60) == 0
+
+        def restored():
+            live = [r for r in c.coordinator.status()["ranks"] if r["connected"] and r["step"] > 0
+                    and r["pid"] not in {x["pid"] for x in ranks}]
+            return len(live) == 3 and live
+        live = wait_for(restored, 120, interval=0.25, what="world of three again, spare included")
+        print(f"SIGSTOP -> spare {spare} training in a world of 3 after {time.monotonic() - t0:.1f}s")
+        assert {r["node"] for r in live} == active - {victim["node"]} | {spare}
+        assert sorted(r["rank"] for r in live) == [0, 1, 2]
+        assert all(j.poll() is None for i, j in enumerate(jobs) if f"n{i}" != victim["node"])

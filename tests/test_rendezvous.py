@@ -15,13 +15,14 @@ from multinode import free_port
 from rankwatch.hooks.rendezvous import create_handler
 
 
-def _handlers(nodes, monkeypatch, port):
+def _handlers(nodes, monkeypatch, port, max_nodes=3):
     made = []
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as `rankwatch run` sets it
     for i, node in enumerate(nodes):
         monkeypatch.setenv("RANKWATCH_NODE_ID", node)
         monkeypatch.delenv("RANKWATCH_AGENT", raising=False)  # no relay: decisions are written here
         params = RendezvousParameters(
-            backend="rankwatch", endpoint=f"127.0.0.1:{port}", run_id="job", min_nodes=2, max_nodes=3,
+            backend="rankwatch", endpoint=f"127.0.0.1:{port}", run_id="job", min_nodes=2, max_nodes=max_nodes,
             is_host=i == 0, last_call_timeout=1, join_timeout=30, keep_alive_interval=1)
         made.append(create_handler(params))
     return made
@@ -71,4 +72,27 @@ def test_only_an_exclusion_of_a_round_member_restarts_it(monkeypatch):
         assert a.generation() == 2
     finally:
         for h in (b, a):
+            h.shutdown()
+
+
+def test_a_spare_waits_without_restarting_the_job_then_takes_an_excluded_nodes_place(monkeypatch):
+    a, b, spare = _handlers(["n0", "n1", "n2"], monkeypatch, free_port(), max_nodes=2)
+    try:
+        _join([a, b])
+        joined = []
+        t = threading.Thread(target=lambda: joined.append(spare.next_rendezvous()), daemon=True)
+        t.start()
+        t.join(3)
+        assert t.is_alive(), "the spare waits while the job is full"
+        assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0, "no restart for a spare"
+        a.write_decision(_decision("n1", 1))
+        assert a.num_nodes_waiting() > 0
+        with pytest.raises(RendezvousGracefulExitError):
+            b.next_rendezvous()
+        info = a.next_rendezvous()  # a restarts; the spare takes n1's place
+        t.join(30)
+        assert joined and info.world_size == 2 and joined[0].world_size == 2
+        assert {info.rank, joined[0].rank} == {0, 1}
+    finally:
+        for h in (spare, b, a):
             h.shutdown()
