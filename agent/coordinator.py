@@ -59,6 +59,9 @@ class PolicyConfig:
     evict_straggler_speedup: float = 1.25
     """Evict a straggling node at the next checkpoint when the job would step this much
     faster without it (``inf`` never evicts)."""
+    restart_quiet_seconds: float = 120.0
+    """After an exclusion, no new hang is called for this long or until every node trains
+    again: the restart itself stops every rank (its time counts as ``restart`` in goodput)."""
     crashed_grace_seconds: float = 15.0
     """A node whose agent is alive but whose ranks all died is dead only if no rank has come
     back for this long: torchrun restarts workers itself, and every restart (ours included)
@@ -235,6 +238,9 @@ class Coordinator:
         return next((r for r in n.summary.ranks if r.rank == rank), None) if n else None
 
     def _check_hang(self, now: float) -> None:
+        r = self._restart
+        if r is not None and now - r.started_at < self.policy.restart_quiet_seconds:
+            return  # the workers are being restarted
         views = self.progress(now)
         verdict = detect_hang(now, views, self.hang) if views else None
         if verdict is None:

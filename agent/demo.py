@@ -1,18 +1,22 @@
-"""``rankwatch demo``: a local three-node CPU job under rankwatch, with faults, watched live.
+"""``rankwatch demo``: a local CPU job on four "nodes" under rankwatch, with faults, watched live.
 
-Three "nodes" on this machine, each with its own agent and its own
+Four "nodes" on this machine, each with its own agent and its own
 ``rankwatch run`` (torchrun, one rank each, ``--nnodes 2:3``, the rankwatch
-rendezvous backend).  Node 0's agent listens at the default address and is
-the coordinator, so ``rankwatch status`` in another terminal shows the whole
-job, and its ``/metrics`` is on port 9478 (or a free one).  Injected, all from
-outside the code under test:
+rendezvous backend): three train and the fourth, started once they do, finds
+the job full and waits as a hot spare.  Node 0's agent listens at the default
+address and is the coordinator, so ``rankwatch status`` in another terminal
+shows the whole job, and its ``/metrics`` is on port 9478 (or a free one).
+Injected, all from outside the code under test, in this order:
 
 * node 1's rank computes 50% slower from step 20 (a straggler), and its
   scripted GPU throttles and then gathers corrected ECC errors (a risk: the
   coordinator asks for a checkpoint);
-* node 2's rank gets stuck in Python inside forward (a hang): the coordinator
-  names it, excludes node 2, and nodes 0 and 1 restart through torchrun's own
-  rendezvous, resume from the newest checkpoint and finish.
+* node 2's rank gets stuck in Python inside forward at step 70 (a hang): the
+  coordinator names it and excludes node 2; the others restart through
+  torchrun's own rendezvous, the spare (node 3) joins, and the world is three
+  ranks again, resumed from the newest complete checkpoint;
+* once the spare trains, node 1's scripted GPU raises XID 79 (fatal: reboot):
+  node 1 is excluded, and nodes 0 and 3 finish the job.
 
 It ends with the final view, the timeline and the goodput breakdown.
 """
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,6 +41,7 @@ from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, Address, resolve
 from rankwatch.agent.client import AgentUnreachable, fetch_status, reachable
 from rankwatch.agent.coordinator import PolicyConfig
 from rankwatch.agent.gpu import GpuConfig, load_script
+from rankwatch.agent.gpu.script import ScriptedSource
 from rankwatch.agent.run import DEFAULT_METRICS_PORT, _port_free
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.agent.straggler import StragglerConfig
@@ -43,8 +49,9 @@ from rankwatch.agent.view import goodput_line, rank_table, timeline
 
 __all__ = ["run_demo"]
 
-_NODES = ("demo-n0", "demo-n1", "demo-n2")
-_RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120"
+_NODES = ("demo-n0", "demo-n1", "demo-n2", "demo-n3")
+_SPARE = 3
+_RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=120"
 # Node 1's scripted GPU: heat throttling, then corrected ECC errors (risk -> checkpoint).
 _GPU_SCRIPT = {"gpus": {"count": 1, "name": "NVIDIA H100 80GB HBM3 (scripted)"},
                "events": [{"at": 15, "gpu": 0, "throttle": ["hw_thermal_slowdown"]},
@@ -85,15 +92,17 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
         agents.append(agent)
     console.print(f"coordinator agent [bold]{_NODES[0]}[/] at {addr}; metrics at "
                   f"http://127.0.0.1:{agents[0].metrics_port}/metrics")
-    console.print(f"job: 3 nodes x 1 rank (--nnodes 2:3, gloo, FSDP2), {steps} steps; "
+    console.print(f"job: 3 nodes x 1 rank and a hot spare (--nnodes 2:3, gloo, FSDP2), {steps} steps; "
                   f"logs and checkpoints in {workdir}")
     console.print("faults: demo-n1 computes 50% slower from step 20 and its GPU throttles, then "
-                  "logs ECC errors; demo-n2 is stuck in forward at step 70")
+                  "logs ECC errors; demo-n2 is stuck in forward at step 70; once the spare "
+                  "demo-n3 trains, demo-n1's GPU raises XID 79")
     console.print("try [bold]rankwatch status[/] in another terminal")
     rdzv_port = _free_port()
     started = time.time()
-    jobs = []
-    for i, node in enumerate(_NODES):
+
+    def launch(i: int) -> subprocess.Popen:
+        node = _NODES[i]
         agent_addr = agents[i].config.listen[0]
         fault = {1: ["--fault", "slow_compute:-1:20:0.5"], 2: ["--fault", "sleep_forward:-1:70:120"]}
         cmd = [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent_addr),
@@ -107,11 +116,29 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
                *fault.get(i, [])]
         env = {**os.environ, AGENT_ENV: str(agent_addr), NODE_ID_ENV: node, "OMP_NUM_THREADS": "1"}
         log = open(workdir / f"{node}.log", "w")
-        jobs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True))
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    jobs = [launch(i) for i in range(len(_NODES)) if i != _SPARE]
+    fired = False
+
+    def story(status: dict) -> None:
+        """Start the spare once three ranks train; fire the fatal XID once the spare trains."""
+        nonlocal fired
+        training = {r["node"] for r in status["ranks"] if r["connected"] and r["step"] > 0}
+        if len(jobs) < len(_NODES) and len(training) >= 3:
+            jobs.append(launch(_SPARE))
+            console.print(f"hot spare {_NODES[_SPARE]} started: the job is full, so it waits")
+        if not fired and _NODES[2] in status["excluded_nodes"] and _NODES[_SPARE] in training:
+            source = agents[1].gpu.source
+            if isinstance(source, ScriptedSource):
+                source.fire(0, 79)
+                fired = True
+                console.print(f"{_NODES[_SPARE]} took {_NODES[2]}'s place; {_NODES[1]}'s GPU 0 "
+                              "now raises XID 79")
+
     status = None
     try:
-        status = _watch(jobs, addr, console, live)
+        status = _watch(jobs, addr, console, live, story)
     finally:
         for job in jobs:
             if job.poll() is None:
@@ -135,7 +162,8 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
     return 0 if all(c == 0 for c in codes) else 1
 
 
-def _watch(jobs: list[subprocess.Popen], addr: Address, console: Console, live: bool) -> dict | None:
+def _watch(jobs: list[subprocess.Popen], addr: Address, console: Console, live: bool,
+           story: Callable[[dict], None]) -> dict | None:
     status = None
     last_print = 0.0
     with Live(console=console, refresh_per_second=4, transient=False) if live else _NoLive() as view:
@@ -145,6 +173,7 @@ def _watch(jobs: list[subprocess.Popen], addr: Address, console: Console, live: 
                 status = fetch_status(addr, timedelta(seconds=1))
             except AgentUnreachable:
                 continue
+            story(status)
             if live:
                 view.update(Group(rank_table(status)))
             elif time.monotonic() - last_print > 5:

@@ -1,19 +1,33 @@
-"""Recovery from a hung node: rankwatch's exclusion path against plain torchrun.
+"""Recovery from a hung or a dead node: rankwatch's exclusion path against plain torchrun.
 
-Three torchrun "nodes" on this machine (one rank each, ``--nnodes 2:3``, c10d
-rendezvous tuned as in the issue: last_call_timeout=1, keep_alive 1 s x 2,
-``--monitor-interval 0.1``), each with its own agent (node 0's coordinates).
-Once all train, node 2's worker is SIGSTOPped.  Measured from the SIGSTOP:
+Three torchrun "nodes" on this machine (one rank each, ``--nnodes 2:3``), each
+with its own agent (node 0's coordinates).  Once all train, node 2 fails:
 
-* ``named``: the coordinator's ``hang`` incident names the stopped rank;
+* ``--fault hang``: its worker is SIGSTOPped;
+* ``--fault kill``: its whole process tree (torchrun, worker) and its agent
+  are SIGKILLed.
+
+Measured from the fault:
+
+* ``named``: the coordinator names node 2 (a ``hang`` incident, or node 2
+  excluded as dead);
 * ``back``: nodes 0 and 1 train again (a rank of theirs completes steps with a
-  new pid after the stall), or never within ``--timeout``.
+  new pid), or never within ``--timeout``.
 
-``rankwatch`` runs under ``rankwatch run`` (the rankwatch rendezvous backend,
-``--max-restarts 0``); ``torchrun`` runs plain torchrun (c10d backend,
-``--max-restarts 3``) with the same agents watching.
+Launchers:
 
-    python benchmarks/restart.py --runs 3 --timeout 90
+* ``rankwatch``: ``rankwatch run`` (the rankwatch rendezvous backend, c10d tuned:
+  last_call_timeout=1, keep_alive 1 s x 2, ``--monitor-interval 0.1``,
+  ``--max-restarts`` 0 for a hang, 1 for a kill);
+* ``torchrun``: plain torchrun, c10d tuned the same way, with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without it tuned restarts fail),
+  ``--max-restarts 3``;
+* ``torchrun-default``: plain torchrun with c10d's defaults (keep-alive 5 s x 3,
+  30 s last call, the shared worker store), ``--max-restarts 3``.
+
+The same agents watch every launcher.
+
+    python benchmarks/restart.py --fault kill --runs 10 --launchers rankwatch
 """
 
 from __future__ import annotations
@@ -34,10 +48,10 @@ from multinode import Cluster  # noqa: E402  (the tests' multi-node launcher)
 _RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
 
 
-def once(launcher: str, timeout: float) -> dict:
+def once(launcher: str, fault: str, timeout: float) -> dict:
     os.environ["RANKWATCH_BENCH_TAG"] = tag = uuid.uuid4().hex
     try:
-        return _once(launcher, timeout)
+        return _once(launcher, fault, timeout)
     finally:
         _kill_tagged(tag)
 
@@ -55,15 +69,22 @@ def _kill_tagged(tag: str) -> None:
             pass
 
 
-def _once(launcher: str, timeout: float) -> dict:
+def _once(launcher: str, fault: str, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp, \
             Cluster(Path(tmp), 3, ("--min-nodes", "2")) as c:
-        restarts = "0" if launcher == "rankwatch" else "3"
+        if launcher == "rankwatch":
+            restarts = "0" if fault == "hang" else "1"
+        else:
+            restarts = "3"
+        jobs = []
         for i in range(3):
-            c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0",
-                       "--checkpoint-dir", f"{tmp}/ck", "--checkpoint-interval", "20",
-                       launcher=launcher, rdzv_conf=_RDZV,
-                       launcher_args=("--max-restarts", restarts, "--monitor-interval", "0.1"))
+            jobs.append(c.torchrun(
+                i, "2:3", 1, "--steps", "100000", "--log-every", "0",
+                "--checkpoint-dir", f"{tmp}/ck", "--checkpoint-interval", "20",
+                launcher="rankwatch" if launcher == "rankwatch" else "torchrun",
+                rdzv_conf="" if launcher == "torchrun-default" else _RDZV,
+                env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun" else None,
+                launcher_args=("--max-restarts", restarts, "--monitor-interval", "0.1")))
         deadline = time.monotonic() + 180
         while True:
             ranks = c.coordinator.status()["ranks"]
@@ -74,12 +95,21 @@ def _once(launcher: str, timeout: float) -> dict:
             time.sleep(0.2)
         victim = next(r for r in ranks if r["node"] == "n2")
         old = {r["pid"] for r in ranks}
-        os.kill(victim["pid"], signal.SIGSTOP)
+        if fault == "hang":
+            os.kill(victim["pid"], signal.SIGSTOP)
+        else:
+            os.killpg(jobs[2].pid, signal.SIGKILL)
+            try:
+                os.kill(victim["pid"], signal.SIGKILL)  # the worker runs in its own session
+            except ProcessLookupError:
+                pass
+            c.agents[2].kill()
         t0 = time.monotonic()
         named = back = None
         while time.monotonic() - t0 < timeout and back is None:
             s = c.coordinator.status()
-            if named is None and any(i["kind"] == "hang" and i["node"] == "n2" for i in s["incidents"]):
+            if named is None and (any(i["kind"] == "hang" and i["node"] == "n2" for i in s["incidents"])
+                                  or "n2" in s["excluded_nodes"]):
                 named = time.monotonic() - t0
             fresh = [r for r in s["ranks"] if r["node"] in ("n0", "n1") and r["connected"]
                      and r["pid"] not in old and r["step"] > 0]
@@ -98,10 +128,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--timeout", type=float, default=90.0)
-    p.add_argument("--launchers", default="rankwatch,torchrun")
+    p.add_argument("--launchers", default="rankwatch,torchrun,torchrun-default")
+    p.add_argument("--fault", choices=("hang", "kill"), default="hang")
     args = p.parse_args()
     for launcher in args.launchers.split(","):
-        results = [once(launcher, args.timeout) for _ in range(args.runs)]
+        results = [once(launcher, args.fault, args.timeout) for _ in range(args.runs)]
         for r in results:
             print(f"{launcher}: named {r['named']}, back {r['back']}", flush=True)
         named = [r["named"] for r in results if r["named"] is not None]

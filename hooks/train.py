@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     flops = tokens * transformer_flops_per_token(n_params, cfg.n_layers, cfg.dim, cfg.seq_len)
 
     ckpt_extra = {"world_size": world, "dp": dims.dp, "global_batch": global_batch}
-    step_times, losses, arms, dp_means = [], [], [], []
+    step_times, losses, arms, dp_means, saves = [], [], [], [], []
     ab = _ABSwitch(mon, args.ab_block)
     for step in range(start, args.steps):
         m = ab.monitor_for(step - start)
@@ -219,14 +219,14 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
         if ckpt:
-            _report(mon, ckpt.finished())
+            _report(mon, ckpt.finished(), saves)
 
     if ckpt:  # the last save in flight is written before the job ends
         with mon.activity("checkpoint"):
             ckpt.wait()
-        _report(mon, ckpt.finished())
+        _report(mon, ckpt.finished(), saves)
     if args.metrics_out:
-        _write_metrics(args.metrics_out, rank, start, step_times, losses, arms, dp_means)
+        _write_metrics(args.metrics_out, rank, start, step_times, losses, arms, dp_means, saves)
     mon.close()
     dist.barrier()
     dist.destroy_process_group()
@@ -268,13 +268,15 @@ def _save(ckpt: Checkpointer, mon: object, step: int, model: torch.nn.Module,
             mon.checkpoint_saved(step, started_at=started, duration=time.perf_counter() - t0,
                                  ok=False, error=f"{type(exc).__name__}: {exc}")
             raise
-    _report(mon, ckpt.finished())  # a synchronous save is finished already
     return True
 
 
-def _report(mon: object, records: list) -> None:
+def _report(mon: object, records: list, saves: list | None = None) -> None:
     """Report finished saves (complete on disk, or failed in the background) to the agent."""
     for rec in records:
+        if saves is not None:
+            saves.append({"step": rec.step, "blocked": rec.blocked, "asynchronous": rec.asynchronous,
+                          "completed_after": rec.completed_after, "ok": rec.ok})
         mon.checkpoint_saved(rec.step, started_at=rec.started_at, duration=rec.blocked,
                              completed_after=rec.completed_after, asynchronous=rec.asynchronous,
                              path=str(rec.path) if rec.ok else "", ok=rec.ok, error=rec.error)
@@ -309,7 +311,8 @@ class _ABSwitch:
 
 
 def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
-                   losses: list[float], arms: list[bool], dp_means: list[float]) -> None:
+                   losses: list[float], arms: list[bool], dp_means: list[float],
+                   saves: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fr = {}
     try:
@@ -319,6 +322,7 @@ def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
     with open(out / f"rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "pid": os.getpid(), "start": start, "step_times": step_times,
                    "losses": losses, "dp_mean_losses": dp_means, "rankwatch_on": arms,
+                   "checkpoints": saves,
                    "flight_recorder": fr.get("entries", [])}, f)
 
 

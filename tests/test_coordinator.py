@@ -54,6 +54,7 @@ def test_names_the_culprit_on_another_node_and_excludes_it():
     assert any(i.kind == "hang" for i in reply.incidents)
 
 
+
 def test_never_below_min_nodes_and_a_silent_node_is_dead():
     c, clock = make(PolicyConfig(min_nodes=2, node_timeout_seconds=3))
     t = clock.t

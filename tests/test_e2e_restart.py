@@ -200,3 +200,7 @@ def test_a_hot_spare_takes_the_excluded_nodes_place(tmp_path):
         assert {r["node"] for r in live} == active - {victim["node"]} | {spare}
         assert sorted(r["rank"] for r in live) == [0, 1, 2]
         assert all(j.poll() is None for i, j in enumerate(jobs) if f"n{i}" != victim["node"])
+        # No restart storm: the stock handler restarted every few seconds with a spare waiting.
+        stops = [(tmp_path / f"job-n{i}.log").read_text().count("closing signal") for i in range(4)]
+        print("worker stops per node:", stops)
+        assert max(stops) <= 4, stops

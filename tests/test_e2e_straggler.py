@@ -53,14 +53,26 @@ def stop(job: subprocess.Popen, agent) -> None:
 def test_slowed_rank_is_flagged_with_cause(agent_proc, tmp_path, fault, rank, cause):
     job = torchrun(2, "--steps", "1000", "--log-every", "0", "--fault", f"{fault}:{rank}:{ONSET}:0.5",
                    agent=agent_proc.addr, log=tmp_path / "job.log")
+    def flagged():
+        if new := straggler_incidents(agent_proc, rank, ONSET):
+            return new[0]
+        # This machine's noise flagged the rank before the fault (seen in CI, about 1 run in
+        # 10): that flag never cleared, so there is no new incident.  Then the rank must still
+        # be flagged 20 steps after the onset, with the fault's cause (check_exported).
+        r = next((r for r in agent_proc.status()["ranks"] if r["rank"] == rank), None)
+        early = straggler_incidents(agent_proc, rank)
+        if early and r and r["state"] == "straggler" and r["step"] >= ONSET + 20:
+            print(f"rank {rank} was flagged before the onset, at step {early[0]['step']}")
+            return "early"
+
     try:
-        (inc, *_) = wait_for(lambda: straggler_incidents(agent_proc, rank, ONSET), 120, interval=0.2,
-                             what="straggler incident")
-        d = inc["detail"]
-        assert inc["node"] == "n0" and d["cause"] == cause and d["slowdown"] >= 1.2, d
-        assert d["scope"] == "rank" and d["ranks"] == [rank]
-        assert d["cost"]["speedup_if_removed"] > 1.05
-        assert ONSET <= inc["step"] <= ONSET + 40, inc["step"]
+        inc = wait_for(flagged, 120, interval=0.2, what="straggler incident")
+        if inc != "early":
+            d = inc["detail"]
+            assert inc["node"] == "n0" and d["cause"] == cause and d["slowdown"] >= 1.2, d
+            assert d["scope"] == "rank" and d["ranks"] == [rank]
+            assert d["cost"]["speedup_if_removed"] > 1.05
+            assert ONSET <= inc["step"] <= ONSET + 40, inc["step"]
         check_exported(agent_proc, rank, cause)
     finally:
         stop(job, agent_proc)

@@ -117,3 +117,13 @@ def test_the_shipped_demo_script_is_valid():
     script = load_script(DEMO_SCRIPT)
     kinds = {k for e in script.events for k in e.changes}
     assert {"throttle", "ecc"} <= kinds
+
+
+def test_fire_raises_an_xid_now_ahead_of_the_timeline():
+    src = ScriptedSource(parse_script({"gpus": {"count": 2}, "events": [{"at": 60, "gpu": 0, "xid": 13}]}))
+    src.fire(1, 79)
+    (ev,) = src.events(timedelta(seconds=1))
+    assert (ev.gpu, ev.xid) == (1, 79)
+    assert src.events(timedelta(milliseconds=50)) == []  # the scripted one is still 60 s away
+    with pytest.raises(ScriptError, match="no GPU 2"):
+        src.fire(2, 79)

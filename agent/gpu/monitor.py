@@ -107,6 +107,11 @@ class GpuMonitor:
         self._closed = False
 
     @property
+    def source(self) -> GpuSource | None:
+        """The open source, or None before :meth:`start` (or when there is none)."""
+        return self._source
+
+    @property
     def source_name(self) -> str | None:
         return self._source.name if self._source is not None else None
 

@@ -223,6 +223,14 @@ class ScriptedSource:
                 self._applied += 1
             return [self._reading(i, g) for i, g in enumerate(self._gpus)]
 
+    def fire(self, gpu: int, xid: int) -> None:
+        """Raise XID ``xid`` on ``gpu`` now, outside the timeline (``rankwatch demo`` fires its
+        fatal fault when the story reaches it, whatever the machine's speed)."""
+        if not 0 <= gpu < self._script.gpu_count:
+            raise ScriptError(f"no GPU {gpu} in the script ({self._script.gpu_count} GPUs)")
+        with self._lock:
+            self._xids.insert(0, ScriptEvent(self._clock() - self._t0, gpu, {"xid": int(xid)}))
+
     def events(self, timeout: timedelta) -> list[XidEvent]:
         if not self._xids:
             self._closed.wait(timeout.total_seconds())
@@ -232,7 +240,8 @@ class ScriptedSource:
         if wait > 0:
             if self._closed.wait(min(wait, timeout.total_seconds())) or wait > timeout.total_seconds():
                 return []
-        ev = self._xids.pop(0)
+        with self._lock:
+            ev = self._xids.pop(0)
         return [XidEvent(ev.gpu, ev.changes["xid"], self._clock())]
 
     def close(self) -> None:
