@@ -87,6 +87,8 @@ class _Restart:
     incident: dict[str, Any]
     started_at: float
     steps_before: dict[str, int] = field(default_factory=dict)
+    pids_before: set[int] = field(default_factory=set)
+    """The workers connected at the decision: the restart replaces them."""
 
 
 class Coordinator:
@@ -187,13 +189,14 @@ class Coordinator:
             d = self._decide("exclude", node=node, reason=reason)
             steps = {n: max((r.step for r in v.summary.ranks), default=-1)
                      for n, v in self.nodes.items()}
+            pids = {r.pid for v in self.nodes.values() for r in v.summary.ranks if r.connected}
         inc = self.incidents.add(kind="restart", node=node, rank=-1, step=max(steps.values(), default=-1),
                                  detected_at=d["decided_at"],
                                  detail={"generation": d["generation"], "excluded": node,
                                          "reason": reason, "decision": d["id"],
                                          "started_at": d["decided_at"]})
         with self.lock:
-            self._restart = _Restart(inc, d["decided_at"], steps)
+            self._restart = _Restart(inc, d["decided_at"], steps, pids)
         return d
 
     # -- evaluation -------------------------------------------------------------
@@ -368,15 +371,20 @@ class Coordinator:
                 self.exclude(node, reason)
 
     def _check_recovered(self, now: float) -> None:
-        """Close a restart once every included node's ranks completed a step after it."""
+        """Close a restart once every included node has a new worker that completed a step after it.
+
+        The workers connected at the decision do not count: they still step until the
+        restart stops them.
+        """
         r = self._restart
         if r is None:
             return
         with self.lock:
             nodes = self._live_nodes()
             back = bool(nodes) and all(
-                any(x.connected and x.progress_at + n.offset > r.started_at and x.steps_completed > 0
-                    for x in n.summary.ranks) for n in nodes)
+                any(x.connected and x.pid not in r.pids_before and x.steps_completed > 0
+                    and x.progress_at + n.offset > r.started_at for x in n.summary.ranks)
+                for n in nodes)
         if back:
             r.incident["detail"]["recovered_after_seconds"] = round(now - r.started_at, 3)
             log.info("job back to training %.1fs after %s", now - r.started_at,
