@@ -98,12 +98,7 @@ def _once(launcher: str, fault: str, timeout: float) -> dict:
         if fault == "hang":
             os.kill(victim["pid"], signal.SIGSTOP)
         else:
-            os.killpg(jobs[2].pid, signal.SIGKILL)
-            try:
-                os.kill(victim["pid"], signal.SIGKILL)  # the worker runs in its own session
-            except ProcessLookupError:
-                pass
-            c.agents[2].kill()
+            c.kill_node(2, jobs[2], [victim["pid"]])
         t0 = time.monotonic()
         named = back = None
         while time.monotonic() - t0 < timeout and back is None:

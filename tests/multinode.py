@@ -56,6 +56,17 @@ class Cluster:
         for a in self.agents:
             a.stop()
 
+    def kill_node(self, node: int, job: subprocess.Popen, worker_pids: list[int]) -> None:
+        """SIGKILL a whole node: its torchrun's process group, its workers (each in a session
+        of its own) and its agent."""
+        os.killpg(job.pid, signal.SIGKILL)
+        for pid in worker_pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.agents[node].kill()
+
     def print_logs(self, lines: int = 40) -> None:
         """Print each job's exit code and the tail of each node's logs (shown when a test fails)."""
         print("jobs:", [(job.pid, job.poll()) for job in self.jobs])

@@ -162,3 +162,20 @@ def test_a_costly_straggling_node_is_evicted_after_the_next_checkpoint():
     c.sync(saved)
     c.evaluate()
     assert c.excluded["n1"].startswith("straggler")
+
+
+def test_a_restart_is_over_only_when_new_workers_step():
+    c, clock = make(PolicyConfig(min_nodes=1))
+    t = clock.t
+    for n in ("n0", "n1"):
+        c.sync(summary(n, 1, t, [dict(rank=int(n[1]), step=5, pid=10 + int(n[1]), progress_at=t, last_seen=t)]))
+    c.exclude("n1", "test")
+    (restart,) = [i for i in c.incidents.items if i["kind"] == "restart"]
+    clock.t += 1  # n0's old worker still steps until the restart stops it
+    c.sync(summary("n0", 2, clock.t, [dict(rank=0, step=6, pid=10, progress_at=clock.t, last_seen=clock.t)]))
+    c.evaluate()
+    assert "recovered_after_seconds" not in restart["detail"]
+    clock.t += 7  # a new worker (new pid) steps
+    c.sync(summary("n0", 3, clock.t, [dict(rank=0, step=6, pid=20, progress_at=clock.t, last_seen=clock.t)]))
+    c.evaluate()
+    assert restart["detail"]["recovered_after_seconds"] == pytest.approx(8, abs=0.01)

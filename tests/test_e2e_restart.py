@@ -129,13 +129,7 @@ def test_dead_node_is_excluded_and_refused_when_it_returns(tmp_path):
                 for i in range(3)]
         ranks = wait_for(lambda: (r := c.coordinator.status()["ranks"]) and len(r) == 3
                          and min(x["step"] for x in r) >= 25 and r, 180, what="three nodes training")
-        os.killpg(jobs[2].pid, signal.SIGKILL)
-        victim = next(r for r in ranks if r["node"] == "n2")
-        try:
-            os.kill(victim["pid"], signal.SIGKILL)  # the worker runs in its own session
-        except ProcessLookupError:
-            pass
-        c.agents[2].kill()
+        c.kill_node(2, jobs[2], [r["pid"] for r in ranks if r["node"] == "n2"])
         t0 = time.monotonic()
         s = wait_for(lambda: "n2" in (x := c.coordinator.status())["excluded_nodes"] and x, 30,
                      what="n2 excluded as dead")
