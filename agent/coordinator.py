@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
-from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang
+from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.state import parse_flight_recorder
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector
 from rankwatch.proto import pb
 
@@ -233,7 +234,8 @@ class Coordinator:
                         inflight=({"op": r.inflight.op, "group": r.inflight.group,
                                    "seq": r.inflight.seq, "since": r.inflight.since + n.offset}
                                   if r.HasField("inflight") else None),
-                        stacks=r.stacks or None))
+                        stacks=r.stacks or None,
+                        flight_recorder=_flight_recorder(r)))
         return out
 
     def _rank(self, node: str, rank: int) -> pb.RankSummary | None:
@@ -268,6 +270,7 @@ class Coordinator:
                   "allowance_seconds": round(verdict.allowance, 3),
                   "silent_ranks": verdict.silent, "inflight": c.inflight,
                   "started_at": round(now - verdict.stalled_for, 3),
+                  "flight_recorder": flight_recorder_evidence(views),
                   "nodes": sorted(self.nodes), "scope": "job"}
         if fresh is None:
             detail["stacks_note"] = ("the node's agent is silent" if silent_node else
@@ -413,6 +416,15 @@ class Coordinator:
         with self.lock:
             return [(name, r, name in self.excluded) for name, n in sorted(self.nodes.items())
                     for r in n.summary.ranks]
+
+
+def _flight_recorder(r: pb.RankSummary) -> dict | None:
+    """A node's rank's Flight Recorder extract; a malformed one is left out of the evidence."""
+    try:
+        return parse_flight_recorder(r.flight_recorder)
+    except ValueError as exc:
+        log.debug("rank %d: flight_recorder left out: %s", r.rank, exc)
+        return None
 
 
 def _decision_pb(d: dict[str, Any]) -> pb.Decision:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["HangConfig", "HangVerdict", "RankProgress", "detect_hang"]
+__all__ = ["HangConfig", "HangVerdict", "RankProgress", "detect_hang", "flight_recorder_evidence"]
 
 
 @dataclass(kw_only=True)
@@ -68,6 +68,7 @@ class RankProgress:
     group_seqs: dict[str, int] = field(default_factory=dict)
     inflight: dict[str, Any] | None = None   # {op, group, seq, since}
     stacks: str | None = None
+    flight_recorder: dict | None = None      # {pending: [{group, seq, op, ...}], completed}
 
 
 @dataclass(kw_only=True)
@@ -110,13 +111,20 @@ def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangV
 
 
 def _waited_collective(waiting: list[RankProgress]) -> dict[str, Any] | None:
-    inflight = [r.inflight for r in waiting if r.inflight]
-    if not inflight:
+    """The collective most waiting ranks are blocked in: from the hooks' records, else
+    (a collective issued where no hook sees it, e.g. from C++) from the Flight Recorder."""
+    keys = [(i["op"], i["group"], i["seq"]) for i in (r.inflight for r in waiting) if i]
+    source = "hooks"
+    if not keys:
+        # Each waiting rank's oldest collective not yet retired.
+        oldest = [min(fr["pending"], key=lambda e: e["since"]) for fr in
+                  (r.flight_recorder for r in waiting) if fr and fr.get("pending")]
+        keys = [(e["op"], e["group"], e["seq"]) for e in oldest]
+        source = "flight_recorder"
+    if not keys:
         return None
-    # The collective most waiting ranks are blocked in.
-    keys = [(i["op"], i["group"], i["seq"]) for i in inflight]
     op, group, seq = max(set(keys), key=keys.count)
-    return {"op": op, "group": group, "seq": seq}
+    return {"op": op, "group": group, "seq": seq, "source": source}
 
 
 def _behind_on_sequence(ranks: list[RankProgress]) -> tuple[RankProgress, str] | None:
@@ -131,3 +139,10 @@ def _behind_on_sequence(ranks: list[RankProgress]) -> tuple[RankProgress, str] |
             if gap > 0 and (worst is None or gap > worst[0]):
                 worst = (gap, r, group)
     return (worst[1], worst[2]) if worst else None
+
+
+def flight_recorder_evidence(ranks: list[RankProgress]) -> dict[str, dict] | None:
+    """Every rank's fresh Flight Recorder extract, by rank, for a ``hang`` incident."""
+    out = {str(r.rank): r.flight_recorder for r in sorted(ranks, key=lambda r: r.rank)
+           if r.flight_recorder}
+    return out or None

@@ -25,7 +25,7 @@ from rankwatch.agent import otel
 from rankwatch.agent.address import Address
 from rankwatch.agent.auth import authorized
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig, decision_dict
-from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang
+from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 from rankwatch.agent.host import HostCollector
 from rankwatch.agent.goodput import Goodput
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
@@ -344,7 +344,8 @@ class Agent:
                 rank=r.rank, node=r.node, step=r.step, step_seconds=r.step_seconds,
                 steps_completed=r.steps_completed, activity=r.activity, progress_at=r.progress_at,
                 last_seen=r.last_seen, connected=r.connected, exited_cleanly=r.exited_cleanly,
-                group_seqs=dict(r.group_seqs), inflight=r.inflight, stacks=r.stacks) for r in ranks]
+                group_seqs=dict(r.group_seqs), inflight=r.inflight, stacks=r.stacks,
+                flight_recorder=r.flight_recorder if now - r.stacks_at < 10 else None) for r in ranks]
         verdict = detect_hang(now, views, self.config.hang)
         if verdict is None:
             if self._open_hang is not None:
@@ -368,6 +369,7 @@ class Agent:
             "allowance_seconds": round(verdict.allowance, 3), "silent_ranks": verdict.silent,
             "started_at": round(now - verdict.stalled_for, 3),
             "inflight": culprit.inflight,
+            "flight_recorder": flight_recorder_evidence(views),
         }
         if fresh is None:
             detail["stacks_note"] = ("the process is stopped (SIGSTOP): its threads cannot run"
@@ -463,13 +465,15 @@ class Agent:
         for r, seqs, inflight, own, data, wait in rows:
             alive, stopped = _process_state(r.pid)
             fresh = r.stacks if r.stacks and now - r.stacks_at < 10 else ""
+            fr = r.flight_recorder if r.flight_recorder and now - r.stacks_at < 10 else None
             rs = pb.RankSummary(
                 rank=r.rank, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
                 steps_completed=r.steps_completed, activity=r.activity, progress_at=r.progress_at,
                 last_seen=r.last_seen, connected=r.connected, exited_cleanly=r.exited_cleanly,
                 group_seqs=seqs, stacks=fresh, stacks_at=r.stacks_at, alive=alive, stopped=stopped,
                 own_work=own, data_wait=data, comm_wait=wait, state=r.state,
-                local_rank=r.local_rank, tokens_per_second=r.tokens_per_second)
+                local_rank=r.local_rank, tokens_per_second=r.tokens_per_second,
+                flight_recorder=json.dumps(fr) if fr else "")
             if inflight:
                 rs.inflight.CopyFrom(pb.InFlight(op=inflight["op"], group=inflight["group"],
                                                  seq=inflight["seq"], since=inflight["since"]))

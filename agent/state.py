@@ -8,6 +8,7 @@ stream and every other rank go on.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -94,6 +95,7 @@ class RankState:
     inflight: dict | None = None
     stacks: str | None = None
     stacks_at: float = 0.0
+    flight_recorder: dict | None = None   # taken with the stacks (see parse_flight_recorder)
     slowdown: float = 1.0                   # own work over the other ranks' median
 
     @property
@@ -245,8 +247,9 @@ class NodeState:
                 rank.progress_at = rank.last_seen
         rank.inflight = ({"op": p.inflight.op, "group": p.inflight.group, "seq": p.inflight.seq,
                           "since": p.inflight.since} if p.HasField("inflight") else None)
-        if p.stacks:
-            rank.stacks, rank.stacks_at = p.stacks, rank.last_seen
+        if p.stacks or p.flight_recorder:
+            rank.stacks, rank.stacks_at = p.stacks or None, rank.last_seen
+            rank.flight_recorder = parse_flight_recorder(p.flight_recorder)
 
     def _apply_collectives(self, rank: RankState, cols: dict[str, np.ndarray]) -> int:
         ops = rank.op_map[cols["op"]]
@@ -387,12 +390,65 @@ def _check_steps(s: pb.StepColumns) -> pb.StepColumns:
     return s
 
 
+def parse_flight_recorder(text: str) -> dict | None:
+    """A rank's Flight Recorder extract (``Progress.flight_recorder``), checked field by field.
+
+    Returns ``{"pending": [{group, desc, seq, op, state, since}], "completed": {group: seq},
+    "enqueued": {group: seq}}``, None for an empty string; raises ValueError for anything else.
+    """
+    if not text:
+        return None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    pending = doc.get("pending", [])
+    if not isinstance(pending, list) or len(pending) > 256:
+        raise ValueError("'pending' must be a list (at most 256)")
+    out: dict = {"pending": [], "completed": {}, "enqueued": {}}
+    for e in pending:
+        if not isinstance(e, dict):
+            raise ValueError("a pending entry is not an object")
+        try:
+            entry = {"group": str(e["group"]), "desc": str(e.get("desc", "")), "seq": int(e["seq"]),
+                     "op": str(e["op"]), "state": str(e.get("state", "")), "since": float(e["since"])}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad pending entry ({exc!r})") from None
+        for k in ("group", "desc", "op", "state"):
+            _fr_label(entry[k])
+        if not math.isfinite(entry["since"]):
+            raise ValueError("pending entry time is NaN or infinite")
+        out["pending"].append(entry)
+    for key in ("completed", "enqueued"):
+        seqs = doc.get(key, {})
+        if not isinstance(seqs, dict) or len(seqs) > 256:
+            raise ValueError(f"'{key}' must be an object (at most 256 groups)")
+        for group, seq in seqs.items():
+            _fr_label(group)
+            if not isinstance(seq, int) or isinstance(seq, bool):
+                raise ValueError(f"'{key}' sequence numbers must be integers")
+            out[key][group] = seq
+    return out
+
+
+def _fr_label(value: str) -> None:
+    if len(value) > MAX_LABEL_LEN or any(ord(c) < 32 for c in value):
+        raise ValueError("a group or op name is too long or has control characters")
+
+
 def _check_progress(p: pb.Progress) -> None:
     if not (math.isfinite(p.step_started_at) and math.isfinite(p.sampled_at)
             and math.isfinite(p.inflight.since)):
         raise Rejected("invalid_value", "progress time is NaN or infinite")
-    if len(p.group_seqs) > 256 or len(p.stacks) > MAX_STACKS:
-        raise Rejected("oversized", "too many groups or too long stacks in progress")
+    if len(p.group_seqs) > 256 or len(p.stacks) > MAX_STACKS or len(p.flight_recorder) > MAX_STACKS:
+        raise Rejected("oversized", "too many groups, too long stacks or Flight Recorder in progress")
+    if p.flight_recorder:
+        try:
+            parse_flight_recorder(p.flight_recorder)
+        except ValueError as exc:
+            raise Rejected("malformed", f"flight_recorder: {exc}") from None
     for name in list(p.group_seqs) + [p.inflight.op, p.inflight.group]:
         _check_label(name, "a group or op name")
     if p.step_started_at < 0 or p.step < -1:

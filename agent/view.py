@@ -59,7 +59,7 @@ def goodput_line(status: dict[str, Any]) -> str:
 
 
 # Evidence kept for `diagnose`, too long for a timeline row.
-_LONG = {"stacks", "stacks_note", "path", "started_at", "resolved_at", "nodes", "inflight", "silent_ranks",
+_LONG = {"stacks", "stacks_note", "flight_recorder", "path", "started_at", "resolved_at", "nodes", "inflight", "silent_ranks",
          "scope", "decision", "allowance_seconds", "pid", "uuid", "window_steps"}
 
 

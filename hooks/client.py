@@ -20,6 +20,7 @@ carries so the agent learns the count once it is back.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import random
@@ -35,7 +36,7 @@ import grpc
 import numpy as np
 
 from rankwatch.agent.address import Address
-from rankwatch.hooks.recorder import ACTIVITY_TRAIN, OPS, Recorder
+from rankwatch.hooks.recorder import ACTIVITY_IDLE, ACTIVITY_TRAIN, OPS, Recorder
 from rankwatch.proto import pb, pb_grpc
 
 __all__ = ["AgentClient"]
@@ -192,16 +193,20 @@ class AgentClient:
                 seq=_seq_of(pg)))
         if self._stuck(rec):
             p.stacks = _all_stacks()
+            p.flight_recorder = flight_recorder_pending()
         return p
 
     def _stuck(self, rec: Recorder) -> bool:
-        """The current step has run far longer than usual: time to take stacks (every 2 s)."""
-        if rec.activity != ACTIVITY_TRAIN or rec.step < 0:
+        """No step has started for far longer than usual: time to take stacks and the Flight
+        Recorder (every 2 s).  Between steps too (a collective after the step scope, e.g. a
+        loss all-reduce, can hang as well); in a checkpoint or an evaluation only after a minute."""
+        if rec.step < 0:
             return False
         usual = sorted(self._recent_steps)[len(self._recent_steps) // 2] if self._recent_steps else 1.0
-        running = (time.perf_counter_ns() - rec.step_started_ns) * 1e-9
+        since_start = (time.perf_counter_ns() - rec.step_started_ns) * 1e-9
+        bound = max(2.0, 4 * usual) if rec.activity in (ACTIVITY_TRAIN, ACTIVITY_IDLE) else 60.0
         now = time.monotonic()
-        if running > max(2.0, 4 * usual) and now - self._stacks_at >= 2.0:
+        if since_start > bound and now - self._stacks_at >= 2.0:
             self._stacks_at = now
             return True
         return False
@@ -355,6 +360,45 @@ def _all_stacks(limit: int = 64 << 10) -> str:
         parts.append(f"Thread {names.get(ident, '?')} ({ident}):\n"
                      + "".join(traceback.format_stack(frame)))
     return "\n".join(parts)[-limit:]
+
+
+def flight_recorder_pending(limit: int = 32) -> str:
+    """PyTorch's Flight Recorder, cut to what a hang needs, as JSON (``""`` if it is off).
+
+    ``pending``: the collectives issued and not yet retired (newest ``limit``),
+    each ``{group, desc, seq, op, state, since}``; ``completed`` and ``enqueued``:
+    every process group's last completed and last issued sequence numbers.  Read by the sender thread:
+    the dump takes the recorder's own lock, never the GIL-holding main thread's help.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ""
+    try:
+        dump = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(
+            includeCollectives=True, onlyActive=True))
+    except Exception:  # noqa: BLE001 - diagnostics only; an old or FR-less build
+        return ""
+    entries = dump.get("entries") or []
+    if not entries and not dump.get("pg_status"):
+        return ""
+    pending = []
+    for e in entries:
+        if e.get("retired") or e.get("state") == "completed":
+            continue
+        group = e.get("process_group") or ["", ""]
+        pending.append({"group": str(group[0]), "desc": str(group[1]) if len(group) > 1 else "",
+                        "seq": int(e.get("collective_seq_id", -1)),
+                        "op": str(e.get("profiling_name", "")).rpartition(":")[2],
+                        "state": str(e.get("state", "")),
+                        "since": e.get("time_created_ns", 0) * 1e-9})
+    last: dict[str, dict[str, int]] = {"completed": {}, "enqueued": {}}
+    for group, st in (dump.get("pg_status") or {}).items():
+        for key in last:
+            try:
+                last[key][str(group)] = int(st[f"last_{key}_collective"])
+            except (KeyError, TypeError, ValueError):
+                continue
+    return json.dumps({"pending": pending[-limit:], **last})
 
 
 def _records_in(batch: pb.Batch) -> int:

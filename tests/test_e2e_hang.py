@@ -97,6 +97,18 @@ def test_desync_names_the_rank_and_the_collective(agent_proc, tmp_path):
         assert inc["rank"] == 1 and "behind" in d["reason"], d
         coll = d["collective"]
         assert coll["op"] == "all_reduce" and coll["group"] and coll["seq"] > 0, coll
+        assert coll["source"] == "hooks"
+        # PyTorch's Flight Recorder, read by each rank's sender thread, agrees: rank 0 issued
+        # that all-reduce (same group and sequence number) and it is not retired; rank 1,
+        # the culprit, never issued it.
+        fr = d["flight_recorder"]
+        assert [(e["op"], e["group"], e["seq"]) for e in fr["0"]["pending"]] == [
+            ("all_reduce", coll["group"], coll["seq"])], fr
+        assert fr["0"]["completed"][coll["group"]] == coll["seq"] - 1, fr
+        assert fr["1"]["enqueued"][coll["group"]] == coll["seq"] - 1, fr
+        assert fr["1"]["pending"] == [], fr
+        # Stacks of the culprit, taken between steps too: the harness's stall after the skip.
+        assert "time.sleep(skip)" in (d["stacks"] or ""), d["stacks"]
         waiting = {r["rank"]: r for r in agent_proc.status()["ranks"]}[0]
         assert waiting["state"] == "ok"
     finally:

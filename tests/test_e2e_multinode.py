@@ -67,6 +67,13 @@ def test_desync_on_second_node(tmp_path):
         d = inc["detail"]
         assert "behind" in d["reason"], d
         assert d["collective"]["op"] == "all_reduce" and d["collective"]["seq"] > 0, d
+        # Each node's Flight Recorder extract reached the coordinator: n0's rank issued the
+        # all-reduce it waits in, n1's rank never did.
+        coll, fr = d["collective"], d["flight_recorder"]
+        n0_rank = next(r["rank"] for r in c.agents[0].status()["ranks"])
+        assert [(e["op"], e["group"], e["seq"]) for e in fr[str(n0_rank)]["pending"]] == [
+            ("all_reduce", coll["group"], coll["seq"])], fr
+        assert fr[str(n1_rank)]["enqueued"][coll["group"]] == coll["seq"] - 1, fr
 
 
 def test_stuck_in_python_on_second_node(tmp_path):

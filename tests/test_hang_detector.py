@@ -2,7 +2,7 @@
 
 import pytest
 
-from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang
+from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 
 CFG = HangConfig(floor_seconds=5.0, step_multiple=5.0, first_step_seconds=60.0,
                  checkpoint_seconds=300.0, silence_seconds=2.0)
@@ -36,7 +36,27 @@ def test_silent_rank_is_culprit_and_collective_named():
                            rank(1, last_seen=1.0),
                            rank(2, last_seen=10.0, inflight=waiting)], CFG)
     assert v.culprit.rank == 1 and v.silent == [1]
-    assert v.collective == {"op": "all_gather", "group": "1", "seq": 42}
+    assert v.collective == {"op": "all_gather", "group": "1", "seq": 42, "source": "hooks"}
+
+
+def test_flight_recorder_names_the_collective_no_hook_saw():
+    # A collective issued where no Python hook sees it (C++), so the hooks report nothing in
+    # flight; the waiting ranks' Flight Recorder still holds it, not yet retired.
+    def fr(seq, since):
+        return {"pending": [{"group": "0", "desc": "default_pg", "seq": seq, "op": "all_reduce",
+                             "state": "scheduled", "since": since},
+                            {"group": "0", "desc": "default_pg", "seq": seq + 1, "op": "broadcast",
+                             "state": "scheduled", "since": since + 1}],
+                "completed": {"0": seq - 1}, "enqueued": {"0": seq + 1}}
+    views = [rank(0, last_seen=10.0), rank(1, last_seen=1.0), rank(2, last_seen=10.0)]
+    views[0].flight_recorder, views[2].flight_recorder = fr(7, 3.0), fr(7, 2.0)
+    v = detect_hang(10.0, views, CFG)
+    assert v.culprit.rank == 1
+    assert v.collective == {"op": "all_reduce", "group": "0", "seq": 7, "source": "flight_recorder"}
+    assert flight_recorder_evidence(views) == {"0": views[0].flight_recorder, "2": views[2].flight_recorder}
+    # The hooks' own record wins where there is one.
+    views[0].inflight = {"op": "all_gather", "group": "1", "seq": 4, "since": 0.0}
+    assert detect_hang(10.0, views, CFG).collective["source"] == "hooks"
 
 
 def test_rank_behind_on_sequence_is_culprit():

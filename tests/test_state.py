@@ -137,3 +137,32 @@ def test_mfu_only_when_every_rank_knows_its_peak():
     r1 = st.hello(hello(rank=1, pid=99))  # no peak: CPU without --peak-tflops
     st.ingest(r1, pb.Batch(seq=1, steps=s))
     assert st.mfu() is None
+
+
+def test_flight_recorder_extract_kept_with_the_stacks_and_checked():
+    import json
+    st = NodeState("n0")
+    r = st.hello(hello())
+    fr = {"pending": [{"group": "0", "desc": "default_pg", "seq": 9, "op": "all_reduce",
+                       "state": "scheduled", "since": 1.5e9}], "completed": {"0": 8, "1": 3},
+          "enqueued": {"0": 9, "1": 3}}
+    st.ingest(r, pb.Batch(seq=1, progress=pb.Progress(step=4, stacks="Thread main",
+                                                      flight_recorder=json.dumps(fr))))
+    assert r.flight_recorder == fr and r.stacks == "Thread main"
+    bad = [
+        "{not json",
+        json.dumps([1, 2]),
+        json.dumps({"pending": {"seq": 1}}),
+        json.dumps({"pending": [{"group": "0", "seq": "x", "op": "a", "since": 0}]}),
+        json.dumps({"pending": [{"group": "0", "seq": 1, "op": "a\nb", "since": 0}]}),
+        json.dumps({"pending": [], "completed": {"0": 1.5}}),
+        json.dumps({"pending": [], "enqueued": [1]}),
+        '{"pending": [{"group": "0", "seq": 1, "op": "a", "since": NaN}]}',
+    ]
+    for seq, text in enumerate(bad, start=2):
+        with pytest.raises(Rejected) as e:
+            st.ingest(r, pb.Batch(seq=seq, progress=pb.Progress(step=5, flight_recorder=text)))
+        assert e.value.reason == "malformed", text
+    with pytest.raises(Rejected, match="oversized"):
+        st.ingest(r, pb.Batch(seq=20, progress=pb.Progress(step=5, flight_recorder="x" * (1 << 20))))
+    assert r.flight_recorder == fr, "a refused extract leaves the last good one"

@@ -103,7 +103,7 @@ class CollectiveColumns(_message.Message):
     def __init__(self, op: _Optional[bytes] = ..., pg: _Optional[bytes] = ..., seq: _Optional[bytes] = ..., start: _Optional[bytes] = ..., duration: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("step", "step_started_at", "phase", "last_collective_seq", "sampled_at", "inflight", "group_seqs", "stacks")
+    __slots__ = ("step", "step_started_at", "phase", "last_collective_seq", "sampled_at", "inflight", "group_seqs", "stacks", "flight_recorder")
     class GroupSeqsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class Progress(_message.Message):
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     GROUP_SEQS_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
+    FLIGHT_RECORDER_FIELD_NUMBER: _ClassVar[int]
     step: int
     step_started_at: float
     phase: Phase
@@ -127,7 +128,8 @@ class Progress(_message.Message):
     inflight: InFlight
     group_seqs: _containers.ScalarMap[str, int]
     stacks: str
-    def __init__(self, step: _Optional[int] = ..., step_started_at: _Optional[float] = ..., phase: _Optional[_Union[Phase, str]] = ..., last_collective_seq: _Optional[int] = ..., sampled_at: _Optional[float] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., stacks: _Optional[str] = ...) -> None: ...
+    flight_recorder: str
+    def __init__(self, step: _Optional[int] = ..., step_started_at: _Optional[float] = ..., phase: _Optional[_Union[Phase, str]] = ..., last_collective_seq: _Optional[int] = ..., sampled_at: _Optional[float] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., stacks: _Optional[str] = ..., flight_recorder: _Optional[str] = ...) -> None: ...
 
 class InFlight(_message.Message):
     __slots__ = ("op", "group", "seq", "since")
@@ -339,7 +341,7 @@ class Command(_message.Message):
     def __init__(self, id: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointCommand, _Mapping]] = ...) -> None: ...
 
 class RankSummary(_message.Message):
-    __slots__ = ("rank", "pid", "step", "step_seconds", "steps_completed", "activity", "progress_at", "last_seen", "connected", "exited_cleanly", "group_seqs", "inflight", "stacks", "alive", "stopped", "own_work", "data_wait", "comm_wait", "state", "local_rank", "tokens_per_second", "stacks_at")
+    __slots__ = ("rank", "pid", "step", "step_seconds", "steps_completed", "activity", "progress_at", "last_seen", "connected", "exited_cleanly", "group_seqs", "inflight", "stacks", "alive", "stopped", "own_work", "data_wait", "comm_wait", "state", "local_rank", "tokens_per_second", "stacks_at", "flight_recorder")
     class GroupSeqsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +371,7 @@ class RankSummary(_message.Message):
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     STACKS_AT_FIELD_NUMBER: _ClassVar[int]
+    FLIGHT_RECORDER_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     step: int
@@ -391,7 +394,8 @@ class RankSummary(_message.Message):
     local_rank: int
     tokens_per_second: float
     stacks_at: float
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ...) -> None: ...
+    flight_recorder: str
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ...) -> None: ...
 
 class NodeSummary(_message.Message):
     __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds")
