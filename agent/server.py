@@ -623,12 +623,14 @@ class Agent:
     def gpu_throttle_for_rank(self, rank: int) -> list[str]:
         """Slowdown reasons active on the GPU this node's ``rank`` uses; [] if none or no GPU."""
         r = self.state.ranks.get(rank)
-        return self.gpu.throttle_for_rank(r.device, r.local_rank) if r is not None else []
+        return (self.gpu.throttle_for_rank(RankDevice(r.rank, r.device, r.local_rank, r.step,
+                                                      r.device_uuid)) if r is not None else [])
 
     def _rank_devices(self) -> list[RankDevice]:
         """The node's ranks that are streaming, or were in the last minute (a GPU fault may kill them)."""
         now = self.state.clock()
-        return [RankDevice(r.rank, r.device, r.local_rank, r.step) for r in self.state.snapshot()
+        return [RankDevice(r.rank, r.device, r.local_rank, r.step, r.device_uuid)
+                for r in self.state.snapshot()
                 if r.connected or now - r.last_seen < 60]
 
     def _rank_pids(self) -> dict[int, int]:

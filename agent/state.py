@@ -69,6 +69,7 @@ class RankState:
     mesh_shape: dict[str, int]
     op_map: np.ndarray                      # the rank's op code -> agent op index
     stream: int                             # id of the stream that owns this rank
+    device_uuid: str = ""                   # the GPU's UUID ("GPU-..."), "" without CUDA
     connected: bool = True
     exited_cleanly: bool = False
     last_seen: float = field(default_factory=time.time)
@@ -175,7 +176,8 @@ class NodeState:
             state = RankState(
                 rank=msg.rank, node=self.node_id, pid=msg.pid,
                 local_rank=msg.local_rank, world_size=msg.world_size, backend=msg.backend,
-                device=msg.device, job_id=msg.job_id, peak_flops=msg.peak_flops,
+                device=msg.device, device_uuid=msg.device_uuid, job_id=msg.job_id,
+                peak_flops=msg.peak_flops,
                 mesh_coords=dict(msg.mesh_coords), mesh_shape=dict(msg.mesh_shape),
                 op_map=op_map, stream=self._next_stream, last_seen=self.clock(),
                 progress_at=self.clock())
@@ -343,7 +345,8 @@ def _check_hello(msg: pb.Hello) -> None:
     if not math.isfinite(msg.peak_flops) or msg.peak_flops < 0:
         raise Rejected("invalid_hello", f"peak_flops {msg.peak_flops} invalid")
     for value, what in ((msg.node_id, "node_id"), (msg.backend, "backend"),
-                        (msg.device, "device"), (msg.job_id, "job_id")):
+                        (msg.device, "device"), (msg.device_uuid, "device_uuid"),
+                        (msg.job_id, "job_id")):
         _check_label(value, what)
     for name in list(msg.op_names) + list(msg.mesh_coords) + list(msg.mesh_shape):
         _check_label(name, "a name")

@@ -187,6 +187,14 @@ def _init(mesh: Any, address: Address, node: str, peak_flops: float | None,
     return monitor
 
 
+def _device_uuid(torch: Any) -> str:
+    """The current CUDA device's UUID as NVML spells it ("GPU-<uuid>"), or ""."""
+    try:
+        return f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+    except Exception:  # noqa: BLE001 - an identity detail; the local rank is the fallback
+        return ""
+
+
 def _hello(mesh: Any, node: str, peak_flops: float | None, job_id: str | None) -> Any:
     import torch
     import torch.distributed as dist
@@ -207,6 +215,8 @@ def _hello(mesh: Any, node: str, peak_flops: float | None, job_id: str | None) -
         peak_flops=peak_flops if peak_flops is not None else peak_flops_for(device),
         op_names=list(OPS),
     )
+    if torch.cuda.is_available():
+        hello.device_uuid = _device_uuid(torch)
     if mesh is not None and mesh.mesh_dim_names:
         coords = mesh.get_coordinate() or []
         for name, size, coord in zip(mesh.mesh_dim_names, mesh.mesh.shape, coords):

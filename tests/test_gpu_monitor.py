@@ -120,13 +120,38 @@ def test_a_failing_listener_does_not_stop_the_others():
 def test_throttle_for_rank_lists_slowdowns_of_the_ranks_gpu():
     monitor, clock, _, _ = make()
     monitor.poll()
-    assert monitor.throttle_for_rank("cpu", 0) == []
+    def on(device, local_rank, uuid=""):
+        return monitor.throttle_for_rank(RankDevice(rank=0, device=device, local_rank=local_rank,
+                                                    step=0, uuid=uuid))
+    assert on("cpu", 0) == []
     clock.now += 1.0
     monitor.poll()
-    assert monitor.throttle_for_rank("cpu", 0) == ["hw_thermal_slowdown"]
-    assert monitor.throttle_for_rank("cuda:0", 5) == ["hw_thermal_slowdown"]
-    assert monitor.throttle_for_rank("cpu", 1) == []
-    assert monitor.throttle_for_rank("cpu", 7) == []  # no such GPU
+    assert on("cpu", 0) == ["hw_thermal_slowdown"]
+    assert on("cuda:0", 5) == ["hw_thermal_slowdown"]
+    assert on("cpu", 1) == []
+    assert on("cpu", 7) == []  # no such GPU
+    assert on("cpu", 1, uuid=UUID0) == ["hw_thermal_slowdown"]  # the UUID wins over the index
+
+
+# The scripted source's UUID of GPU 0 and 1, as CUDA spells it (without NVML's "GPU-").
+UUID0, UUID1 = "5c41a7ed-0000-4000-8000-000000000000", "5C41A7ED-0000-4000-8000-000000000001"
+
+
+def test_ranks_map_to_gpus_by_uuid_whatever_the_indices():
+    # CUDA_VISIBLE_DEVICES=1,0: local rank 0 runs on GPU 1 and local rank 1 on GPU 0.
+    ranks = [RankDevice(rank=8, device="NVIDIA H100 80GB HBM3", local_rank=0, step=40, uuid=UUID1),
+             RankDevice(rank=9, device="NVIDIA H100 80GB HBM3", local_rank=1, step=41,
+                        uuid="GPU-" + UUID0)]
+    monitor, clock, incidents, events = make(ranks=ranks)
+    monitor.poll()
+    monitor.on_xid(XidEvent(gpu=1, xid=79, at=clock.now))
+    (inc,) = incidents.items
+    assert (inc["rank"], inc["detail"]["gpu"], inc["detail"]["ranks"]) == (8, 1, [8])
+    monitor.on_xid(XidEvent(gpu=0, xid=48, at=clock.now))
+    assert incidents.items[1]["detail"]["ranks"] == [9]
+    # A UUID no GPU reports (another node's, or none read yet) falls back to the local rank.
+    stray = RankDevice(rank=3, device="cpu", local_rank=1, step=0, uuid="GPU-ffffffff")
+    assert monitor.gpu_of_rank(stray) == 1
 
 
 def scrape(monitor) -> dict:

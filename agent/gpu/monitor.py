@@ -5,14 +5,13 @@ reading; one waits for XID events.  Findings (see :mod:`.faults`) name the ranks
 that use the GPU.  Fatal ones become ``gpu_fault`` incidents, and every finding
 goes to the listeners as a :class:`GpuEvent`.
 
-Which ranks use a GPU: a rank reports its ``device`` and ``local_rank``.  With
-``cuda:N`` it uses GPU N; otherwise (a device name such as "NVIDIA H100 80GB HBM3",
-or "cpu" in a CPU job driven by a scripted source) GPU ``local_rank``, the
-torchrun convention.  The index is taken as the node's NVML index, which holds
-when the ranks see every GPU in PCI bus order (``CUDA_VISIBLE_DEVICES`` unset,
-or a plain 0,1,2,... list, and ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).  A rank that
-sees a remapped subset names the wrong GPU; reporting the GPU's UUID from the
-rank would remove that assumption.
+Which ranks use a GPU: a CUDA rank reports its GPU's UUID, and the rank uses
+the GPU whose reading carries that UUID, whatever ``CUDA_VISIBLE_DEVICES`` and
+``CUDA_DEVICE_ORDER`` made of the indices.  Without a UUID, or before the GPU's
+first reading, the rank's ``device`` and ``local_rank`` decide: with ``cuda:N`` it
+uses GPU N; otherwise (a device name such as "NVIDIA H100 80GB HBM3", or "cpu" in
+a CPU job driven by a scripted source) GPU ``local_rank``, the torchrun convention,
+taken as the node's NVML index.
 """
 
 from __future__ import annotations
@@ -48,6 +47,8 @@ class RankDevice:
     device: str
     local_rank: int
     step: int
+    uuid: str = ""
+    """The GPU's UUID as the rank's CUDA reports it ("GPU-..."), "" if unknown."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,12 @@ class GpuEvent:
     """What was seen, e.g. {"new_errors": 3, "total": 12} or {"throttle": ["hw_thermal_slowdown"]}."""
     incident: dict[str, Any] | None = None
     """The ``gpu_fault`` incident recorded for it, if any."""
+
+
+def _uuid_key(uuid: str) -> str:
+    """A UUID as NVML ("GPU-5c41...") or CUDA ("5c41...") spells it, in one form."""
+    u = uuid.strip().lower()
+    return u[4:] if u.startswith(("gpu-", "mig-")) else u
 
 
 def gpu_of(device: str, local_rank: int) -> int:
@@ -199,7 +206,7 @@ class GpuMonitor:
             if last is not None and at - last < self.config.repeat_cooldown.total_seconds():
                 return
             self._last_reported[key] = at
-        ranks = [r for r in self._ranks() if gpu_of(r.device, r.local_rank) == f.gpu]
+        ranks = [r for r in self._ranks() if self.gpu_of_rank(r) == f.gpu]
         ranks.sort(key=lambda r: r.rank)
         rank_ids = tuple(r.rank for r in ranks)
         what = describe(f.xid) if f.xid is not None else f.reason.replace("_", " ")
@@ -232,10 +239,22 @@ class GpuMonitor:
         with self._lock:
             return dict(self._xid_counts)
 
-    def throttle_for_rank(self, device: str, local_rank: int) -> list[str]:
+    def gpu_of_rank(self, r: RankDevice) -> int:
+        """The index of the GPU a rank uses: by its UUID where a reading has it, else
+        :func:`gpu_of`."""
+        if r.uuid:
+            want = _uuid_key(r.uuid)
+            with self._lock:
+                for index, reading in self._last_seen.items():
+                    if reading.uuid and _uuid_key(reading.uuid) == want:
+                        return index
+        return gpu_of(r.device, r.local_rank)
+
+    def throttle_for_rank(self, r: RankDevice) -> list[str]:
         """Slowdown reasons active on the GPU a rank uses ([] if none, or no such GPU)."""
+        gpu = self.gpu_of_rank(r)
         with self._lock:
-            reading = self._readings.get(gpu_of(device, local_rank))
+            reading = self._readings.get(gpu)
         if reading is None or not reading.up:
             return []
         return [r for r in reading.throttle or () if r in SLOWDOWN_REASONS]
