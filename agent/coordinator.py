@@ -115,6 +115,7 @@ class Coordinator:
         self.generation = 0
         self._straggler_cfg = straggler or StragglerConfig()
         self._stragglers = StragglerDetector(self._straggler_cfg)
+        self._open_stragglers: dict[int, dict[str, Any]] = {}   # flagged rank -> its open incident
         self._on_incident = on_incident or (lambda _: None)
         self._refused: set[str] = set()
         self._evictions: dict[str, tuple[int, str]] = {}   # node -> (checkpoint step, reason)
@@ -338,15 +339,30 @@ class Coordinator:
                          step_seconds=r.step_seconds, completed=r.steps_completed)
                 for name, r in ranks]
         for ev in self._stragglers.update(work, done):
+            if ev.kind == "cleared":
+                self._resolve_straggler(ev.score.rank, now)
+                continue
             # A node's own agent compares its ranks with each other; the coordinator adds
             # what no node can see alone: a whole slow node, or a node's only rank.
-            if ev.kind == "cleared" or (ev.scope != "node" and per_node[ev.work.node] > 1):
+            if ev.scope != "node" and per_node[ev.work.node] > 1:
                 continue
             inc = self.incidents.add(kind="straggler", node=ev.work.node, rank=ev.score.rank,
                                      step=ev.work.step, detected_at=now,
                                      detail={**ev.detail(self._straggler_cfg.window), "job": True})
+            for rank in ev.ranks or [ev.score.rank]:
+                self._open_stragglers[rank] = inc
             self._on_incident(inc)
             self._plan_eviction(ev.work.node, ev.score.speedup, ev.score.cause)
+
+    def _resolve_straggler(self, rank: int, now: float) -> None:
+        """A rank's flag is lifted; its incident is resolved once none of its ranks is flagged.
+        The resolved incident reaches the node with the next sync, which unmarks its ranks."""
+        inc = self._open_stragglers.pop(rank, None)
+        if inc is None or any(i is inc for i in self._open_stragglers.values()):
+            return
+        inc["detail"]["resolved_at"] = now
+        log.info("job straggler %s resolved", inc["id"])
+        self._on_incident(inc)
 
     def _plan_eviction(self, node: str, speedup: float, cause: str) -> None:
         """A costly straggling node: checkpoint now, exclude it once that checkpoint is complete."""

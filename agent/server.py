@@ -105,7 +105,8 @@ class Agent:
         self.coordinator = Coordinator(config.node_id, incidents=self.incidents, hang=config.hang,
                                        straggler=config.straggler, policy=config.policy,
                                        on_incident=self._own_job_incident)
-        self._marked_at: dict[int, float] = {}   # rank -> when a job verdict marked it
+        self._marked_at: dict[int, float] = {}   # rank -> when a job verdict marked it hung
+        self._job_stragglers: set[int] = set()   # ranks the coordinator flags as stragglers
         self.commands = CommandHub()
         self.link = JobLink(self, config.coordinators, config.sync_interval)
         self.goodput = Goodput()
@@ -416,7 +417,8 @@ class Agent:
                 if r.rank in scores:
                     r.slowdown = scores[r.rank].slowdown
                 if r.state in ("ok", "straggler"):
-                    r.state = "straggler" if r.rank in flagged else "ok"
+                    job = r.rank in self._job_stragglers   # the coordinator's flag, kept until lifted
+                    r.state = "straggler" if r.rank in flagged or job else "ok"
         job_step = max(w.step_seconds for w in work)
         self._straggler_view = ({rank: s.cause for rank, s in flagged.items()},
                                 self._stragglers.cost_ratio(job_step))
@@ -539,23 +541,48 @@ class Agent:
                     "detail": json.loads(inc.detail_json or "{}")}
         if self.incidents.merge(incident):
             self._mark(incident)
+        elif "resolved_at" in incident["detail"]:
+            self._resolve(incident)
 
     def _own_job_incident(self, incident: dict) -> None:
         """The coordinator's verdict about a rank of the coordinator's own node."""
-        if incident["node"] == self.state.node_id:
+        if incident["node"] != self.state.node_id:
+            return
+        if "resolved_at" in incident["detail"]:
+            self._resolve(incident)
+        else:
             self._mark(incident)
 
     def _mark(self, incident: dict) -> None:
-        """A job verdict sets the rank's state; it returns to ok once the rank progresses again."""
+        """A job verdict sets the rank's state.  A hung rank returns to ok once it progresses
+        again; a job straggler once the coordinator resolves the incident (:meth:`_resolve`)."""
         state = {"hang": "hung", "straggler": "straggler"}.get(incident["kind"])
-        if state is None:
+        if state is None or (state == "straggler" and "resolved_at" in incident["detail"]):
             return
         with self.state.lock:
             for rank in incident["detail"].get("ranks") or [incident["rank"]]:
+                if state == "straggler":
+                    self._job_stragglers.add(rank)
                 r = self.state.ranks.get(rank)
                 if r is not None and r.state in ("ok", "straggler", "hung"):
                     r.state = state
-                    self._marked_at[rank] = self.state.clock() if state == "hung" else float("inf")
+                    if state == "hung":
+                        self._marked_at[rank] = self.state.clock()
+
+    def _resolve(self, incident: dict) -> None:
+        """The coordinator lifted a job straggler flag: its ranks are ok again (unless this
+        node's own detector flags them)."""
+        if incident["kind"] != "straggler":
+            return
+        with self.state.lock:
+            known = next((i for i in self.incidents.items if i["id"] == incident["id"]), None)
+            if known is not None and known is not incident:
+                known["detail"]["resolved_at"] = incident["detail"]["resolved_at"]
+            for rank in incident["detail"].get("ranks") or [incident["rank"]]:
+                self._job_stragglers.discard(rank)
+                r = self.state.ranks.get(rank)
+                if r is not None and r.state == "straggler" and rank not in self._stragglers.flagged:
+                    r.state = "ok"
 
     def _commands(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> Iterator[pb.Command]:
         def step() -> int:

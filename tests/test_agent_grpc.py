@@ -137,3 +137,31 @@ def test_stop_removes_socket(tmp_path):
     assert path.exists()
     a.stop(timedelta(seconds=0.1))
     assert not path.exists() and a.wait(timedelta(seconds=1))
+
+
+def test_a_job_straggler_verdict_marks_the_rank_until_the_coordinator_resolves_it(agent):
+    import json
+    rec, client = make_client(agent.config.listen[0], rank=1)
+    client.start()
+    try:
+        deadline = time.monotonic() + 10
+        while 1 not in agent.state.ranks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        flagged = pb.Incident(id="straggler-1", kind="straggler", node="n0", rank=1, step=50,
+                              detected_at=time.time(),
+                              detail_json=json.dumps({"cause": "compute", "slowdown": 1.4, "ranks": [1]}))
+        agent.on_job_incident("n9", flagged)
+        assert agent.state.ranks[1].state == "straggler"
+        agent.check_stragglers(time.time())  # the node's own detector (one rank) keeps the mark
+        agent.on_job_incident("n9", flagged)  # the same verdict, synced again
+        assert agent.state.ranks[1].state == "straggler"
+        resolved = pb.Incident()
+        resolved.CopyFrom(flagged)
+        resolved.detail_json = json.dumps({"cause": "compute", "slowdown": 1.4, "ranks": [1],
+                                           "resolved_at": time.time()})
+        agent.on_job_incident("n9", resolved)
+        assert agent.state.ranks[1].state == "ok"
+        (kept,) = [i for i in agent.incidents.items if i["id"] == "n9/straggler-1"]
+        assert "resolved_at" in kept["detail"]
+    finally:
+        client.close()

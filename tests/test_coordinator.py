@@ -179,3 +179,40 @@ def test_a_restart_is_over_only_when_new_workers_step():
     c.sync(summary("n0", 3, clock.t, [dict(rank=0, step=6, pid=20, progress_at=clock.t, last_seen=clock.t)]))
     c.evaluate()
     assert restart["detail"]["recovered_after_seconds"] == pytest.approx(8, abs=0.01)
+
+
+def test_a_job_straggler_is_resolved_when_the_node_recovers():
+    import json
+
+    from rankwatch.agent.straggler import StragglerConfig
+
+    c, clock = make(PolicyConfig(evict_straggler_speedup=100.0))  # flag only, never evict
+    c._stragglers = type(c._stragglers)(StragglerConfig(warmup_steps=0, clear_after=10))
+    t, seq = clock.t, 0
+
+    def sync(n1_own: float) -> pb.SyncReply:
+        nonlocal seq
+        seq += 1
+        done = 40 + seq
+        clock.t = t + seq * 0.1
+        work = dict(steps_completed=done, step=done, progress_at=clock.t, last_seen=clock.t,
+                    step_seconds=0.25, comm_wait=[0.0] * 16, data_wait=[0.0] * 16)
+        c.sync(summary("n0", seq, clock.t, [dict(rank=0, own_work=[0.1] * 16, **work)]))
+        reply = c.sync(summary("n1", seq, clock.t, [dict(rank=1, own_work=[n1_own] * 16, **work)]))
+        c.evaluate()
+        return reply
+
+    for _ in range(60):
+        sync(0.2)
+    (inc,) = [i for i in c.incidents.items if i["kind"] == "straggler"]
+    assert (inc["node"], inc["rank"]) == ("n1", 1) and "resolved_at" not in inc["detail"]
+    for _ in range(60):
+        sync(0.1)
+        if "resolved_at" in inc["detail"]:
+            break
+    assert "resolved_at" in inc["detail"], "a recovered node's straggler incident is resolved"
+    assert not c._evictions
+    # The node hears it with its next sync (and unmarks its rank: test_agent_grpc).
+    (sent,) = [i for i in sync(0.1).incidents if i.kind == "straggler"]
+    assert json.loads(sent.detail_json)["resolved_at"] == inc["detail"]["resolved_at"]
+    assert len([i for i in c.incidents.items if i["kind"] == "straggler"]) == 1
