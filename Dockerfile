@@ -23,9 +23,10 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_BASE} AS agent
 ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-# The wheel comes in through a bind mount, so no layer keeps a copy of it.
+# The wheel comes in through a bind mount, so no layer keeps a copy of it. The [otlp]
+# extra lets the agent export spans when OTEL_EXPORTER_OTLP_ENDPOINT is set.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir /wheels/*.whl \
+    pip install --no-cache-dir "$(echo /wheels/rankwatch-*.whl)[otlp]" \
     && groupadd --system --gid 10001 rankwatch \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin rankwatch
