@@ -198,6 +198,11 @@ class Coordinator:
                                          "reason": reason, "decision": d["id"],
                                          "started_at": d["decided_at"]})
         with self.lock:
+            prev = self._restart
+            if prev is not None:  # superseded before it recovered: it lasted until this one
+                prev.incident["detail"].setdefault(
+                    "recovered_after_seconds", round(d["decided_at"] - prev.started_at, 3))
+                prev.incident["detail"]["superseded_by"] = d["id"]
             self._restart = _Restart(inc, d["decided_at"], steps, pids)
         return d
 
