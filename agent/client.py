@@ -56,6 +56,7 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
             "tokens_per_second": r.tokens_per_second, "slowdown": r.slowdown,
             "own_work_seconds": r.own_work_seconds,
             "collective_wait_seconds": r.collective_wait_seconds,
+            "collective_source": r.collective_source, "device_uuid": r.device_uuid,
         } for r in resp.ranks],
         "incidents": [{
             "id": i.id, "kind": i.kind, "node": i.node, "rank": i.rank, "step": i.step,

@@ -294,7 +294,8 @@ class Agent:
                 last_collective_seq=r.last_collective_seq, dropped=r.dropped,
                 last_seen=r.last_seen, connected=r.connected,
                 tokens_per_second=r.tokens_per_second, slowdown=r.slowdown,
-                own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds))
+                own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds,
+                collective_source=r.collective_source, device_uuid=r.device_uuid))
         if job:
             for node, r, excluded in self.coordinator.rank_summaries():
                 if node != st.node_id:

@@ -70,6 +70,7 @@ class RankState:
     op_map: np.ndarray                      # the rank's op code -> agent op index
     stream: int                             # id of the stream that owns this rank
     device_uuid: str = ""                   # the GPU's UUID ("GPU-..."), "" without CUDA
+    collective_source: str = ""             # nccl_completion_hook, python_wrappers or none
     connected: bool = True
     exited_cleanly: bool = False
     last_seen: float = field(default_factory=time.time)
@@ -177,6 +178,7 @@ class NodeState:
                 rank=msg.rank, node=self.node_id, pid=msg.pid,
                 local_rank=msg.local_rank, world_size=msg.world_size, backend=msg.backend,
                 device=msg.device, device_uuid=msg.device_uuid, job_id=msg.job_id,
+                collective_source=msg.collective_source,
                 peak_flops=msg.peak_flops,
                 mesh_coords=dict(msg.mesh_coords), mesh_shape=dict(msg.mesh_shape),
                 op_map=op_map, stream=self._next_stream, last_seen=self.clock(),
@@ -346,6 +348,7 @@ def _check_hello(msg: pb.Hello) -> None:
         raise Rejected("invalid_hello", f"peak_flops {msg.peak_flops} invalid")
     for value, what in ((msg.node_id, "node_id"), (msg.backend, "backend"),
                         (msg.device, "device"), (msg.device_uuid, "device_uuid"),
+                        (msg.collective_source, "collective_source"),
                         (msg.job_id, "job_id")):
         _check_label(value, what)
     for name in list(msg.op_names) + list(msg.mesh_coords) + list(msg.mesh_shape):

@@ -14,8 +14,12 @@ Two sources, one record format (:meth:`Recorder.collective`):
   backend thread's view, but it costs ~30 us per collective in GIL hand-offs
   and its timestamp waits for the GIL anyway.)
 * **NCCL completion hooks**: with ``TORCH_NCCL_ENABLE_TIMING=1``,
-  ``ProcessGroup._register_on_completion_hook`` reports each collective's
-  GPU-measured duration, funcols included; the wrappers then stand down.
+  ``ProcessGroup._register_on_completion_hook`` on every NCCL group (the
+  default one, DeviceMesh's, and groups made later, found at each flush)
+  reports each collective's duration between CUDA events on the NCCL stream,
+  funcols included; the wrappers then stand down.  That duration includes the
+  time a collective's kernel waited for its slowest peer.  NCCL reports no
+  byte counts, so these records carry 0 bytes.
 
 Bookkeeping never raises into training: its errors are counted.
 """
@@ -70,6 +74,17 @@ _FUNCOL_OPS = {
     "reduce_scatter_single_coalesced": "reduce_scatter_coalesced",
 }
 _MAX_PENDING = 4096
+# ProcessGroupNCCL's OpType names (lower case) -> op code; unlisted ones are "other".
+_NCCL_OP_CODES = {name: OP_CODE[op] for name, op in {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced",
+    "allgather": "all_gather", "_allgather_base": "all_gather",
+    "allgather_coalesced": "all_gather_coalesced", "allgather_into_tensor_coalesced": "all_gather_coalesced",
+    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced",
+    "alltoall": "all_to_all", "alltoall_base": "all_to_all", "broadcast": "broadcast",
+    "barrier": "barrier", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
+    "send": "send", "recv": "recv",
+}.items()}
 
 
 def _storage_key(act: Any) -> int:
@@ -102,6 +117,8 @@ class CollectiveInstrumentation:
         self._pending: dict[int, tuple[int, int, int]] = {}  # funcol results not yet waited
         self._default_pg: Any = None
         self._pending_work: dict[int, tuple[int, int, int, int, int]] = {}  # async Works
+        self._nccl_on = False
+        self._nccl_hooked: set[int] = set()  # id() of the groups whose completion hook is ours
 
     # -- public -----------------------------------------------------------
     def install(self) -> str:
@@ -123,10 +140,30 @@ class CollectiveInstrumentation:
             setattr(owner, name, original)
         self._saved.clear()
         self._default_pg = None
+        # A completion hook cannot be removed from its group: it stays and records nothing.
+        self._nccl_on = False
         self.source = "none"
 
+    def refresh(self) -> None:
+        """Hook NCCL groups made since :meth:`install` (sender thread, every flush).
+
+        A DeviceMesh or ``new_group`` made after ``init()`` has its own communicator;
+        its collectives are timed from the first flush after it appears.
+        """
+        if self._nccl_on:
+            try:
+                import torch.distributed as dist
+
+                self._hook_nccl_groups(dist)
+            except Exception:  # noqa: BLE001 - sampling must not fail
+                self.errors += 1
+
     def group_seqs(self) -> dict[str, int]:
-        """Sequence number of every group seen, by group name (sender thread)."""
+        """Sequence number of every group seen, by group name (sender thread).
+
+        Sampled every flush, so it also hooks NCCL groups made since the last one.
+        """
+        self.refresh()
         out = {}
         for pg in list(self.pgs):
             try:
@@ -317,25 +354,45 @@ class CollectiveInstrumentation:
         if os.environ.get("TORCH_NCCL_ENABLE_TIMING") != "1":
             log.info("rankwatch: NCCL without TORCH_NCCL_ENABLE_TIMING=1; timing in Python")
             return False
+        self._nccl_on = True
         try:
-            pg = dist.distributed_c10d._get_default_group()
-            pg._register_on_completion_hook(self._on_nccl_completion)
-            return True
+            self._hook_nccl_groups(dist)
         except Exception as exc:  # noqa: BLE001
             log.warning("rankwatch: NCCL completion hook unavailable (%s); timing in Python", exc)
-            return False
+            self._nccl_on = False
+        return self._nccl_on
 
-    def _on_nccl_completion(self, info: Any) -> None:
-        # Runs on the NCCL watchdog's hook thread, never the training thread.
+    def _hook_nccl_groups(self, dist: Any) -> None:
+        """Register the completion hook on every NCCL group not hooked yet.
+
+        The default group's failure is raised (the caller falls back to the
+        Python wrappers); a subgroup's is counted, and the group is not tried again.
+        """
+        c10d = dist.distributed_c10d
+        default = c10d._get_default_group()
+        for pg in [default, *c10d._world.pg_map]:
+            if id(pg) in self._nccl_hooked:
+                continue
+            try:
+                if dist.get_backend(pg) != "nccl":
+                    self._nccl_hooked.add(id(pg))
+                    continue
+                pgc = self._pg_code(pg)
+                pg._register_on_completion_hook(functools.partial(self._on_nccl_completion, pgc))
+            except Exception:
+                if pg is default:
+                    raise
+                self.errors += 1
+            self._nccl_hooked.add(id(pg))
+
+    def _on_nccl_completion(self, pgc: int, info: Any) -> None:
+        # Runs on the group's hook thread, never the training thread.
+        if not self._nccl_on:
+            return
         try:
-            name = str(info.op_type).rsplit(".", 1)[-1].lower()
-            op = OP_CODE.get({"allreduce": "all_reduce", "allgather": "all_gather",
-                              "_allgather_base": "all_gather", "reduce_scatter": "reduce_scatter",
-                              "_reduce_scatter_base": "reduce_scatter",
-                              "alltoall_base": "all_to_all", "alltoall": "all_to_all"}
-                             .get(name, name), OP_CODE["other"])
+            op = _NCCL_OP_CODES.get(str(info.op_type).rsplit(".", 1)[-1].lower(), OP_CODE["other"])
             t1_ns = time.perf_counter_ns()
             dur_ns = int(info.active_duration.total_seconds() * 1e9)
-            self._rec.collective(op, 0, int(info.seq), t1_ns - dur_ns, t1_ns, 0)
+            self._rec.collective(op, pgc, int(info.seq), t1_ns - dur_ns, t1_ns, 0)
         except Exception:  # noqa: BLE001
             self.errors += 1

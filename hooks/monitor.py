@@ -179,6 +179,7 @@ def _init(mesh: Any, address: Address, node: str, peak_flops: float | None,
     if collectives:
         instr.install()
     hello = _hello(mesh, node, peak_flops, job_id)
+    hello.collective_source = instr.source
     client = AgentClient(recorder, hello, address, last_seq=instr.last_seq,
                          group_seqs=instr.group_seqs)
     client.start()
