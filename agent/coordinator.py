@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
+from rankwatch.agent.gpu.xid import FATAL_ACTIONS
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 from rankwatch.agent.incidents import IncidentLog
 from rankwatch.agent.state import parse_flight_recorder
@@ -41,9 +42,6 @@ from rankwatch.proto import pb
 __all__ = ["Coordinator", "PolicyConfig"]
 
 log = logging.getLogger(__name__)
-
-# A gpu_fault whose catalogue action is one of these takes its node out of the job.
-_FATAL_GPU_ACTIONS = ("reboot", "reset_gpu", "restart_app")
 
 
 @dataclass(kw_only=True)
@@ -320,7 +318,7 @@ class Coordinator:
         with self.lock:
             faults = [(name, json.loads(i.detail_json or "{}")) for name, n in self.nodes.items()
                       if name not in self.excluded for i in n.summary.incidents if i.kind == "gpu_fault"]
-        fatal = [(name, d) for name, d in faults if d.get("action") in _FATAL_GPU_ACTIONS]
+        fatal = [(name, d) for name, d in faults if d.get("action") in FATAL_ACTIONS]  # takes the node out
         for name, detail in fatal:
             if self.policy.exclude_gpu_fatal:
                 self.exclude(name, f"fatal GPU fault on gpu {detail.get('gpu')}: "

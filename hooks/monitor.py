@@ -50,6 +50,7 @@ class Monitor:
         self._instr = instrumentation
         self._client = client
         self._served: dict[int, str] = {}  # step -> the request id its save serves
+        self._agree_device: Any = None     # where checkpoint_due's all-reduce runs
         self.mark = recorder.mark  # the hot path: a bound method, no indirection
 
     def step(self, step: int, tokens: float = 0.0, flops: float = 0.0) -> StepScope:
@@ -71,15 +72,35 @@ class Monitor:
         return self._client.dropped_total if self._client else 0
 
     def requested_checkpoint(self) -> int:
-        """The step of the earliest checkpoint the agent asked for, or -1.
+        """The step of the earliest checkpoint the agent asked for, as this rank knows it, or -1.
 
-        Ranks may learn of a request at different steps, so agree before acting:
-        all-reduce this with MAX over the world and save when ``step >= `` the
-        result (the harness does).  A request whose step has passed is served at
-        the next agreed step.
+        Ranks may learn of a request at different steps: use :meth:`checkpoint_due`,
+        which agrees across ranks, to decide whether to save.
         """
         req = self._client.requested_checkpoint() if self._client else None
         return req[0] if req else -1
+
+    def checkpoint_due(self, step: int, group: Any = None) -> bool:
+        """Whether to save a checkpoint after ``step``: the same answer on every rank.
+
+        A collective (MAX over ``group``, default the world), so every rank of the
+        group must call it after the same step.  True once the agent asked for a
+        checkpoint at or before ``step``; a request some ranks heard of late is
+        served at the first step where all agree.  Then call
+        :meth:`checkpoint_started`, save, and :meth:`checkpoint_saved`.
+        """
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return 0 <= self.requested_checkpoint() <= step
+        if self._agree_device is None:
+            backend = dist.get_backend(group)
+            self._agree_device = (torch.device("cuda", torch.cuda.current_device())
+                                  if backend == "nccl" else torch.device("cpu"))
+        want = torch.tensor([self.requested_checkpoint()], dtype=torch.int64, device=self._agree_device)
+        dist.all_reduce(want, op=dist.ReduceOp.MAX, group=group)
+        return 0 <= int(want.item()) <= step
 
     def checkpoint_started(self, step: int) -> None:
         """A save of ``step`` begins: the agent's requests up to it are served by it."""
@@ -130,6 +151,9 @@ class NullMonitor:
 
     def requested_checkpoint(self) -> int:
         return -1
+
+    def checkpoint_due(self, step: int, group: Any = None) -> bool:
+        return False
 
     def checkpoint_started(self, step: int) -> None:
         pass
