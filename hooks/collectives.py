@@ -36,7 +36,7 @@ from typing import Any
 
 from rankwatch.hooks.recorder import OP_CODE, Recorder
 
-__all__ = ["CollectiveInstrumentation"]
+__all__ = ["CollectiveInstrumentation", "backend_of"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,16 @@ _FUNCOL_OPS = {
     "all_gather_single_coalesced": "all_gather_coalesced",
     "reduce_scatter_single_coalesced": "reduce_scatter_coalesced",
 }
+# The verb's parameter that holds the whole buffer, whose bytes a record carries (as
+# nccl-tests' "size": an all-gather's output, a reduce-scatter's input, else the tensor).
+_PAYLOAD = {
+    "all_reduce": "tensor", "all_reduce_coalesced": "tensors", "all_gather": "tensor_list",
+    "all_gather_single": "output_tensor", "all_gather_coalesced": "output_tensor_lists",
+    "reduce_scatter": "input_list", "reduce_scatter_single": "input",
+    "all_to_all": "input_tensor_list", "all_to_all_single": "input", "broadcast": "tensor",
+    "reduce": "tensor", "gather": "tensor", "scatter": "tensor", "send": "tensor", "recv": "tensor",
+    "isend": "tensor", "irecv": "tensor",
+}
 _MAX_PENDING = 4096
 # ProcessGroupNCCL's OpType names (lower case) -> op code; unlisted ones are "other".
 _NCCL_OP_CODES = {name: OP_CODE[op] for name, op in {
@@ -87,17 +97,56 @@ _NCCL_OP_CODES = {name: OP_CODE[op] for name, op in {
 }.items()}
 
 
+def backend_of(pg: Any = None) -> str:
+    """The backend of a process group (default: the world's), however the group was made.
+
+    ``dist.get_backend`` answers "undefined" for a group that ``init_device_mesh``
+    made without a backend named; the group's own name, or its per-device backend
+    config ("cpu:gloo,cuda:nccl": the one of the device this process computes
+    on), tell.
+    """
+    import torch
+    import torch.distributed as dist
+
+    name = str(dist.get_backend(pg))
+    if name not in ("", "undefined"):
+        return name
+    group = pg if pg is not None else dist.distributed_c10d._get_default_group()
+    try:
+        name = str(group.name())
+    except Exception:  # noqa: BLE001 - older torch
+        name = "undefined"
+    if name not in ("", "undefined"):
+        return name
+    by_device = dict(part.split(":", 1) for part in str(dist.get_backend_config(pg)).split(",") if ":" in part)
+    return by_device.get("cuda" if torch.cuda.is_available() else "cpu", name)
+
+
 def _storage_key(act: Any) -> int:
     return act.elem.untyped_storage().data_ptr()
 
 
 def _nbytes(obj: Any) -> int:
+    """Bytes of a tensor, or of the tensors in (nested) lists of them; 0 for anything else."""
     nbytes = getattr(obj, "nbytes", None)
     if nbytes is not None:
         return int(nbytes)
     if isinstance(obj, (list, tuple)):
-        return sum(int(getattr(t, "nbytes", 0)) for t in obj)
+        return sum(_nbytes(t) for t in obj)
     return 0
+
+
+def _payload_reader(fn: Callable, name: str | None) -> Callable[[tuple, dict], int]:
+    """``(args, kwargs) -> bytes`` of ``fn``'s parameter ``name``, passed by position or by keyword."""
+    params = list(inspect.signature(fn).parameters)
+    if name is None or name not in params:
+        return lambda args, kwargs: 0
+    index = params.index(name)
+
+    def read(args: tuple, kwargs: dict) -> int:
+        return _nbytes(args[index] if len(args) > index else kwargs.get(name))
+
+    return read
 
 
 class CollectiveInstrumentation:
@@ -213,7 +262,8 @@ class CollectiveInstrumentation:
         for fname, op in _DIST_OPS.items():
             fn = getattr(c10d, fname, None)
             if fn is not None:
-                self._patch_everywhere(fn, self._dist_wrapper(fn, OP_CODE[op], c10d))
+                self._patch_everywhere(fn, self._dist_wrapper(fn, OP_CODE[op], c10d,
+                                                              _payload_reader(fn, _PAYLOAD.get(fname))))
         self._wrap_work_wait(dist.Work)
 
     def _find_default(self, c10d: Any) -> Any:
@@ -251,7 +301,8 @@ class CollectiveInstrumentation:
 
         self._patch(work_cls, "wait", timed_wait)
 
-    def _dist_wrapper(self, fn: Callable, op: int, c10d: Any) -> Callable:
+    def _dist_wrapper(self, fn: Callable, op: int, c10d: Any,
+                      payload: Callable[[tuple, dict], int]) -> Callable:
         params = list(inspect.signature(fn).parameters)
         g_index = params.index("group") if "group" in params else None
         rec = self._rec
@@ -275,7 +326,7 @@ class CollectiveInstrumentation:
             try:
                 seq = pg._get_sequence_number_for_group()
                 pgc = self._pg_code(pg)
-                nbytes = _nbytes(args[0] if args else kwargs.get("tensor"))
+                nbytes = payload(args, kwargs)
                 if work is None:
                     t1 = clock()
                     rec.blocked_ns += t1 - t0
@@ -297,7 +348,9 @@ class CollectiveInstrumentation:
         for fname, op in _FUNCOL_OPS.items():
             fn = getattr(funcol, fname, None)
             if fn is not None:
-                self._patch_everywhere(fn, self._funcol_wrapper(fn, OP_CODE[op], act_cls))
+                first = next(iter(inspect.signature(fn).parameters), None)  # the input tensor(s)
+                self._patch_everywhere(fn, self._funcol_wrapper(fn, OP_CODE[op], act_cls,
+                                                                _payload_reader(fn, first)))
 
         # DTensor waits with .wait(), other uses with .trigger_wait(): time both.
         for method in ("trigger_wait", "wait"):
@@ -324,7 +377,8 @@ class CollectiveInstrumentation:
 
         return timed_wait
 
-    def _funcol_wrapper(self, fn: Callable, op: int, act_cls: type) -> Callable:
+    def _funcol_wrapper(self, fn: Callable, op: int, act_cls: type,
+                        payload: Callable[[tuple, dict], int]) -> Callable:
         rec = self._rec
         clock = time.perf_counter_ns
 
@@ -333,7 +387,7 @@ class CollectiveInstrumentation:
             t0 = clock()
             out = fn(*args, **kwargs)
             try:
-                nbytes = _nbytes(args[0] if args else None)
+                nbytes = payload(args, kwargs)
                 if isinstance(out, act_cls) and not out.completed:
                     # Keyed by storage: views of the result (new ACTs) share it.
                     self._track(self._pending, _storage_key(out), (op, t0, nbytes))
@@ -349,7 +403,7 @@ class CollectiveInstrumentation:
         """Use NCCL's GPU timing when the default group is NCCL with timing on."""
         import os
 
-        if not dist.is_initialized() or dist.get_backend() != "nccl":
+        if not dist.is_initialized() or backend_of() != "nccl":
             return False
         if os.environ.get("TORCH_NCCL_ENABLE_TIMING") != "1":
             log.info("rankwatch: NCCL without TORCH_NCCL_ENABLE_TIMING=1; timing in Python")
@@ -374,7 +428,7 @@ class CollectiveInstrumentation:
             if id(pg) in self._nccl_hooked:
                 continue
             try:
-                if dist.get_backend(pg) != "nccl":
+                if backend_of(pg) != "nccl":
                     self._nccl_hooked.add(id(pg))
                     continue
                 pgc = self._pg_code(pg)

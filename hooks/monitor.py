@@ -224,6 +224,7 @@ def _hello(mesh: Any, node: str, peak_flops: float | None, job_id: str | None) -
     import torch
     import torch.distributed as dist
 
+    from rankwatch.hooks.collectives import backend_of
     from rankwatch.hooks.flops import peak_flops_for
     from rankwatch.proto import pb
 
@@ -234,7 +235,7 @@ def _hello(mesh: Any, node: str, peak_flops: float | None, job_id: str | None) -
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         world_size=dist.get_world_size() if initialized else int(os.environ.get("WORLD_SIZE", 1)),
         node_id=node, pid=os.getpid(),
-        backend=str(dist.get_backend()) if initialized else "none",
+        backend=backend_of() if initialized else "none",
         device=device,
         job_id=job_id or os.environ.get("TORCHELASTIC_RUN_ID", ""),
         peak_flops=peak_flops if peak_flops is not None else peak_flops_for(device),
