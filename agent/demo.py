@@ -37,8 +37,8 @@ from pathlib import Path
 from rich.console import Console, Group
 from rich.live import Live
 
-from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, Address, resolve
-from rankwatch.agent.client import AgentUnreachable, fetch_status, reachable
+from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address, resolve
+from rankwatch.status import AgentUnreachable, fetch_status, reachable
 from rankwatch.agent.coordinator import PolicyConfig
 from rankwatch.agent.gpu import GpuConfig, load_script
 from rankwatch.agent.gpu.script import ScriptedSource

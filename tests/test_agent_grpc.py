@@ -10,8 +10,8 @@ from datetime import timedelta
 import pytest
 
 from conftest import wait_for
-from rankwatch.agent.address import Address
-from rankwatch.agent.client import AgentUnreachable, fetch_status
+from rankwatch.address import Address
+from rankwatch.status import AgentUnreachable, fetch_status
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.hooks.client import AgentClient
 from rankwatch.hooks.recorder import OPS, Recorder
