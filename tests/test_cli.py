@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -91,8 +90,7 @@ def test_run_starts_a_local_agent(tmp_path):
     assert status["node"] == "nx" and {r["node"] for r in status["ranks"]} == {"nx"}
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out[-2000:]
-    time.sleep(0.2)
-    assert not sock.exists(), "the local agent was not stopped with the job"
+    wait_for(lambda: not sock.exists(), 10, what="the local agent stopped with the job")
 
 
 @pytest.mark.e2e
