@@ -20,9 +20,9 @@ import pytest
 
 from conftest import parse_metrics, wait_for
 from rankwatch.address import Address
-from rankwatch.status import fetch_status
 from rankwatch.agent.gpu import GpuConfig
 from rankwatch.agent.gpu.dcgm import DcgmSource
+from rankwatch.status import fetch_status
 
 FIXTURE = (Path(__file__).parent / "data" / "dcgm-exporter-h100.prom").read_text()
 
