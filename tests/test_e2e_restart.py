@@ -35,10 +35,14 @@ def test_hung_node_is_excluded_and_the_job_continues_without_it(tmp_path):
                            launcher="rankwatch", rdzv_conf=_RDZV, launcher_args=_LAUNCH)
                 for i in range(3)]
         # Started one after another so node n0 hosts the store; all three train.
-        wait_for(lambda: (r := c.coordinator.status()["ranks"]) and len(r) == 3
-                 and min(x["step"] for x in r) >= 25 and r, 180, what="three nodes training")
+        def training(min_step):
+            r = c.coordinator.status()["ranks"]
+            return len(r) == 3 and min(x["step"] for x in r) >= min_step and r
+        wait_for(lambda: training(10), 180, what="three nodes training")
         step_s = seconds_per_step(c.coordinator.status)
-        ranks = c.coordinator.status()["ranks"]
+        # Stopped between two saves (every 20 steps): a rank in a save, or waiting in its
+        # barrier, has a long allowance, and the hang would not be called within the test.
+        ranks = wait_for(lambda: training(25), 60, what="three nodes past step 25")
         victim = next(r for r in ranks if r["node"] == "n2")
         t0 = time.monotonic()
         os.kill(victim["pid"], signal.SIGSTOP)
