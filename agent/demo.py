@@ -37,8 +37,7 @@ from pathlib import Path
 from rich.console import Console, Group
 from rich.live import Live
 
-from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, Address, resolve
-from rankwatch.agent.client import AgentUnreachable, fetch_status, reachable
+from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address, resolve
 from rankwatch.agent.coordinator import PolicyConfig
 from rankwatch.agent.gpu import GpuConfig, load_script
 from rankwatch.agent.gpu.script import ScriptedSource
@@ -46,6 +45,7 @@ from rankwatch.agent.run import DEFAULT_METRICS_PORT, _port_free
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.agent.straggler import StragglerConfig
 from rankwatch.agent.view import goodput_line, rank_table, timeline
+from rankwatch.status import AgentUnreachable, fetch_status, reachable
 
 __all__ = ["run_demo"]
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from rankwatch.agent.address import Address
+from rankwatch.address import Address
 from rankwatch.agent.auth import metadata
 from rankwatch.agent.coordinator import decision_dict
 from rankwatch.proto import pb, pb_grpc

@@ -19,8 +19,8 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 
-from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, Address
-from rankwatch.agent.client import reachable
+from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
+from rankwatch.status import reachable
 
 __all__ = ["DEFAULT_METRICS_PORT", "run_torchrun", "start_local_agent"]
 
@@ -89,7 +89,7 @@ def with_rankwatch_rendezvous(args: Sequence[str]) -> list[str]:
 
 def excluded_reason(addr: Address, node: str) -> str | None:
     """Why the coordinator excluded ``node``, as this node's agent knows it; None if not."""
-    from rankwatch.agent.client import AgentUnreachable, fetch_status
+    from rankwatch.status import AgentUnreachable, fetch_status
 
     try:
         status = fetch_status(addr)

@@ -22,7 +22,7 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from rankwatch.agent import otel
-from rankwatch.agent.address import Address
+from rankwatch.address import Address
 from rankwatch.agent.auth import authorized
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig, decision_dict
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from rankwatch.agent.address import Address, node_id, resolve
+from rankwatch.address import Address, node_id, resolve
 from rankwatch.proto import pb
 from rankwatch.hooks.recorder import (
     ACTIVITY_CHECKPOINT,

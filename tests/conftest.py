@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.agent.address import Address
-from rankwatch.agent.client import AgentUnreachable, fetch_status
+from rankwatch.address import Address
+from rankwatch.status import AgentUnreachable, fetch_status
 
 
 class AgentProcess:

@@ -1,4 +1,8 @@
-"""Talking to an agent from the CLI: reachability and ``status``."""
+"""Talking to an agent: reachability and its ``status`` view.
+
+Shared by the node side (the CLI, ``rankwatch run``) and the training side (the
+rendezvous relay in torchrun), so it imports neither.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from rankwatch.agent.address import Address
+from rankwatch.address import Address
 from rankwatch.proto import pb, pb_grpc
 
 __all__ = ["AgentUnreachable", "fetch_status", "reachable"]
