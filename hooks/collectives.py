@@ -136,17 +136,28 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-def _payload_reader(fn: Callable, name: str | None) -> Callable[[tuple, dict], int]:
-    """``(args, kwargs) -> bytes`` of ``fn``'s parameter ``name``, passed by position or by keyword."""
+def _arg_reader(fn: Callable, name: str | None) -> Callable[[tuple, dict], Any]:
+    """``(args, kwargs) -> `` the argument ``fn`` got for its parameter ``name``, or None."""
     params = list(inspect.signature(fn).parameters)
     if name is None or name not in params:
-        return lambda args, kwargs: 0
+        return lambda args, kwargs: None
     index = params.index(name)
+    return lambda args, kwargs: args[index] if len(args) > index else kwargs.get(name)
 
-    def read(args: tuple, kwargs: dict) -> int:
-        return _nbytes(args[index] if len(args) > index else kwargs.get(name))
 
-    return read
+def _payload_reader(fn: Callable, name: str | None) -> Callable[[tuple, dict], int]:
+    """``(args, kwargs) -> bytes`` of ``fn``'s parameter ``name``, passed by position or by keyword."""
+    arg = _arg_reader(fn, name)
+    return lambda args, kwargs: _nbytes(arg(args, kwargs))
+
+
+def _group_key(group: Any) -> Any:
+    """A hashable key for a functional collective's ``group`` argument."""
+    if isinstance(group, tuple):  # (DeviceMesh, dim)
+        return tuple(id(g) if not isinstance(g, (int, str)) else g for g in group)
+    if isinstance(group, list):   # ranks
+        return tuple(tuple(g) if isinstance(g, list) else g for g in group)
+    return group if isinstance(group, str) else id(group)
 
 
 class CollectiveInstrumentation:
@@ -163,11 +174,13 @@ class CollectiveInstrumentation:
         self.pgs: list[Any] = []  # process groups seen, index = pg code
         self.errors = 0
         self.source = "none"
-        self._pending: dict[int, tuple[int, int, int]] = {}  # funcol results not yet waited
+        self._pending: dict[int, tuple[int, int, int, int, int]] = {}  # funcol results not yet waited
         self._default_pg: Any = None
         self._pending_work: dict[int, tuple[int, int, int, int, int]] = {}  # async Works
         self._nccl_on = False
         self._nccl_hooked: set[int] = set()  # id() of the groups whose completion hook is ours
+        # _group_key -> (the group argument, kept so its id is not reused; its ProcessGroup)
+        self._funcol_groups: dict[Any, tuple[Any, Any]] = {}
 
     # -- public -----------------------------------------------------------
     def install(self) -> str:
@@ -350,7 +363,8 @@ class CollectiveInstrumentation:
             if fn is not None:
                 first = next(iter(inspect.signature(fn).parameters), None)  # the input tensor(s)
                 self._patch_everywhere(fn, self._funcol_wrapper(fn, OP_CODE[op], act_cls,
-                                                                _payload_reader(fn, first)))
+                                                                _payload_reader(fn, first),
+                                                                _arg_reader(fn, "group")))
 
         # DTensor waits with .wait(), other uses with .trigger_wait(): time both.
         for method in ("trigger_wait", "wait"):
@@ -365,20 +379,21 @@ class CollectiveInstrumentation:
             pending = self._pending.pop(_storage_key(act), None) if self._pending else None
             if pending is None:
                 return wait(act)
-            op, t0, nbytes = pending
-            rec.inflight = (op, None, t0)
+            op, pgc, seq, t0, nbytes = pending
+            rec.inflight = (op, self.pgs[pgc] if pgc >= 0 else None, t0)
             tw = clock()
             out = wait(act)
             t1 = clock()
             rec.inflight = None
             rec.blocked_ns += t1 - tw
-            rec.collective(op, 0, -1, t0, t1, nbytes)
+            rec.collective(op, max(pgc, 0), seq, t0, t1, nbytes)
             return out
 
         return timed_wait
 
     def _funcol_wrapper(self, fn: Callable, op: int, act_cls: type,
-                        payload: Callable[[tuple, dict], int]) -> Callable:
+                        payload: Callable[[tuple, dict], int],
+                        group_arg: Callable[[tuple, dict], Any]) -> Callable:
         rec = self._rec
         clock = time.perf_counter_ns
 
@@ -388,16 +403,37 @@ class CollectiveInstrumentation:
             out = fn(*args, **kwargs)
             try:
                 nbytes = payload(args, kwargs)
+                # The group and its sequence number as c10d (and Flight Recorder) count them.
+                pg = self._funcol_group(group_arg(args, kwargs))
+                pgc = self._pg_code(pg) if pg is not None else -1
+                seq = int(pg._get_sequence_number_for_group()) if pg is not None else -1
                 if isinstance(out, act_cls) and not out.completed:
                     # Keyed by storage: views of the result (new ACTs) share it.
-                    self._track(self._pending, _storage_key(out), (op, t0, nbytes))
+                    self._track(self._pending, _storage_key(out), (op, pgc, seq, t0, nbytes))
                 else:  # already waited (tracing, or a view that forced the wait)
-                    rec.collective(op, 0, -1, t0, clock(), nbytes)
+                    rec.collective(op, max(pgc, 0), seq, t0, clock(), nbytes)
             except Exception:  # noqa: BLE001 - never raise into training
                 self.errors += 1
             return out
 
         return timed
+
+    def _funcol_group(self, group: Any) -> Any:
+        """The ProcessGroup behind a functional collective's ``group`` (cached), or None."""
+        if group is None:
+            return None
+        key = _group_key(group)
+        hit = self._funcol_groups.get(key)
+        if hit is not None:
+            return hit[1]
+        import torch.distributed._functional_collectives as funcol
+        from torch.distributed import distributed_c10d as c10d
+
+        pg = c10d._resolve_process_group(funcol._resolve_group_name(group))
+        if len(self._funcol_groups) >= 256:  # groups made per call: keep the cache bounded
+            self._funcol_groups.clear()
+        self._funcol_groups[key] = (group, pg)
+        return pg
 
     def _try_nccl_hooks(self, dist: Any) -> bool:
         """Use NCCL's GPU timing when the default group is NCCL with timing on."""
