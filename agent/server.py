@@ -289,7 +289,7 @@ class Agent:
         for r in st.snapshot():
             resp.ranks.append(pb.RankStatus(
                 rank=r.rank, node=r.node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
-                state=r.state, phase_seconds=r.last_phases, mesh_coords=r.mesh_coords,
+                state=r.state, phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
                 backend=r.backend, collectives=int(r.collective_counts.sum()),
                 last_collective_seq=r.last_collective_seq, dropped=r.dropped,
                 last_seen=r.last_seen, connected=r.connected,

@@ -88,7 +88,8 @@ class RankState:
     own_work: deque = field(default_factory=lambda: deque(maxlen=WORK_WINDOW))
     data_wait: deque = field(default_factory=lambda: deque(maxlen=WORK_WINDOW))
     comm_wait: deque = field(default_factory=lambda: deque(maxlen=WORK_WINDOW))
-    last_phases: dict[str, float] = field(default_factory=dict)
+    # Per step, over the same window as step_durations: (data, forward, backward, optimizer, other).
+    phase_window: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     collective_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(OPS), np.int64))
     state: str = "ok"
     steps_completed: int = 0
@@ -103,6 +104,14 @@ class RankState:
     @property
     def step_seconds(self) -> float:
         return float(np.median(self.step_durations)) if self.step_durations else 0.0
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Median of each phase over the steps that ``step_seconds`` is the median of."""
+        if not self.phase_window:
+            return {}
+        medians = np.median(np.asarray(self.phase_window, np.float64), axis=0)
+        return dict(zip(PHASES, (float(m) for m in medians)))
 
     @property
     def own_work_seconds(self) -> float:
@@ -280,10 +289,9 @@ class NodeState:
             rank.step_tokens.append(s.tokens[i])
             rank.step_flops.append(s.flops[i])
             rank.step = max(rank.step, s.step[i])
-        i = n - 1
-        marked = s.data[i] + s.forward[i] + s.backward[i] + s.optimizer[i]
-        rank.last_phases = {"data": s.data[i], "forward": s.forward[i], "backward": s.backward[i],
-                            "optimizer": s.optimizer[i], "other": max(0.0, s.duration[i] - marked)}
+            marked = s.data[i] + s.forward[i] + s.backward[i] + s.optimizer[i]
+            rank.phase_window.append((s.data[i], s.forward[i], s.backward[i], s.optimizer[i],
+                                      max(0.0, s.duration[i] - marked)))
         self.step_hist.observe_many(np.zeros(n, np.int64), np.asarray(s.duration, np.float64))
         self.steps_total += n
         self.tokens_total += float(sum(s.tokens))

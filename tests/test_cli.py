@@ -90,7 +90,16 @@ def test_run_starts_a_local_agent(tmp_path):
     assert status["node"] == "nx" and {r["node"] for r in status["ranks"]} == {"nx"}
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out[-2000:]
+    assert f"rankwatch: agent at unix:{sock}, /metrics on port {status['metrics_port']}" in out, out[-2000:]
     wait_for(lambda: not sock.exists(), 10, what="the local agent stopped with the job")
+
+
+def test_the_metrics_port_line_says_when_the_default_port_was_taken(agent_proc):
+    from rankwatch.agent.run import metrics_port_line
+
+    port = agent_proc.status()["metrics_port"]  # the test agent binds port 0: never 9478
+    assert metrics_port_line(agent_proc.addr) == (
+        f"rankwatch: agent at {agent_proc.addr}, /metrics on port {port} (port 9478 is taken)")
 
 
 @pytest.mark.e2e

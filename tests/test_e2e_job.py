@@ -68,9 +68,11 @@ def test_phases_add_up_to_step_time(job):
     for row in status["ranks"]:
         ph = row["phase_seconds"]
         marked = ph["data"] + ph["forward"] + ph["backward"] + ph["optimizer"]
-        # The agent's last step: marked phases cover almost all of it.
+        # Medians over the agent's recent steps: marked phases cover almost all of them,
+        # and they add up to the step time of the same steps.
         total = marked + ph["other"]
         assert 0.9 <= marked / total <= 1.0, ph
+        assert total == pytest.approx(row["step_seconds"], rel=0.25), (ph, row["step_seconds"])
         # Independently, the harness's own clock around the step.
         own = statistics.median(ranks[row["rank"]]["step_times"][2:])
         assert 0.6 <= row["step_seconds"] / own <= 1.4, (row["step_seconds"], own)
