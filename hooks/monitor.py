@@ -11,8 +11,9 @@ import atexit
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 from rankwatch.address import Address, node_id, resolve
 from rankwatch.proto import pb
@@ -29,6 +30,7 @@ __all__ = ["DISABLE_ENV", "Monitor", "NullMonitor", "init"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 DISABLE_ENV = "RANKWATCH_DISABLE"
 _ACTIVITIES = {"train": ACTIVITY_TRAIN, "eval": ACTIVITY_EVAL, "checkpoint": ACTIVITY_CHECKPOINT}
 
@@ -56,6 +58,30 @@ class Monitor:
     def step(self, step: int, tokens: float = 0.0, flops: float = 0.0) -> StepScope:
         """Bracket one training step; phases inside are closed with :meth:`mark`."""
         return self.recorder.step_scope(step, tokens, flops)
+
+    def steps(self, batches: Iterable[T], start: int = 1, tokens: float = 0.0,
+              flops: float = 0.0) -> Iterator[tuple[int, T]]:
+        """``for n, batch in mon.steps(loader):`` -- each step's scope opens before its batch is
+        fetched, so a slow loader counts as the step's ``data`` phase, never as time between steps.
+
+        The body marks the phases after data (forward, backward, optimizer); a step ends when
+        the next batch is asked for, when the loop breaks, or at the loader's end.
+        """
+        rec, n = self.recorder, start
+        it = iter(batches)
+        while True:
+            t0 = time.perf_counter_ns()
+            try:
+                batch = next(it)
+            except StopIteration:  # the loader is done: no step n
+                return
+            rec.begin_step(n, t0)  # the step began when its batch was asked for
+            rec.mark("data")
+            try:
+                yield n, batch
+            finally:
+                rec.end_step(tokens, flops)
+            n += 1
 
     @contextlib.contextmanager
     def activity(self, name: str) -> Iterator[None]:
@@ -142,6 +168,10 @@ class NullMonitor:
 
     def step(self, step: int, tokens: float = 0.0, flops: float = 0.0) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def steps(self, batches: Iterable[T], start: int = 1, tokens: float = 0.0,
+              flops: float = 0.0) -> Iterator[tuple[int, T]]:
+        return enumerate(batches, start)
 
     def mark(self, phase: str) -> None:
         pass
