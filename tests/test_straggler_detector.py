@@ -206,6 +206,25 @@ def test_cleared_after_recovery():
     assert 100 + CFG.clear_after <= cleared_at <= 100 + CFG.clear_after + CFG.window
 
 
+def test_the_straggler_moves_and_two_ranks_are_never_flagged_together():
+    n = 260
+    series = [[0.05 if 20 <= t < 110 else 0.08 if t >= 110 else 0.05 for t in range(n)],
+              [0.08 if 20 <= t < 110 else 0.05 for t in range(n)]]
+    events = feed(StragglerDetector(CFG), series)
+    flagged, together = set(), []
+    kinds = []
+    for t, ev in events:
+        ranks = set(ev.ranks or [ev.score.rank])
+        flagged = flagged | ranks if ev.kind == "flagged" else flagged - ranks
+        kinds.append((ev.kind, sorted(ranks)))
+        if len(flagged) > 1 and not any(e.kind == "cleared" for u, e in events if u == t):
+            together.append(t)
+    assert kinds[:3] == [("flagged", [1]), ("flagged", [0]), ("cleared", [1])]
+    assert together == []
+    cleared_1 = next(t for t, ev in events if ev.kind == "cleared")
+    assert cleared_1 < 110 + CFG.window  # at the reversal, not clear_after steps later
+
+
 def test_whole_node_is_one_node_level_straggler():
     rng = random.Random(4)
     onset, n = 60, 140
