@@ -86,16 +86,21 @@ def stop_process(proc: subprocess.Popen, timeout: timedelta = timedelta(seconds=
 RDZV_ENV = "RANKWATCH_RDZV"
 
 
+# torchrun's dynamic rendezvous backends -> rankwatch's exclusion-aware wrapper of each.
+_RDZV_WRAPPERS = {"c10d": "rankwatch", "etcd-v2": "rankwatch-etcd"}
+
+
 def with_rankwatch_rendezvous(args: Sequence[str]) -> list[str]:
-    """torchrun's arguments with a c10d rendezvous backend replaced by ``rankwatch``."""
+    """torchrun's arguments with a c10d or etcd-v2 rendezvous backend replaced by rankwatch's."""
     out = list(args)
     for i, a in enumerate(out):
         if a in ("--", "-m", "--module") or a.endswith(".py"):
             break  # the training script and its own arguments follow
-        if a in ("--rdzv-backend", "--rdzv_backend") and i + 1 < len(out) and out[i + 1] == "c10d":
-            out[i + 1] = "rankwatch"
-        elif a in ("--rdzv-backend=c10d", "--rdzv_backend=c10d"):
-            out[i] = a.replace("c10d", "rankwatch")
+        if a in ("--rdzv-backend", "--rdzv_backend") and i + 1 < len(out) and out[i + 1] in _RDZV_WRAPPERS:
+            out[i + 1] = _RDZV_WRAPPERS[out[i + 1]]
+        elif "=" in a and a.split("=", 1)[0] in ("--rdzv-backend", "--rdzv_backend"):
+            flag, value = a.split("=", 1)
+            out[i] = f"{flag}={_RDZV_WRAPPERS.get(value, value)}"
     return out
 
 

@@ -33,6 +33,13 @@ timeout before it kills a stopped (SIGSTOP) or hung worker.
 
 ``rankwatch run`` selects this backend in place of ``c10d`` (same
 parameters); use ``--rdzv-backend rankwatch`` with plain torchrun.
+
+``rankwatch-etcd`` is the same handler over torch's ``etcd-v2`` backend (an
+``EtcdRendezvousBackend`` and its ``EtcdStore``, against a real etcd with the
+v2 API on): the rendezvous, the exclusions and the generation then live in
+etcd, so no node's loss takes the store with it -- the first node included,
+whose torchrun hosts the c10d store.  ``rankwatch run`` selects it in place of
+``etcd-v2``.
 """
 
 from __future__ import annotations
@@ -57,11 +64,13 @@ from torch.distributed.elastic.rendezvous import (
 
 from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
 
-__all__ = ["BACKEND", "ExcludingRendezvousHandler", "create_handler", "handler_factory"]
+__all__ = ["BACKEND", "ETCD_BACKEND", "ExcludingRendezvousHandler", "create_etcd_handler", "create_handler",
+           "etcd_handler_factory", "handler_factory"]
 
 log = logging.getLogger(__name__)
 
 BACKEND = "rankwatch"
+ETCD_BACKEND = "rankwatch-etcd"
 GENERATION_KEY = "generation"
 EXCLUDED_PREFIX = "excluded/"
 EXCLUSION_PREFIX = "exclusion/"  # exclusion/<generation> -> the node that generation excluded
@@ -76,15 +85,33 @@ def handler_factory():
     return create_handler
 
 
+def etcd_handler_factory():
+    """The ``torchrun.handlers`` entry point of ``rankwatch-etcd``."""
+    return create_etcd_handler
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The handler over torch's c10d backend (its store lives in one node's torchrun)."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    return _excluding(params, *create_backend(params))
+
+
+def create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The handler over torch's etcd-v2 backend (needs python-etcd and an etcd with the v2 API)."""
+    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
+
+    return _excluding(params, *create_backend(params))
+
+
+def _excluding(params: RendezvousParameters, backend: Any, store: Store) -> RendezvousHandler:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as stock
 
-    backend, store = create_backend(params)
     inner = stock(store, backend, params)
     node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
     agent = os.environ.get(AGENT_ENV)
-    return ExcludingRendezvousHandler(inner, store, node, Address.parse(agent) if agent else None)
+    return ExcludingRendezvousHandler(inner, store, node, Address.parse(agent) if agent else None,
+                                      backend=params.backend)
 
 
 class ExcludingRendezvousHandler(RendezvousHandler):
@@ -93,11 +120,14 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         store: the rendezvous store.
         node: this node's id (``RANKWATCH_NODE_ID``), as the coordinator names it.
         agent: this node's agent; None runs without a relay.
+        relay_interval: seconds between the relay's polls of the agent.
+        backend: the backend name torchrun registered this handler under.
     """
 
     def __init__(self, inner: Any, store: Store, node: str, agent: Address | None,
-                 relay_interval: float = 0.25) -> None:
+                 relay_interval: float = 0.25, backend: str = BACKEND) -> None:
         self._inner = inner
+        self._backend = backend  # the name torchrun asked for: rankwatch or rankwatch-etcd
         self._store = PrefixStore(f"rankwatch/{inner.get_run_id()}/", store)
         self._node = node
         self._joined_generation = 0
@@ -132,7 +162,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
 
     # -- RendezvousHandler ----------------------------------------------------------
     def get_backend(self) -> str:
-        return BACKEND
+        return self._backend
 
     @property
     def use_agent_store(self) -> bool:

@@ -104,16 +104,19 @@ class Cluster:
             print(f"==== {log.name} (last {len(tail)} lines)", *tail, sep="\n")
 
     def torchrun(self, node: int, nnodes: str, nproc: int, *train_args: str, launcher: str = "torchrun",
-                 rdzv_conf: str = "", env: dict | None = None, launcher_args: tuple[str, ...] = ()
-                 ) -> subprocess.Popen:
-        """Start node ``node``'s torchrun (or ``rankwatch run``) of the harness."""
+                 rdzv_conf: str = "", env: dict | None = None, launcher_args: tuple[str, ...] = (),
+                 etcd: str | None = None) -> subprocess.Popen:
+        """Start node ``node``'s torchrun (or ``rankwatch run``) of the harness: on c10d, whose
+        store node n0 hosts, or, given an ``etcd`` endpoint, on torch's etcd-v2 backend."""
         agent = self.agents[node]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKWATCH_AGENT": str(agent.addr),
                     "RANKWATCH_NODE_ID": agent.node, **(env or {})}
-        tr = ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"127.0.0.1:{self.rdzv_port}", "--rdzv-id", "job",
-              # Node n0 hosts the rendezvous store, as the endpoint's own node would.
-              "--rdzv-conf", ",".join(filter(None, [rdzv_conf, f"is_host={int(node == 0)}"])),
+        # On c10d node n0 hosts the rendezvous store, as the endpoint's own node would.
+        backend, endpoint, host = (("etcd-v2", etcd, "") if etcd else
+                                   ("c10d", f"127.0.0.1:{self.rdzv_port}", f"is_host={int(node == 0)}"))
+        tr = ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", backend,
+              "--rdzv-endpoint", endpoint, "--rdzv-id", "job",
+              "--rdzv-conf", ",".join(filter(None, [rdzv_conf, host])),
               *launcher_args,
               "-m", "rankwatch.hooks.train", *train_args]
         if launcher == "torchrun":

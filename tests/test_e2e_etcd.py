@@ -1,0 +1,90 @@
+"""No single point of failure: on an etcd rendezvous the job survives the loss of its first node.
+
+With c10d the rendezvous store lives in the first node's torchrun, so that
+node's loss ends the job.  Here two nodes run under ``rankwatch run`` with
+``--rdzv-backend etcd-v2`` (mapped to rankwatch's exclusion-aware wrapper of
+it) against a real etcd on loopback (Debian's etcd-server, v2 API on).  Node
+n0, torchrun, workers and agent, is SIGKILLed; node n1 re-forms the job alone
+from the newest checkpoint and trains to the end.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from multinode import Cluster, free_port
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 600
+RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60"
+
+
+def _etcd_answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/v2/keys/", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def etcd(tmp_path: Path):
+    exe = shutil.which("etcd")
+    if exe is None:
+        pytest.fail("etcd not found on PATH: install Debian's 'etcd-server' (.ci/apt-packages lists it)")
+    client, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{client}"
+    log = open(tmp_path / "etcd.log", "w")
+    proc = subprocess.Popen(
+        [exe, "--name", "e0", "--data-dir", str(tmp_path / "etcd"), "--enable-v2=true",
+         "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"e0=http://127.0.0.1:{peer}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: proc.poll() is None and _etcd_answers(url), 30, what="etcd answering")
+        yield f"127.0.0.1:{client}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_the_first_nodes_loss_leaves_the_job_training(tmp_path, etcd):
+    ckpt = tmp_path / "ckpt"
+    with Cluster(tmp_path, 2) as c:
+        jobs = [c.torchrun(i, "1:2", 1, "--steps", str(STEPS), "--log-every", "0", "--step-sleep", "0.02",
+                           "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "20",
+                           launcher="rankwatch", rdzv_conf=RDZV, etcd=etcd,
+                           launcher_args=("--max-restarts", "2", "--monitor-interval", "0.1")) for i in (0, 1)]
+
+        def own(i: int) -> list[dict]:  # node i's own ranks (the coordinator's status lists all)
+            return [r for r in c.agents[i].status()["ranks"] if r["node"] == f"n{i}" and r["connected"]]
+
+        def both_stepping():
+            ranks = own(0) + own(1)
+            return ranks if len(ranks) == 2 and all(r["step"] >= 60 for r in ranks) else None
+
+        ranks = wait_for(both_stepping, 180, what="both nodes past step 60")
+        n0_workers = [r["pid"] for r in ranks if r["node"] == "n0"]
+        assert len(n0_workers) == 1
+        killed_at = time.monotonic()
+        c.kill_node(0, jobs[0], n0_workers)
+
+        def n1_alone_stepping():
+            new = [r for r in own(1) if r["pid"] not in {x["pid"] for x in ranks} and r["step"] > 60]
+            return new[0] if new else None
+
+        back = wait_for(n1_alone_stepping, 120, what="node n1 training alone")
+        recovered = time.monotonic() - killed_at
+        assert jobs[1].wait(240) == 0
+        (rank,) = [r for r in c.agents[1].status()["ranks"] if r["pid"] == back["pid"]]
+        assert rank["step"] == STEPS and rank["rank"] == 0  # the job of one node, to its end
+        print(f"node n1 trained again {recovered:.1f} s after node n0 was killed")
