@@ -23,7 +23,6 @@ coordinator's clock by the offset seen when the summary arrives.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -33,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
-from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.state import parse_flight_recorder
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector
 from rankwatch.proto import pb
@@ -85,7 +84,8 @@ class _Node:
 
 @dataclass
 class _Restart:
-    incident: dict[str, Any]
+    incident: str
+    """The ``restart`` incident's id."""
     started_at: float
     steps_before: dict[str, int] = field(default_factory=dict)
     pids_before: set[int] = field(default_factory=set)
@@ -101,7 +101,7 @@ class Coordinator:
 
     def __init__(self, node_id: str, *, incidents: IncidentLog, hang: HangConfig | None = None,
                  straggler: StragglerConfig | None = None, policy: PolicyConfig | None = None,
-                 clock=time.time, on_incident: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 clock=time.time, on_incident: Callable[[Incident], None] | None = None) -> None:
         self.node_id = node_id
         self.incidents = incidents
         self.hang = hang or HangConfig()
@@ -115,12 +115,12 @@ class Coordinator:
         self.generation = 0
         self._straggler_cfg = straggler or StragglerConfig()
         self._stragglers = StragglerDetector(self._straggler_cfg)
-        self._open_stragglers: dict[int, dict[str, Any]] = {}   # flagged rank -> its open incident
+        self._open_stragglers: dict[int, str] = {}   # flagged rank -> its open incident's id
         self._on_incident = on_incident or (lambda _: None)
         self._refused: set[str] = set()
         self._evictions: dict[str, tuple[int, str]] = {}   # node -> (checkpoint step, reason)
         self._evaluated_steps = 0
-        self._open_hang: dict | None = None
+        self._open_hang: str | None = None   # the open job hang incident's id
         self._restart: _Restart | None = None
         self._flagged: set[tuple[str, int]] = set()
 
@@ -145,8 +145,9 @@ class Coordinator:
             reply = pb.SyncReply(coordinator=self.node_id)
             for d in self.decisions:
                 reply.decisions.append(_decision_pb(d))
-        for inc in self.incidents.items_for(node=summary.node_id):
-            reply.incidents.append(_incident_pb(inc))
+        if summary.run_id:
+            self.incidents.run_id = summary.run_id
+        reply.incidents.extend(inc.to_pb() for inc in self.incidents.items_for(node=summary.node_id))
         return reply
 
     # -- decisions --------------------------------------------------------------
@@ -199,11 +200,10 @@ class Coordinator:
                                          "started_at": d["decided_at"]})
         with self.lock:
             prev = self._restart
-            if prev is not None:  # superseded before it recovered: it lasted until this one
-                prev.incident["detail"].setdefault(
-                    "recovered_after_seconds", round(d["decided_at"] - prev.started_at, 3))
-                prev.incident["detail"]["superseded_by"] = d["id"]
-            self._restart = _Restart(inc, d["decided_at"], steps, pids)
+            self._restart = _Restart(inc.id, d["decided_at"], steps, pids)
+        if prev is not None:  # superseded before it recovered: it lasted until this one
+            self.incidents.resolve(prev.incident, d["decided_at"], superseded_by=d["id"],
+                                   recovered_after_seconds=round(d["decided_at"] - prev.started_at, 3))
         return d
 
     # -- evaluation -------------------------------------------------------------
@@ -256,8 +256,8 @@ class Coordinator:
         verdict = detect_hang(now, views, self.hang) if views else None
         if verdict is None:
             if self._open_hang is not None:
-                log.info("job progress resumed after %s", self._open_hang["id"])
-                self._open_hang["detail"].setdefault("resolved_at", now)
+                log.info("job progress resumed after %s", self._open_hang)
+                self.incidents.resolve(self._open_hang, now)
                 self._open_hang = None
             return
         if self._open_hang is not None:
@@ -282,13 +282,14 @@ class Coordinator:
             detail["stacks_note"] = ("the node's agent is silent" if silent_node else
                                      "the process is stopped (SIGSTOP): its threads cannot run"
                                      if stopped else "no fresh stacks from the rank")
-        self._open_hang = self.incidents.add(kind="hang", node=c.node, rank=c.rank, step=c.step,
-                                             detected_at=now, detail=detail)
-        self._on_incident(self._open_hang)
+        hang = self.incidents.add(kind="hang", node=c.node, rank=c.rank, step=c.step,
+                                  detected_at=now, detail=detail)
+        self._open_hang = hang.id
+        self._on_incident(hang)
         log.warning("JOB HANG: rank %d on node %s %s; others wait in %s", c.rank, c.node,
                     verdict.reason, verdict.collective)
         if self.policy.exclude_hung and self.exclude(c.node, f"hang: rank {c.rank} {verdict.reason}"):
-            self._open_hang["detail"]["resolved_at"] = self.clock()
+            self.incidents.resolve(hang.id, self.clock())  # the restart takes over from here
 
     def _check_dead(self, now: float) -> None:
         with self.lock:
@@ -317,9 +318,8 @@ class Coordinator:
                 self.exclude(name, f"node dead: {why}")
 
     def _check_gpu(self, now: float) -> None:
-        with self.lock:
-            faults = [(name, json.loads(i.detail_json or "{}")) for name, n in self.nodes.items()
-                      if name not in self.excluded for i in n.summary.incidents if i.kind == "gpu_fault"]
+        faults = [(i.node, i.detail) for i in self.job_incidents()
+                  if i.kind == "gpu_fault" and i.node not in self.excluded]
         fatal = [(name, d) for name, d in faults if d.get("action") in _FATAL_GPU_ACTIONS]
         for name, detail in fatal:
             if self.policy.exclude_gpu_fatal:
@@ -355,7 +355,7 @@ class Coordinator:
                                      step=ev.work.step, detected_at=now,
                                      detail={**ev.detail(self._straggler_cfg.window), "job": True})
             for rank in ev.ranks or [ev.score.rank]:
-                self._open_stragglers[rank] = inc
+                self._open_stragglers[rank] = inc.id
             self._on_incident(inc)
             self._plan_eviction(ev.work.node, ev.score.speedup, ev.score.cause)
 
@@ -363,11 +363,12 @@ class Coordinator:
         """A rank's flag is lifted; its incident is resolved once none of its ranks is flagged.
         The resolved incident reaches the node with the next sync, which unmarks its ranks."""
         inc = self._open_stragglers.pop(rank, None)
-        if inc is None or any(i is inc for i in self._open_stragglers.values()):
+        if inc is None or inc in self._open_stragglers.values():
             return
-        inc["detail"]["resolved_at"] = now
-        log.info("job straggler %s resolved", inc["id"])
-        self._on_incident(inc)
+        resolved = self.incidents.resolve(inc, now)
+        if resolved is not None:
+            log.info("job straggler %s resolved", inc)
+            self._on_incident(resolved)
 
     def _plan_eviction(self, node: str, speedup: float, cause: str) -> None:
         """A costly straggling node: checkpoint now, exclude it once that checkpoint is complete."""
@@ -384,11 +385,8 @@ class Coordinator:
     def _check_evictions(self) -> None:
         if not self._evictions:
             return
-        with self.lock:
-            saved = [i.step for n in self.nodes.values() for i in n.summary.incidents
-                     if i.kind == "checkpoint" and json.loads(i.detail_json or "{}").get("ok")]
-        saved += [i["step"] for i in self.incidents.items
-                  if i["kind"] == "checkpoint" and i["detail"].get("ok")]
+        saved = [i.step for i in self.job_incidents() + self.incidents.items
+                 if i.kind == "checkpoint" and i.detail.get("ok")]
         for node, (step, reason) in list(self._evictions.items()):
             if any(s >= step for s in saved):
                 del self._evictions[node]
@@ -410,21 +408,26 @@ class Coordinator:
                     and x.progress_at + n.offset > r.started_at for x in n.summary.ranks)
                 for n in nodes)
         if back:
-            r.incident["detail"]["recovered_after_seconds"] = round(now - r.started_at, 3)
-            log.info("job back to training %.1fs after %s", now - r.started_at,
-                     r.incident["detail"]["decision"])
+            self.incidents.resolve(r.incident, now, recovered_after_seconds=round(now - r.started_at, 3))
+            log.info("job back to training %.1fs after %s", now - r.started_at, r.incident)
             self._restart = None
 
     # -- views ------------------------------------------------------------------
-    def job_incidents(self) -> list[dict[str, Any]]:
-        """Incidents the nodes raised themselves (gpu_fault, checkpoint, rank_exit)."""
-        out = []
+    def job_incidents(self) -> list[Incident]:
+        """Incidents the nodes raised themselves (gpu_fault, checkpoint, rank_exit), on this clock.
+
+        A node speaks for itself only: an incident naming another node is left out, as is
+        one that does not parse (logged); a node's bad record never stops the coordinator.
+        """
         with self.lock:
-            for n in self.nodes.values():
-                for i in n.summary.incidents:
-                    out.append({"id": i.id, "kind": i.kind, "node": i.node, "rank": i.rank,
-                                "step": i.step, "detected_at": i.detected_at + n.offset,
-                                "detail": json.loads(i.detail_json or "{}")})
+            sent = [(i, n.offset) for name, n in self.nodes.items() for i in n.summary.incidents
+                    if i.node == name]
+        out = []
+        for i, offset in sent:
+            try:
+                out.append(Incident.from_pb(i, clock_offset=offset))
+            except ValueError as exc:
+                log.debug("node incident %s left out: %s", i.id, exc)
         return out
 
     def node_states(self) -> dict[str, str]:
@@ -457,8 +460,3 @@ def decision_dict(d: pb.Decision) -> dict[str, Any]:
     return {"id": d.id, "kind": d.kind, "node": d.node, "generation": d.generation,
             "step": d.step, "reason": d.reason, "decided_at": d.decided_at}
 
-
-def _incident_pb(inc: dict[str, Any]) -> pb.Incident:
-    return pb.Incident(id=inc["id"], kind=inc["kind"], node=inc["node"], rank=inc["rank"],
-                       step=inc["step"], detected_at=inc["detected_at"],
-                       detail_json=json.dumps(inc["detail"]))

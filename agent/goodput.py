@@ -15,7 +15,8 @@ and ``productive`` is the rest.  ``rankwatch_goodput_ratio`` is productive / ela
 from __future__ import annotations
 
 import threading
-from typing import Any
+
+from rankwatch.agent.incidents import Incident
 
 __all__ = ["Goodput", "KINDS"]
 
@@ -52,7 +53,7 @@ class Goodput:
         with self._lock:
             self._checkpoint_steps[step] = max(self._checkpoint_steps.get(step, 0.0), seconds)
 
-    def breakdown(self, now: float, incidents: list[dict[str, Any]]) -> dict[str, float] | None:
+    def breakdown(self, now: float, incidents: list[Incident]) -> dict[str, float] | None:
         """Seconds per kind, and ``elapsed``; None before the first step."""
         with self._lock:
             if self.first_step_at is None:
@@ -63,18 +64,18 @@ class Goodput:
         hang = restart = 0.0
         seen_hang = set()
         for inc in incidents:
-            d = inc.get("detail") or {}
-            if inc["kind"] == "hang" and inc["id"].split("/")[-1] not in seen_hang:
-                seen_hang.add(inc["id"].split("/")[-1])
-                end = d.get("resolved_at") or inc["detected_at"]
-                hang += max(0.0, end - inc["detected_at"]) + float(d.get("stalled_seconds") or 0.0)
-            elif inc["kind"] == "restart":
-                started = float(d.get("started_at") or inc["detected_at"])
+            d = inc.detail
+            if inc.kind == "hang" and inc.id.split("/")[-1] not in seen_hang:
+                seen_hang.add(inc.id.split("/")[-1])
+                end = d.get("resolved_at") or inc.detected_at
+                hang += max(0.0, end - inc.detected_at) + float(d.get("stalled_seconds") or 0.0)
+            elif inc.kind == "restart":
+                started = float(d.get("started_at") or inc.detected_at)
                 restart += float(d.get("recovered_after_seconds") or max(0.0, now - started))
         lost = {"hang": hang, "restart": restart, "recompute": recompute, "checkpoint": ckpt}
         total_lost = min(sum(lost.values()), elapsed)
         return {"productive": elapsed - total_lost, **lost, "elapsed": elapsed}
 
-    def ratio(self, now: float, incidents: list[dict[str, Any]]) -> float | None:
+    def ratio(self, now: float, incidents: list[Incident]) -> float | None:
         b = self.breakdown(now, incidents)
         return None if b is None else b["productive"] / b["elapsed"]

@@ -85,18 +85,18 @@ class JobCollector:
         for reason, n in sorted(by_reason.items()):
             c.add_metric([node, reason], n)
         yield c
-        saves = [i for i in incidents if i["kind"] == "checkpoint" and i["detail"].get("ok")]
+        saves = [i for i in incidents if i.kind == "checkpoint" and i.detail.get("ok")]
         if saves:
-            last = max(saves, key=lambda i: i["step"])
+            last = max(saves, key=lambda i: i.step)
             g = GaugeMetricFamily("rankwatch_checkpoint_last_step", "Step of the last complete checkpoint.",
                                   labels=["node"])
-            g.add_metric(lbl, last["step"])
+            g.add_metric(lbl, last.step)
             yield g
             g = GaugeMetricFamily("rankwatch_checkpoint_last_timestamp_seconds",
                                   "When the last complete checkpoint finished (Unix seconds).", labels=["node"])
-            g.add_metric(lbl, max(i["detected_at"] for i in saves))
+            g.add_metric(lbl, max(i.detected_at for i in saves))
             yield g
-            secs = [float(i["detail"].get("seconds", 0.0)) for i in saves]
+            secs = [float(i.detail.get("seconds", 0.0)) for i in saves]
             h = HistogramMetricFamily("rankwatch_checkpoint_save_seconds",
                                       "Training-thread time of checkpoint saves.", labels=["node"])
             buckets = [(str(b), float(sum(1 for s in secs if s <= b))) for b in _SAVE_BUCKETS]

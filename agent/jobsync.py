@@ -26,6 +26,7 @@ import grpc
 from rankwatch.agent.address import Address
 from rankwatch.agent.auth import metadata
 from rankwatch.agent.coordinator import decision_dict
+from rankwatch.agent.incidents import Incident
 from rankwatch.proto import pb, pb_grpc
 
 if TYPE_CHECKING:
@@ -206,8 +207,8 @@ def forward_checkpoint(addr: Address, reason: str, token: str | None = None) -> 
                                                        metadata=metadata(token))
 
 
-def summary_incidents(items: list[dict[str, Any]], node: str) -> list[dict[str, Any]]:
+def summary_incidents(items: list[Incident], node: str) -> list[Incident]:
     """This node's own incidents a coordinator needs (newest first, bounded)."""
-    own = [i for i in items if i["node"] == node and i["kind"] in ("gpu_fault", "checkpoint", "rank_exit")
-           and "/" not in i["id"]]
+    own = [i for i in items if i.node == node and i.kind in ("gpu_fault", "checkpoint", "rank_exit")
+           and "/" not in i.id]
     return own[-_INCIDENTS_SENT:]

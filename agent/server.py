@@ -29,7 +29,7 @@ from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_r
 from rankwatch.agent.host import HostCollector
 from rankwatch.agent.goodput import Goodput
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
-from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.jobmetrics import JobCollector
 from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint, summary_incidents
 from rankwatch.agent.metrics import NodeCollector
@@ -94,7 +94,7 @@ class Agent:
         self.state = NodeState(config.node_id)
         self.incidents = IncidentLog(config.state_dir / "incidents.jsonl" if config.state_dir else None)
         self.state.incidents = self.incidents.items
-        self._open_hang: dict | None = None
+        self._open_hang: Incident | None = None
         self._stragglers = StragglerDetector(config.straggler, gpu_throttle=self.gpu_throttle_for_rank)
         self._starvation = StarvationTracker()
         self._step_starts = StepStarts()
@@ -239,6 +239,8 @@ class Agent:
                         rank = st.hello(msg.hello)
                     except Rejected as exc:
                         self._refuse(context, exc)
+                    if rank.job_id:
+                        self.incidents.run_id = rank.job_id  # the job's run id, on every incident
                     continue
                 try:
                     if body != "batch":
@@ -306,17 +308,14 @@ class Agent:
             incidents = list(st.incidents)
         if job:
             # Other nodes' own incidents; a checkpoint shows once per step however many nodes saved it.
-            saved = {i["step"] for i in incidents if i["kind"] == "checkpoint"}
-            for i in sorted(self.coordinator.job_incidents(), key=lambda i: i["detected_at"]):
-                if i["node"] == st.node_id or (i["kind"] == "checkpoint" and i["step"] in saved):
+            saved = {i.step for i in incidents if i.kind == "checkpoint"}
+            for i in sorted(self.coordinator.job_incidents(), key=lambda i: i.detected_at):
+                if i.node == st.node_id or (i.kind == "checkpoint" and i.step in saved):
                     continue
-                if i["kind"] == "checkpoint":
-                    saved.add(i["step"])
+                if i.kind == "checkpoint":
+                    saved.add(i.step)
                 incidents.append(i)
-        for inc in incidents:
-            resp.incidents.append(pb.Incident(
-                id=inc.get("id", ""), kind=inc["kind"], node=inc["node"], rank=inc["rank"],
-                step=inc["step"], detected_at=inc["detected_at"], detail_json=json.dumps(inc["detail"])))
+        resp.incidents.extend(inc.to_pb() for inc in incidents)
         return resp
 
     # -- detection ------------------------------------------------------------
@@ -336,7 +335,7 @@ class Agent:
             except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
                 log.exception("detector error")
 
-    def check_hang(self, now: float) -> dict | None:
+    def check_hang(self, now: float) -> Incident | None:
         """Run the hang detector once; record a ``hang`` incident per stall."""
         st = self.state
         with st.lock:
@@ -350,8 +349,8 @@ class Agent:
         verdict = detect_hang(now, views, self.config.hang)
         if verdict is None:
             if self._open_hang is not None:
-                log.info("progress resumed after hang %s", self._open_hang["id"])
-                self._open_hang["detail"]["resolved_at"] = now
+                log.info("progress resumed after hang %s", self._open_hang.id)
+                self.incidents.resolve(self._open_hang.id, now)
                 with st.lock:
                     for r in ranks:
                         if r.state == "hung":
@@ -387,7 +386,7 @@ class Agent:
                     verdict.stalled_for, verdict.allowance, verdict.collective)
         return self._open_hang
 
-    def check_stragglers(self, now: float) -> list[dict]:
+    def check_stragglers(self, now: float) -> list[Incident]:
         """Score the ranks once per completed step of the slowest; record incidents.
 
         Each rank's run delay (CPU starvation of its training thread) is sampled
@@ -480,10 +479,8 @@ class Agent:
                 rs.inflight.CopyFrom(pb.InFlight(op=inflight["op"], group=inflight["group"],
                                                  seq=inflight["seq"], since=inflight["since"]))
             out.ranks.append(rs)
-        for i in incidents:
-            out.incidents.append(pb.Incident(id=i["id"], kind=i["kind"], node=i["node"], rank=i["rank"],
-                                             step=i["step"], detected_at=i["detected_at"],
-                                             detail_json=json.dumps(i["detail"])))
+        out.incidents.extend(i.to_pb() for i in incidents)
+        out.run_id = self.incidents.run_id
         return out
 
     def is_coordinator(self) -> bool:
@@ -492,12 +489,12 @@ class Agent:
     def decisions(self) -> list[dict]:
         return list(self.coordinator.decisions if self.link.acting else self.link.decisions)
 
-    def incident_view(self) -> list[dict]:
+    def incident_view(self) -> list[Incident]:
         """This agent's incidents, plus, on the coordinator, the other nodes' own."""
         with self.state.lock:
             items = list(self.state.incidents)
         if self.is_coordinator():
-            items += [i for i in self.coordinator.job_incidents() if i["node"] != self.state.node_id]
+            items += [i for i in self.coordinator.job_incidents() if i.node != self.state.node_id]
         return items
 
     def _on_checkpoints(self, rank: RankState, records: Any) -> None:
@@ -535,32 +532,36 @@ class Agent:
                 log.warning("this node is excluded from the job: %s", decision["reason"])
 
     def on_job_incident(self, coordinator: str, inc: pb.Incident) -> None:
-        """A job incident the coordinator decided about one of this node's ranks."""
-        incident = {"id": f"{coordinator}/{inc.id}", "kind": inc.kind, "node": inc.node, "rank": inc.rank,
-                    "step": inc.step, "detected_at": inc.detected_at,
-                    "detail": json.loads(inc.detail_json or "{}")}
+        """A job incident the coordinator decided about one of this node's ranks.
+
+        Kept under ``<coordinator>/<id>``; a later change (its resolution) is recorded as an
+        update of the copy, so this node's file tells the story too.
+        """
+        incident = Incident.from_pb(inc, id=f"{coordinator}/{inc.id}")
         if self.incidents.merge(incident):
             self._mark(incident)
-        elif "resolved_at" in incident["detail"]:
+            return
+        self.incidents.update(incident.id, **incident.detail)
+        if incident.resolved_at is not None:
             self._resolve(incident)
 
-    def _own_job_incident(self, incident: dict) -> None:
+    def _own_job_incident(self, incident: Incident) -> None:
         """The coordinator's verdict about a rank of the coordinator's own node."""
-        if incident["node"] != self.state.node_id:
+        if incident.node != self.state.node_id:
             return
-        if "resolved_at" in incident["detail"]:
+        if incident.resolved_at is not None:
             self._resolve(incident)
         else:
             self._mark(incident)
 
-    def _mark(self, incident: dict) -> None:
+    def _mark(self, incident: Incident) -> None:
         """A job verdict sets the rank's state.  A hung rank returns to ok once it progresses
         again; a job straggler once the coordinator resolves the incident (:meth:`_resolve`)."""
-        state = {"hang": "hung", "straggler": "straggler"}.get(incident["kind"])
-        if state is None or (state == "straggler" and "resolved_at" in incident["detail"]):
+        state = {"hang": "hung", "straggler": "straggler"}.get(incident.kind)
+        if state is None or (state == "straggler" and incident.resolved_at is not None):
             return
         with self.state.lock:
-            for rank in incident["detail"].get("ranks") or [incident["rank"]]:
+            for rank in incident.detail.get("ranks") or [incident.rank]:
                 if state == "straggler":
                     self._job_stragglers.add(rank)
                 r = self.state.ranks.get(rank)
@@ -569,16 +570,13 @@ class Agent:
                     if state == "hung":
                         self._marked_at[rank] = self.state.clock()
 
-    def _resolve(self, incident: dict) -> None:
+    def _resolve(self, incident: Incident) -> None:
         """The coordinator lifted a job straggler flag: its ranks are ok again (unless this
         node's own detector flags them)."""
-        if incident["kind"] != "straggler":
+        if incident.kind != "straggler":
             return
         with self.state.lock:
-            known = next((i for i in self.incidents.items if i["id"] == incident["id"]), None)
-            if known is not None and known is not incident:
-                known["detail"]["resolved_at"] = incident["detail"]["resolved_at"]
-            for rank in incident["detail"].get("ranks") or [incident["rank"]]:
+            for rank in incident.detail.get("ranks") or [incident.rank]:
                 self._job_stragglers.discard(rank)
                 r = self.state.ranks.get(rank)
                 if r is not None and r.state == "straggler" and rank not in self._stragglers.flagged:

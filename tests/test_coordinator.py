@@ -43,8 +43,8 @@ def test_names_the_culprit_on_another_node_and_excludes_it():
     c.sync(summary("n1", 2, clock.t, [dict(rank=1, step=50, progress_at=t, last_seen=clock.t,
                                            group_seqs={"0": 899})]))
     c.evaluate()
-    (hang,) = [i for i in c.incidents.items if i["kind"] == "hang"]
-    assert (hang["node"], hang["rank"]) == ("n1", 1) and "behind" in hang["detail"]["reason"]
+    (hang,) = [i for i in c.incidents.items if i.kind == "hang"]
+    assert (hang.node, hang.rank) == ("n1", 1) and "behind" in hang.detail["reason"]
     assert c.excluded == {"n1": c.excluded["n1"]} and c.generation == 1
     (d,) = [d for d in c.decisions if d["kind"] == "exclude"]
     assert d["node"] == "n1" and d["generation"] == 1
@@ -170,15 +170,15 @@ def test_a_restart_is_over_only_when_new_workers_step():
     for n in ("n0", "n1"):
         c.sync(summary(n, 1, t, [dict(rank=int(n[1]), step=5, pid=10 + int(n[1]), progress_at=t, last_seen=t)]))
     c.exclude("n1", "test")
-    (restart,) = [i for i in c.incidents.items if i["kind"] == "restart"]
+    (restart,) = [i for i in c.incidents.items if i.kind == "restart"]
     clock.t += 1  # n0's old worker still steps until the restart stops it
     c.sync(summary("n0", 2, clock.t, [dict(rank=0, step=6, pid=10, progress_at=clock.t, last_seen=clock.t)]))
     c.evaluate()
-    assert "recovered_after_seconds" not in restart["detail"]
+    assert "recovered_after_seconds" not in c.incidents.get(restart.id).detail
     clock.t += 7  # a new worker (new pid) steps
     c.sync(summary("n0", 3, clock.t, [dict(rank=0, step=6, pid=20, progress_at=clock.t, last_seen=clock.t)]))
     c.evaluate()
-    assert restart["detail"]["recovered_after_seconds"] == pytest.approx(8, abs=0.01)
+    assert c.incidents.get(restart.id).detail["recovered_after_seconds"] == pytest.approx(8, abs=0.01)
 
 
 def test_a_job_straggler_is_resolved_when_the_node_recovers():
@@ -204,15 +204,16 @@ def test_a_job_straggler_is_resolved_when_the_node_recovers():
 
     for _ in range(60):
         sync(0.2)
-    (inc,) = [i for i in c.incidents.items if i["kind"] == "straggler"]
-    assert (inc["node"], inc["rank"]) == ("n1", 1) and "resolved_at" not in inc["detail"]
+    (inc,) = [i for i in c.incidents.items if i.kind == "straggler"]
+    assert (inc.node, inc.rank) == ("n1", 1) and "resolved_at" not in inc.detail
     for _ in range(60):
         sync(0.1)
-        if "resolved_at" in inc["detail"]:
+        inc = c.incidents.get(inc.id)
+        if "resolved_at" in inc.detail:
             break
-    assert "resolved_at" in inc["detail"], "a recovered node's straggler incident is resolved"
+    assert "resolved_at" in inc.detail, "a recovered node's straggler incident is resolved"
     assert not c._evictions
     # The node hears it with its next sync (and unmarks its rank: test_agent_grpc).
     (sent,) = [i for i in sync(0.1).incidents if i.kind == "straggler"]
-    assert json.loads(sent.detail_json)["resolved_at"] == inc["detail"]["resolved_at"]
-    assert len([i for i in c.incidents.items if i["kind"] == "straggler"]) == 1
+    assert json.loads(sent.detail_json)["resolved_at"] == inc.detail["resolved_at"]
+    assert len([i for i in c.incidents.items if i.kind == "straggler"]) == 1

@@ -258,7 +258,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., state: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., last_collective_seq: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ..., slowdown: _Optional[float] = ..., own_work_seconds: _Optional[float] = ..., collective_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class Incident(_message.Message):
-    __slots__ = ("kind", "node", "rank", "step", "detected_at", "detail_json", "id")
+    __slots__ = ("kind", "node", "rank", "step", "detected_at", "detail_json", "id", "run_id")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class Incident(_message.Message):
     DETECTED_AT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_JSON_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     kind: str
     node: str
     rank: int
@@ -273,7 +274,8 @@ class Incident(_message.Message):
     detected_at: float
     detail_json: str
     id: str
-    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_at: _Optional[float] = ..., detail_json: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_at: _Optional[float] = ..., detail_json: _Optional[str] = ..., id: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes")
@@ -400,7 +402,7 @@ class RankSummary(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ...) -> None: ...
 
 class NodeSummary(_message.Message):
-    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds")
+    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "run_id")
     class TimeSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -414,13 +416,15 @@ class NodeSummary(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     INCIDENTS_FIELD_NUMBER: _ClassVar[int]
     TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     seq: int
     sent_at: float
     ranks: _containers.RepeatedCompositeFieldContainer[RankSummary]
     incidents: _containers.RepeatedCompositeFieldContainer[Incident]
     time_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("id", "kind", "node", "generation", "step", "reason", "decided_at")
