@@ -61,8 +61,8 @@ class JobCollector:
                                          labels=["node", "reason"])
         counts = dict.fromkeys(_RESTART_REASONS, 0)
         for d in decisions:
-            if d["kind"] == "exclude":
-                counts[restart_reason(d["reason"])] += 1
+            if d.kind == "exclude":
+                counts[restart_reason(d.reason)] += 1
         for reason, n in counts.items():
             restarts.add_metric([node, reason], n)
             exclusions.add_metric([node, reason], n)
@@ -70,18 +70,18 @@ class JobCollector:
         yield exclusions
         g = GaugeMetricFamily("rankwatch_restart_generation", "The job's restart generation.",
                               labels=["node"])
-        g.add_metric(lbl, max((d["generation"] for d in decisions), default=0))
+        g.add_metric(lbl, max((d.generation for d in decisions), default=0))
         yield g
         g = GaugeMetricFamily("rankwatch_excluded_nodes", "Nodes currently excluded from the job.",
                               labels=["node"])
-        g.add_metric(lbl, len({d["node"] for d in decisions if d["kind"] == "exclude"}))
+        g.add_metric(lbl, len({d.node for d in decisions if d.kind == "exclude"}))
         yield g
         c = CounterMetricFamily("rankwatch_checkpoint_requests", "Checkpoints requested, by reason.",
                                 labels=["node", "reason"])
         by_reason: dict[str, int] = {}
         for d in decisions:
-            if d["kind"] == "checkpoint":
-                by_reason[d["reason"]] = by_reason.get(d["reason"], 0) + 1
+            if d.kind == "checkpoint":
+                by_reason[d.reason] = by_reason.get(d.reason, 0) + 1
         for reason, n in sorted(by_reason.items()):
             c.add_metric([node, reason], n)
         yield c

@@ -24,7 +24,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from rankwatch.agent import otel
 from rankwatch.agent.address import Address
 from rankwatch.agent.auth import authorized
-from rankwatch.agent.coordinator import Coordinator, PolicyConfig, decision_dict
+from rankwatch.agent.coordinator import Coordinator, PolicyConfig
+from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 from rankwatch.agent.host import HostCollector
 from rankwatch.agent.goodput import Goodput
@@ -47,6 +48,7 @@ _SERVICE = "rankwatch.v1.Agent"
 _MAX_MESSAGE = 16 << 20
 _MAX_RPCS = 512
 _RISK_CHECKPOINT_EVERY = 600.0   # seconds between risk checkpoints for the same GPU and signal
+_DECISIONS_SENT = 64   # the newest decisions a node's summary carries to its coordinator
 
 
 class AgentConfig:
@@ -94,6 +96,7 @@ class Agent:
         self.state = NodeState(config.node_id)
         self.incidents = IncidentLog(config.state_dir / "incidents.jsonl" if config.state_dir else None)
         self.state.incidents = self.incidents.items
+        self.decision_log = DecisionLog(config.state_dir / "decisions.jsonl" if config.state_dir else None)
         self._open_hang: Incident | None = None
         self._stragglers = StragglerDetector(config.straggler, gpu_throttle=self.gpu_throttle_for_rank)
         self._starvation = StarvationTracker()
@@ -102,7 +105,8 @@ class Agent:
         self._straggler_view: tuple[dict[int, str], float] = ({}, 1.0)
         self._evaluated_steps = 0
         self._detector: threading.Thread | None = None
-        self.coordinator = Coordinator(config.node_id, incidents=self.incidents, hang=config.hang,
+        self.coordinator = Coordinator(config.node_id, incidents=self.incidents, decisions=self.decision_log,
+                                       hang=config.hang,
                                        straggler=config.straggler, policy=config.policy,
                                        on_incident=self._own_job_incident)
         self._marked_at: dict[int, float] = {}   # rank -> when a job verdict marked it hung
@@ -239,8 +243,8 @@ class Agent:
                         rank = st.hello(msg.hello)
                     except Rejected as exc:
                         self._refuse(context, exc)
-                    if rank.job_id:
-                        self.incidents.run_id = rank.job_id  # the job's run id, on every incident
+                    if rank.job_id:  # the job's run id, on every incident and decision
+                        self.incidents.run_id = self.decision_log.run_id = rank.job_id
                     continue
                 try:
                     if body != "batch":
@@ -278,7 +282,7 @@ class Agent:
         link = self.link
         resp.coordinator = self.is_coordinator()
         resp.coordinator_node = link.coordinator_node
-        resp.decisions.extend(pb.Decision(**d) for d in self.decisions())
+        resp.decisions.extend(d.to_pb() for d in self.decisions())
         job = resp.coordinator
         now = st.clock()
         breakdown = self.goodput.breakdown(now, self.incident_view())
@@ -480,14 +484,16 @@ class Agent:
                                                  seq=inflight["seq"], since=inflight["since"]))
             out.ranks.append(rs)
         out.incidents.extend(i.to_pb() for i in incidents)
+        out.decisions.extend(d.to_pb() for d in self.decision_log.items[-_DECISIONS_SENT:])
         out.run_id = self.incidents.run_id
         return out
 
     def is_coordinator(self) -> bool:
         return self.link.acting and bool(self.config.coordinators)
 
-    def decisions(self) -> list[dict]:
-        return list(self.coordinator.decisions if self.link.acting else self.link.decisions)
+    def decisions(self) -> list[Decision]:
+        """The job's decisions this agent made or applied (one log, whether it coordinates or not)."""
+        return self.decision_log.items
 
     def incident_view(self) -> list[Incident]:
         """This agent's incidents, plus, on the coordinator, the other nodes' own."""
@@ -508,7 +514,8 @@ class Agent:
                 if key in self._checkpoint_steps:
                     continue
                 self._checkpoint_steps.add(key)
-            reason = next((d["reason"] for d in self.decisions() if d["id"] == rec.request_id), "periodic")
+            decision = self.decision_log.get(rec.request_id) if rec.request_id else None
+            reason = decision.reason if decision is not None else "periodic"
             complete_after = max(rec.completed_after, rec.duration)
             detail = {"step": rec.step, "ok": rec.ok, "seconds": round(rec.duration, 6),
                       "complete_seconds": round(complete_after, 6), "asynchronous": rec.asynchronous,
@@ -522,14 +529,14 @@ class Agent:
                 "checkpoint at step %d %s (training thread %.3fs, complete after %.2fs, %s)", rec.step,
                 "saved" if rec.ok else "FAILED", rec.duration, complete_after, reason)
 
-    def on_exclusion(self, decision: dict) -> None:
+    def on_exclusion(self, decision: Decision) -> None:
         """A coordinator decision: mark this node's ranks excluded, or forget old-generation ranks."""
         st = self.state
         with st.lock:
-            if decision["node"] == st.node_id:
+            if decision.node == st.node_id:
                 for r in st.ranks.values():
                     r.state = "excluded"
-                log.warning("this node is excluded from the job: %s", decision["reason"])
+                log.warning("this node is excluded from the job: %s", decision.reason)
 
     def on_job_incident(self, coordinator: str, inc: pb.Incident) -> None:
         """A job incident the coordinator decided about one of this node's ranks.
@@ -632,8 +639,8 @@ class Agent:
         except LookupError as exc:
             return pb.CheckpointReply(accepted=False, message=str(exc))
         self.commands.publish_checkpoint(d)
-        return pb.CheckpointReply(accepted=True, step=d["step"], id=d["id"],
-                                  message=f"every rank saves after step {d['step']}")
+        return pb.CheckpointReply(accepted=True, step=d.step, id=d.id,
+                                  message=f"every rank saves after step {d.step}")
 
     def _request_checkpoint(self, request: pb.CheckpointRequest,
                             context: grpc.ServicerContext) -> pb.CheckpointReply:

@@ -46,11 +46,11 @@ def test_names_the_culprit_on_another_node_and_excludes_it():
     (hang,) = [i for i in c.incidents.items if i.kind == "hang"]
     assert (hang.node, hang.rank) == ("n1", 1) and "behind" in hang.detail["reason"]
     assert c.excluded == {"n1": c.excluded["n1"]} and c.generation == 1
-    (d,) = [d for d in c.decisions if d["kind"] == "exclude"]
-    assert d["node"] == "n1" and d["generation"] == 1
+    (d,) = [d for d in c.decisions if d.kind == "exclude"]
+    assert d.node == "n1" and d.generation == 1
     # The decision travels in every sync reply; the culprit's node also gets the incident.
     reply = c.sync(summary("n1", 3, clock.t, []))
-    assert [x.id for x in reply.decisions] == [d["id"]]
+    assert [x.id for x in reply.decisions] == [d.id]
     assert any(i.kind == "hang" for i in reply.incidents)
 
 
@@ -102,7 +102,7 @@ def test_checkpoint_step_is_ahead_of_the_fastest_rank_and_duplicates_merge():
     c.sync(summary("n0", 1, t, [dict(rank=0, step=40, progress_at=t, last_seen=t)]))
     c.sync(summary("n1", 1, t, [dict(rank=1, step=42, progress_at=t, last_seen=t)]))
     d = c.request_checkpoint("operator")
-    assert d["step"] == 42 + 20  # 2 s of 0.1 s steps past the fastest rank
+    assert d.step == 42 + 20  # 2 s of 0.1 s steps past the fastest rank
     assert c.request_checkpoint("again") is d
 
 
@@ -155,7 +155,7 @@ def test_a_costly_straggling_node_is_evicted_after_the_next_checkpoint():
             break
     assert "n1" in c._evictions, "a 2x slower single-rank node is flagged and planned for eviction"
     step, _ = c._evictions["n1"]
-    assert c.excluded == {} and any(d["kind"] == "checkpoint" for d in c.decisions)
+    assert c.excluded == {} and any(d.kind == "checkpoint" for d in c.decisions)
     saved = summary("n0", 1000, clock.t, [dict(rank=0, step=step, progress_at=clock.t, last_seen=clock.t)])
     saved.incidents.append(pb.Incident(id="checkpoint-1", kind="checkpoint", node="n0", rank=0, step=step,
                                        detail_json='{"ok": true}'))

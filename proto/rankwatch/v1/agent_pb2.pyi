@@ -402,7 +402,7 @@ class RankSummary(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ...) -> None: ...
 
 class NodeSummary(_message.Message):
-    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "run_id")
+    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "decisions", "run_id")
     class TimeSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +416,7 @@ class NodeSummary(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     INCIDENTS_FIELD_NUMBER: _ClassVar[int]
     TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     seq: int
@@ -423,11 +424,12 @@ class NodeSummary(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[RankSummary]
     incidents: _containers.RepeatedCompositeFieldContainer[Incident]
     time_seconds: _containers.ScalarMap[str, float]
+    decisions: _containers.RepeatedCompositeFieldContainer[Decision]
     run_id: str
-    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., run_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("id", "kind", "node", "generation", "step", "reason", "decided_at")
+    __slots__ = ("id", "kind", "node", "generation", "step", "reason", "decided_at", "run_id", "seq")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -435,6 +437,8 @@ class Decision(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: str
     node: str
@@ -442,7 +446,9 @@ class Decision(_message.Message):
     step: int
     reason: str
     decided_at: float
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., decided_at: _Optional[float] = ...) -> None: ...
+    run_id: str
+    seq: int
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., decided_at: _Optional[float] = ..., run_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class SyncReply(_message.Message):
     __slots__ = ("coordinator", "decisions", "incidents")
