@@ -41,7 +41,7 @@ class JobCollector:
         lbl = [node]
         now = a.state.clock()
         incidents = a.incident_view()
-        breakdown = a.goodput.breakdown(now, incidents)
+        breakdown = a.goodput(now)
         if breakdown is not None:
             g = GaugeMetricFamily("rankwatch_goodput_ratio",
                                   "Productive time over elapsed time since the job's first step.",

@@ -28,7 +28,7 @@ from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 from rankwatch.agent.host import HostCollector
-from rankwatch.agent.goodput import Goodput
+from rankwatch.agent import goodput
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.jobmetrics import JobCollector
@@ -113,7 +113,7 @@ class Agent:
         self._job_stragglers: set[int] = set()   # ranks the coordinator flags as stragglers
         self.commands = CommandHub()
         self.link = JobLink(self, config.coordinators, config.sync_interval)
-        self.goodput = Goodput()
+        self.progress = goodput.StepProgress()
         self._checkpoint_steps: set[int] = set()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(self.state, lambda: self._straggler_view))
@@ -285,7 +285,7 @@ class Agent:
         resp.decisions.extend(d.to_pb() for d in self.decisions())
         job = resp.coordinator
         now = st.clock()
-        breakdown = self.goodput.breakdown(now, self.incident_view())
+        breakdown = self.goodput(now)
         if breakdown is not None:
             resp.goodput = breakdown["productive"] / breakdown["elapsed"]
             resp.time_seconds.update(breakdown)
@@ -327,6 +327,7 @@ class Agent:
         while not self._stopped.wait(0.25):
             try:
                 now = self.state.clock()
+                self._observe_progress(now)
                 if self.link.acting and self.config.coordinators:
                     self.coordinator.evaluate()
                 elif not self.link.coordinated(now):
@@ -465,8 +466,6 @@ class Agent:
             rows = [(r, dict(r.group_seqs), r.inflight, list(r.own_work), list(r.data_wait),
                      list(r.comm_wait)) for r in ranks]
             incidents = summary_incidents(list(st.incidents), st.node_id)
-        self.goodput.observe_steps(now, [r.step for r in ranks if r.connected],
-                                   max((r.step_seconds for r in ranks), default=0.0))
         for r, seqs, inflight, own, data, wait in rows:
             alive, stopped = _process_state(r.pid)
             fresh = r.stacks if r.stacks and now - r.stacks_at < 10 else ""
@@ -488,6 +487,16 @@ class Agent:
         out.run_id = self.incidents.run_id
         return out
 
+    def _observe_progress(self, now: float) -> None:
+        ranks = self.state.snapshot()
+        self.progress.observe(now, [r.step for r in ranks if r.connected],
+                              max((r.step_seconds for r in ranks), default=0.0))
+
+    def goodput(self, now: float) -> dict[str, float] | None:
+        """Where the job's time went (:func:`goodput.breakdown` over this agent's view)."""
+        return goodput.breakdown(now, incidents=self.incident_view(), decisions=self.decisions(),
+                                 progress=self.progress.snapshot())
+
     def is_coordinator(self) -> bool:
         return self.link.acting and bool(self.config.coordinators)
 
@@ -506,7 +515,6 @@ class Agent:
     def _on_checkpoints(self, rank: RankState, records: Any) -> None:
         """A rank finished (or failed) a save: one ``checkpoint`` incident per step and node."""
         for rec in records:
-            self.goodput.observe_checkpoint(rec.step, rec.duration)
             if rec.request_id:
                 self.commands.done(rec.request_id)
             key = rec.step if rec.ok else -rec.step - 1
