@@ -34,6 +34,7 @@ from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.jobmetrics import JobCollector
 from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint, summary_incidents
 from rankwatch.agent.metrics import NodeCollector
+from rankwatch.agent.rankexit import BrokenStream, ExitConfig, exit_detail, judge
 from rankwatch.agent.state import NodeState, RankState, Rejected, _pid_alive
 from rankwatch.agent.starvation import StarvationTracker
 from rankwatch.agent.stepstarts import StepStarts
@@ -49,6 +50,7 @@ _MAX_MESSAGE = 16 << 20
 _MAX_RPCS = 512
 _RISK_CHECKPOINT_EVERY = 600.0   # seconds between risk checkpoints for the same GPU and signal
 _DECISIONS_SENT = 64   # the newest decisions a node's summary carries to its coordinator
+_MAX_BROKEN = 1024     # broken rank streams watched for their process's exit at once
 
 
 class AgentConfig:
@@ -65,13 +67,15 @@ class AgentConfig:
         policy: the coordinator's policy (exclusions, minimum nodes).
         token: the job's shared token for Sync and RequestCheckpoint (None: no check).
         gpu: GPU health source and thresholds (default: NVML if it initialises, else none).
+        exits: how long a rank's broken stream is watched for its process's exit.
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
                  metrics_addr: str = "0.0.0.0", state_dir: Path | None = None,
                  hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
                  coordinators: list[Address] | None = None, policy: PolicyConfig | None = None,
-                 sync_interval: float = 0.25, token: str | None = None, gpu: GpuConfig | None = None) -> None:
+                 sync_interval: float = 0.25, token: str | None = None, gpu: GpuConfig | None = None,
+                 exits: ExitConfig | None = None) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -86,6 +90,7 @@ class AgentConfig:
         self.sync_interval = sync_interval
         self.token = token
         self.gpu = gpu or GpuConfig()
+        self.exits = exits or ExitConfig()
 
 
 class Agent:
@@ -98,6 +103,7 @@ class Agent:
         self.state.incidents = self.incidents.items
         self.decision_log = DecisionLog(config.state_dir / "decisions.jsonl" if config.state_dir else None)
         self._open_hang: Incident | None = None
+        self._broken: dict[int, BrokenStream] = {}   # stream id -> a rank's stream that broke
         self._stragglers = StragglerDetector(config.straggler, gpu_throttle=self.gpu_throttle_for_rank)
         self._starvation = StarvationTracker()
         self._step_starts = StepStarts()
@@ -233,6 +239,7 @@ class Agent:
         rank = None
         accepted = rejected = 0
         clean = False
+        error = "ended without a close"
         try:
             for msg in requests:
                 body = msg.WhichOneof("body")
@@ -257,11 +264,13 @@ class Agent:
                     st.note_rejected(exc)
                     rejected += 1
             clean = True
-        except grpc.RpcError:
-            pass  # the rank went away; goodbye() below records how
+        except grpc.RpcError:  # the rank went away; goodbye() below records how
+            error = "cancelled" if not context.is_active() else "broken"
         finally:
             if rank is not None:
                 st.goodbye(rank, clean)
+                if not clean:
+                    self._stream_broke(rank, error)
         return pb.ReportSummary(batches_accepted=accepted, batches_rejected=rejected)
 
     def _refuse(self, context: grpc.ServicerContext, exc: Rejected) -> None:
@@ -328,6 +337,7 @@ class Agent:
             try:
                 now = self.state.clock()
                 self._observe_progress(now)
+                self.check_exits(now)
                 if self.link.acting and self.config.coordinators:
                     self.coordinator.evaluate()
                 elif not self.link.coordinated(now):
@@ -390,6 +400,45 @@ class Agent:
                     "stopped" if stopped else "alive" if alive else "gone", verdict.reason,
                     verdict.stalled_for, verdict.allowance, verdict.collective)
         return self._open_hang
+
+    def _stream_broke(self, rank: RankState, error: str) -> None:
+        """Keep what the agent knew of a rank whose stream broke, for :meth:`check_exits`."""
+        with self.state.lock:
+            while len(self._broken) >= _MAX_BROKEN:  # bounded, whatever a peer does
+                del self._broken[next(iter(self._broken))]
+            self._broken[rank.stream] = BrokenStream(
+                rank=rank.rank, node=rank.node, pid=rank.pid, stream=rank.stream, step=rank.step,
+                activity=rank.activity, last_seen=rank.last_seen, ended_at=self.state.clock(),
+                error=error, inflight=dict(rank.inflight) if rank.inflight else None)
+
+    def check_exits(self, now: float) -> list[Incident]:
+        """Judge each broken stream once more; record a ``rank_exit`` incident per dead rank."""
+        st = self.state
+        with st.lock:
+            pending = list(self._broken.values())
+            streaming = {r.pid: r.stream for r in st.ranks.values() if r.connected}
+        restarts = [d.decided_at for d in self.decisions() if d.kind == "exclude"] if pending else []
+        made = []
+        for b in pending:
+            verdict = judge(now, b, alive=_process_state(b.pid)[0], restarts=restarts,
+                            reconnected=streaming.get(b.pid, b.stream) != b.stream, cfg=self.config.exits)
+            if verdict == "wait":
+                continue
+            with st.lock:
+                del self._broken[b.stream]
+                r = st.ranks.get(b.rank)
+                if (verdict == "exit" and r is not None and r.stream == b.stream
+                        and r.state in ("ok", "straggler", "hung")):
+                    r.state = "dead"  # as goodbye() marks it when the process is gone already
+            if verdict == "drop":
+                log.info("rank %d (pid %d): its stream broke (%s); not an exit to report (it "
+                         "reconnected, lives on, or a restart stopped it)", b.rank, b.pid, b.error)
+                continue
+            made.append(self.incidents.add(kind="rank_exit", node=b.node, rank=b.rank, step=b.step,
+                                           detected_at=now, detail=exit_detail(b, now)))
+            log.warning("RANK EXIT: rank %d (pid %d) died at step %d (%s, stream %s)", b.rank, b.pid,
+                        b.step, b.activity, b.error)
+        return made
 
     def check_stragglers(self, now: float) -> list[Incident]:
         """Score the ranks once per completed step of the slowest; record incidents.

@@ -1,0 +1,76 @@
+"""Rank exits: a rank whose stream ended without a clean close, and whose process is gone.
+
+A rank closes its stream cleanly on ``Monitor.close()`` (also run at interpreter exit).
+A stream that breaks instead is a rank that died (killed, crashed, ``os._exit``), or a
+live rank whose connection dropped, which reconnects.  So a broken stream is judged
+until one of these holds:
+
+* its process is gone: a ``rank_exit`` incident, with the evidence the agent kept,
+  unless a restart was decided just before the stream broke (the restart stops every
+  worker: those exits are its effect, not news);
+* the same process streams again (it reconnected): nothing;
+* neither within ``wait_seconds``: nothing (logged), since a live process did not exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["BrokenStream", "ExitConfig", "Verdict", "exit_detail", "judge"]
+
+Verdict = Literal["exit", "wait", "drop"]
+
+
+@dataclass(kw_only=True)
+class ExitConfig:
+    wait_seconds: float = 60.0
+    """How long a broken stream whose process is alive is watched for its exit."""
+    restart_seconds: float = 30.0
+    """A stream that breaks this soon after a restart decision was stopped by the restart."""
+
+    def __post_init__(self) -> None:
+        for knob in ("wait_seconds", "restart_seconds"):
+            if not getattr(self, knob) > 0:
+                raise ValueError(f"ExitConfig.{knob} must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BrokenStream:
+    """What the agent knew of a rank when its stream broke (agent clock, Unix seconds)."""
+
+    rank: int
+    node: str
+    pid: int
+    stream: int
+    """The agent's id of the stream that broke."""
+    step: int
+    activity: str
+    last_seen: float
+    ended_at: float
+    error: str
+    """How the stream ended: ``cancelled`` (the connection went away), ``broken``, ..."""
+    inflight: dict[str, Any] | None = None
+
+
+def judge(now: float, broken: BrokenStream, *, alive: bool, reconnected: bool,
+          restarts: Iterable[float], cfg: ExitConfig) -> Verdict:
+    """``exit`` once the process is gone; ``drop`` once it streams again, outlives the wait,
+    or died of a restart decided (at one of ``restarts``) shortly before its stream broke."""
+    if reconnected:
+        return "drop"
+    if not alive:
+        restarting = any(0 <= broken.ended_at - at <= cfg.restart_seconds for at in restarts)
+        return "drop" if restarting else "exit"
+    return "drop" if now - broken.ended_at > cfg.wait_seconds else "wait"
+
+
+def exit_detail(broken: BrokenStream, now: float) -> dict[str, Any]:
+    """The ``rank_exit`` incident's evidence."""
+    return {"pid": broken.pid, "alive": False, "stream": "broken", "error": broken.error,
+            "activity": broken.activity, "inflight": broken.inflight,
+            "last_seen": broken.last_seen, "stream_ended_at": broken.ended_at,
+            "silent_seconds": round(max(0.0, broken.ended_at - broken.last_seen), 3),
+            "gone_after_seconds": round(max(0.0, now - broken.ended_at), 3),
+            "reason": "its stream ended without a clean close and its process is gone"}
