@@ -107,3 +107,16 @@ def test_a_node_agent_records_the_coordinators_resolution_in_its_own_file(tmp_pa
         assert len((tmp_path / "incidents.jsonl").read_text().splitlines()) == 2
     finally:
         agent.stop(timedelta(0))
+
+
+def test_diagnose_replays_the_state_directory_after_the_agent_is_gone(tmp_path, capsys):
+    from rankwatch.agent.cli import main
+
+    log = IncidentLog(tmp_path / "incidents.jsonl", run_id="job-2")
+    hang = log.add(kind="hang", node="n0", rank=1, step=7, detected_at=50.0, detail={"alive": True})
+    log.add(kind="checkpoint", node="n0", rank=0, step=5, detected_at=60.0, detail={"ok": True})
+    log.resolve(hang.id, 58.0)
+    assert main(["diagnose", "--state-dir", str(tmp_path), hang.id]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown == {**hang.as_status(), "detail": {"alive": True, "resolved_at": 58.0}, "run_id": "job-2"}
+    assert main(["diagnose", "--state-dir", str(tmp_path / "none")]) == 1
