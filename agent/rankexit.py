@@ -14,11 +14,15 @@ until one of these holds:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["BrokenStream", "ExitConfig", "Verdict", "exit_detail", "judge"]
+__all__ = ["BrokenStream", "ExitConfig", "ExitWatch", "Verdict", "exit_detail", "judge"]
+
+log = logging.getLogger(__name__)
 
 Verdict = Literal["exit", "wait", "drop"]
 
@@ -74,3 +78,49 @@ def exit_detail(broken: BrokenStream, now: float) -> dict[str, Any]:
             "silent_seconds": round(max(0.0, broken.ended_at - broken.last_seen), 3),
             "gone_after_seconds": round(max(0.0, now - broken.ended_at), 3),
             "reason": "its stream ended without a clean close and its process is gone"}
+
+
+class ExitWatch:
+    """The broken streams being judged, at most ``limit`` (the oldest go first), whatever
+    a peer does."""
+
+    def __init__(self, cfg: ExitConfig, limit: int = 1024) -> None:
+        self.cfg = cfg
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._broken: dict[int, BrokenStream] = {}   # stream id -> what broke
+
+    def broke(self, stream: BrokenStream) -> None:
+        with self._lock:
+            while len(self._broken) >= self._limit:
+                del self._broken[next(iter(self._broken))]
+            self._broken[stream.stream] = stream
+
+    def review(self, now: float, *, alive: Callable[[int], bool], streaming: Mapping[int, int],
+               restarts: Iterable[float]) -> list[BrokenStream]:
+        """Judge every broken stream; forget the settled ones; return those whose rank exited.
+
+        Args:
+            alive: whether a pid's process is alive.
+            streaming: pid -> the stream it streams on now.
+            restarts: when restarts were decided.
+        """
+        with self._lock:
+            pending = list(self._broken.values())
+        if not pending:
+            return []
+        restarts = list(restarts)
+        exited = []
+        for b in pending:
+            verdict = judge(now, b, alive=alive(b.pid), restarts=restarts,
+                            reconnected=streaming.get(b.pid, b.stream) != b.stream, cfg=self.cfg)
+            if verdict == "wait":
+                continue
+            with self._lock:
+                self._broken.pop(b.stream, None)
+            if verdict == "exit":
+                exited.append(b)
+            else:
+                log.info("rank %d (pid %d): its stream broke (%s); not an exit to report (it "
+                         "reconnected, lives on, or a restart stopped it)", b.rank, b.pid, b.error)
+        return exited

@@ -34,7 +34,7 @@ from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.jobmetrics import JobCollector
 from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint, summary_incidents
 from rankwatch.agent.metrics import NodeCollector
-from rankwatch.agent.rankexit import BrokenStream, ExitConfig, exit_detail, judge
+from rankwatch.agent.rankexit import BrokenStream, ExitConfig, ExitWatch, exit_detail
 from rankwatch.agent.state import NodeState, RankState, Rejected, _pid_alive
 from rankwatch.agent.starvation import StarvationTracker
 from rankwatch.agent.stepstarts import StepStarts
@@ -50,7 +50,6 @@ _MAX_MESSAGE = 16 << 20
 _MAX_RPCS = 512
 _RISK_CHECKPOINT_EVERY = 600.0   # seconds between risk checkpoints for the same GPU and signal
 _DECISIONS_SENT = 64   # the newest decisions a node's summary carries to its coordinator
-_MAX_BROKEN = 1024     # broken rank streams watched for their process's exit at once
 
 
 class AgentConfig:
@@ -103,7 +102,7 @@ class Agent:
         self.state.incidents = self.incidents.items
         self.decision_log = DecisionLog(config.state_dir / "decisions.jsonl" if config.state_dir else None)
         self._open_hang: Incident | None = None
-        self._broken: dict[int, BrokenStream] = {}   # stream id -> a rank's stream that broke
+        self._exits = ExitWatch(config.exits)
         self._stragglers = StragglerDetector(config.straggler, gpu_throttle=self.gpu_throttle_for_rank)
         self._starvation = StarvationTracker()
         self._step_starts = StepStarts()
@@ -404,36 +403,25 @@ class Agent:
     def _stream_broke(self, rank: RankState, error: str) -> None:
         """Keep what the agent knew of a rank whose stream broke, for :meth:`check_exits`."""
         with self.state.lock:
-            while len(self._broken) >= _MAX_BROKEN:  # bounded, whatever a peer does
-                del self._broken[next(iter(self._broken))]
-            self._broken[rank.stream] = BrokenStream(
+            broken = BrokenStream(
                 rank=rank.rank, node=rank.node, pid=rank.pid, stream=rank.stream, step=rank.step,
                 activity=rank.activity, last_seen=rank.last_seen, ended_at=self.state.clock(),
                 error=error, inflight=dict(rank.inflight) if rank.inflight else None)
+        self._exits.broke(broken)
 
     def check_exits(self, now: float) -> list[Incident]:
         """Judge each broken stream once more; record a ``rank_exit`` incident per dead rank."""
         st = self.state
         with st.lock:
-            pending = list(self._broken.values())
             streaming = {r.pid: r.stream for r in st.ranks.values() if r.connected}
-        restarts = [d.decided_at for d in self.decisions() if d.kind == "exclude"] if pending else []
+        exited = self._exits.review(now, alive=lambda pid: _process_state(pid)[0], streaming=streaming,
+                                    restarts=(d.decided_at for d in self.decisions() if d.kind == "exclude"))
         made = []
-        for b in pending:
-            verdict = judge(now, b, alive=_process_state(b.pid)[0], restarts=restarts,
-                            reconnected=streaming.get(b.pid, b.stream) != b.stream, cfg=self.config.exits)
-            if verdict == "wait":
-                continue
+        for b in exited:
             with st.lock:
-                del self._broken[b.stream]
                 r = st.ranks.get(b.rank)
-                if (verdict == "exit" and r is not None and r.stream == b.stream
-                        and r.state in ("ok", "straggler", "hung")):
+                if r is not None and r.stream == b.stream and r.state in ("ok", "straggler", "hung"):
                     r.state = "dead"  # as goodbye() marks it when the process is gone already
-            if verdict == "drop":
-                log.info("rank %d (pid %d): its stream broke (%s); not an exit to report (it "
-                         "reconnected, lives on, or a restart stopped it)", b.rank, b.pid, b.error)
-                continue
             made.append(self.incidents.add(kind="rank_exit", node=b.node, rank=b.rank, step=b.step,
                                            detected_at=now, detail=exit_detail(b, now)))
             log.warning("RANK EXIT: rank %d (pid %d) died at step %d (%s, stream %s)", b.rank, b.pid,

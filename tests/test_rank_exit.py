@@ -17,7 +17,7 @@ import pytest
 from conftest import wait_for
 from rankwatch.agent.address import Address
 from rankwatch.agent.incidents import IncidentLog
-from rankwatch.agent.rankexit import BrokenStream, ExitConfig, judge
+from rankwatch.agent.rankexit import BrokenStream, ExitConfig, ExitWatch, judge
 from rankwatch.agent.server import Agent, AgentConfig
 
 _RANK = """
@@ -97,3 +97,15 @@ def test_a_broken_stream_is_judged_until_the_process_is_gone_or_streams_again():
     assert verdict(alive=True) == "wait"
     assert verdict(alive=True, reconnected=True) == "drop"
     assert verdict(now=131.0, alive=True) == "drop"
+
+
+def test_the_watch_is_bounded_and_forgets_what_it_settled():
+    watch = ExitWatch(ExitConfig(), limit=2)
+    for stream in (1, 2, 3):
+        watch.broke(BrokenStream(rank=stream, node="n0", pid=100 + stream, stream=stream, step=5,
+                                 activity="train", last_seen=10.0, ended_at=11.0, error="cancelled"))
+    alive = {102: True, 103: False}
+    exited = watch.review(12.0, alive=lambda pid: alive[pid], streaming={}, restarts=[])
+    assert [b.stream for b in exited] == [3], "the oldest was dropped at the bound; 2 lives on"
+    assert watch.review(12.5, alive=lambda pid: alive[pid], streaming={}, restarts=[]) == []
+    assert watch.review(13.0, alive=lambda pid: False, streaming={}, restarts=[])[0].stream == 2
