@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
 import grpc
 
 from rankwatch.agent.address import Address
-from rankwatch.agent.incidents import Incident
 from rankwatch.proto import pb, pb_grpc
 
 __all__ = ["AgentUnreachable", "fetch_status", "reachable"]
@@ -57,7 +57,10 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
             "own_work_seconds": r.own_work_seconds,
             "collective_wait_seconds": r.collective_wait_seconds,
         } for r in resp.ranks],
-        "incidents": [Incident.from_pb(i).as_status() for i in resp.incidents],
+        "incidents": [{
+            "id": i.id, "kind": i.kind, "node": i.node, "rank": i.rank, "step": i.step,
+            "detected_at": i.detected_at, "detail": json.loads(i.detail_json or "{}"),
+        } for i in resp.incidents],
         "goodput": resp.goodput if resp.HasField("goodput") else None,
         "time_seconds": dict(resp.time_seconds),
         "coordinator": resp.coordinator,
