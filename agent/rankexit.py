@@ -1,9 +1,9 @@
 """Rank exits: a rank whose stream ended without a clean close, and whose process is gone.
 
-A rank closes its stream cleanly on ``Monitor.close()`` (also run at interpreter exit).
-A stream that breaks instead is a rank that died (killed, crashed, ``os._exit``), or a
-live rank whose connection dropped, which reconnects.  So a broken stream is judged
-until one of these holds:
+A rank closes its stream cleanly on ``Monitor.close()`` (also run at interpreter exit): it
+sends a ``Goodbye`` last.  A stream that ends without one is a rank that died (killed,
+crashed, ``os._exit``), or a live rank whose connection dropped, which reconnects.  So
+such a stream is judged until one of these holds:
 
 * its process is gone: a ``rank_exit`` incident, with the evidence the agent kept,
   unless a restart was decided just before the stream broke (the restart stops every
@@ -54,7 +54,8 @@ class BrokenStream:
     last_seen: float
     ended_at: float
     error: str
-    """How the stream ended: ``cancelled`` (the connection went away), ``broken``, ..."""
+    """How the stream ended without a goodbye: ``closed`` (the iteration stopped) or
+    ``cancelled`` (the call was cancelled); gRPC reports a dead peer either way."""
     inflight: dict[str, Any] | None = None
 
 
@@ -72,7 +73,7 @@ def judge(now: float, broken: BrokenStream, *, alive: bool, reconnected: bool,
 
 def exit_detail(broken: BrokenStream, now: float) -> dict[str, Any]:
     """The ``rank_exit`` incident's evidence."""
-    return {"pid": broken.pid, "alive": False, "stream": "broken", "error": broken.error,
+    return {"pid": broken.pid, "alive": False, "stream": "ended without a goodbye", "error": broken.error,
             "activity": broken.activity, "inflight": broken.inflight,
             "last_seen": broken.last_seen, "stream_ended_at": broken.ended_at,
             "silent_seconds": round(max(0.0, broken.ended_at - broken.last_seen), 3),

@@ -237,8 +237,8 @@ class Agent:
         st = self.state
         rank = None
         accepted = rejected = 0
-        clean = False
-        error = "ended without a close"
+        said_goodbye = False
+        error = "closed"   # how a stream without a goodbye ended (gRPC reports a dead peer either way)
         try:
             for msg in requests:
                 body = msg.WhichOneof("body")
@@ -252,6 +252,9 @@ class Agent:
                     if rank.job_id:  # the job's run id, on every incident and decision
                         self.incidents.run_id = self.decision_log.run_id = rank.job_id
                     continue
+                if body == "goodbye":
+                    said_goodbye = True
+                    continue
                 try:
                     if body != "batch":
                         raise Rejected("malformed", f"rank {rank.rank} sent {body!r} mid-stream")
@@ -262,13 +265,14 @@ class Agent:
                 except Rejected as exc:
                     st.note_rejected(exc)
                     rejected += 1
-            clean = True
         except grpc.RpcError:  # the rank went away; goodbye() below records how
             error = "cancelled" if not context.is_active() else "broken"
         finally:
+            # Only a rank's goodbye makes its end clean: a rank whose process died can end
+            # the stream as a close does (the iteration just stops), not only as an error.
             if rank is not None:
-                st.goodbye(rank, clean)
-                if not clean:
+                st.goodbye(rank, said_goodbye)
+                if not said_goodbye:
                     self._stream_broke(rank, error)
         return pb.ReportSummary(batches_accepted=accepted, batches_rejected=rejected)
 
