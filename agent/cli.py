@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rankwatch import __version__
-from rankwatch.agent.address import Address, node_id, resolve
+from rankwatch.address import Address, node_id, resolve
 
 if TYPE_CHECKING:
     from rankwatch.agent.straggler import StragglerConfig
@@ -224,7 +224,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> dict | None:
-    from rankwatch.agent.client import AgentUnreachable, fetch_status
+    from rankwatch.status import AgentUnreachable, fetch_status
 
     addr = resolve(str(args.agent) if args.agent else None)
     try:

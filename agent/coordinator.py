@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 
 from rankwatch.agent.decisions import Decision, DecisionLog
+from rankwatch.agent.gpu.xid import FATAL_ACTIONS
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.state import parse_flight_recorder
@@ -46,9 +47,6 @@ log = logging.getLogger(__name__)
 
 _DECISION_KINDS = ("exclude", "checkpoint")
 _DECISIONS_ADOPTED = 256   # the most decisions taken from one summary
-
-# A gpu_fault whose catalogue action is one of these takes its node out of the job.
-_FATAL_GPU_ACTIONS = ("reboot", "reset_gpu", "restart_app")
 
 
 @dataclass(kw_only=True)
@@ -348,7 +346,7 @@ class Coordinator:
         excluded = self.excluded
         faults = [(i.node, i.detail) for i in self.job_incidents()
                   if i.kind == "gpu_fault" and i.node not in excluded]
-        fatal = [(name, d) for name, d in faults if d.get("action") in _FATAL_GPU_ACTIONS]
+        fatal = [(name, d) for name, d in faults if d.get("action") in FATAL_ACTIONS]  # takes the node out
         for name, detail in fatal:
             if self.policy.exclude_gpu_fatal:
                 self.exclude(name, f"fatal GPU fault on gpu {detail.get('gpu')}: "

@@ -37,8 +37,7 @@ from pathlib import Path
 from rich.console import Console, Group
 from rich.live import Live
 
-from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, Address, resolve
-from rankwatch.agent.client import AgentUnreachable, fetch_status, reachable
+from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address, resolve
 from rankwatch.agent.coordinator import PolicyConfig
 from rankwatch.agent.gpu import GpuConfig, load_script
 from rankwatch.agent.gpu.script import ScriptedSource
@@ -46,6 +45,7 @@ from rankwatch.agent.run import DEFAULT_METRICS_PORT, _port_free
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.agent.straggler import StragglerConfig
 from rankwatch.agent.view import goodput_line, rank_table, timeline
+from rankwatch.status import AgentUnreachable, fetch_status, reachable
 
 __all__ = ["run_demo"]
 
@@ -90,8 +90,9 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
                                   policy=PolicyConfig(min_nodes=2, evict_straggler_speedup=float("inf"))))
         agent.start()
         agents.append(agent)
+    taken = "" if agents[0].metrics_port == DEFAULT_METRICS_PORT else f" (port {DEFAULT_METRICS_PORT} is taken)"
     console.print(f"coordinator agent [bold]{_NODES[0]}[/] at {addr}; metrics at "
-                  f"http://127.0.0.1:{agents[0].metrics_port}/metrics")
+                  f"http://127.0.0.1:{agents[0].metrics_port}/metrics{taken}")
     console.print(f"job: 3 nodes x 1 rank and a hot spare (--nnodes 2:3, gloo, FSDP2), {steps} steps; "
                   f"logs and checkpoints in {workdir}")
     console.print("faults: demo-n1 computes 50% slower from step 20 and its GPU throttles, then "

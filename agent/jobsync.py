@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from rankwatch.agent.address import Address
+from rankwatch.address import Address
 from rankwatch.agent.auth import metadata
 from rankwatch.agent.decisions import Decision
 from rankwatch.agent.incidents import Incident

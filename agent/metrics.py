@@ -52,7 +52,8 @@ class NodeCollector:
         secs = GaugeMetricFamily("rankwatch_rank_step_seconds",
                                  "Median wall time of a rank's recent steps.", labels=lbl)
         phase = GaugeMetricFamily("rankwatch_rank_phase_seconds",
-                                  "Seconds of a rank's last step spent in each phase.",
+                                  "Median seconds per step a rank spent in each phase, over "
+                                  "the steps rankwatch_rank_step_seconds is the median of.",
                                   labels=lbl + ["phase"])
         seq = GaugeMetricFamily("rankwatch_rank_collective_sequence",
                                 "Highest collective sequence number a rank reported.", labels=lbl)
@@ -76,8 +77,9 @@ class NodeCollector:
             key = [node, str(r.rank)]
             step.add_metric(key, r.step)
             secs.add_metric(key, r.step_seconds)
+            phases = r.phase_seconds
             for name in PHASES:
-                phase.add_metric(key + [name], r.last_phases.get(name, 0.0))
+                phase.add_metric(key + [name], phases.get(name, 0.0))
             seq.add_metric(key, r.last_collective_seq)
             for i, name in enumerate(OPS):
                 if r.collective_counts[i]:

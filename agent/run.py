@@ -19,10 +19,10 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 
-from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, Address
-from rankwatch.agent.client import reachable
+from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
+from rankwatch.status import AgentUnreachable, fetch_status, reachable
 
-__all__ = ["DEFAULT_METRICS_PORT", "run_torchrun", "start_local_agent"]
+__all__ = ["DEFAULT_METRICS_PORT", "metrics_port_line", "run_torchrun", "start_local_agent"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,18 @@ def start_local_agent(addr: Address, node: str, metrics_port: int | None = None)
     raise RuntimeError(f"the local agent did not answer at {addr} within {_AGENT_START}")
 
 
+def metrics_port_line(addr: Address) -> str:
+    """Where the agent at ``addr`` serves ``/metrics``, saying so when the default port was taken."""
+    try:
+        port = fetch_status(addr)["metrics_port"]
+    except AgentUnreachable:
+        return f"rankwatch: the agent at {addr} does not answer"
+    if port is None:
+        return f"rankwatch: agent at {addr}, no /metrics"
+    taken = f" (port {DEFAULT_METRICS_PORT} is taken)" if port != DEFAULT_METRICS_PORT else ""
+    return f"rankwatch: agent at {addr}, /metrics on port {port}{taken}"
+
+
 def stop_process(proc: subprocess.Popen, timeout: timedelta = timedelta(seconds=5)) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -89,7 +101,7 @@ def with_rankwatch_rendezvous(args: Sequence[str]) -> list[str]:
 
 def excluded_reason(addr: Address, node: str) -> str | None:
     """Why the coordinator excluded ``node``, as this node's agent knows it; None if not."""
-    from rankwatch.agent.client import AgentUnreachable, fetch_status
+    from rankwatch.status import AgentUnreachable, fetch_status
 
     try:
         status = fetch_status(addr)
@@ -107,6 +119,7 @@ def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
         log.info("no agent at %s; starting a local one", addr)
         try:
             agent = start_local_agent(addr, node)
+            print(metrics_port_line(addr), file=sys.stderr, flush=True)
         except (RuntimeError, OSError) as exc:
             # Fail-open: training never waits on rankwatch; the ranks retry the address.
             log.warning("could not start a local agent (%s); training goes on without one", exc)

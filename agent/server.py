@@ -22,7 +22,7 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from rankwatch.agent import otel
-from rankwatch.agent.address import Address
+from rankwatch.address import Address
 from rankwatch.agent.auth import authorized
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
@@ -307,12 +307,13 @@ class Agent:
         for r in st.snapshot():
             resp.ranks.append(pb.RankStatus(
                 rank=r.rank, node=r.node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
-                state=r.state, phase_seconds=r.last_phases, mesh_coords=r.mesh_coords,
+                state=r.state, phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
                 backend=r.backend, collectives=int(r.collective_counts.sum()),
                 last_collective_seq=r.last_collective_seq, dropped=r.dropped,
                 last_seen=r.last_seen, connected=r.connected,
                 tokens_per_second=r.tokens_per_second, slowdown=r.slowdown,
-                own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds))
+                own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds,
+                collective_source=r.collective_source, device_uuid=r.device_uuid))
         if job:
             for node, r, excluded in self.coordinator.rank_summaries():
                 if node != st.node_id:

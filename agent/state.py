@@ -70,6 +70,7 @@ class RankState:
     op_map: np.ndarray                      # the rank's op code -> agent op index
     stream: int                             # id of the stream that owns this rank
     device_uuid: str = ""                   # the GPU's UUID ("GPU-..."), "" without CUDA
+    collective_source: str = ""             # nccl_completion_hook, python_wrappers or none
     connected: bool = True
     exited_cleanly: bool = False
     last_seen: float = field(default_factory=time.time)
@@ -87,7 +88,8 @@ class RankState:
     own_work: deque = field(default_factory=lambda: deque(maxlen=WORK_WINDOW))
     data_wait: deque = field(default_factory=lambda: deque(maxlen=WORK_WINDOW))
     comm_wait: deque = field(default_factory=lambda: deque(maxlen=WORK_WINDOW))
-    last_phases: dict[str, float] = field(default_factory=dict)
+    # Per step, over the same window as step_durations: (data, forward, backward, optimizer, other).
+    phase_window: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     collective_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(OPS), np.int64))
     state: str = "ok"
     steps_completed: int = 0
@@ -102,6 +104,14 @@ class RankState:
     @property
     def step_seconds(self) -> float:
         return float(np.median(self.step_durations)) if self.step_durations else 0.0
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Median of each phase over the steps that ``step_seconds`` is the median of."""
+        if not self.phase_window:
+            return {}
+        medians = np.median(np.asarray(self.phase_window, np.float64), axis=0)
+        return dict(zip(PHASES, (float(m) for m in medians)))
 
     @property
     def own_work_seconds(self) -> float:
@@ -177,6 +187,7 @@ class NodeState:
                 rank=msg.rank, node=self.node_id, pid=msg.pid,
                 local_rank=msg.local_rank, world_size=msg.world_size, backend=msg.backend,
                 device=msg.device, device_uuid=msg.device_uuid, job_id=msg.job_id,
+                collective_source=msg.collective_source,
                 peak_flops=msg.peak_flops,
                 mesh_coords=dict(msg.mesh_coords), mesh_shape=dict(msg.mesh_shape),
                 op_map=op_map, stream=self._next_stream, last_seen=self.clock(),
@@ -278,10 +289,9 @@ class NodeState:
             rank.step_tokens.append(s.tokens[i])
             rank.step_flops.append(s.flops[i])
             rank.step = max(rank.step, s.step[i])
-        i = n - 1
-        marked = s.data[i] + s.forward[i] + s.backward[i] + s.optimizer[i]
-        rank.last_phases = {"data": s.data[i], "forward": s.forward[i], "backward": s.backward[i],
-                            "optimizer": s.optimizer[i], "other": max(0.0, s.duration[i] - marked)}
+            marked = s.data[i] + s.forward[i] + s.backward[i] + s.optimizer[i]
+            rank.phase_window.append((s.data[i], s.forward[i], s.backward[i], s.optimizer[i],
+                                      max(0.0, s.duration[i] - marked)))
         self.step_hist.observe_many(np.zeros(n, np.int64), np.asarray(s.duration, np.float64))
         self.steps_total += n
         self.tokens_total += float(sum(s.tokens))
@@ -346,6 +356,7 @@ def _check_hello(msg: pb.Hello) -> None:
         raise Rejected("invalid_hello", f"peak_flops {msg.peak_flops} invalid")
     for value, what in ((msg.node_id, "node_id"), (msg.backend, "backend"),
                         (msg.device, "device"), (msg.device_uuid, "device_uuid"),
+                        (msg.collective_source, "collective_source"),
                         (msg.job_id, "job_id")):
         _check_label(value, what)
     for name in list(msg.op_names) + list(msg.mesh_coords) + list(msg.mesh_shape):

@@ -19,7 +19,9 @@ that is slow for everyone cancels out):
   flagged once its CUSUM reaches ``evidence`` *and* its windowed slowdown is at
   least ``1 + threshold``;
 * hysteresis: a flagged rank is cleared only after ``clear_after`` steps with
-  its slowdown below ``1 + clear_threshold``;
+  its slowdown below ``1 + clear_threshold``; at once if it now works less than
+  the others (slowdown below 1) while another flagged rank works more: the
+  straggler moved, so two ranks are never both flagged at slowdowns around 1;
 * a slowdown whose cause is ``host`` needs ``host_evidence``, more than the
   others: CPU contention on a shared host comes and goes;
 * a whole node: when every rank of one node is flagged (and the job spans more
@@ -339,6 +341,7 @@ class StragglerDetector:
         by_rank = {r.rank: r for r in full}
         events = self._clear(scores, by_rank, last)
         events += self._flag(scores, by_rank, ranks, last)
+        events += self._superseded(scores, by_rank)
         return events
 
     def _accumulate(self, full: list[RankWork], last: int, new: int) -> None:
@@ -380,13 +383,23 @@ class StragglerDetector:
             else:
                 self._below.pop(rank, None)
             if rank in self._below and last - self._below[rank] >= self.cfg.clear_after:
-                del self.flagged[rank]
-                self._below.pop(rank)
-                self._cusum[rank] = 0.0
-                events.append(StragglerEvent(kind="cleared", score=s, work=by_rank[rank]))
+                events.append(self._lift(rank, s, by_rank))
             else:
                 self.flagged[rank] = s
         return events
+
+    def _superseded(self, scores: dict[int, Score], by_rank: dict[int, RankWork]) -> list[StragglerEvent]:
+        """Flags lifted at once: a flagged rank that now works less than the others, while
+        another flagged rank works more, is not what slows the job (the straggler moved)."""
+        slowest = max((scores[r].slowdown for r in self.flagged if r in scores), default=0.0)
+        return [self._lift(rank, scores[rank], by_rank) for rank in list(self.flagged)
+                if rank in scores and scores[rank].slowdown < min(1.0, slowest)]
+
+    def _lift(self, rank: int, s: Score, by_rank: dict[int, RankWork]) -> StragglerEvent:
+        del self.flagged[rank]
+        self._below.pop(rank, None)
+        self._cusum[rank] = 0.0
+        return StragglerEvent(kind="cleared", score=s, work=by_rank[rank])
 
     def _flag(self, scores: dict[int, Score], by_rank: dict[int, RankWork], ranks: list[RankWork],
               last: int) -> list[StragglerEvent]:

@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import torchrun  # noqa: E402
 
-from rankwatch.agent.address import Address  # noqa: E402
+from rankwatch.address import Address  # noqa: E402
 from rankwatch.agent.server import Agent, AgentConfig  # noqa: E402
 from rankwatch.agent.starvation import StarvationTracker  # noqa: E402
 

@@ -1,6 +1,7 @@
 """Step-time overhead of full instrumentation, and of losing the agent mid-run.
 
     python benchmarks/overhead.py [--pairs 6] [--steps 80]
+    python benchmarks/overhead.py --nproc 1 --tp 1 --nccl-timing --harness-args "--dim 512 ..."  # one GPU
 
 The harness job (default 4 ranks, dp2 x tp2, gloo, CPU; ``--nproc``/``--tp``) runs in interleaved pairs:
 rankwatch on (streaming to a live agent) and off (``--no-rankwatch``).  Each
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -28,15 +31,17 @@ WARMUP = 10
 
 
 SHAPE = {"nproc": 4, "tp": 2}
+HARNESS: list[str] = []         # extra harness flags (--harness-args): the model's size on a GPU
+ENV: dict[str, str] = {}        # extra job environment (--nccl-timing)
 
 
 def run(tmp: Path, name: str, steps: int, agent: AgentProcess | None, *extra: str,
         during=None) -> float:
     out = tmp / name
     job = torchrun(SHAPE["nproc"], "--steps", str(steps), "--tp", str(SHAPE["tp"]),
-                   "--metrics-out", str(out),
+                   "--metrics-out", str(out), *HARNESS,
                    "--log-every", "0", *extra, agent=agent.addr if agent else None,
-                   log=tmp / f"{name}.log")
+                   log=tmp / f"{name}.log", env=ENV)
     if during:
         during()
     if job.wait(600) != 0:
@@ -54,9 +59,9 @@ def ab_job(tmp: Path, agent: AgentProcess, steps: int, block: int = 10, control:
     """
     out = tmp / ("aa" if control else "ab")
     job = torchrun(SHAPE["nproc"], "--steps", str(steps), "--tp", str(SHAPE["tp"]),
-                   "--metrics-out", str(out), "--log-every", "0", "--ab-block", str(block),
+                   "--metrics-out", str(out), *HARNESS, "--log-every", "0", "--ab-block", str(block),
                    agent=agent.addr, log=tmp / "ab.log",
-                   env={"RANKWATCH_AB_CONTROL": "1"} if control else None)
+                   env={**ENV, **({"RANKWATCH_AB_CONTROL": "1"} if control else {})})
     if job.wait(900) != 0:
         raise RuntimeError((tmp / "ab.log").read_text()[-2000:])
     ratios = []
@@ -85,8 +90,17 @@ def main() -> None:
     ap.add_argument("--skip-failopen", action="store_true")
     ap.add_argument("--ab-steps", type=int, default=600,
                     help="steps of the in-job A/B run (blocks of 10 on, 10 off)")
+    ap.add_argument("--ab-rounds", type=int, default=2, help="A/A and A/B job pairs")
+    ap.add_argument("--harness-args", default="", help="extra harness flags, e.g. the model size")
+    ap.add_argument("--nccl-timing", action="store_true",
+                    help="TORCH_NCCL_ENABLE_TIMING=1: on NCCL, rankwatch times collectives on the GPU")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="copy each job's metrics (step times per rank) here")
     args = ap.parse_args()
     SHAPE.update(nproc=args.nproc, tp=args.tp)
+    HARNESS[:] = shlex.split(args.harness_args)
+    if args.nccl_timing:
+        ENV["TORCH_NCCL_ENABLE_TIMING"] = "1"
     print(f"job: {args.nproc} ranks, tp {args.tp}, {args.steps} steps")
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
@@ -95,10 +109,14 @@ def main() -> None:
             _main(tmp, agent, args)
         finally:
             agent.stop()
+            if args.keep:
+                for d in tmp.iterdir():
+                    if d.is_dir() and not d.name.startswith("state"):
+                        shutil.copytree(d, args.keep / d.name, dirs_exist_ok=True)
 
 
 def _main(tmp: Path, agent: AgentProcess, args: argparse.Namespace) -> None:
-    for _ in range(2):
+    for _ in range(args.ab_rounds):
         ab_job(tmp, agent, args.ab_steps, control=True)
         ab_job(tmp, agent, args.ab_steps)
     ratios, on_t, off_t = [], [], []

@@ -35,7 +35,7 @@ from datetime import timedelta
 import grpc
 import numpy as np
 
-from rankwatch.agent.address import Address
+from rankwatch.address import Address
 from rankwatch.hooks.recorder import ACTIVITY_IDLE, ACTIVITY_TRAIN, OPS, Recorder
 from rankwatch.proto import pb, pb_grpc
 

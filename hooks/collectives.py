@@ -14,8 +14,12 @@ Two sources, one record format (:meth:`Recorder.collective`):
   backend thread's view, but it costs ~30 us per collective in GIL hand-offs
   and its timestamp waits for the GIL anyway.)
 * **NCCL completion hooks**: with ``TORCH_NCCL_ENABLE_TIMING=1``,
-  ``ProcessGroup._register_on_completion_hook`` reports each collective's
-  GPU-measured duration, funcols included; the wrappers then stand down.
+  ``ProcessGroup._register_on_completion_hook`` on every NCCL group (the
+  default one, DeviceMesh's, and groups made later, found at each flush)
+  reports each collective's duration between CUDA events on the NCCL stream,
+  funcols included; the wrappers then stand down.  That duration includes the
+  time a collective's kernel waited for its slowest peer.  NCCL reports no
+  byte counts, so these records carry 0 bytes.
 
 Bookkeeping never raises into training: its errors are counted.
 """
@@ -32,7 +36,7 @@ from typing import Any
 
 from rankwatch.hooks.recorder import OP_CODE, Recorder
 
-__all__ = ["CollectiveInstrumentation"]
+__all__ = ["CollectiveInstrumentation", "backend_of"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,53 @@ _FUNCOL_OPS = {
     "all_gather_single_coalesced": "all_gather_coalesced",
     "reduce_scatter_single_coalesced": "reduce_scatter_coalesced",
 }
+# The verb's parameter that holds the whole buffer, whose bytes a record carries (as
+# nccl-tests' "size": an all-gather's output, a reduce-scatter's input, else the tensor).
+_PAYLOAD = {
+    "all_reduce": "tensor", "all_reduce_coalesced": "tensors", "all_gather": "tensor_list",
+    "all_gather_single": "output_tensor", "all_gather_coalesced": "output_tensor_lists",
+    "reduce_scatter": "input_list", "reduce_scatter_single": "input",
+    "all_to_all": "input_tensor_list", "all_to_all_single": "input", "broadcast": "tensor",
+    "reduce": "tensor", "gather": "tensor", "scatter": "tensor", "send": "tensor", "recv": "tensor",
+    "isend": "tensor", "irecv": "tensor",
+}
 _MAX_PENDING = 4096
+# ProcessGroupNCCL's OpType names (lower case) -> op code; unlisted ones are "other".
+_NCCL_OP_CODES = {name: OP_CODE[op] for name, op in {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced",
+    "allgather": "all_gather", "_allgather_base": "all_gather",
+    "allgather_coalesced": "all_gather_coalesced", "allgather_into_tensor_coalesced": "all_gather_coalesced",
+    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced",
+    "alltoall": "all_to_all", "alltoall_base": "all_to_all", "broadcast": "broadcast",
+    "barrier": "barrier", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
+    "send": "send", "recv": "recv",
+}.items()}
+
+
+def backend_of(pg: Any = None) -> str:
+    """The backend of a process group (default: the world's), however the group was made.
+
+    ``dist.get_backend`` answers "undefined" for a group that ``init_device_mesh``
+    made without a backend named; the group's own name, or its per-device backend
+    config ("cpu:gloo,cuda:nccl": the one of the device this process computes
+    on), tell.
+    """
+    import torch
+    import torch.distributed as dist
+
+    name = str(dist.get_backend(pg))
+    if name not in ("", "undefined"):
+        return name
+    group = pg if pg is not None else dist.distributed_c10d._get_default_group()
+    try:
+        name = str(group.name())
+    except Exception:  # noqa: BLE001 - older torch
+        name = "undefined"
+    if name not in ("", "undefined"):
+        return name
+    by_device = dict(part.split(":", 1) for part in str(dist.get_backend_config(pg)).split(",") if ":" in part)
+    return by_device.get("cuda" if torch.cuda.is_available() else "cpu", name)
 
 
 def _storage_key(act: Any) -> int:
@@ -77,12 +127,37 @@ def _storage_key(act: Any) -> int:
 
 
 def _nbytes(obj: Any) -> int:
+    """Bytes of a tensor, or of the tensors in (nested) lists of them; 0 for anything else."""
     nbytes = getattr(obj, "nbytes", None)
     if nbytes is not None:
         return int(nbytes)
     if isinstance(obj, (list, tuple)):
-        return sum(int(getattr(t, "nbytes", 0)) for t in obj)
+        return sum(_nbytes(t) for t in obj)
     return 0
+
+
+def _arg_reader(fn: Callable, name: str | None) -> Callable[[tuple, dict], Any]:
+    """``(args, kwargs) -> `` the argument ``fn`` got for its parameter ``name``, or None."""
+    params = list(inspect.signature(fn).parameters)
+    if name is None or name not in params:
+        return lambda args, kwargs: None
+    index = params.index(name)
+    return lambda args, kwargs: args[index] if len(args) > index else kwargs.get(name)
+
+
+def _payload_reader(fn: Callable, name: str | None) -> Callable[[tuple, dict], int]:
+    """``(args, kwargs) -> bytes`` of ``fn``'s parameter ``name``, passed by position or by keyword."""
+    arg = _arg_reader(fn, name)
+    return lambda args, kwargs: _nbytes(arg(args, kwargs))
+
+
+def _group_key(group: Any) -> Any:
+    """A hashable key for a functional collective's ``group`` argument."""
+    if isinstance(group, tuple):  # (DeviceMesh, dim)
+        return tuple(id(g) if not isinstance(g, (int, str)) else g for g in group)
+    if isinstance(group, list):   # ranks
+        return tuple(tuple(g) if isinstance(g, list) else g for g in group)
+    return group if isinstance(group, str) else id(group)
 
 
 class CollectiveInstrumentation:
@@ -99,9 +174,13 @@ class CollectiveInstrumentation:
         self.pgs: list[Any] = []  # process groups seen, index = pg code
         self.errors = 0
         self.source = "none"
-        self._pending: dict[int, tuple[int, int, int]] = {}  # funcol results not yet waited
+        self._pending: dict[int, tuple[int, int, int, int, int]] = {}  # funcol results not yet waited
         self._default_pg: Any = None
         self._pending_work: dict[int, tuple[int, int, int, int, int]] = {}  # async Works
+        self._nccl_on = False
+        self._nccl_hooked: set[int] = set()  # id() of the groups whose completion hook is ours
+        # _group_key -> (the group argument, kept so its id is not reused; its ProcessGroup)
+        self._funcol_groups: dict[Any, tuple[Any, Any]] = {}
 
     # -- public -----------------------------------------------------------
     def install(self) -> str:
@@ -123,10 +202,30 @@ class CollectiveInstrumentation:
             setattr(owner, name, original)
         self._saved.clear()
         self._default_pg = None
+        # A completion hook cannot be removed from its group: it stays and records nothing.
+        self._nccl_on = False
         self.source = "none"
 
+    def refresh(self) -> None:
+        """Hook NCCL groups made since :meth:`install` (sender thread, every flush).
+
+        A DeviceMesh or ``new_group`` made after ``init()`` has its own communicator;
+        its collectives are timed from the first flush after it appears.
+        """
+        if self._nccl_on:
+            try:
+                import torch.distributed as dist
+
+                self._hook_nccl_groups(dist)
+            except Exception:  # noqa: BLE001 - sampling must not fail
+                self.errors += 1
+
     def group_seqs(self) -> dict[str, int]:
-        """Sequence number of every group seen, by group name (sender thread)."""
+        """Sequence number of every group seen, by group name (sender thread).
+
+        Sampled every flush, so it also hooks NCCL groups made since the last one.
+        """
+        self.refresh()
         out = {}
         for pg in list(self.pgs):
             try:
@@ -176,7 +275,8 @@ class CollectiveInstrumentation:
         for fname, op in _DIST_OPS.items():
             fn = getattr(c10d, fname, None)
             if fn is not None:
-                self._patch_everywhere(fn, self._dist_wrapper(fn, OP_CODE[op], c10d))
+                self._patch_everywhere(fn, self._dist_wrapper(fn, OP_CODE[op], c10d,
+                                                              _payload_reader(fn, _PAYLOAD.get(fname))))
         self._wrap_work_wait(dist.Work)
 
     def _find_default(self, c10d: Any) -> Any:
@@ -214,7 +314,8 @@ class CollectiveInstrumentation:
 
         self._patch(work_cls, "wait", timed_wait)
 
-    def _dist_wrapper(self, fn: Callable, op: int, c10d: Any) -> Callable:
+    def _dist_wrapper(self, fn: Callable, op: int, c10d: Any,
+                      payload: Callable[[tuple, dict], int]) -> Callable:
         params = list(inspect.signature(fn).parameters)
         g_index = params.index("group") if "group" in params else None
         rec = self._rec
@@ -238,7 +339,7 @@ class CollectiveInstrumentation:
             try:
                 seq = pg._get_sequence_number_for_group()
                 pgc = self._pg_code(pg)
-                nbytes = _nbytes(args[0] if args else kwargs.get("tensor"))
+                nbytes = payload(args, kwargs)
                 if work is None:
                     t1 = clock()
                     rec.blocked_ns += t1 - t0
@@ -260,7 +361,10 @@ class CollectiveInstrumentation:
         for fname, op in _FUNCOL_OPS.items():
             fn = getattr(funcol, fname, None)
             if fn is not None:
-                self._patch_everywhere(fn, self._funcol_wrapper(fn, OP_CODE[op], act_cls))
+                first = next(iter(inspect.signature(fn).parameters), None)  # the input tensor(s)
+                self._patch_everywhere(fn, self._funcol_wrapper(fn, OP_CODE[op], act_cls,
+                                                                _payload_reader(fn, first),
+                                                                _arg_reader(fn, "group")))
 
         # DTensor waits with .wait(), other uses with .trigger_wait(): time both.
         for method in ("trigger_wait", "wait"):
@@ -275,19 +379,21 @@ class CollectiveInstrumentation:
             pending = self._pending.pop(_storage_key(act), None) if self._pending else None
             if pending is None:
                 return wait(act)
-            op, t0, nbytes = pending
-            rec.inflight = (op, None, t0)
+            op, pgc, seq, t0, nbytes = pending
+            rec.inflight = (op, self.pgs[pgc] if pgc >= 0 else None, t0)
             tw = clock()
             out = wait(act)
             t1 = clock()
             rec.inflight = None
             rec.blocked_ns += t1 - tw
-            rec.collective(op, 0, -1, t0, t1, nbytes)
+            rec.collective(op, max(pgc, 0), seq, t0, t1, nbytes)
             return out
 
         return timed_wait
 
-    def _funcol_wrapper(self, fn: Callable, op: int, act_cls: type) -> Callable:
+    def _funcol_wrapper(self, fn: Callable, op: int, act_cls: type,
+                        payload: Callable[[tuple, dict], int],
+                        group_arg: Callable[[tuple, dict], Any]) -> Callable:
         rec = self._rec
         clock = time.perf_counter_ns
 
@@ -296,46 +402,87 @@ class CollectiveInstrumentation:
             t0 = clock()
             out = fn(*args, **kwargs)
             try:
-                nbytes = _nbytes(args[0] if args else None)
+                nbytes = payload(args, kwargs)
+                # The group and its sequence number as c10d (and Flight Recorder) count them.
+                pg = self._funcol_group(group_arg(args, kwargs))
+                pgc = self._pg_code(pg) if pg is not None else -1
+                seq = int(pg._get_sequence_number_for_group()) if pg is not None else -1
                 if isinstance(out, act_cls) and not out.completed:
                     # Keyed by storage: views of the result (new ACTs) share it.
-                    self._track(self._pending, _storage_key(out), (op, t0, nbytes))
+                    self._track(self._pending, _storage_key(out), (op, pgc, seq, t0, nbytes))
                 else:  # already waited (tracing, or a view that forced the wait)
-                    rec.collective(op, 0, -1, t0, clock(), nbytes)
+                    rec.collective(op, max(pgc, 0), seq, t0, clock(), nbytes)
             except Exception:  # noqa: BLE001 - never raise into training
                 self.errors += 1
             return out
 
         return timed
 
+    def _funcol_group(self, group: Any) -> Any:
+        """The ProcessGroup behind a functional collective's ``group`` (cached), or None."""
+        if group is None:
+            return None
+        key = _group_key(group)
+        hit = self._funcol_groups.get(key)
+        if hit is not None:
+            return hit[1]
+        import torch.distributed._functional_collectives as funcol
+        from torch.distributed import distributed_c10d as c10d
+
+        pg = c10d._resolve_process_group(funcol._resolve_group_name(group))
+        if len(self._funcol_groups) >= 256:  # groups made per call: keep the cache bounded
+            self._funcol_groups.clear()
+        self._funcol_groups[key] = (group, pg)
+        return pg
+
     def _try_nccl_hooks(self, dist: Any) -> bool:
         """Use NCCL's GPU timing when the default group is NCCL with timing on."""
         import os
 
-        if not dist.is_initialized() or dist.get_backend() != "nccl":
+        if not dist.is_initialized() or backend_of() != "nccl":
             return False
         if os.environ.get("TORCH_NCCL_ENABLE_TIMING") != "1":
             log.info("rankwatch: NCCL without TORCH_NCCL_ENABLE_TIMING=1; timing in Python")
             return False
+        self._nccl_on = True
         try:
-            pg = dist.distributed_c10d._get_default_group()
-            pg._register_on_completion_hook(self._on_nccl_completion)
-            return True
+            self._hook_nccl_groups(dist)
         except Exception as exc:  # noqa: BLE001
             log.warning("rankwatch: NCCL completion hook unavailable (%s); timing in Python", exc)
-            return False
+            self._nccl_on = False
+        return self._nccl_on
 
-    def _on_nccl_completion(self, info: Any) -> None:
-        # Runs on the NCCL watchdog's hook thread, never the training thread.
+    def _hook_nccl_groups(self, dist: Any) -> None:
+        """Register the completion hook on every NCCL group not hooked yet.
+
+        The default group's failure is raised (the caller falls back to the
+        Python wrappers); a subgroup's is counted, and the group is not tried again.
+        """
+        c10d = dist.distributed_c10d
+        default = c10d._get_default_group()
+        for pg in [default, *c10d._world.pg_map]:
+            if id(pg) in self._nccl_hooked:
+                continue
+            try:
+                if backend_of(pg) != "nccl":
+                    self._nccl_hooked.add(id(pg))
+                    continue
+                pgc = self._pg_code(pg)
+                pg._register_on_completion_hook(functools.partial(self._on_nccl_completion, pgc))
+            except Exception:
+                if pg is default:
+                    raise
+                self.errors += 1
+            self._nccl_hooked.add(id(pg))
+
+    def _on_nccl_completion(self, pgc: int, info: Any) -> None:
+        # Runs on the group's hook thread, never the training thread.
+        if not self._nccl_on:
+            return
         try:
-            name = str(info.op_type).rsplit(".", 1)[-1].lower()
-            op = OP_CODE.get({"allreduce": "all_reduce", "allgather": "all_gather",
-                              "_allgather_base": "all_gather", "reduce_scatter": "reduce_scatter",
-                              "_reduce_scatter_base": "reduce_scatter",
-                              "alltoall_base": "all_to_all", "alltoall": "all_to_all"}
-                             .get(name, name), OP_CODE["other"])
+            op = _NCCL_OP_CODES.get(str(info.op_type).rsplit(".", 1)[-1].lower(), OP_CODE["other"])
             t1_ns = time.perf_counter_ns()
             dur_ns = int(info.active_duration.total_seconds() * 1e9)
-            self._rec.collective(op, 0, int(info.seq), t1_ns - dur_ns, t1_ns, 0)
+            self._rec.collective(op, pgc, int(info.seq), t1_ns - dur_ns, t1_ns, 0)
         except Exception:  # noqa: BLE001
             self.errors += 1

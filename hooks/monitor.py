@@ -11,10 +11,11 @@ import atexit
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
-from rankwatch.agent.address import Address, node_id, resolve
+from rankwatch.address import Address, node_id, resolve
 from rankwatch.proto import pb
 from rankwatch.hooks.recorder import (
     ACTIVITY_CHECKPOINT,
@@ -29,6 +30,7 @@ __all__ = ["DISABLE_ENV", "Monitor", "NullMonitor", "init"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 DISABLE_ENV = "RANKWATCH_DISABLE"
 _ACTIVITIES = {"train": ACTIVITY_TRAIN, "eval": ACTIVITY_EVAL, "checkpoint": ACTIVITY_CHECKPOINT}
 
@@ -50,11 +52,36 @@ class Monitor:
         self._instr = instrumentation
         self._client = client
         self._served: dict[int, str] = {}  # step -> the request id its save serves
+        self._agree_device: Any = None     # where checkpoint_due's all-reduce runs
         self.mark = recorder.mark  # the hot path: a bound method, no indirection
 
     def step(self, step: int, tokens: float = 0.0, flops: float = 0.0) -> StepScope:
         """Bracket one training step; phases inside are closed with :meth:`mark`."""
         return self.recorder.step_scope(step, tokens, flops)
+
+    def steps(self, batches: Iterable[T], start: int = 1, tokens: float = 0.0,
+              flops: float = 0.0) -> Iterator[tuple[int, T]]:
+        """``for n, batch in mon.steps(loader):`` -- each step's scope opens before its batch is
+        fetched, so a slow loader counts as the step's ``data`` phase, never as time between steps.
+
+        The body marks the phases after data (forward, backward, optimizer); a step ends when
+        the next batch is asked for, when the loop breaks, or at the loader's end.
+        """
+        rec, n = self.recorder, start
+        it = iter(batches)
+        while True:
+            t0 = time.perf_counter_ns()
+            try:
+                batch = next(it)
+            except StopIteration:  # the loader is done: no step n
+                return
+            rec.begin_step(n, t0)  # the step began when its batch was asked for
+            rec.mark("data")
+            try:
+                yield n, batch
+            finally:
+                rec.end_step(tokens, flops)
+            n += 1
 
     @contextlib.contextmanager
     def activity(self, name: str) -> Iterator[None]:
@@ -71,15 +98,35 @@ class Monitor:
         return self._client.dropped_total if self._client else 0
 
     def requested_checkpoint(self) -> int:
-        """The step of the earliest checkpoint the agent asked for, or -1.
+        """The step of the earliest checkpoint the agent asked for, as this rank knows it, or -1.
 
-        Ranks may learn of a request at different steps, so agree before acting:
-        all-reduce this with MAX over the world and save when ``step >= `` the
-        result (the harness does).  A request whose step has passed is served at
-        the next agreed step.
+        Ranks may learn of a request at different steps: use :meth:`checkpoint_due`,
+        which agrees across ranks, to decide whether to save.
         """
         req = self._client.requested_checkpoint() if self._client else None
         return req[0] if req else -1
+
+    def checkpoint_due(self, step: int, group: Any = None) -> bool:
+        """Whether to save a checkpoint after ``step``: the same answer on every rank.
+
+        A collective (MAX over ``group``, default the world), so every rank of the
+        group must call it after the same step.  True once the agent asked for a
+        checkpoint at or before ``step``; a request some ranks heard of late is
+        served at the first step where all agree.  Then call
+        :meth:`checkpoint_started`, save, and :meth:`checkpoint_saved`.
+        """
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return 0 <= self.requested_checkpoint() <= step
+        if self._agree_device is None:
+            backend = dist.get_backend(group)
+            self._agree_device = (torch.device("cuda", torch.cuda.current_device())
+                                  if backend == "nccl" else torch.device("cpu"))
+        want = torch.tensor([self.requested_checkpoint()], dtype=torch.int64, device=self._agree_device)
+        dist.all_reduce(want, op=dist.ReduceOp.MAX, group=group)
+        return 0 <= int(want.item()) <= step
 
     def checkpoint_started(self, step: int) -> None:
         """A save of ``step`` begins: the agent's requests up to it are served by it."""
@@ -122,6 +169,10 @@ class NullMonitor:
     def step(self, step: int, tokens: float = 0.0, flops: float = 0.0) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    def steps(self, batches: Iterable[T], start: int = 1, tokens: float = 0.0,
+              flops: float = 0.0) -> Iterator[tuple[int, T]]:
+        return enumerate(batches, start)
+
     def mark(self, phase: str) -> None:
         pass
 
@@ -130,6 +181,9 @@ class NullMonitor:
 
     def requested_checkpoint(self) -> int:
         return -1
+
+    def checkpoint_due(self, step: int, group: Any = None) -> bool:
+        return False
 
     def checkpoint_started(self, step: int) -> None:
         pass
@@ -179,6 +233,7 @@ def _init(mesh: Any, address: Address, node: str, peak_flops: float | None,
     if collectives:
         instr.install()
     hello = _hello(mesh, node, peak_flops, job_id)
+    hello.collective_source = instr.source
     client = AgentClient(recorder, hello, address, last_seq=instr.last_seq,
                          group_seqs=instr.group_seqs)
     client.start()
@@ -199,6 +254,7 @@ def _hello(mesh: Any, node: str, peak_flops: float | None, job_id: str | None) -
     import torch
     import torch.distributed as dist
 
+    from rankwatch.hooks.collectives import backend_of
     from rankwatch.hooks.flops import peak_flops_for
     from rankwatch.proto import pb
 
@@ -209,7 +265,7 @@ def _hello(mesh: Any, node: str, peak_flops: float | None, job_id: str | None) -
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         world_size=dist.get_world_size() if initialized else int(os.environ.get("WORLD_SIZE", 1)),
         node_id=node, pid=os.getpid(),
-        backend=str(dist.get_backend()) if initialized else "none",
+        backend=backend_of() if initialized else "none",
         device=device,
         job_id=job_id or os.environ.get("TORCHELASTIC_RUN_ID", ""),
         peak_flops=peak_flops if peak_flops is not None else peak_flops_for(device),

@@ -82,8 +82,9 @@ class Recorder:
         self.collectives.append((next(self._index), op, pg, seq, t0_ns, t1_ns, nbytes))
 
     # -- steps ------------------------------------------------------------
-    def begin_step(self, step: int) -> None:
-        now = time.perf_counter_ns()
+    def begin_step(self, step: int, started_ns: int = 0) -> None:
+        """Open ``step`` now, or at ``started_ns`` (a ``perf_counter_ns`` reading) if given."""
+        now = started_ns or time.perf_counter_ns()
         self.step = step
         self.step_started_ns = now
         self.activity = ACTIVITY_TRAIN

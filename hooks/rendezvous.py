@@ -55,7 +55,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from rankwatch.agent.address import AGENT_ENV, NODE_ID_ENV, Address
+from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
 
 __all__ = ["BACKEND", "ExcludingRendezvousHandler", "create_handler", "handler_factory"]
 
@@ -272,7 +272,7 @@ class _Relay:
         self._stop.set()
 
     def _loop(self) -> None:
-        from rankwatch.agent.client import AgentUnreachable, fetch_status
+        from rankwatch.status import AgentUnreachable, fetch_status
 
         while not self._stop.wait(self._interval):
             try:

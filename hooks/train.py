@@ -205,19 +205,13 @@ def main(argv: list[str] | None = None) -> int:
         saved = False
         if ckpt and ckpt.due(step + 1):
             saved = _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
-        if isinstance(mon, _monitor.Monitor):
-            # A checkpoint the agent asked for: ranks may hear of it at different steps,
-            # so agree on the step (MAX over the world) before anyone saves.
-            want = torch.tensor([mon.requested_checkpoint()], dtype=torch.int64, device=dev)
-            dist.all_reduce(want, op=dist.ReduceOp.MAX)
-            target = int(want.item())
-            if 0 <= target <= step + 1 and not saved:
-                if ckpt is None:
-                    log.warning("checkpoint requested at step %d, but no --checkpoint-dir", target)
-                    mon.checkpoint_saved(step + 1, started_at=time.time(), duration=0.0, ok=False,
-                                         error="the job runs without --checkpoint-dir")
-                else:
-                    _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
+        if mon.checkpoint_due(step + 1) and not saved:  # the agent asked; every rank agrees
+            if ckpt is None:
+                log.warning("checkpoint requested at step %d, but no --checkpoint-dir", step + 1)
+                mon.checkpoint_saved(step + 1, started_at=time.time(), duration=0.0, ok=False,
+                                     error="the job runs without --checkpoint-dir")
+            else:
+                _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
         if ckpt:
             _report(mon, ckpt.finished(), saves)
 

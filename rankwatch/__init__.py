@@ -2,6 +2,8 @@
 
 ``rankwatch.hooks`` runs inside training ranks (needs torch), ``rankwatch.agent``
 runs on every node (no torch), and ``rankwatch.proto`` is the wire between them.
+What both sides need lives in this package itself (``rankwatch.address``,
+``rankwatch.status``), which imports neither side; the hooks never import the agent.
 """
 
 __version__ = "0.1.0"

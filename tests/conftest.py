@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.agent.address import Address
-from rankwatch.agent.client import AgentUnreachable, fetch_status
+from rankwatch.address import Address
+from rankwatch.status import AgentUnreachable, fetch_status
 
 
 class AgentProcess:
@@ -70,6 +71,29 @@ class AgentProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+@functools.lru_cache(maxsize=1)
+def has_gpu() -> bool:
+    """NVML initialises and lists a GPU (no torch import: most runs have no GPU)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount() > 0
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no library, no driver, no device
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if "gpu" in item.keywords and item.get_closest_marker("gpu")]
+    if gpu_items and not has_gpu():
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (NVML finds none here); run `pytest -m gpu` on one")
+        for item in gpu_items:
+            item.add_marker(skip)
 
 
 _LEAK_ENV = "RANKWATCH_TEST_PROCESS_TAG"

@@ -12,9 +12,38 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from conftest import AgentProcess
+import pytest
+
+from conftest import AgentProcess, wait_for
+
+
+def seconds_per_step(status_of, steps: int = 10, timeout: float = 60.0) -> float:
+    """The job's step time by the test's own clock: the time its slowest rank takes for
+    ``steps`` more steps.  ``status_of()`` is an agent's status."""
+    def slowest() -> int:
+        return min(r["step"] for r in status_of()["ranks"])
+
+    t0, s0 = time.monotonic(), slowest()
+    wait_for(lambda: slowest() >= s0 + steps, timeout, what=f"{steps} more steps")
+    return (time.monotonic() - t0) / steps
+
+
+def check_buckets(status: dict, seconds_per_step: float, lost: tuple[str, ...],
+                  unjudged: tuple[str, ...] = ()) -> None:
+    """``status``'s goodput buckets: the kinds in ``lost`` cost time, the others none (but
+    those in ``unjudged``), they add up to the elapsed time, and the productive time is the
+    steps trained at the measured step time, within a factor of 3."""
+    t = status["time_seconds"]
+    for kind in {"hang", "restart", "recompute", "checkpoint"} - set(unjudged):
+        assert (t[kind] > 0) == (kind in lost), (kind, t)
+    parts = t["productive"] + t["hang"] + t["restart"] + t["recompute"] + t["checkpoint"]
+    assert parts == pytest.approx(t["elapsed"], abs=0.01), t
+    assert status["goodput"] == pytest.approx(t["productive"] / t["elapsed"], rel=1e-3), (status["goodput"], t)
+    trained = max(r["step"] for r in status["ranks"]) * seconds_per_step
+    assert trained / 3 <= t["productive"] <= trained * 3, (t, trained)
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 import pytest
 
-from rankwatch.agent.address import Address, default_address, resolve
+from rankwatch.address import Address, default_address, resolve
 
 
 @pytest.mark.parametrize("text,path,host,port", [

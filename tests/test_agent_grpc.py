@@ -10,12 +10,12 @@ from datetime import timedelta
 import pytest
 
 from conftest import wait_for
-from rankwatch.agent.address import Address
-from rankwatch.agent.client import AgentUnreachable, fetch_status
+from rankwatch.address import Address
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.hooks.client import AgentClient
 from rankwatch.hooks.recorder import OPS, Recorder
 from rankwatch.proto import pb
+from rankwatch.status import AgentUnreachable, fetch_status
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ def test_deque_overflow_is_counted(tmp_path):
     addr = Address(path=str(tmp_path / "none.sock"))
     rec, client = make_client(addr, capacity=100)
     feed(rec, 1000)  # 900 discarded by the bounded deque before any drain
-    client._flush_once()
+    client.close(timedelta(seconds=0.2))  # flushes once: the drain finds the overflow
     assert client.dropped_total == 900
 
 
@@ -144,9 +144,7 @@ def test_a_job_straggler_verdict_marks_the_rank_until_the_coordinator_resolves_i
     rec, client = make_client(agent.config.listen[0], rank=1)
     client.start()
     try:
-        deadline = time.monotonic() + 10
-        while 1 not in agent.state.ranks and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: 1 in agent.state.ranks, 10, what="rank 1 connected")
         flagged = pb.Incident(id="straggler-1", kind="straggler", node="n0", rank=1, step=50,
                               detected_at=time.time(),
                               detail_json=json.dumps({"cause": "compute", "slowdown": 1.4, "ranks": [1]}))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -19,8 +18,8 @@ def rw(*args, **kw):
 
 
 def test_agent_side_imports_no_torch():
-    code = ("import sys, rankwatch.agent.cli, rankwatch.agent.server, rankwatch.agent.client, "
-            "rankwatch.hooks; assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, rankwatch.agent.cli, rankwatch.agent.server, rankwatch.status, "
+            "rankwatch.address, rankwatch.hooks; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -71,8 +70,8 @@ def test_diagnose_and_checkpoint_are_honest(agent_proc):
 
 @pytest.mark.e2e
 def test_run_starts_a_local_agent(tmp_path):
-    from rankwatch.agent.address import Address
-    from rankwatch.agent.client import AgentUnreachable, fetch_status
+    from rankwatch.address import Address
+    from rankwatch.status import AgentUnreachable, fetch_status
 
     sock = tmp_path / "auto.sock"
     proc = subprocess.Popen([*RW, "run", "--agent", str(sock), "--node-id", "nx", "--",
@@ -91,8 +90,16 @@ def test_run_starts_a_local_agent(tmp_path):
     assert status["node"] == "nx" and {r["node"] for r in status["ranks"]} == {"nx"}
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out[-2000:]
-    time.sleep(0.2)
-    assert not sock.exists(), "the local agent was not stopped with the job"
+    assert f"rankwatch: agent at unix:{sock}, /metrics on port {status['metrics_port']}" in out, out[-2000:]
+    wait_for(lambda: not sock.exists(), 10, what="the local agent stopped with the job")
+
+
+def test_the_metrics_port_line_says_when_the_default_port_was_taken(agent_proc):
+    from rankwatch.agent.run import metrics_port_line
+
+    port = agent_proc.status()["metrics_port"]  # the test agent binds port 0: never 9478
+    assert metrics_port_line(agent_proc.addr) == (
+        f"rankwatch: agent at {agent_proc.addr}, /metrics on port {port} (port 9478 is taken)")
 
 
 @pytest.mark.e2e

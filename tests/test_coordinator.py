@@ -25,10 +25,15 @@ def summary(node, seq, now, ranks):
     return s
 
 
-def make(policy=None):
+def make(policy=None, straggler=None):
     clock = Clock()
     return Coordinator("n0", incidents=IncidentLog(None), policy=policy or PolicyConfig(),
-                       clock=clock), clock
+                       straggler=straggler, clock=clock), clock
+
+
+def eviction_checkpoints(c, node):
+    """The checkpoints the coordinator decided before evicting ``node``."""
+    return [d for d in c.decisions if d.kind == "checkpoint" and f"before evicting {node}" in d.reason]
 
 
 def test_names_the_culprit_on_another_node_and_excludes_it():
@@ -136,8 +141,7 @@ def test_only_a_fatal_gpu_fault_excludes():
 def test_a_costly_straggling_node_is_evicted_after_the_next_checkpoint():
     from rankwatch.agent.straggler import StragglerConfig
 
-    c, clock = make()
-    c._stragglers = type(c._stragglers)(StragglerConfig(warmup_steps=0))
+    c, clock = make(straggler=StragglerConfig(warmup_steps=0))
     t = clock.t
     for seq in range(1, 200):
         done = 40 + seq
@@ -151,11 +155,14 @@ def test_a_costly_straggling_node_is_evicted_after_the_next_checkpoint():
                                                   own_work=[0.2] * 16, comm_wait=[0.0] * 16,
                                                   data_wait=[0.0] * 16)]))
         c.evaluate()
-        if c._evictions:
+        if eviction_checkpoints(c, "n1"):
             break
-    assert "n1" in c._evictions, "a 2x slower single-rank node is flagged and planned for eviction"
-    step, _ = c._evictions["n1"]
-    assert c.excluded == {} and any(d.kind == "checkpoint" for d in c.decisions)
+    (planned,) = eviction_checkpoints(c, "n1")  # a 2x slower single-rank node is to be evicted
+    step = planned.step
+    assert c.excluded == {} and [d.kind for d in c.decisions] == ["checkpoint"]
+    c.sync(summary("n0", 999, clock.t, [dict(rank=0, step=step - 1, progress_at=clock.t, last_seen=clock.t)]))
+    c.evaluate()
+    assert c.excluded == {}, "evicted before its checkpoint was complete"
     saved = summary("n0", 1000, clock.t, [dict(rank=0, step=step, progress_at=clock.t, last_seen=clock.t)])
     saved.incidents.append(pb.Incident(id="checkpoint-1", kind="checkpoint", node="n0", rank=0, step=step,
                                        detail_json='{"ok": true}'))
@@ -186,8 +193,8 @@ def test_a_job_straggler_is_resolved_when_the_node_recovers():
 
     from rankwatch.agent.straggler import StragglerConfig
 
-    c, clock = make(PolicyConfig(evict_straggler_speedup=100.0))  # flag only, never evict
-    c._stragglers = type(c._stragglers)(StragglerConfig(warmup_steps=0, clear_after=10))
+    c, clock = make(PolicyConfig(evict_straggler_speedup=100.0),  # flag only, never evict
+                    straggler=StragglerConfig(warmup_steps=0, clear_after=10))
     t, seq = clock.t, 0
 
     def sync(n1_own: float) -> pb.SyncReply:
@@ -212,7 +219,7 @@ def test_a_job_straggler_is_resolved_when_the_node_recovers():
         if "resolved_at" in inc.detail:
             break
     assert "resolved_at" in inc.detail, "a recovered node's straggler incident is resolved"
-    assert not c._evictions
+    assert c.decisions == [] and c.excluded == {}
     # The node hears it with its next sync (and unmarks its rank: test_agent_grpc).
     (sent,) = [i for i in sync(0.1).incidents if i.kind == "straggler"]
     assert json.loads(sent.detail_json)["resolved_at"] == inc.detail["resolved_at"]

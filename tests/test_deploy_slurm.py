@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
-from rankwatch.agent.address import Address
-from rankwatch.agent.client import fetch_status
+from rankwatch.address import Address
+from rankwatch.status import fetch_status
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "deploy" / "slurm"

@@ -129,3 +129,33 @@ def test_killed_during_saves_every_resume_loads_a_complete_checkpoint(tmp_path):
     straight = run(tmp_path, "straight", steps, tmp_path / "other", "--no-rankwatch",
                    "--dim", "128", "--hidden-dim", "512")
     assert final["losses"] == pytest.approx(straight["losses"][newest_complete:], rel=1e-5)
+
+
+def test_checkpoint_sync_blocks_the_training_thread_until_written(agent_proc, tmp_path):
+    # --checkpoint-sync: each save is written before training goes on.  Its records say so,
+    # and the files on disk agree: all were written inside the training thread's blocked time.
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    job = torchrun(2, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "3",
+                   "--checkpoint-sync", "--metrics-out", str(out), "--log-every", "0",
+                   agent=agent_proc.addr, log=tmp_path / "job.log")
+    assert job.wait(180) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    for r in (0, 1):
+        saves = json.loads((out / f"rank{r}.json").read_text())["checkpoints"]
+        assert [s["step"] for s in saves] == [3, 6], saves
+        for s in saves:
+            assert s["ok"] and s["asynchronous"] is False, s
+            assert s["blocked"] == s["completed_after"] > 0, s
+    incidents = [i for i in agent_proc.status()["incidents"] if i["kind"] == "checkpoint"]
+    assert sorted(i["step"] for i in incidents) == [3, 6], incidents
+    for inc in incidents:
+        d = inc["detail"]
+        assert d["ok"] and d["asynchronous"] is False and d["seconds"] == d["complete_seconds"] > 0, d
+        path = ckpt / f"step_{inc['step']:08d}"
+        assert (path / MARKER).is_file()
+        # Rank 0 marks the save complete after the others' barrier: its own blocked time covers
+        # the marker too.  Every other file is written before any rank's save returns.
+        files = [f for f in path.iterdir() if inc["rank"] == 0 or f.name != MARKER]
+        assert any(f.suffix == ".distcp" for f in files) and (path / ".metadata") in files
+        end = d["started_at"] + d["seconds"]
+        late = {f.name: round(f.stat().st_mtime - end, 4) for f in files if f.stat().st_mtime > end}
+        assert not late, f"written after the training thread went on (s): {late}"

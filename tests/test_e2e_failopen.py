@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,18 +15,26 @@ from conftest import AgentProcess, torchrun, wait_for
 pytestmark = pytest.mark.e2e
 
 
+def logged_step(log: Path) -> int:
+    """The last step the harness's rank 0 logged (``step N loss ...``), 0 before the first."""
+    return max((int(m) for m in re.findall(r"\bstep (\d+) loss", log.read_text())), default=0)
+
+
 def test_agent_killed_mid_run(tmp_path):
     agent = AgentProcess(tmp_path / "agent.sock").start()
     agent2 = AgentProcess(tmp_path / "agent.sock", log=tmp_path / "agent2.log")
     out = tmp_path / "out"
-    job = torchrun(2, "--steps", "150", "--tp", "1", "--metrics-out", str(out), "--log-every", "0",
+    job = torchrun(2, "--steps", "150", "--tp", "1", "--metrics-out", str(out), "--log-every", "1",
                    agent=agent.addr, log=tmp_path / "job.log")
     try:
-        wait_for(lambda: len(agent.status()["ranks"]) == 2
-                 and min(r["step"] for r in agent.status()["ranks"]) >= 15, 90, what="job running")
+        ranks = wait_for(lambda: (r := agent.status()["ranks"]) and len(r) == 2
+                         and min(x["step"] for x in r) >= 15 and r, 90, what="job running")
         agent.kill()
         killed_at = time.monotonic()
-        time.sleep(1.5)
+        # Rank 0 logs every step: 10 more steps logged with no agent is training going on.
+        last = max(r["step"] for r in ranks)
+        wait_for(lambda: logged_step(tmp_path / "job.log") >= last + 10, 60,
+                 what="steps trained without the agent")
         assert job.poll() is None, "training died with the agent"
         agent2.start()
         restarted = time.monotonic()

@@ -69,8 +69,16 @@ def test_rank_stuck_in_python_carries_its_stack(agent_proc, tmp_path):
         (inc,) = wait_for(lambda: hangs(agent_proc), 90, interval=0.2, what="hang incident")
         assert inc["rank"] == 1 and inc["detail"]["alive"] and not inc["detail"]["stopped"]
         assert "_injected_sleep_in_forward" in (inc["detail"]["stacks"] or ""), inc["detail"]
-        # The other rank waits inside a collective on the data-parallel group.
-        assert inc["detail"]["collective"] is not None
+        # Rank 0 went on into step 8's forward, where FSDP2 all-gathers the parameters on the
+        # data-parallel group: it waits in that all-gather, which rank 1 has not issued.
+        d = inc["detail"]
+        coll, fr = d["collective"], d["flight_recorder"]
+        print("collective:", coll, "flight recorder:", fr)
+        assert coll["op"] == "all_gather" and coll["group"] and coll["seq"] > 0, coll
+        assert coll["source"] == "hooks", coll
+        assert ("all_gather", coll["group"], coll["seq"]) in [
+            (e["op"], e["group"], e["seq"]) for e in fr["0"]["pending"]], fr
+        assert fr["1"]["enqueued"][coll["group"]] == coll["seq"] - 1, fr
         assert job.wait(90) == 0
     finally:
         stop_job(job)

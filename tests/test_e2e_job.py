@@ -15,6 +15,9 @@ from conftest import parse_metrics, torchrun
 pytestmark = pytest.mark.e2e
 
 STEPS = 12
+# Each rank's share of a step's tokens as the harness reports it: --batch-size 4 samples of
+# --seq-len 32 (its defaults) per dp rank, split over the tp 2 ranks that share them.
+TOKENS_PER_RANK_STEP = 4 * 32 / 2
 # gloo implements reduce_scatter with an all_reduce, and its Flight Recorder
 # names the entry after that; every other op keeps its name.
 GLOO_FR_NAME = {"reduce_scatter": "all_reduce"}
@@ -65,21 +68,31 @@ def test_phases_add_up_to_step_time(job):
     for row in status["ranks"]:
         ph = row["phase_seconds"]
         marked = ph["data"] + ph["forward"] + ph["backward"] + ph["optimizer"]
-        # The agent's last step: marked phases cover almost all of it.
+        # Medians over the agent's recent steps: marked phases cover almost all of them,
+        # and they add up to the step time of the same steps.
         total = marked + ph["other"]
         assert 0.9 <= marked / total <= 1.0, ph
+        assert total == pytest.approx(row["step_seconds"], rel=0.25), (ph, row["step_seconds"])
         # Independently, the harness's own clock around the step.
         own = statistics.median(ranks[row["rank"]]["step_times"][2:])
         assert 0.6 <= row["step_seconds"] / own <= 1.4, (row["step_seconds"], own)
 
 
 def test_metrics_show_every_rank(job):
-    _, _, metrics, _ = job
+    ranks, _, metrics, _ = job
     for r in range(4):
         assert metrics[("rankwatch_rank_step", frozenset({("node", "n0"), ("rank", str(r))}))] == STEPS
     assert metrics[("rankwatch_step_duration_seconds_count", frozenset({("node", "n0")}))] == 4 * STEPS
     assert metrics[("rankwatch_steps_total", frozenset({("node", "n0")}))] == 4 * STEPS
-    assert metrics[("rankwatch_tokens_per_second", frozenset({("node", "n0")}))] >= 0
+    # Tokens/s from the job's own numbers: each rank's tokens per step over its mean step
+    # time by the harness's clock (the agent's window holds all 12 steps).
+    want = {r: TOKENS_PER_RANK_STEP / statistics.mean(rec["step_times"]) for r, rec in ranks.items()}
+    node = metrics[("rankwatch_tokens_per_second", frozenset({("node", "n0")}))]
+    assert node == pytest.approx(sum(want.values()), rel=0.15), (node, want)
+    for r in range(4):
+        share = metrics[("rankwatch_rank_tokens_per_second", frozenset({("node", "n0"), ("rank", str(r))}))]
+        assert share == pytest.approx(want[r], rel=0.15), (r, share, want[r])
+    assert metrics[("rankwatch_tokens_total", frozenset({("node", "n0")}))] == 4 * STEPS * TOKENS_PER_RANK_STEP
     ops = {dict(k[1])["op"] for k in metrics if k[0] == "rankwatch_collective_duration_seconds_count"}
     assert {"all_gather", "reduce_scatter", "all_reduce"} <= ops
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import wait_for
-from multinode import Cluster
+from multinode import Cluster, check_buckets, seconds_per_step
 
 pytestmark = pytest.mark.e2e
 
@@ -91,6 +91,7 @@ def test_checkpoint_on_demand_saves_one_step_on_every_node(tmp_path):
         for node in (0, 1):
             c.torchrun(node, "2", 1, "--steps", "5000", "--log-every", "0", "--checkpoint-dir", str(ck))
         wait_for(lambda: running(c, 20), 120, what="both nodes training")
+        step_s = seconds_per_step(c.coordinator.status)
         # Asked through the second node's agent: it forwards to the coordinator.
         from rankwatch.agent.jobsync import forward_checkpoint
 
@@ -112,5 +113,6 @@ def test_checkpoint_on_demand_saves_one_step_on_every_node(tmp_path):
                    for incs in per_node.values() for i in incs)
         assert (ck / f"step_{reply.step:08d}" / "COMPLETE").is_file()
         status = c.coordinator.status()
-        assert status["coordinator"] and status["goodput"] is not None
-        assert status["time_seconds"]["checkpoint"] > 0
+        assert status["coordinator"]
+        # No fault: the save is the only time lost, and the rest trained steps.
+        check_buckets(status, step_s, lost=("checkpoint",))

@@ -12,18 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from conftest import parse_metrics, torchrun, wait_for
+from conftest import AgentProcess, parse_metrics, torchrun, wait_for
 
 pytestmark = pytest.mark.e2e
 
 ONSET = 80
+# The harness's faults slow a rank by half its step time (own work x1.5 and more).  On this
+# 2-core machine, noise alone has flagged ranks at x1.17-1.32 with the default threshold
+# (8 %, BENCHMARKS.md), so the agent of the fault tests flags from x1.35 on: a false
+# positive fails the test instead of being explained away.
+FAULT_AGENT = ("--straggler-threshold", "0.35")
 
 
-def straggler_incidents(agent, rank, since_step=0):
-    """The rank's straggler incidents from ``since_step`` on (this 2-core machine's noise can
-    flag a rank before a fault; the benchmarks count those, these tests look at the fault)."""
+def straggler_incidents(agent, rank=None, since_step=0):
+    """The straggler incidents (of ``rank``, if given) from ``since_step`` on."""
     return [i for i in agent.status()["incidents"]
-            if i["kind"] == "straggler" and i["rank"] == rank and i["step"] >= since_step]
+            if i["kind"] == "straggler" and rank in (None, i["rank"]) and i["step"] >= since_step]
 
 
 def check_exported(agent, rank: int, cause: str) -> None:
@@ -50,32 +54,23 @@ def stop(job: subprocess.Popen, agent) -> None:
 
 
 @pytest.mark.parametrize("fault,rank,cause", [("slow_compute", 1, "compute"), ("slow_data", 0, "data")])
-def test_slowed_rank_is_flagged_with_cause(agent_proc, tmp_path, fault, rank, cause):
+def test_slowed_rank_is_flagged_with_cause(tmp_path, fault, rank, cause):
+    agent = AgentProcess(tmp_path / "agent.sock", extra=FAULT_AGENT).start()
     job = torchrun(2, "--steps", "1000", "--log-every", "0", "--fault", f"{fault}:{rank}:{ONSET}:0.5",
-                   agent=agent_proc.addr, log=tmp_path / "job.log")
-    def flagged():
-        if new := straggler_incidents(agent_proc, rank, ONSET):
-            return new[0]
-        # This machine's noise flagged the rank before the fault (seen in CI, about 1 run in
-        # 10): that flag never cleared, so there is no new incident.  Then the rank must still
-        # be flagged 20 steps after the onset, with the fault's cause (check_exported).
-        r = next((r for r in agent_proc.status()["ranks"] if r["rank"] == rank), None)
-        early = straggler_incidents(agent_proc, rank)
-        if early and r and r["state"] == "straggler" and r["step"] >= ONSET + 20:
-            print(f"rank {rank} was flagged before the onset, at step {early[0]['step']}")
-            return "early"
-
+                   agent=agent.addr, log=tmp_path / "job.log")
     try:
-        inc = wait_for(flagged, 120, interval=0.2, what="straggler incident")
-        if inc != "early":
-            d = inc["detail"]
-            assert inc["node"] == "n0" and d["cause"] == cause and d["slowdown"] >= 1.2, d
-            assert d["scope"] == "rank" and d["ranks"] == [rank]
-            assert d["cost"]["speedup_if_removed"] > 1.05
-            assert ONSET <= inc["step"] <= ONSET + 40, inc["step"]
-        check_exported(agent_proc, rank, cause)
+        # The first straggler incident of the job, whichever rank it names.
+        (inc, *_) = wait_for(lambda: straggler_incidents(agent), 120, interval=0.2, what="straggler incident")
+        assert (inc["rank"], inc["node"]) == (rank, "n0") and ONSET <= inc["step"] <= ONSET + 40, inc
+        d = inc["detail"]
+        assert d["cause"] == cause and d["slowdown"] >= 1.3, d
+        assert d["scope"] == "rank" and d["ranks"] == [rank]
+        assert d["cost"]["speedup_if_removed"] > 1.05
+        check_exported(agent, rank, cause)
+        assert [i["rank"] for i in straggler_incidents(agent)] == [rank], "one flag, on the slowed rank"
     finally:
-        stop(job, agent_proc)
+        stop(job, agent)
+        agent.stop()
 
 
 def _pin(pid: int, cpu: int, nice: int) -> None:

@@ -13,8 +13,8 @@ from datetime import timedelta
 import pytest
 
 from conftest import wait_for
-from rankwatch.agent.address import Address
-from rankwatch.agent.client import fetch_status
+from rankwatch.address import Address
+from rankwatch.status import fetch_status
 from rankwatch.agent.decisions import DecisionLog
 from rankwatch.agent.server import Agent, AgentConfig
 

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from conftest import parse_metrics
-from rankwatch.agent.address import Address
+from rankwatch.address import Address
 from rankwatch.agent.decisions import Decision
 from rankwatch.agent.goodput import KINDS, Progress, StepProgress, breakdown
 from rankwatch.agent.incidents import Incident

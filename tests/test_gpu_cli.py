@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from conftest import has_gpu
 from rankwatch.agent.cli import main
 from rankwatch.agent.gpu.config import GpuConfig, open_source
 from rankwatch.agent.gpu.nvml import NvmlSource, NvmlUnavailable
@@ -35,16 +36,19 @@ def test_bad_gpu_flags_are_refused(tmp_path, capsys, flags, message):
     assert not (tmp_path / "a.sock").exists()
 
 
-def test_nvml_asked_for_fails_loudly_exactly_where_there_is_none(tmp_path, capsys):
+@pytest.mark.skipif(has_gpu(), reason="NVML works on this machine; the GPU case is the next test")
+def test_nvml_asked_for_fails_loudly_where_there_is_none(tmp_path, capsys):
+    with pytest.raises(NvmlUnavailable):
+        NvmlSource()
+    assert agent(tmp_path, "--gpu-source", "nvml") == 1
+    assert "NVML" in capsys.readouterr().err
+    assert not (tmp_path / "a.sock").exists()  # the agent let go of what it had started
+
+
+@pytest.mark.gpu
+def test_nvml_asked_for_on_a_gpu_gives_readings():
+    source = open_source(GpuConfig(source="nvml"))
     try:
-        NvmlSource().close()
-    except NvmlUnavailable:
-        assert agent(tmp_path, "--gpu-source", "nvml") == 1
-        assert "NVML" in capsys.readouterr().err
-        assert not (tmp_path / "a.sock").exists()  # the agent let go of what it had started
-    else:  # a GPU machine: the same flag gives a working source with readings
-        source = open_source(GpuConfig(source="nvml"))
-        try:
-            assert isinstance(source, NvmlSource) and any(r.up for r in source.read())
-        finally:
-            source.close()
+        assert isinstance(source, NvmlSource) and source.read() and all(r.up for r in source.read())
+    finally:
+        source.close()

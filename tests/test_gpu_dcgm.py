@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from conftest import parse_metrics, wait_for
-from rankwatch.agent.address import Address
-from rankwatch.agent.client import fetch_status
+from rankwatch.address import Address
 from rankwatch.agent.gpu import GpuConfig
 from rankwatch.agent.gpu.dcgm import DcgmSource
+from rankwatch.status import fetch_status
 
 FIXTURE = (Path(__file__).parent / "data" / "dcgm-exporter-h100.prom").read_text()
 

@@ -92,6 +92,21 @@ def test_lost_gpu_is_fatal_once_and_counting_restarts_after_it_is_back():
     assert compare(lost, back) == []  # a first reading again: its counts are history
 
 
+@pytest.mark.parametrize("wanted,action", [
+    ("gpu_reset", "reset_gpu"), ("drain_and_reset", "reset_gpu"), ("node_reboot", "reboot"),
+    ("drain_p2p", "restart_app"),
+])
+def test_a_recovery_action_from_the_driver_is_fatal_once_per_change(wanted, action):
+    healthy, asked = reading(recovery_action="none"), reading(recovery_action=wanted)
+    (f,) = compare(healthy, asked)
+    assert (f.kind, f.reason, f.action, f.incident) == ("fatal", "recovery_action", action, True)
+    assert f.detail == {"recovery_action": wanted}
+    assert compare(asked, asked) == []                       # still asked: said once
+    assert [x.reason for x in compare(None, asked)] == ["recovery_action"]  # a state, even first
+    assert compare(asked, healthy) == [] and compare(None, healthy) == []
+    assert compare(reading(), reading()) == []               # a driver that cannot tell
+
+
 def test_sustained_thermal_slowdown_is_one_risk_per_episode():
     tr = ThrottleTracker(timedelta(seconds=10))
     hot = reading(throttle=("sw_power_cap", "hw_thermal_slowdown"))

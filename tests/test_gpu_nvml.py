@@ -13,14 +13,17 @@ from __future__ import annotations
 import ctypes
 import logging
 import types
+from types import SimpleNamespace
 from datetime import timedelta
 
 import pytest
 
+from conftest import has_gpu
 from rankwatch.agent.gpu.config import GpuConfig, open_source
 from rankwatch.agent.gpu.nvml import NvmlSource, NvmlUnavailable
 
 NOT_SUPPORTED, NO_PERMISSION, TIMEOUT, GPU_IS_LOST, UNKNOWN = 3, 4, 10, 15, 999
+FUNCTION_NOT_FOUND = 13
 
 
 class FakeNvml(types.ModuleType):
@@ -40,6 +43,9 @@ class FakeNvml(types.ModuleType):
         self.events: list[tuple[int, int]] = []   # (gpu, xid) waiting in the event set
         self.calls: list[str] = []
         self.init_error: int | None = None
+        # GPU -> (nvmlReturn of the recovery-action field, its value): the field's own
+        # return code, as NVML reports it inside the value struct.
+        self.recovery: dict[int, tuple[int, int]] = {}
 
     def _gpu(self, handle) -> int:
         return next(i for i, h in enumerate(self.handles) if h.value == handle.value)
@@ -113,6 +119,12 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceGetNvLinkErrorCounter(self, h, link, counter):
         return self._call("nvlink", h, 10 * link + counter)
 
+    def nvmlDeviceGetFieldValues(self, h, field_ids):
+        assert field_ids == [230]  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+        ret, value = self.recovery.get(self._gpu(h), (0, 0))
+        return self._call("field_values", h, [SimpleNamespace(fieldId=230, nvmlReturn=ret,
+                                                              value=SimpleNamespace(uiVal=value))])
+
     def nvmlEventSetCreate(self):
         return ctypes.c_void_p(0xE000)
 
@@ -151,6 +163,16 @@ def test_fields_are_decoded_to_base_units(nv):
     # Links 0 and 1 are active; counters replay=0, recovery=1, crc_flit=2, crc_data=3.
     assert r.nvlink_errors[("1", "crc_flit")] == 12 and r.nvlink_errors[("0", "replay")] == 0
     assert {link for link, _ in r.nvlink_errors} == {"0", "1"}
+    assert r.recovery_action == "none"
+
+
+def test_the_drivers_recovery_action_is_read_and_absent_where_unsupported(nv):
+    nv.recovery[0] = (0, 2)              # NVML_GPU_RECOVERY_ACTION_NODE_REBOOT
+    nv.recovery[1] = (NOT_SUPPORTED, 0)  # a pre-R550 driver answers inside the struct
+    r0, r1 = NvmlSource(nv).read()
+    assert (r0.recovery_action, r1.recovery_action) == ("node_reboot", None)
+    nv.fail[(-1, "field_values")] = FUNCTION_NOT_FOUND  # an older library: no such call
+    assert [r.recovery_action for r in NvmlSource(nv).read()] == [None, None]
 
 
 def test_unsupported_fields_are_absent_and_quiet(nv, caplog):
@@ -217,18 +239,18 @@ def test_no_nvml_is_an_error_only_when_asked_for(nv, monkeypatch, caplog):
         open_source(GpuConfig(source="nvml"))
 
 
-def test_auto_uses_the_real_nvml_exactly_when_it_initialises(caplog):
-    """The real pynvml: on a machine without a driver (this one) auto logs and goes on."""
-    try:
-        NvmlSource().close()
-        nvml_works = True
-    except NvmlUnavailable:
-        nvml_works = False
+@pytest.mark.skipif(has_gpu(), reason="NVML works on this machine; the GPU case is the next test")
+def test_auto_goes_on_without_the_real_nvml(caplog):
+    """The real pynvml, on a machine without a driver: auto logs and goes on."""
     with caplog.at_level(logging.INFO):
-        source = open_source(GpuConfig(source="auto"))
-    if nvml_works:
+        assert open_source(GpuConfig(source="auto")) is None
+    assert any("GPU source: none" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.gpu
+def test_auto_uses_the_real_nvml_on_a_gpu():
+    source = open_source(GpuConfig(source="auto"))
+    try:
         assert isinstance(source, NvmlSource)
+    finally:
         source.close()
-    else:
-        assert source is None
-        assert any("GPU source: none" in r.getMessage() for r in caplog.records)

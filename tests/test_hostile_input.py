@@ -112,28 +112,64 @@ garbage = st.binary(min_size=1, max_size=300)
 message = st.one_of(garbage, hellos, batches())
 
 
-def send_stream(channel, messages) -> None:
-    call = channel.stream_unary(REPORT)  # raw bytes, no serializer
-    try:
-        call(iter(messages), timeout=10)
-    except grpc.RpcError as exc:
-        assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL,
-                              grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED), exc
+def send_stream(channel, messages) -> pb.ReportSummary | grpc.StatusCode:
+    """One Report stream of raw messages: the agent's summary, or the status code it ended with."""
+    call = channel.stream_unary(REPORT, response_deserializer=pb.ReportSummary.FromString)
     SENT["messages"] += len(messages)
+    try:
+        return call(iter(messages), timeout=10)
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+def decodes(raw: bytes) -> bool:
+    try:
+        pb.ReportMessage.FromString(raw)
+        return True
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
+        return False
+
+
+def expected(messages: list[bytes]) -> set:
+    """What the agent is designed to answer a stream with (agent/server.py ``_report``).
+
+    An undecodable message ends the stream (grpc's INTERNAL, from the decoder); a stream
+    that opens with anything but a hello is refused (INVALID_ARGUMENT); a hello is refused
+    as invalid (INVALID_ARGUMENT) or as a live rank's duplicate (ALREADY_EXISTS); after an
+    accepted hello each decodable message is counted, accepted or rejected, and the stream
+    goes on.
+    """
+    first, rest = messages[0], messages[1:]
+    if not decodes(first):
+        return {grpc.StatusCode.INTERNAL}
+    if pb.ReportMessage.FromString(first).WhichOneof("body") != "hello":
+        return {grpc.StatusCode.INVALID_ARGUMENT}
+    refused = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS}
+    if not all(decodes(m) for m in rest):
+        return refused | {grpc.StatusCode.INTERNAL}
+    return refused | {len(rest)}
+
+
+def outcome(result: pb.ReportSummary | grpc.StatusCode):
+    """A status code as it is, a summary as the number of batches it counted."""
+    if isinstance(result, grpc.StatusCode):
+        return result
+    return result.batches_accepted + result.batches_rejected
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 @given(first=st.one_of(hellos, garbage, batches()), rest=st.lists(message, min_size=20, max_size=80))
 def test_fuzzed_streams(live, first, rest):
     agent, channel, _ = live
-    send_stream(channel, [first, *rest])
+    result = send_stream(channel, [first, *rest])
+    assert outcome(result) in expected([first, *rest]), result
     assert agent.proc.poll() is None
 
 
 def test_valid_hello_then_hostile_batches(live):
     # A plausible rank whose batches are all broken: each refused, the stream kept.
     agent, channel, _ = live
+    before = agent.status()["messages_rejected"]
     hello = pb.ReportMessage(hello=pb.Hello(rank=3, world_size=8, pid=os.getpid(), node_id="n0",
                                             op_names=list(OPS))).SerializeToString()
     n = len(OPS) + 10
@@ -141,23 +177,22 @@ def test_valid_hello_then_hostile_batches(live):
         op=np.full(2, n, "<u1").tobytes(), pg=bytes(4), seq=bytes(16), start=bytes(16),
         duration=np.array([math.nan, -1], "<f8").tobytes(), nbytes=bytes(16)))).SerializeToString()
         for i in range(2000)]
-    send_stream(channel, [hello, *bad])
-    assert agent.status()["messages_rejected"] >= 2000
+    summary = send_stream(channel, [hello, *bad])
+    assert isinstance(summary, pb.ReportSummary), summary
+    assert (summary.batches_accepted, summary.batches_rejected) == (0, 2000)
+    assert agent.status()["messages_rejected"] - before == 2000
 
 
 def test_flood_and_oversized(live):
     agent, channel, _ = live
     big = b"\x0a" + b"\xff" * 10 + os.urandom(17 << 20)  # over the 16 MiB limit
-    send_stream(channel, [big])
+    assert send_stream(channel, [big]) == grpc.StatusCode.RESOURCE_EXHAUSTED
     hello = pb.ReportMessage(hello=pb.Hello(rank=5, world_size=8, pid=os.getpid(),
                                             op_names=list(OPS))).SerializeToString()
     flood = [pb.ReportMessage(batch=pb.Batch(seq=i + 1)).SerializeToString() for i in range(5000)]
-    threads = [threading.Thread(target=send_stream, args=(channel, [hello, *flood]))
-               for _ in range(1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    summary = send_stream(channel, [hello, *flood])
+    assert isinstance(summary, pb.ReportSummary), summary
+    assert summary.batches_accepted + summary.batches_rejected == 5000
 
 
 def test_agent_survived_and_kept_serving_the_good_rank(live):

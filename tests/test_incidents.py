@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from rankwatch.agent.address import Address
+from rankwatch.address import Address
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.server import Agent, AgentConfig

@@ -29,7 +29,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from conftest import AgentProcess, torchrun, wait_for
 from rankwatch.agent import otel
-from rankwatch.agent.address import Address
+from rankwatch.address import Address
 from rankwatch.agent.gpu import GpuConfig
 from rankwatch.agent.gpu.script import load_script
 from rankwatch.agent.server import Agent, AgentConfig

@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 
 from conftest import wait_for
-from rankwatch.agent.address import Address
+from rankwatch.address import Address
 from rankwatch.agent.incidents import IncidentLog
 from rankwatch.agent.rankexit import BrokenStream, ExitConfig, ExitWatch, judge
 from rankwatch.agent.server import Agent, AgentConfig

@@ -1,29 +1,42 @@
 """The ``rankwatch`` rendezvous handler over a real c10d rendezvous (TCPStore, stock dynamic handler).
 
 Two "nodes" join one round from two threads of this process; the coordinator's
-decisions are written into the store exactly as the relay writes them.
+decisions are written into the store exactly as the relay writes them.  The test
+hosts the rendezvous store itself, on a port the system picked, and every node is
+its client.
 """
 
 from __future__ import annotations
 
 import threading
 
+from datetime import timedelta
+
 import pytest
+from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError, RendezvousParameters
 
-from multinode import free_port
 from rankwatch.hooks.rendezvous import create_handler
+
+
+@pytest.fixture
+def port():
+    """The rendezvous store's port: a store this test hosts on port 0."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=60))
+    yield store.port
+    del store
 
 
 def _handlers(nodes, monkeypatch, port, max_nodes=3):
     made = []
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as `rankwatch run` sets it
-    for i, node in enumerate(nodes):
+    for node in nodes:
         monkeypatch.setenv("RANKWATCH_NODE_ID", node)
         monkeypatch.delenv("RANKWATCH_AGENT", raising=False)  # no relay: decisions are written here
         params = RendezvousParameters(
             backend="rankwatch", endpoint=f"127.0.0.1:{port}", run_id="job", min_nodes=2, max_nodes=max_nodes,
-            is_host=i == 0, last_call_timeout=1, join_timeout=30, keep_alive_interval=1)
+            is_host=False, last_call_timeout=1, join_timeout=30, keep_alive_interval=1)
         made.append(create_handler(params))
     return made
 
@@ -52,8 +65,8 @@ def _decision(node, generation):
             "reason": f"test: {node} excluded"}
 
 
-def test_only_an_exclusion_of_a_round_member_restarts_it(monkeypatch):
-    a, b = _handlers(["n0", "n1"], monkeypatch, free_port())
+def test_only_an_exclusion_of_a_round_member_restarts_it(monkeypatch, port):
+    a, b = _handlers(["n0", "n1"], monkeypatch, port)
     try:
         infos = _join([a, b])
         assert sorted(i.world_size for i in infos) == [2, 2]
@@ -75,11 +88,11 @@ def test_only_an_exclusion_of_a_round_member_restarts_it(monkeypatch):
             h.shutdown()
 
 
-def test_a_spare_waits_without_restarting_the_job_then_takes_an_excluded_nodes_place(monkeypatch):
+def test_a_spare_waits_without_restarting_the_job_then_takes_an_excluded_nodes_place(monkeypatch, port):
     # The hand-over through the rankwatch handler.  (The stock handler parks this spare in its
     # redundancy list too; the restart storm of a spare stranded in the wait list needs
     # startup races that tests/test_e2e_restart.py's four-node test reproduces.)
-    a, b, spare = _handlers(["n0", "n1", "n2"], monkeypatch, free_port(), max_nodes=2)
+    a, b, spare = _handlers(["n0", "n1", "n2"], monkeypatch, port, max_nodes=2)
     try:
         _join([a, b])
         joined = []

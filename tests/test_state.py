@@ -102,7 +102,9 @@ def test_steps_and_phases():
                        tokens=[100, 100], flops=[1e9, 1e9])
     st.ingest(r, pb.Batch(seq=1, steps=s))
     assert r.step == 2 and r.step_seconds == pytest.approx(0.6)
-    assert r.last_phases["other"] == pytest.approx(0.05)
+    # Phases are medians over the same steps as the step time (0.5 and 0.7 s here).
+    assert r.phase_seconds == pytest.approx({"data": 0.1, "forward": 0.15, "backward": 0.25,
+                                             "optimizer": 0.05, "other": 0.05})
     assert r.tokens_per_second == pytest.approx(200 / 1.2)
     bad = pb.StepColumns(step=[3], start=[1.0], duration=[-0.5], data=[0], forward=[0],
                          backward=[0], optimizer=[0], tokens=[0], flops=[0])

@@ -173,10 +173,27 @@ def test_hysteresis_no_flapping():
     rng = random.Random(3)
     n = 400
     series = [noisy(rng, n) for _ in range(4)]
-    # Rank 2 hovers around the threshold after step 50: flagged at most once, never cleared.
+    clean = [list(s) for s in series]
+    # Rank 2 hovers around the threshold after step 50: flagged once, never cleared.
     series[2] = [x * (1.10 if (t // 5) % 2 else 1.06) if t >= 50 else x for t, x in enumerate(series[2])]
-    kinds = [ev.kind for _, ev in feed(StragglerDetector(CFG), series)]
-    assert kinds.count("flagged") <= 1 and "cleared" not in kinds
+    events = feed(StragglerDetector(CFG), series)
+    assert [(ev.kind, ev.ranks) for _, ev in events] == [("flagged", [2])]
+    assert events[0][0] >= 50
+    # The same noise without the slow rank: nothing at all.
+    assert feed(StragglerDetector(CFG), clean) == []
+
+
+def test_hysteresis_keeps_a_flag_between_the_two_thresholds():
+    # Rank 1 is 30 % slow, then only 5 % slow: under the flag threshold (8 %) but over the
+    # clear threshold (3 %).  The flag stays; it is neither lifted nor raised again.  (With
+    # one threshold for both, this rank is cleared at step 151.)
+    rng = random.Random(3)
+    n = 400
+    series = [noisy(rng, n) for _ in range(4)]
+    series[1] = [x * 1.3 if 50 <= t < 100 else x * 1.05 if t >= 100 else x for t, x in enumerate(series[1])]
+    events = feed(StragglerDetector(CFG), series)
+    assert [(ev.kind, ev.ranks) for _, ev in events] == [("flagged", [1])]
+    assert 50 <= events[0][0] <= 70
 
 
 def test_cleared_after_recovery():
@@ -187,6 +204,25 @@ def test_cleared_after_recovery():
     assert [ev.kind for _, ev in events] == ["flagged", "cleared"]
     cleared_at = events[1][0]
     assert 100 + CFG.clear_after <= cleared_at <= 100 + CFG.clear_after + CFG.window
+
+
+def test_the_straggler_moves_and_two_ranks_are_never_flagged_together():
+    n = 260
+    series = [[0.05 if 20 <= t < 110 else 0.08 if t >= 110 else 0.05 for t in range(n)],
+              [0.08 if 20 <= t < 110 else 0.05 for t in range(n)]]
+    events = feed(StragglerDetector(CFG), series)
+    flagged, together = set(), []
+    kinds = []
+    for t, ev in events:
+        ranks = set(ev.ranks or [ev.score.rank])
+        flagged = flagged | ranks if ev.kind == "flagged" else flagged - ranks
+        kinds.append((ev.kind, sorted(ranks)))
+        if len(flagged) > 1 and not any(e.kind == "cleared" for u, e in events if u == t):
+            together.append(t)
+    assert kinds[:3] == [("flagged", [1]), ("flagged", [0]), ("cleared", [1])]
+    assert together == []
+    cleared_1 = next(t for t, ev in events if ev.kind == "cleared")
+    assert cleared_1 < 110 + CFG.window  # at the reversal, not clear_after steps later
 
 
 def test_whole_node_is_one_node_level_straggler():

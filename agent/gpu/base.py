@@ -13,7 +13,8 @@ from datetime import timedelta
 from typing import Protocol
 
 __all__ = [
-    "ECC_COUNTERS", "ECC_SEVERITIES", "NVLINK_ERROR_TYPES", "REMAP_STATES", "SLOWDOWN_REASONS",
+    "ECC_COUNTERS", "ECC_SEVERITIES", "NVLINK_ERROR_TYPES", "RECOVERY_ACTIONS", "REMAP_STATES",
+    "SLOWDOWN_REASONS",
     "THROTTLE_REASONS", "GpuReading", "GpuSource", "XidEvent", "decode_throttle",
 ]
 
@@ -33,6 +34,12 @@ ECC_SEVERITIES = ("corrected", "uncorrected")
 ECC_COUNTERS = ("volatile", "aggregate")
 REMAP_STATES = ("correctable", "uncorrectable", "pending", "failed")
 NVLINK_ERROR_TYPES = ("crc_flit", "crc_data", "replay", "recovery")
+# What the driver says the GPU needs (NVML's nvmlDeviceGpuRecoveryAction_t, by value;
+# R550+ drivers, read through the field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION).
+RECOVERY_ACTIONS: tuple[str, ...] = (
+    "none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset", "recover_imex_domain",
+    "bus_reset", "system_reboot",
+)
 
 
 def decode_throttle(mask: int) -> tuple[str, ...]:
@@ -76,6 +83,8 @@ class GpuReading:
     pcie_replays: int | None = None
     nvlink_errors: Mapping[tuple[str, str], int] = field(default_factory=dict)
     """(link, type) -> errors, type in NVLINK_ERROR_TYPES."""
+    recovery_action: str | None = None
+    """What the driver says the GPU needs, from RECOVERY_ACTIONS; None if it cannot tell."""
 
     def ecc_count(self, severity: str) -> int | None:
         """The volatile count of a severity, else the aggregate one, else None."""

@@ -2,7 +2,7 @@
 
 A *fatal* finding is a fault the job cannot ride out on that GPU: an XID whose
 catalogue action is reboot, reset_gpu or restart_app, a rise of uncorrected ECC
-errors, a failed row remap, a lost GPU.  A *risk* finding is an early sign:
+errors, a failed row remap, a lost GPU, a recovery action the driver asks for.  A *risk* finding is an early sign:
 corrected ECC errors rising, a row remap pending (the GPU needs a reset at its
 next chance), a thermal or hardware slowdown that lasts.  Fatal findings become
 ``gpu_fault`` incidents; risks go to the agent's listeners only.  Unknown XIDs
@@ -24,6 +24,14 @@ __all__ = ["Finding", "ThrottleTracker", "compare", "xid_finding"]
 # slowdown signal); sw_power_cap is normal at full load and sync_boost follows others.
 _HEALTH_THROTTLE = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
                     "hw_power_brake_slowdown")
+# The driver's recovery action (GpuReading.recovery_action) -> what the job must do.
+# Every action but "none" means the GPU cannot serve the job as it is: draining
+# peer-to-peer traffic or an IMEX domain stops the job's NCCL traffic too.
+_RECOVERY_FATAL_ACTION = {
+    "gpu_reset": "reset_gpu", "bus_reset": "reset_gpu", "drain_and_reset": "reset_gpu",
+    "node_reboot": "reboot", "system_reboot": "reboot",
+    "drain_p2p": "restart_app", "recover_imex_domain": "restart_app",
+}
 
 
 @dataclass(frozen=True)
@@ -32,7 +40,8 @@ class Finding:
     kind: str
     """"fatal" or "risk"."""
     reason: str
-    """xid, gpu_lost, ecc_uncorrected, row_remap_failed, ecc_corrected, row_remap_pending, throttle."""
+    """xid, gpu_lost, ecc_uncorrected, row_remap_failed, recovery_action, ecc_corrected,
+    row_remap_pending, throttle."""
     action: str
     """What the GPU needs: reboot, reset_gpu, restart_app, or none for a risk; unknown for an unknown XID."""
     incident: bool
@@ -71,6 +80,10 @@ def compare(prev: GpuReading | None, cur: GpuReading) -> list[Finding]:
     if failed and (prev is None or not prev.remapped_rows.get("failed", 0)):
         out.append(Finding(gpu, "fatal", "row_remap_failed", "reset_gpu", True,
                            detail={"note": "row remapping failed: the GPU needs service"}))
+    wanted = cur.recovery_action
+    if wanted not in (None, "none") and (prev is None or prev.recovery_action != wanted):
+        out.append(Finding(gpu, "fatal", "recovery_action", _RECOVERY_FATAL_ACTION.get(wanted, "reboot"),
+                           True, detail={"recovery_action": wanted}))
     if pending and (prev is None or not prev.remapped_rows.get("pending", 0)):
         out.append(Finding(gpu, "risk", "row_remap_pending", "reset_gpu", False,
                            detail={"note": "a row remap waits for the next GPU reset"}))

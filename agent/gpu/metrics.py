@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
-from rankwatch.agent.gpu.base import THROTTLE_REASONS, GpuReading
+from rankwatch.agent.gpu.base import RECOVERY_ACTIONS, THROTTLE_REASONS, GpuReading
 from rankwatch.agent.gpu.monitor import GpuMonitor
 from rankwatch.agent.gpu.xid import action_for
 
@@ -85,6 +85,9 @@ def _health(node: str, readings: list[GpuReading]) -> Iterable[Metric]:
     pcie = CounterMetricFamily("rankwatch_gpu_pcie_replays", "PCIe replays.", labels=_LABELS)
     nvlink = CounterMetricFamily("rankwatch_gpu_nvlink_errors", "NVLink errors per link.",
                                  labels=_LABELS + ["link", "type"])
+    recovery = GaugeMetricFamily("rankwatch_gpu_recovery_action", "1 for the recovery action the driver "
+                                 "asks for now (none while healthy); no series if the driver cannot tell.",
+                                 labels=_LABELS + ["action"])
     for r in readings:
         gpu = str(r.index)
         for (severity, counter), n in sorted(r.ecc.items()):
@@ -95,7 +98,10 @@ def _health(node: str, readings: list[GpuReading]) -> Iterable[Metric]:
             pcie.add_metric([node, gpu], float(r.pcie_replays))
         for (link, kind), n in sorted(r.nvlink_errors.items()):
             nvlink.add_metric([node, gpu, link, kind], float(n))
-    yield from (ecc, remap, pcie, nvlink)
+        if r.recovery_action is not None:
+            for action in sorted({*RECOVERY_ACTIONS, r.recovery_action}):
+                recovery.add_metric([node, gpu, action], 1.0 if action == r.recovery_action else 0.0)
+    yield from (ecc, remap, pcie, nvlink, recovery)
 
 
 def _xids(node: str, counts: dict[tuple[int, int], int]) -> Metric:

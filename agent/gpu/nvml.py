@@ -21,7 +21,13 @@ from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
-from rankwatch.agent.gpu.base import NVLINK_ERROR_TYPES, GpuReading, XidEvent, decode_throttle
+from rankwatch.agent.gpu.base import (
+    NVLINK_ERROR_TYPES,
+    RECOVERY_ACTIONS,
+    GpuReading,
+    XidEvent,
+    decode_throttle,
+)
 
 __all__ = ["NvmlSource", "NvmlUnavailable"]
 
@@ -37,6 +43,7 @@ _CLOCK_SM, _CLOCK_MEM, _TEMPERATURE_GPU = 1, 2, 0
 _ECC_TYPES = {"corrected": 0, "uncorrected": 1}   # NVML_MEMORY_ERROR_TYPE_*
 _ECC_COUNTERS = {"volatile": 0, "aggregate": 1}   # NVML_VOLATILE_ECC, NVML_AGGREGATE_ECC
 _NVLINK_COUNTERS = {"replay": 0, "recovery": 1, "crc_flit": 2, "crc_data": 3}  # NVML_NVLINK_ERROR_DL_*
+_FI_RECOVERY_ACTION = 230                          # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
 
 
 class NvmlUnavailable(RuntimeError):
@@ -130,7 +137,17 @@ class NvmlSource:
             "remapped_rows": self._remapped(g),
             "pcie_replays": _int(f("pcie_replays", nv.nvmlDeviceGetPcieReplayCounter)),
             "nvlink_errors": self._nvlink(g),
+            "recovery_action": self._recovery_action(g),
         }
+
+    def _recovery_action(self, g: _Gpu) -> str | None:
+        """The driver's recovery action for the GPU (drivers from R550), or None."""
+        values = self._field(g.index, "recovery_action", self._nvml.nvmlDeviceGetFieldValues,
+                             g.handle, [_FI_RECOVERY_ACTION])
+        if not values or values[0].nvmlReturn != 0:  # NVML_SUCCESS; older drivers say NOT_SUPPORTED
+            return None
+        code = int(values[0].value.uiVal)
+        return RECOVERY_ACTIONS[code] if 0 <= code < len(RECOVERY_ACTIONS) else f"unknown_{code}"
 
     def _ecc(self, g: _Gpu) -> dict[tuple[str, str], int]:
         out = {}

@@ -24,6 +24,9 @@ takes the same path through the agent as one from NVML.  A script is JSON::
 - ``pcie_replays``: replays added.
 - ``nvlink``: ``{"<link>": {"crc_flit": n, "crc_data": n, "replay": n, "recovery": n}}``
   errors added on a link (below ``nvlinks``).
+- ``recovery_action``: what the driver asks for from now on, one of ``none``,
+  ``gpu_reset``, ``node_reboot``, ``drain_p2p``, ``drain_and_reset``, ...
+  (``RECOVERY_ACTIONS``); ``none`` until a script sets it.
 - ``lost``: true, and the GPU stops answering; false, and it is back.
 
 Nothing else happens on its own: an XID 79 does not make the GPU lost unless
@@ -44,6 +47,7 @@ from typing import Any
 from rankwatch.agent.gpu.base import (
     ECC_COUNTERS,
     NVLINK_ERROR_TYPES,
+    RECOVERY_ACTIONS,
     REMAP_STATES,
     SLOWDOWN_REASONS,
     THROTTLE_REASONS,
@@ -56,7 +60,8 @@ __all__ = ["DEMO_SCRIPT", "Script", "ScriptError", "ScriptedSource", "load_scrip
 DEMO_SCRIPT = Path(__file__).parent / "scripts" / "demo.json"
 """The script ``rankwatch demo`` runs: a thermal slowdown, then corrected ECC errors and a pending remap."""
 
-_EVENT_KEYS = ("at", "gpu", "xid", "throttle", "ecc", "remap", "pcie_replays", "nvlink", "lost")
+_EVENT_KEYS = ("at", "gpu", "xid", "throttle", "ecc", "remap", "pcie_replays", "nvlink",
+               "recovery_action", "lost")
 _MAX_GPUS = 64
 _MAX_LINKS = 36
 _MIB = 1 << 20
@@ -162,6 +167,10 @@ def _event(e: Any, count: int, nvlinks: int, fail: Callable[[str], ScriptError])
         changes["pcie_replays"] = _int(e["pcie_replays"], 0, 1 << 30, lambda m: fail(f"'pcie_replays': {m}"))
     if "nvlink" in e:
         changes["nvlink"] = _nvlink(e["nvlink"], nvlinks, fail)
+    if "recovery_action" in e:
+        if e["recovery_action"] not in RECOVERY_ACTIONS:
+            raise fail(f"'recovery_action' must be one of {', '.join(RECOVERY_ACTIONS)}")
+        changes["recovery_action"] = e["recovery_action"]
     if "lost" in e:
         if not isinstance(e["lost"], bool):
             raise fail("'lost' must be true or false")
@@ -189,6 +198,7 @@ class _Gpu:
     remap: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REMAP_STATES, 0))
     pcie_replays: int = 0
     nvlink: dict[tuple[str, str], int] = field(default_factory=dict)
+    recovery_action: str = "none"
     lost: bool = False
 
 
@@ -261,7 +271,8 @@ class ScriptedSource:
             utilization_ratio=0.97, memory_utilization_ratio=0.41,
             memory_used_bytes=61440.0 * _MIB, memory_total_bytes=81559.0 * _MIB,
             throttle=g.throttle, ecc=ecc, remapped_rows=dict(g.remap),
-            pcie_replays=g.pcie_replays, nvlink_errors=dict(g.nvlink))
+            pcie_replays=g.pcie_replays, nvlink_errors=dict(g.nvlink),
+            recovery_action=g.recovery_action)
 
 
 def _apply(g: _Gpu, changes: Mapping[str, Any]) -> None:
@@ -274,5 +285,6 @@ def _apply(g: _Gpu, changes: Mapping[str, Any]) -> None:
     for link, counts in changes.get("nvlink", {}).items():
         for kind, n in counts.items():
             g.nvlink[(str(link), kind)] += n
+    g.recovery_action = changes.get("recovery_action", g.recovery_action)
     if "lost" in changes:
         g.lost = changes["lost"]

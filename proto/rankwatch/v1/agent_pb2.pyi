@@ -21,7 +21,7 @@ PHASE_CHECKPOINT: Phase
 PHASE_IDLE: Phase
 
 class Hello(_message.Message):
-    __slots__ = ("rank", "local_rank", "world_size", "node_id", "pid", "backend", "device", "mesh_coords", "mesh_shape", "job_id", "peak_flops", "op_names", "device_uuid")
+    __slots__ = ("rank", "local_rank", "world_size", "node_id", "pid", "backend", "device", "mesh_coords", "mesh_shape", "job_id", "peak_flops", "op_names", "device_uuid", "collective_source")
     class MeshCoordsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class Hello(_message.Message):
     PEAK_FLOPS_FIELD_NUMBER: _ClassVar[int]
     OP_NAMES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     world_size: int
@@ -62,7 +63,8 @@ class Hello(_message.Message):
     peak_flops: float
     op_names: _containers.RepeatedScalarFieldContainer[str]
     device_uuid: str
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ..., job_id: _Optional[str] = ..., peak_flops: _Optional[float] = ..., op_names: _Optional[_Iterable[str]] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    collective_source: str
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ..., job_id: _Optional[str] = ..., peak_flops: _Optional[float] = ..., op_names: _Optional[_Iterable[str]] = ..., device_uuid: _Optional[str] = ..., collective_source: _Optional[str] = ...) -> None: ...
 
 class StepColumns(_message.Message):
     __slots__ = ("step", "start", "duration", "data", "forward", "backward", "optimizer", "tokens", "flops", "wait")
@@ -210,7 +212,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node", "pid", "step", "step_seconds", "state", "phase_seconds", "mesh_coords", "backend", "collectives", "last_collective_seq", "dropped", "last_seen", "connected", "tokens_per_second", "slowdown", "own_work_seconds", "collective_wait_seconds")
+    __slots__ = ("rank", "node", "pid", "step", "step_seconds", "state", "phase_seconds", "mesh_coords", "backend", "collectives", "last_collective_seq", "dropped", "last_seen", "connected", "tokens_per_second", "slowdown", "own_work_seconds", "collective_wait_seconds", "collective_source", "device_uuid")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +245,8 @@ class RankStatus(_message.Message):
     SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
     OWN_WORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node: str
     pid: int
@@ -261,7 +265,9 @@ class RankStatus(_message.Message):
     slowdown: float
     own_work_seconds: float
     collective_wait_seconds: float
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., state: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., last_collective_seq: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ..., slowdown: _Optional[float] = ..., own_work_seconds: _Optional[float] = ..., collective_wait_seconds: _Optional[float] = ...) -> None: ...
+    collective_source: str
+    device_uuid: str
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., state: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., last_collective_seq: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ..., slowdown: _Optional[float] = ..., own_work_seconds: _Optional[float] = ..., collective_wait_seconds: _Optional[float] = ..., collective_source: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class Incident(_message.Message):
     __slots__ = ("kind", "node", "rank", "step", "detected_at", "detail_json", "id", "run_id")

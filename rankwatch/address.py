@@ -3,6 +3,8 @@
 An address is a socket path (``/run/rankwatch.sock``), ``unix:PATH`` or
 ``HOST:PORT``.  Every command falls back to the same default, so that a
 ``rankwatch status`` in a second terminal finds the agent of a running demo.
+The ranks (``rankwatch.hooks``) and the agent (``rankwatch.agent``) both read
+them from here, so neither side imports the other.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["AGENT_ENV", "NODE_ID_ENV", "Address", "default_address", "resolve"]
+__all__ = ["AGENT_ENV", "NODE_ID_ENV", "Address", "default_address", "node_id", "resolve"]
 
 AGENT_ENV = "RANKWATCH_AGENT"
 NODE_ID_ENV = "RANKWATCH_NODE_ID"

@@ -1,4 +1,8 @@
-"""Talking to an agent from the CLI: reachability and ``status``."""
+"""Talking to an agent: reachability and its ``status`` view.
+
+Shared by the node side (the CLI, ``rankwatch run``) and the training side (the
+rendezvous relay in torchrun), so it imports neither.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from rankwatch.agent.address import Address
+from rankwatch.address import Address
 from rankwatch.proto import pb, pb_grpc
 
 __all__ = ["AgentUnreachable", "fetch_status", "reachable"]
@@ -56,6 +60,7 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
             "tokens_per_second": r.tokens_per_second, "slowdown": r.slowdown,
             "own_work_seconds": r.own_work_seconds,
             "collective_wait_seconds": r.collective_wait_seconds,
+            "collective_source": r.collective_source, "device_uuid": r.device_uuid,
         } for r in resp.ranks],
         "incidents": [{
             "id": i.id, "kind": i.kind, "node": i.node, "rank": i.rank, "step": i.step,

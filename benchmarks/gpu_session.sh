@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Everything the project checks on a GPU machine, in three parts of under ten minutes each.
+#
+#   benchmarks/gpu_session.sh check     # the gpu tests, NCCL timing against CUDA events, the NVML probe
+#   benchmarks/gpu_session.sh loop      # step-time overhead on a GPU-bound own loop (A/A, A/B, baseline)
+#   benchmarks/gpu_session.sh overhead  # step-time overhead on the harness, one GPU (A/A, A/B, pairs)
+#   benchmarks/gpu_session.sh noise     # clean GPU step noise and the straggler replay over it
+#
+# Results go to $OUT (default benchmarks/out/gpu).  Where the machine has no network, wheels
+# for what its Python lacks can wait in .whl/ (installed with --no-deps into /tmp/site).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=$(realpath -m "${OUT:-benchmarks/out/gpu}")
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+$PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || exit 1
+# A GPU-sized harness model: about 25 M parameters, 4,096 tokens a step.
+MODEL="--dim 512 --layers 4 --heads 8 --hidden-dim 2048 --vocab 8192 --seq-len 512 --batch-size 8"
+
+case "${1:-check}" in
+  check)
+    nvidia-smi --query-gpu=name,driver_version,uuid,temperature.gpu,power.draw,clocks.sm --format=csv | tee "$OUT/device.txt"
+    $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" | tee -a "$OUT/device.txt"
+    timeout 300 $PY -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_real.py tests/test_gpu_nvml.py \
+      tests/test_gpu_cli.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+    timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_nvml.py tests/test_gpu_cli.py \
+      tests/test_gpu_monitor.py tests/test_gpu_faults.py 2>&1 | tail -5
+    timeout 120 $PY benchmarks/nccl_timing.py --repeats 30 2>&1 | tee "$OUT/nccl_timing.md"
+    timeout 60 $PY benchmarks/gpu_probe.py --wait 2 --metrics > "$OUT/gpu_probe.json" 2>&1
+    head -c 1500 "$OUT/gpu_probe.json"; echo
+    ;;
+  loop)
+    timeout 400 $PY benchmarks/gpu_overhead.py --steps 3000 --block 20 2>&1 | tee "$OUT/gpu_overhead.md"
+    ;;
+  overhead)
+    timeout 560 $PY benchmarks/overhead.py --nproc 1 --tp 1 --nccl-timing --harness-args "$MODEL" \
+      --ab-rounds 2 --ab-steps 1000 --pairs 4 --steps 300 --skip-failopen 2>&1 | tee "$OUT/overhead.md"
+    ;;
+  noise)
+    timeout 330 $PY benchmarks/gpu_noise.py --steps 4000 --ranks 4 --out "$OUT/gpu_noise.npz" \
+      --harness-args "$MODEL" 2>&1 | tee "$OUT/noise.txt"
+    (cd benchmarks && timeout 150 $PY replay.py --data "$OUT/gpu_noise.npz" --steps 2000 --trials 50 \
+      2>&1 | tee "$OUT/replay_2000.md")
+    (cd benchmarks && timeout 60 $PY replay.py --data "$OUT/gpu_noise.npz" --steps 100000 --trials 1 \
+      2>&1 | head -3 | tee "$OUT/replay_100000.md")
+    ;;
+esac

@@ -1,0 +1,64 @@
+"""A user's own training script (tests/data/user_fsdp.py) under ``rankwatch run``, as the README says.
+
+Not the harness: its own model, ``init_device_mesh``, ``fully_shard`` (and a TP
+variant), its own DataLoader, and only the README's instrumentation.  Every
+rank must be in ``status``, with the right backend and mesh, and the agent must
+have per-op latency and the reduce-scatter's bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import parse_metrics
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = Path(__file__).parent / "data" / "user_fsdp.py"
+STEPS = 40
+
+
+def _run(agent, tmp_path: Path, *script_args: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr), "--node-id", "n0",
+         "--", "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--steps", str(STEPS), *script_args],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def _per_op(metrics: dict, name: str) -> dict[str, float]:
+    return {dict(labels)["op"]: v for (n, labels), v in metrics.items() if n == name}
+
+
+def test_a_users_fsdp2_script(agent_proc, tmp_path):
+    _run(agent_proc, tmp_path)
+    status = agent_proc.status()
+    ranks = sorted(status["ranks"], key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["backend"] == "gloo" and r["collective_source"] == "python_wrappers"
+        assert r["mesh"] == {"dp": r["rank"]} and r["step"] == STEPS
+        assert r["phase_seconds"]["data"] > 0 and r["phase_seconds"]["forward"] > 0
+    m = parse_metrics(agent_proc.metrics())
+    counts = _per_op(m, "rankwatch_collective_duration_seconds_count")
+    nbytes = _per_op(m, "rankwatch_collective_bytes_total")
+    # FSDP2, the model one unit (the root keeps its parameters between forward and backward):
+    # an all-gather and a reduce-scatter per step on each of the node's 2 ranks.
+    assert counts["all_gather"] >= 2 * STEPS and counts["reduce_scatter"] >= 2 * STEPS
+    assert nbytes["reduce_scatter"] > 0 and nbytes["all_gather"] > 0
+
+
+def test_a_users_tp_script(agent_proc, tmp_path):
+    _run(agent_proc, tmp_path, "--tp", "2")
+    status = agent_proc.status()
+    ranks = sorted(status["ranks"], key=lambda r: r["rank"])
+    assert [r["mesh"] for r in ranks] == [{"dp": 0, "tp": 0}, {"dp": 0, "tp": 1}]
+    assert all(r["backend"] == "gloo" and r["step"] == STEPS for r in ranks)
+    counts = _per_op(parse_metrics(agent_proc.metrics()), "rankwatch_collective_duration_seconds_count")
+    # RowwiseParallel's output all-reduce (a functional collective) in every forward, on both ranks.
+    assert counts["all_reduce"] >= 2 * STEPS
