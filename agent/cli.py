@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("diagnose", help="the evidence of an incident")
     d.add_argument("--agent", type=_address, default=None, metavar="ADDR")
+    d.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                   help="read the incidents an agent kept in DIR, resolutions included, instead of "
+                        "asking a live one (after the job and its agent are gone)")
     d.add_argument("incident", nargs="?", default=None, help="incident id (default: the latest)")
 
     c = sub.add_parser("checkpoint", help="ask the job for a checkpoint now")
@@ -248,10 +251,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
-    status = _status(args)
-    if status is None:
-        return 1
-    incidents = status["incidents"]
+    if args.state_dir is not None:
+        from rankwatch.agent.incidents import IncidentLog
+
+        path = args.state_dir / "incidents.jsonl"
+        if not path.is_file():
+            print(f"rankwatch diagnose: no {path}", file=sys.stderr)
+            return 1
+        incidents = [i.to_json() for i in IncidentLog.replay(path)]
+    else:
+        status = _status(args)
+        if status is None:
+            return 1
+        incidents = status["incidents"]
     if args.incident is not None:
         incidents = [i for i in incidents if i["id"] == args.incident]
         if not incidents:

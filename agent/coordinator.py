@@ -15,7 +15,10 @@ the number of nodes, not with the number of records.  The coordinator
   every rank saves at;
 * hands its decisions to every node in the sync reply.  Decisions are
   append-only and idempotent by id; the rendezvous handler writes them to the
-  rendezvous store, where every node's torchrun reads them.
+  rendezvous store, where every node's torchrun reads them.  The log
+  (:class:`DecisionLog`) is shared with this agent's link to the job, and every
+  summary carries the decisions its node applied: a coordinator that takes over
+  continues the log, its ids and the restart generation after them.
 
 Times in summaries are the sending node's clock; they are moved onto the
 coordinator's clock by the offset seen when the summary arrives.
@@ -23,18 +26,17 @@ coordinator's clock by the offset seen when the summary arrives.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Any
 
+from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
-from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.state import parse_flight_recorder
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector
 from rankwatch.proto import pb
@@ -42,6 +44,9 @@ from rankwatch.proto import pb
 __all__ = ["Coordinator", "PolicyConfig"]
 
 log = logging.getLogger(__name__)
+
+_DECISION_KINDS = ("exclude", "checkpoint")
+_DECISIONS_ADOPTED = 256   # the most decisions taken from one summary
 
 
 @dataclass(kw_only=True)
@@ -83,7 +88,8 @@ class _Node:
 
 @dataclass
 class _Restart:
-    incident: dict[str, Any]
+    incident: str
+    """The ``restart`` incident's id."""
     started_at: float
     steps_before: dict[str, int] = field(default_factory=dict)
     pids_before: set[int] = field(default_factory=set)
@@ -94,12 +100,14 @@ class Coordinator:
     """Args:
         node_id: the coordinator's own node.
         incidents: the coordinator agent's incident log (job-level incidents go there).
+        decisions: the agent's decision log (default: a new one in memory).
         clock: injected for tests.
     """
 
-    def __init__(self, node_id: str, *, incidents: IncidentLog, hang: HangConfig | None = None,
-                 straggler: StragglerConfig | None = None, policy: PolicyConfig | None = None,
-                 clock=time.time, on_incident: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(self, node_id: str, *, incidents: IncidentLog, decisions: DecisionLog | None = None,
+                 hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
+                 policy: PolicyConfig | None = None, clock=time.time,
+                 on_incident: Callable[[Incident], None] | None = None) -> None:
         self.node_id = node_id
         self.incidents = incidents
         self.hang = hang or HangConfig()
@@ -107,18 +115,16 @@ class Coordinator:
         self.clock = clock
         self.lock = threading.Lock()
         self.nodes: dict[str, _Node] = {}
-        self.decisions: list[dict[str, Any]] = []
-        self.excluded: dict[str, str] = {}
+        self.log = decisions if decisions is not None else DecisionLog()
         self.dead: set[str] = set()
-        self.generation = 0
         self._straggler_cfg = straggler or StragglerConfig()
         self._stragglers = StragglerDetector(self._straggler_cfg)
-        self._open_stragglers: dict[int, dict[str, Any]] = {}   # flagged rank -> its open incident
+        self._open_stragglers: dict[int, str] = {}   # flagged rank -> its open incident's id
         self._on_incident = on_incident or (lambda _: None)
         self._refused: set[str] = set()
         self._evictions: dict[str, tuple[int, str]] = {}   # node -> (checkpoint step, reason)
         self._evaluated_steps = 0
-        self._open_hang: dict | None = None
+        self._open_hang: str | None = None   # the open job hang incident's id
         self._restart: _Restart | None = None
         self._flagged: set[tuple[str, int]] = set()
 
@@ -140,15 +146,41 @@ class Coordinator:
                                                 prev.ranks_dead_since if prev else None)
             if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
                 self.dead.discard(summary.node_id)
-            reply = pb.SyncReply(coordinator=self.node_id)
-            for d in self.decisions:
-                reply.decisions.append(_decision_pb(d))
-        for inc in self.incidents.items_for(node=summary.node_id):
-            reply.incidents.append(_incident_pb(inc))
+        if summary.run_id:
+            self.incidents.run_id = self.log.run_id = summary.run_id
+        self._adopt(summary)
+        reply = pb.SyncReply(coordinator=self.node_id)
+        reply.decisions.extend(d.to_pb() for d in self.log.items)
+        reply.incidents.extend(inc.to_pb() for inc in self.incidents.items_for(node=summary.node_id))
         return reply
 
+    def _adopt(self, summary: pb.NodeSummary) -> None:
+        """Take the decisions a node applied that this log lacks (an earlier coordinator's)."""
+        sent = [Decision.from_pb(d) for d in summary.decisions[-_DECISIONS_ADOPTED:]
+                if d.id and d.kind in _DECISION_KINDS and d.generation >= 0]
+        for d in self.log.adopt(sent):
+            log.warning("decision %s (%s%s, generation %d) taken over from node %s's log", d.id, d.kind,
+                        f" node {d.node}" if d.node else "", d.generation, summary.node_id)
+
     # -- decisions --------------------------------------------------------------
-    def request_checkpoint(self, reason: str) -> dict[str, Any]:
+    @property
+    def decisions(self) -> list[Decision]:
+        return self.log.items
+
+    @property
+    def generation(self) -> int:
+        return self.log.generation
+
+    @property
+    def excluded(self) -> dict[str, str]:
+        """Excluded node -> why (the first exclusion's reason)."""
+        out: dict[str, str] = {}
+        for d in self.log.items:
+            if d.kind == "exclude":
+                out.setdefault(d.node, d.reason)
+        return out
+
+    def request_checkpoint(self, reason: str) -> Decision:
         """Decide the step every rank saves at: the fastest rank's step plus a lead."""
         with self.lock:
             ranks = [r for n in self._live_nodes() for r in n.summary.ranks if r.connected]
@@ -157,51 +189,45 @@ class Coordinator:
             top = max(r.step for r in ranks)
             step_s = max((r.step_seconds for r in ranks), default=0.0)
             lead = max(2, math.ceil(self.policy.checkpoint_lead_seconds / step_s)) if step_s > 0 else 2
-            pending = [d for d in self.decisions if d["kind"] == "checkpoint" and d["step"] > top]
+            pending = [d for d in self.log.items if d.kind == "checkpoint" and d.step > top]
             if pending:  # a duplicate: the pending request already covers it
                 return pending[-1]
             return self._decide("checkpoint", step=top + lead, reason=reason)
 
-    def _decide(self, kind: str, *, node: str = "", step: int = 0, reason: str) -> dict[str, Any]:
-        if kind == "exclude":
-            self.generation += 1
-        d = {"id": f"{kind}-{len(self.decisions) + 1}", "kind": kind, "node": node,
-             "generation": self.generation, "step": step, "reason": reason,
-             "decided_at": self.clock()}
-        self.decisions.append(d)
-        log.warning("DECISION %s: %s%s%s", d["id"], kind, f" node {node}" if node else "",
-                    f" at step {step}" if kind == "checkpoint" else f" ({reason})")
+    def _decide(self, kind: str, *, node: str = "", step: int = 0, reason: str) -> Decision:
+        d = self.log.decide(kind, now=self.clock(), node=node, step=step, reason=reason)
+        log.warning("DECISION %s: %s%s%s (generation %d)", d.id, kind, f" node {node}" if node else "",
+                    f" at step {step}" if kind == "checkpoint" else f" ({reason})", d.generation)
         return d
 
-    def exclude(self, node: str, reason: str) -> dict[str, Any] | None:
+    def exclude(self, node: str, reason: str) -> Decision | None:
         """Exclude ``node`` and request a restart, unless the job would fall below its minimum."""
         with self.lock:
-            if node in self.excluded:
+            excluded = self.excluded
+            if node in excluded:
                 return None
-            remaining = [n for n in self.nodes if n not in self.excluded and n != node]
+            remaining = [n for n in self.nodes if n not in excluded and n != node]
             if len(remaining) < self.policy.min_nodes:
                 if node not in self._refused:  # said once per node, not on every evaluation
                     self._refused.add(node)
                     log.warning("not excluding node %s (%s): %d node(s) would remain, below the "
                                 "minimum of %d", node, reason, len(remaining), self.policy.min_nodes)
                 return None
-            self.excluded[node] = reason
             d = self._decide("exclude", node=node, reason=reason)
             steps = {n: max((r.step for r in v.summary.ranks), default=-1)
                      for n, v in self.nodes.items()}
             pids = {r.pid for v in self.nodes.values() for r in v.summary.ranks if r.connected}
         inc = self.incidents.add(kind="restart", node=node, rank=-1, step=max(steps.values(), default=-1),
-                                 detected_at=d["decided_at"],
-                                 detail={"generation": d["generation"], "excluded": node,
-                                         "reason": reason, "decision": d["id"],
-                                         "started_at": d["decided_at"]})
+                                 detected_at=d.decided_at,
+                                 detail={"generation": d.generation, "excluded": node,
+                                         "reason": reason, "decision": d.id,
+                                         "started_at": d.decided_at})
         with self.lock:
             prev = self._restart
-            if prev is not None:  # superseded before it recovered: it lasted until this one
-                prev.incident["detail"].setdefault(
-                    "recovered_after_seconds", round(d["decided_at"] - prev.started_at, 3))
-                prev.incident["detail"]["superseded_by"] = d["id"]
-            self._restart = _Restart(inc, d["decided_at"], steps, pids)
+            self._restart = _Restart(inc.id, d.decided_at, steps, pids)
+        if prev is not None:  # superseded before it recovered: it lasted until this one
+            self.incidents.resolve(prev.incident, d.decided_at, superseded_by=d.id,
+                                   recovered_after_seconds=round(d.decided_at - prev.started_at, 3))
         return d
 
     # -- evaluation -------------------------------------------------------------
@@ -216,7 +242,8 @@ class Coordinator:
         self._check_recovered(now)
 
     def _live_nodes(self) -> list[_Node]:
-        return [n for name, n in self.nodes.items() if name not in self.excluded]
+        excluded = self.excluded
+        return [n for name, n in self.nodes.items() if name not in excluded]
 
     def progress(self, now: float) -> list[RankProgress]:
         """Every included rank's progress on the coordinator's clock."""
@@ -254,8 +281,8 @@ class Coordinator:
         verdict = detect_hang(now, views, self.hang) if views else None
         if verdict is None:
             if self._open_hang is not None:
-                log.info("job progress resumed after %s", self._open_hang["id"])
-                self._open_hang["detail"].setdefault("resolved_at", now)
+                log.info("job progress resumed after %s", self._open_hang)
+                self.incidents.resolve(self._open_hang, now)
                 self._open_hang = None
             return
         if self._open_hang is not None:
@@ -280,13 +307,14 @@ class Coordinator:
             detail["stacks_note"] = ("the node's agent is silent" if silent_node else
                                      "the process is stopped (SIGSTOP): its threads cannot run"
                                      if stopped else "no fresh stacks from the rank")
-        self._open_hang = self.incidents.add(kind="hang", node=c.node, rank=c.rank, step=c.step,
-                                             detected_at=now, detail=detail)
-        self._on_incident(self._open_hang)
+        hang = self.incidents.add(kind="hang", node=c.node, rank=c.rank, step=c.step,
+                                  detected_at=now, detail=detail)
+        self._open_hang = hang.id
+        self._on_incident(hang)
         log.warning("JOB HANG: rank %d on node %s %s; others wait in %s", c.rank, c.node,
                     verdict.reason, verdict.collective)
         if self.policy.exclude_hung and self.exclude(c.node, f"hang: rank {c.rank} {verdict.reason}"):
-            self._open_hang["detail"]["resolved_at"] = self.clock()
+            self.incidents.resolve(hang.id, self.clock())  # the restart takes over from here
 
     def _check_dead(self, now: float) -> None:
         with self.lock:
@@ -315,9 +343,9 @@ class Coordinator:
                 self.exclude(name, f"node dead: {why}")
 
     def _check_gpu(self, now: float) -> None:
-        with self.lock:
-            faults = [(name, json.loads(i.detail_json or "{}")) for name, n in self.nodes.items()
-                      if name not in self.excluded for i in n.summary.incidents if i.kind == "gpu_fault"]
+        excluded = self.excluded
+        faults = [(i.node, i.detail) for i in self.job_incidents()
+                  if i.kind == "gpu_fault" and i.node not in excluded]
         fatal = [(name, d) for name, d in faults if d.get("action") in FATAL_ACTIONS]  # takes the node out
         for name, detail in fatal:
             if self.policy.exclude_gpu_fatal:
@@ -326,7 +354,8 @@ class Coordinator:
 
     def _check_stragglers(self, now: float) -> None:
         with self.lock:
-            ranks = [(name, r) for name, n in self.nodes.items() if name not in self.excluded
+            excluded = self.excluded
+            ranks = [(name, r) for name, n in self.nodes.items() if name not in excluded
                      for r in n.summary.ranks if r.connected]
         if len(ranks) < 2 or len({name for name, _ in ranks}) < 2:
             return  # one node: its own agent decides
@@ -353,7 +382,7 @@ class Coordinator:
                                      step=ev.work.step, detected_at=now,
                                      detail={**ev.detail(self._straggler_cfg.window), "job": True})
             for rank in ev.ranks or [ev.score.rank]:
-                self._open_stragglers[rank] = inc
+                self._open_stragglers[rank] = inc.id
             self._on_incident(inc)
             self._plan_eviction(ev.work.node, ev.score.speedup, ev.score.cause)
 
@@ -361,11 +390,12 @@ class Coordinator:
         """A rank's flag is lifted; its incident is resolved once none of its ranks is flagged.
         The resolved incident reaches the node with the next sync, which unmarks its ranks."""
         inc = self._open_stragglers.pop(rank, None)
-        if inc is None or any(i is inc for i in self._open_stragglers.values()):
+        if inc is None or inc in self._open_stragglers.values():
             return
-        inc["detail"]["resolved_at"] = now
-        log.info("job straggler %s resolved", inc["id"])
-        self._on_incident(inc)
+        resolved = self.incidents.resolve(inc, now)
+        if resolved is not None:
+            log.info("job straggler %s resolved", inc)
+            self._on_incident(resolved)
 
     def _plan_eviction(self, node: str, speedup: float, cause: str) -> None:
         """A costly straggling node: checkpoint now, exclude it once that checkpoint is complete."""
@@ -376,17 +406,14 @@ class Coordinator:
             d = self.request_checkpoint(f"before evicting {node}")
         except LookupError:
             return
-        self._evictions[node] = (d["step"], reason)
-        log.warning("%s; evicting it after the checkpoint at step %d", reason, d["step"])
+        self._evictions[node] = (d.step, reason)
+        log.warning("%s; evicting it after the checkpoint at step %d", reason, d.step)
 
     def _check_evictions(self) -> None:
         if not self._evictions:
             return
-        with self.lock:
-            saved = [i.step for n in self.nodes.values() for i in n.summary.incidents
-                     if i.kind == "checkpoint" and json.loads(i.detail_json or "{}").get("ok")]
-        saved += [i["step"] for i in self.incidents.items
-                  if i["kind"] == "checkpoint" and i["detail"].get("ok")]
+        saved = [i.step for i in self.job_incidents() + self.incidents.items
+                 if i.kind == "checkpoint" and i.detail.get("ok")]
         for node, (step, reason) in list(self._evictions.items()):
             if any(s >= step for s in saved):
                 del self._evictions[node]
@@ -408,32 +435,39 @@ class Coordinator:
                     and x.progress_at + n.offset > r.started_at for x in n.summary.ranks)
                 for n in nodes)
         if back:
-            r.incident["detail"]["recovered_after_seconds"] = round(now - r.started_at, 3)
-            log.info("job back to training %.1fs after %s", now - r.started_at,
-                     r.incident["detail"]["decision"])
+            self.incidents.resolve(r.incident, now, recovered_after_seconds=round(now - r.started_at, 3))
+            log.info("job back to training %.1fs after %s", now - r.started_at, r.incident)
             self._restart = None
 
     # -- views ------------------------------------------------------------------
-    def job_incidents(self) -> list[dict[str, Any]]:
-        """Incidents the nodes raised themselves (gpu_fault, checkpoint, rank_exit)."""
-        out = []
+    def job_incidents(self) -> list[Incident]:
+        """Incidents the nodes raised themselves (gpu_fault, checkpoint, rank_exit), on this clock.
+
+        A node speaks for itself only: an incident naming another node is left out, as is
+        one that does not parse (logged); a node's bad record never stops the coordinator.
+        """
         with self.lock:
-            for n in self.nodes.values():
-                for i in n.summary.incidents:
-                    out.append({"id": i.id, "kind": i.kind, "node": i.node, "rank": i.rank,
-                                "step": i.step, "detected_at": i.detected_at + n.offset,
-                                "detail": json.loads(i.detail_json or "{}")})
+            sent = [(i, n.offset) for name, n in self.nodes.items() for i in n.summary.incidents
+                    if i.node == name]
+        out = []
+        for i, offset in sent:
+            try:
+                out.append(Incident.from_pb(i, clock_offset=offset))
+            except ValueError as exc:
+                log.debug("node incident %s left out: %s", i.id, exc)
         return out
 
     def node_states(self) -> dict[str, str]:
         with self.lock:
-            return {n: "excluded" if n in self.excluded else "dead" if n in self.dead else "ok"
+            excluded = self.excluded
+            return {n: "excluded" if n in excluded else "dead" if n in self.dead else "ok"
                     for n in self.nodes}
 
     def rank_summaries(self) -> list[tuple[str, pb.RankSummary, bool]]:
         """(node, rank summary, node excluded) for every rank the coordinator knows."""
         with self.lock:
-            return [(name, r, name in self.excluded) for name, n in sorted(self.nodes.items())
+            excluded = self.excluded
+            return [(name, r, name in excluded) for name, n in sorted(self.nodes.items())
                     for r in n.summary.ranks]
 
 
@@ -446,17 +480,3 @@ def _flight_recorder(r: pb.RankSummary) -> dict | None:
         return None
 
 
-def _decision_pb(d: dict[str, Any]) -> pb.Decision:
-    return pb.Decision(id=d["id"], kind=d["kind"], node=d["node"], generation=d["generation"],
-                       step=d["step"], reason=d["reason"], decided_at=d["decided_at"])
-
-
-def decision_dict(d: pb.Decision) -> dict[str, Any]:
-    return {"id": d.id, "kind": d.kind, "node": d.node, "generation": d.generation,
-            "step": d.step, "reason": d.reason, "decided_at": d.decided_at}
-
-
-def _incident_pb(inc: dict[str, Any]) -> pb.Incident:
-    return pb.Incident(id=inc["id"], kind=inc["kind"], node=inc["node"], rank=inc["rank"],
-                       step=inc["step"], detected_at=inc["detected_at"],
-                       detail_json=json.dumps(inc["detail"]))

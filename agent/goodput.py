@@ -1,80 +1,146 @@
 """Goodput: the share of the job's wall time that trained new steps.
 
-Elapsed time runs from the job's first step.  What was lost is split into
+A reader: :func:`breakdown` is a pure function of the incident log, the decision log,
+the job's step progress and ``now``.  Elapsed time runs from the job's first step.
+What was lost is split into
 
 * ``hang``: from the last progress before a hang to its end (the restart
   decision, or progress resuming);
-* ``restart``: from a restart decision until every remaining node trains again;
-* ``recompute``: steps trained again after resuming from an older checkpoint
-  (the step high-water mark minus the step resumed at, times the step time);
-* ``checkpoint``: time the training thread spent in checkpoint saves;
+* ``restart``: from a restart decision until every remaining node trains again,
+  or until the next restart decision if that came first (it supersedes it);
+* ``recompute``: steps trained again after resuming from an older checkpoint (the
+  steps retrained so far, up to the high-water mark before the resume, times the
+  step time);
+* ``checkpoint``: time the training thread spent in checkpoint saves (each saved
+  step once, the longest any node reported);
 
 and ``productive`` is the rest.  ``rankwatch_goodput_ratio`` is productive / elapsed.
+
+:class:`StepProgress` is the one record goodput needs that no log holds: when the
+job's first step completed, and each resume behind the high-water mark.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
-__all__ = ["Goodput", "KINDS"]
+from rankwatch.agent.decisions import Decision
+from rankwatch.agent.incidents import Incident
+
+__all__ = ["KINDS", "Progress", "Resume", "StepProgress", "breakdown"]
 
 KINDS = ("productive", "hang", "restart", "recompute", "checkpoint")
 
 
-class Goodput:
+@dataclass(frozen=True, kw_only=True)
+class Resume:
+    """The job went back to ``step`` (a checkpoint) after it had reached ``high_water``."""
+
+    at: float
+    step: int
+    high_water: int
+    reached: int
+    """The highest step trained since the resume."""
+    step_seconds: float
+    """The step time seen last since the resume."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress:
+    first_step_at: float | None = None
+    high_water: int = -1
+    last_top: int = -1
+    """The fastest rank's step at the last sample."""
+    resumes: tuple[Resume, ...] = ()
+
+
+class StepProgress:
+    """The job's step progress, sampled a few times a second by the agent's detector loop."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.first_step_at: float | None = None
-        self.high_water = -1
-        self.recompute_seconds = 0.0
-        self._resume_from: int | None = None
-        self._checkpoint_steps: dict[int, float] = {}
+        self._progress = Progress()
 
-    def observe_steps(self, now: float, steps: list[int], step_seconds: float) -> None:
-        """The ranks' current steps (a few times a second): tracks resumes from older steps."""
-        if not steps:
-            return
-        top = max(steps)
+    def snapshot(self) -> Progress:
         with self._lock:
-            if self.first_step_at is None and top >= 1:
-                self.first_step_at = now - max(step_seconds, 0.0)
-            if top < self.high_water and top >= 0:
-                # Ranks restarted behind the high-water mark: a resume.  What they
-                # retrain up to the mark is recomputed work.
-                self._resume_from = top if self._resume_from is None else min(self._resume_from, top)
-            if self._resume_from is not None and top >= self.high_water:
-                self.recompute_seconds += (self.high_water - self._resume_from) * step_seconds
-                self._resume_from = None
-            self.high_water = max(self.high_water, top)
+            return self._progress
 
-    def observe_checkpoint(self, step: int, seconds: float) -> None:
+    def observe(self, now: float, steps: Sequence[int], step_seconds: float) -> None:
+        """The connected ranks' current steps and the job's step time."""
         with self._lock:
-            self._checkpoint_steps[step] = max(self._checkpoint_steps.get(step, 0.0), seconds)
+            self._progress = _advance(self._progress, now, steps, step_seconds)
 
-    def breakdown(self, now: float, incidents: list[dict[str, Any]]) -> dict[str, float] | None:
-        """Seconds per kind, and ``elapsed``; None before the first step."""
-        with self._lock:
-            if self.first_step_at is None:
-                return None
-            elapsed = max(now - self.first_step_at, 1e-9)
-            ckpt = sum(self._checkpoint_steps.values())
-            recompute = self.recompute_seconds
-        hang = restart = 0.0
-        seen_hang = set()
-        for inc in incidents:
-            d = inc.get("detail") or {}
-            if inc["kind"] == "hang" and inc["id"].split("/")[-1] not in seen_hang:
-                seen_hang.add(inc["id"].split("/")[-1])
-                end = d.get("resolved_at") or inc["detected_at"]
-                hang += max(0.0, end - inc["detected_at"]) + float(d.get("stalled_seconds") or 0.0)
-            elif inc["kind"] == "restart":
-                started = float(d.get("started_at") or inc["detected_at"])
-                restart += float(d.get("recovered_after_seconds") or max(0.0, now - started))
-        lost = {"hang": hang, "restart": restart, "recompute": recompute, "checkpoint": ckpt}
-        total_lost = min(sum(lost.values()), elapsed)
-        return {"productive": elapsed - total_lost, **lost, "elapsed": elapsed}
 
-    def ratio(self, now: float, incidents: list[dict[str, Any]]) -> float | None:
-        b = self.breakdown(now, incidents)
-        return None if b is None else b["productive"] / b["elapsed"]
+def _advance(p: Progress, now: float, steps: Sequence[int], step_seconds: float) -> Progress:
+    """``p`` after one sample of the ranks' steps: the first step, a resume, retraining."""
+    if not steps:
+        return p
+    top = max(steps)
+    first = p.first_step_at
+    if first is None and top >= 1:
+        first = now - max(step_seconds, 0.0)
+    resumes = p.resumes
+    if resumes and resumes[-1].reached < resumes[-1].high_water:  # retraining after the last resume
+        last = resumes[-1]
+        resumes = resumes[:-1] + (replace(last, reached=max(last.reached, top), step_seconds=step_seconds),)
+    if 0 <= top < p.last_top and top < p.high_water:
+        # Ranks restarted behind the high-water mark: what they train up to it is recomputed.
+        resumes += (Resume(at=now, step=top, high_water=p.high_water, reached=top,
+                           step_seconds=step_seconds),)
+    return Progress(first_step_at=first, high_water=max(p.high_water, top), last_top=top, resumes=resumes)
+
+
+def breakdown(now: float, *, incidents: Iterable[Incident], decisions: Iterable[Decision],
+              progress: Progress) -> dict[str, float] | None:
+    """Seconds per kind of :data:`KINDS`, and ``elapsed``; None before the first step."""
+    if progress.first_step_at is None:
+        return None
+    elapsed = max(now - progress.first_step_at, 1e-9)
+    incidents = list(incidents)
+    lost = {"hang": _hang(incidents), "restart": _restart(now, incidents, decisions),
+            "recompute": _recompute(progress.resumes), "checkpoint": _checkpoint(incidents)}
+    total_lost = min(sum(lost.values()), elapsed)
+    return {"productive": elapsed - total_lost, **lost, "elapsed": elapsed}
+
+
+def _hang(incidents: list[Incident]) -> float:
+    """Each hang once (a node's copy of the coordinator's is ``<coordinator>/<id>``)."""
+    out, seen = 0.0, set()
+    for inc in incidents:
+        key = inc.id.split("/")[-1]
+        if inc.kind != "hang" or key in seen:
+            continue
+        seen.add(key)
+        end = inc.resolved_at or inc.detected_at
+        out += max(0.0, end - inc.detected_at) + float(inc.detail.get("stalled_seconds") or 0.0)
+    return out
+
+
+def _restart(now: float, incidents: list[Incident], decisions: Iterable[Decision]) -> float:
+    """Each restart until it recovered, else until the next restart decision, else until now."""
+    starts = sorted(d.decided_at for d in decisions if d.kind == "exclude")
+    out = 0.0
+    for inc in incidents:
+        if inc.kind != "restart":
+            continue
+        started = float(inc.detail.get("started_at") or inc.detected_at)
+        recovered = inc.detail.get("recovered_after_seconds")
+        if recovered is None:
+            end = next((t for t in starts if t > started), now)
+            recovered = max(0.0, end - started)
+        out += float(recovered)
+    return out
+
+
+def _recompute(resumes: Iterable[Resume]) -> float:
+    return sum(max(0, min(r.reached, r.high_water) - r.step) * r.step_seconds for r in resumes)
+
+
+def _checkpoint(incidents: list[Incident]) -> float:
+    by_step: dict[int, float] = {}
+    for inc in incidents:
+        if inc.kind == "checkpoint":
+            by_step[inc.step] = max(by_step.get(inc.step, 0.0), float(inc.detail.get("seconds") or 0.0))
+    return sum(by_step.values())

@@ -41,7 +41,7 @@ class JobCollector:
         lbl = [node]
         now = a.state.clock()
         incidents = a.incident_view()
-        breakdown = a.goodput.breakdown(now, incidents)
+        breakdown = a.goodput(now)
         if breakdown is not None:
             g = GaugeMetricFamily("rankwatch_goodput_ratio",
                                   "Productive time over elapsed time since the job's first step.",
@@ -61,8 +61,8 @@ class JobCollector:
                                          labels=["node", "reason"])
         counts = dict.fromkeys(_RESTART_REASONS, 0)
         for d in decisions:
-            if d["kind"] == "exclude":
-                counts[restart_reason(d["reason"])] += 1
+            if d.kind == "exclude":
+                counts[restart_reason(d.reason)] += 1
         for reason, n in counts.items():
             restarts.add_metric([node, reason], n)
             exclusions.add_metric([node, reason], n)
@@ -70,33 +70,33 @@ class JobCollector:
         yield exclusions
         g = GaugeMetricFamily("rankwatch_restart_generation", "The job's restart generation.",
                               labels=["node"])
-        g.add_metric(lbl, max((d["generation"] for d in decisions), default=0))
+        g.add_metric(lbl, max((d.generation for d in decisions), default=0))
         yield g
         g = GaugeMetricFamily("rankwatch_excluded_nodes", "Nodes currently excluded from the job.",
                               labels=["node"])
-        g.add_metric(lbl, len({d["node"] for d in decisions if d["kind"] == "exclude"}))
+        g.add_metric(lbl, len({d.node for d in decisions if d.kind == "exclude"}))
         yield g
         c = CounterMetricFamily("rankwatch_checkpoint_requests", "Checkpoints requested, by reason.",
                                 labels=["node", "reason"])
         by_reason: dict[str, int] = {}
         for d in decisions:
-            if d["kind"] == "checkpoint":
-                by_reason[d["reason"]] = by_reason.get(d["reason"], 0) + 1
+            if d.kind == "checkpoint":
+                by_reason[d.reason] = by_reason.get(d.reason, 0) + 1
         for reason, n in sorted(by_reason.items()):
             c.add_metric([node, reason], n)
         yield c
-        saves = [i for i in incidents if i["kind"] == "checkpoint" and i["detail"].get("ok")]
+        saves = [i for i in incidents if i.kind == "checkpoint" and i.detail.get("ok")]
         if saves:
-            last = max(saves, key=lambda i: i["step"])
+            last = max(saves, key=lambda i: i.step)
             g = GaugeMetricFamily("rankwatch_checkpoint_last_step", "Step of the last complete checkpoint.",
                                   labels=["node"])
-            g.add_metric(lbl, last["step"])
+            g.add_metric(lbl, last.step)
             yield g
             g = GaugeMetricFamily("rankwatch_checkpoint_last_timestamp_seconds",
                                   "When the last complete checkpoint finished (Unix seconds).", labels=["node"])
-            g.add_metric(lbl, max(i["detected_at"] for i in saves))
+            g.add_metric(lbl, max(i.detected_at for i in saves))
             yield g
-            secs = [float(i["detail"].get("seconds", 0.0)) for i in saves]
+            secs = [float(i.detail.get("seconds", 0.0)) for i in saves]
             h = HistogramMetricFamily("rankwatch_checkpoint_save_seconds",
                                       "Training-thread time of checkpoint saves.", labels=["node"])
             buckets = [(str(b), float(sum(1 for s in secs if s <= b))) for b in _SAVE_BUCKETS]

@@ -19,13 +19,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
 from rankwatch.address import Address
 from rankwatch.agent.auth import metadata
-from rankwatch.agent.coordinator import decision_dict
+from rankwatch.agent.decisions import Decision
+from rankwatch.agent.incidents import Incident
 from rankwatch.proto import pb, pb_grpc
 
 if TYPE_CHECKING:
@@ -47,13 +48,13 @@ class CommandHub:
         self._queues: dict[int, queue.Queue] = {}
         self._checkpoints: dict[str, pb.Command] = {}
 
-    def publish_checkpoint(self, decision: dict[str, Any]) -> None:
-        cmd = pb.Command(id=decision["id"], checkpoint=pb.CheckpointCommand(
-            step=decision["step"], reason=decision["reason"]))
+    def publish_checkpoint(self, decision: Decision) -> None:
+        cmd = pb.Command(id=decision.id, checkpoint=pb.CheckpointCommand(
+            step=decision.step, reason=decision.reason))
         with self._lock:
-            if decision["id"] in self._checkpoints:
+            if decision.id in self._checkpoints:
                 return
-            self._checkpoints[decision["id"]] = cmd
+            self._checkpoints[decision.id] = cmd
             targets = list(self._queues.values())
         for q in targets:
             q.put(cmd)
@@ -107,8 +108,7 @@ class JobLink:
         self.coordinator_node = agent.config.node_id if not candidates else ""
         self.coordinator_addr: Address | None = None
         self.last_ok = 0.0
-        self.decisions: list[dict[str, Any]] = []
-        self.generation = 0
+        self._applied: set[str] = set()   # ids of the decisions this node has acted on
         self._seq = 0
         self._warned: set[str] = set()
         self._channels: dict[str, grpc.Channel] = {}
@@ -126,6 +126,11 @@ class JobLink:
             self._thread.join(2)
         for ch in self._channels.values():
             ch.close()
+
+    @property
+    def generation(self) -> int:
+        """The job's restart generation as far as this node knows."""
+        return self.agent.decision_log.generation
 
     def coordinated(self, now: float) -> bool:
         """True while another agent coordinates this node and answers."""
@@ -183,16 +188,19 @@ class JobLink:
 
     # -- applying the coordinator's reply ---------------------------------------
     def apply(self, reply: pb.SyncReply) -> None:
+        """Keep the coordinator's decisions in this agent's log (the coordinator's own node
+        already holds them there) and act on each once."""
         self.coordinator_node = reply.coordinator
-        known = {d["id"] for d in self.decisions}
-        fresh = [decision_dict(d) for d in reply.decisions if d.id not in known]
-        self.decisions.extend(fresh)
-        for d in fresh:
-            if d["kind"] == "checkpoint":
+        decisions = [Decision.from_pb(d) for d in reply.decisions]
+        self.agent.decision_log.adopt(decisions)
+        for d in decisions:
+            if d.id in self._applied:
+                continue
+            self._applied.add(d.id)
+            if d.kind == "checkpoint":
                 self.agent.commands.publish_checkpoint(d)
-            elif d["kind"] == "exclude":
+            elif d.kind == "exclude":
                 self.agent.on_exclusion(d)
-            self.generation = max(self.generation, d["generation"])
         if not self.acting:
             for inc in reply.incidents:
                 self.agent.on_job_incident(reply.coordinator, inc)
@@ -206,8 +214,8 @@ def forward_checkpoint(addr: Address, reason: str, token: str | None = None) -> 
                                                        metadata=metadata(token))
 
 
-def summary_incidents(items: list[dict[str, Any]], node: str) -> list[dict[str, Any]]:
+def summary_incidents(items: list[Incident], node: str) -> list[Incident]:
     """This node's own incidents a coordinator needs (newest first, bounded)."""
-    own = [i for i in items if i["node"] == node and i["kind"] in ("gpu_fault", "checkpoint", "rank_exit")
-           and "/" not in i["id"]]
+    own = [i for i in items if i.node == node and i.kind in ("gpu_fault", "checkpoint", "rank_exit")
+           and "/" not in i.id]
     return own[-_INCIDENTS_SENT:]

@@ -158,7 +158,7 @@ class NodeCollector:
         c = GaugeMetricFamily("rankwatch_incidents", "Incidents this agent holds, by kind.",
                               labels=["node", "kind"])
         for kind in ("straggler", "hang", "gpu_fault", "rank_exit", "checkpoint", "restart"):
-            c.add_metric([node, kind], sum(1 for i in st.incidents if i["kind"] == kind))
+            c.add_metric([node, kind], sum(1 for i in st.incidents if i.kind == kind))
         yield c
 
     def _throughput(self, node: str, st: NodeState) -> Iterable[Metric]:

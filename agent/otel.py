@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from rankwatch.agent.gpu import GpuMonitor
     from rankwatch.agent.gpu.base import GpuReading
-    from rankwatch.agent.incidents import IncidentLog
+    from rankwatch.agent.incidents import Incident, IncidentLog
     from rankwatch.agent.server import Agent
     from rankwatch.agent.state import NodeState, RankState
     from rankwatch.proto import pb
@@ -384,7 +384,7 @@ class SpanExport:
             end_time=start + _ns(duration))
 
     # -- incidents --------------------------------------------------------------------------
-    def on_incident(self, incident: dict[str, Any]) -> None:
+    def on_incident(self, incident: Incident) -> None:
         """Incident listener: one span per incident, from ``detail.started_at`` if given."""
         if self._closed:
             return
@@ -393,19 +393,18 @@ class SpanExport:
         except Exception:  # noqa: BLE001 - the detectors never fail because of export
             self._log_failure("an incident span")
 
-    def _incident_span(self, incident: dict[str, Any]) -> None:
+    def _incident_span(self, incident: Incident) -> None:
         from opentelemetry.trace import Status, StatusCode
 
-        kind, detail = str(incident["kind"]), incident.get("detail")
-        detail = _clip(detail if isinstance(detail, dict) else {"value": detail})
-        end = float(incident["detected_at"])
+        kind, detail = incident.kind, _clip(dict(incident.detail))
+        end = float(incident.detected_at)
         started = detail.get("started_at")
         start = float(started) if _is_number(started) and 0 < started <= end else end
-        rank, step = int(incident.get("rank", -1)), int(incident.get("step", -1))
-        local = self.state.ranks.get(rank) if incident.get("node") == self.state.node_id else None
+        rank, step = incident.rank, incident.step
+        local = self.state.ranks.get(rank) if incident.node == self.state.node_id else None
         attrs = {**(rank_attributes(local) if local is not None else {}),
-                 "rankwatch.node": str(incident.get("node", "")), "rankwatch.rank": rank,
-                 "rankwatch.step": step, "rankwatch.incident.id": str(incident.get("id", "")),
+                 "rankwatch.node": incident.node, "rankwatch.rank": rank,
+                 "rankwatch.step": step, "rankwatch.incident.id": incident.id,
                  "rankwatch.incident.kind": kind,
                  "rankwatch.incident.detail": json.dumps(detail, default=str),
                  **dict(_flatten(detail, "rankwatch.incident.detail"))}

@@ -24,15 +24,17 @@ from prometheus_client import CollectorRegistry, start_http_server
 from rankwatch.agent import otel
 from rankwatch.address import Address
 from rankwatch.agent.auth import authorized
-from rankwatch.agent.coordinator import Coordinator, PolicyConfig, decision_dict
+from rankwatch.agent.coordinator import Coordinator, PolicyConfig
+from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 from rankwatch.agent.host import HostCollector
-from rankwatch.agent.goodput import Goodput
+from rankwatch.agent import goodput
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
-from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.jobmetrics import JobCollector
 from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint, summary_incidents
 from rankwatch.agent.metrics import NodeCollector
+from rankwatch.agent.rankexit import BrokenStream, ExitConfig, ExitWatch, exit_detail
 from rankwatch.agent.state import NodeState, RankState, Rejected, _pid_alive
 from rankwatch.agent.starvation import StarvationTracker
 from rankwatch.agent.stepstarts import StepStarts
@@ -47,6 +49,7 @@ _SERVICE = "rankwatch.v1.Agent"
 _MAX_MESSAGE = 16 << 20
 _MAX_RPCS = 512
 _RISK_CHECKPOINT_EVERY = 600.0   # seconds between risk checkpoints for the same GPU and signal
+_DECISIONS_SENT = 64   # the newest decisions a node's summary carries to its coordinator
 
 
 class AgentConfig:
@@ -63,13 +66,15 @@ class AgentConfig:
         policy: the coordinator's policy (exclusions, minimum nodes).
         token: the job's shared token for Sync and RequestCheckpoint (None: no check).
         gpu: GPU health source and thresholds (default: NVML if it initialises, else none).
+        exits: how long a rank's broken stream is watched for its process's exit.
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
                  metrics_addr: str = "0.0.0.0", state_dir: Path | None = None,
                  hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
                  coordinators: list[Address] | None = None, policy: PolicyConfig | None = None,
-                 sync_interval: float = 0.25, token: str | None = None, gpu: GpuConfig | None = None) -> None:
+                 sync_interval: float = 0.25, token: str | None = None, gpu: GpuConfig | None = None,
+                 exits: ExitConfig | None = None) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -84,6 +89,7 @@ class AgentConfig:
         self.sync_interval = sync_interval
         self.token = token
         self.gpu = gpu or GpuConfig()
+        self.exits = exits or ExitConfig()
 
 
 class Agent:
@@ -94,7 +100,9 @@ class Agent:
         self.state = NodeState(config.node_id)
         self.incidents = IncidentLog(config.state_dir / "incidents.jsonl" if config.state_dir else None)
         self.state.incidents = self.incidents.items
-        self._open_hang: dict | None = None
+        self.decision_log = DecisionLog(config.state_dir / "decisions.jsonl" if config.state_dir else None)
+        self._open_hang: Incident | None = None
+        self._exits = ExitWatch(config.exits)
         self._stragglers = StragglerDetector(config.straggler, gpu_throttle=self.gpu_throttle_for_rank)
         self._starvation = StarvationTracker()
         self._step_starts = StepStarts()
@@ -102,14 +110,15 @@ class Agent:
         self._straggler_view: tuple[dict[int, str], float] = ({}, 1.0)
         self._evaluated_steps = 0
         self._detector: threading.Thread | None = None
-        self.coordinator = Coordinator(config.node_id, incidents=self.incidents, hang=config.hang,
+        self.coordinator = Coordinator(config.node_id, incidents=self.incidents, decisions=self.decision_log,
+                                       hang=config.hang,
                                        straggler=config.straggler, policy=config.policy,
                                        on_incident=self._own_job_incident)
         self._marked_at: dict[int, float] = {}   # rank -> when a job verdict marked it hung
         self._job_stragglers: set[int] = set()   # ranks the coordinator flags as stragglers
         self.commands = CommandHub()
         self.link = JobLink(self, config.coordinators, config.sync_interval)
-        self.goodput = Goodput()
+        self.progress = goodput.StepProgress()
         self._checkpoint_steps: set[int] = set()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(self.state, lambda: self._straggler_view))
@@ -228,7 +237,8 @@ class Agent:
         st = self.state
         rank = None
         accepted = rejected = 0
-        clean = False
+        said_goodbye = False
+        error = "closed"   # how a stream without a goodbye ended (gRPC reports a dead peer either way)
         try:
             for msg in requests:
                 body = msg.WhichOneof("body")
@@ -239,6 +249,11 @@ class Agent:
                         rank = st.hello(msg.hello)
                     except Rejected as exc:
                         self._refuse(context, exc)
+                    if rank.job_id:  # the job's run id, on every incident and decision
+                        self.incidents.run_id = self.decision_log.run_id = rank.job_id
+                    continue
+                if body == "goodbye":
+                    said_goodbye = True
                     continue
                 try:
                     if body != "batch":
@@ -250,12 +265,15 @@ class Agent:
                 except Rejected as exc:
                     st.note_rejected(exc)
                     rejected += 1
-            clean = True
-        except grpc.RpcError:
-            pass  # the rank went away; goodbye() below records how
+        except grpc.RpcError:  # the rank went away; goodbye() below records how
+            error = "cancelled" if not context.is_active() else "broken"
         finally:
+            # Only a rank's goodbye makes its end clean: a rank whose process died can end
+            # the stream as a close does (the iteration just stops), not only as an error.
             if rank is not None:
-                st.goodbye(rank, clean)
+                st.goodbye(rank, said_goodbye)
+                if not said_goodbye:
+                    self._stream_broke(rank, error)
         return pb.ReportSummary(batches_accepted=accepted, batches_rejected=rejected)
 
     def _refuse(self, context: grpc.ServicerContext, exc: Rejected) -> None:
@@ -276,10 +294,10 @@ class Agent:
         link = self.link
         resp.coordinator = self.is_coordinator()
         resp.coordinator_node = link.coordinator_node
-        resp.decisions.extend(pb.Decision(**d) for d in self.decisions())
+        resp.decisions.extend(d.to_pb() for d in self.decisions())
         job = resp.coordinator
         now = st.clock()
-        breakdown = self.goodput.breakdown(now, self.incident_view())
+        breakdown = self.goodput(now)
         if breakdown is not None:
             resp.goodput = breakdown["productive"] / breakdown["elapsed"]
             resp.time_seconds.update(breakdown)
@@ -307,17 +325,14 @@ class Agent:
             incidents = list(st.incidents)
         if job:
             # Other nodes' own incidents; a checkpoint shows once per step however many nodes saved it.
-            saved = {i["step"] for i in incidents if i["kind"] == "checkpoint"}
-            for i in sorted(self.coordinator.job_incidents(), key=lambda i: i["detected_at"]):
-                if i["node"] == st.node_id or (i["kind"] == "checkpoint" and i["step"] in saved):
+            saved = {i.step for i in incidents if i.kind == "checkpoint"}
+            for i in sorted(self.coordinator.job_incidents(), key=lambda i: i.detected_at):
+                if i.node == st.node_id or (i.kind == "checkpoint" and i.step in saved):
                     continue
-                if i["kind"] == "checkpoint":
-                    saved.add(i["step"])
+                if i.kind == "checkpoint":
+                    saved.add(i.step)
                 incidents.append(i)
-        for inc in incidents:
-            resp.incidents.append(pb.Incident(
-                id=inc.get("id", ""), kind=inc["kind"], node=inc["node"], rank=inc["rank"],
-                step=inc["step"], detected_at=inc["detected_at"], detail_json=json.dumps(inc["detail"])))
+        resp.incidents.extend(inc.to_pb() for inc in incidents)
         return resp
 
     # -- detection ------------------------------------------------------------
@@ -325,6 +340,8 @@ class Agent:
         while not self._stopped.wait(0.25):
             try:
                 now = self.state.clock()
+                self._observe_progress(now)
+                self.check_exits(now)
                 if self.link.acting and self.config.coordinators:
                     self.coordinator.evaluate()
                 elif not self.link.coordinated(now):
@@ -337,7 +354,7 @@ class Agent:
             except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
                 log.exception("detector error")
 
-    def check_hang(self, now: float) -> dict | None:
+    def check_hang(self, now: float) -> Incident | None:
         """Run the hang detector once; record a ``hang`` incident per stall."""
         st = self.state
         with st.lock:
@@ -351,8 +368,8 @@ class Agent:
         verdict = detect_hang(now, views, self.config.hang)
         if verdict is None:
             if self._open_hang is not None:
-                log.info("progress resumed after hang %s", self._open_hang["id"])
-                self._open_hang["detail"]["resolved_at"] = now
+                log.info("progress resumed after hang %s", self._open_hang.id)
+                self.incidents.resolve(self._open_hang.id, now)
                 with st.lock:
                     for r in ranks:
                         if r.state == "hung":
@@ -388,7 +405,35 @@ class Agent:
                     verdict.stalled_for, verdict.allowance, verdict.collective)
         return self._open_hang
 
-    def check_stragglers(self, now: float) -> list[dict]:
+    def _stream_broke(self, rank: RankState, error: str) -> None:
+        """Keep what the agent knew of a rank whose stream broke, for :meth:`check_exits`."""
+        with self.state.lock:
+            broken = BrokenStream(
+                rank=rank.rank, node=rank.node, pid=rank.pid, stream=rank.stream, step=rank.step,
+                activity=rank.activity, last_seen=rank.last_seen, ended_at=self.state.clock(),
+                error=error, inflight=dict(rank.inflight) if rank.inflight else None)
+        self._exits.broke(broken)
+
+    def check_exits(self, now: float) -> list[Incident]:
+        """Judge each broken stream once more; record a ``rank_exit`` incident per dead rank."""
+        st = self.state
+        with st.lock:
+            streaming = {r.pid: r.stream for r in st.ranks.values() if r.connected}
+        exited = self._exits.review(now, alive=lambda pid: _process_state(pid)[0], streaming=streaming,
+                                    restarts=(d.decided_at for d in self.decisions() if d.kind == "exclude"))
+        made = []
+        for b in exited:
+            with st.lock:
+                r = st.ranks.get(b.rank)
+                if r is not None and r.stream == b.stream and r.state in ("ok", "straggler", "hung"):
+                    r.state = "dead"  # as goodbye() marks it when the process is gone already
+            made.append(self.incidents.add(kind="rank_exit", node=b.node, rank=b.rank, step=b.step,
+                                           detected_at=now, detail=exit_detail(b, now)))
+            log.warning("RANK EXIT: rank %d (pid %d) died at step %d (%s, stream %s)", b.rank, b.pid,
+                        b.step, b.activity, b.error)
+        return made
+
+    def check_stragglers(self, now: float) -> list[Incident]:
         """Score the ranks once per completed step of the slowest; record incidents.
 
         Each rank's run delay (CPU starvation of its training thread) is sampled
@@ -463,8 +508,6 @@ class Agent:
             rows = [(r, dict(r.group_seqs), r.inflight, list(r.own_work), list(r.data_wait),
                      list(r.comm_wait)) for r in ranks]
             incidents = summary_incidents(list(st.incidents), st.node_id)
-        self.goodput.observe_steps(now, [r.step for r in ranks if r.connected],
-                                   max((r.step_seconds for r in ranks), default=0.0))
         for r, seqs, inflight, own, data, wait in rows:
             alive, stopped = _process_state(r.pid)
             fresh = r.stacks if r.stacks and now - r.stacks_at < 10 else ""
@@ -481,30 +524,39 @@ class Agent:
                 rs.inflight.CopyFrom(pb.InFlight(op=inflight["op"], group=inflight["group"],
                                                  seq=inflight["seq"], since=inflight["since"]))
             out.ranks.append(rs)
-        for i in incidents:
-            out.incidents.append(pb.Incident(id=i["id"], kind=i["kind"], node=i["node"], rank=i["rank"],
-                                             step=i["step"], detected_at=i["detected_at"],
-                                             detail_json=json.dumps(i["detail"])))
+        out.incidents.extend(i.to_pb() for i in incidents)
+        out.decisions.extend(d.to_pb() for d in self.decision_log.items[-_DECISIONS_SENT:])
+        out.run_id = self.incidents.run_id
         return out
+
+    def _observe_progress(self, now: float) -> None:
+        ranks = self.state.snapshot()
+        self.progress.observe(now, [r.step for r in ranks if r.connected],
+                              max((r.step_seconds for r in ranks), default=0.0))
+
+    def goodput(self, now: float) -> dict[str, float] | None:
+        """Where the job's time went (:func:`goodput.breakdown` over this agent's view)."""
+        return goodput.breakdown(now, incidents=self.incident_view(), decisions=self.decisions(),
+                                 progress=self.progress.snapshot())
 
     def is_coordinator(self) -> bool:
         return self.link.acting and bool(self.config.coordinators)
 
-    def decisions(self) -> list[dict]:
-        return list(self.coordinator.decisions if self.link.acting else self.link.decisions)
+    def decisions(self) -> list[Decision]:
+        """The job's decisions this agent made or applied (one log, whether it coordinates or not)."""
+        return self.decision_log.items
 
-    def incident_view(self) -> list[dict]:
+    def incident_view(self) -> list[Incident]:
         """This agent's incidents, plus, on the coordinator, the other nodes' own."""
         with self.state.lock:
             items = list(self.state.incidents)
         if self.is_coordinator():
-            items += [i for i in self.coordinator.job_incidents() if i["node"] != self.state.node_id]
+            items += [i for i in self.coordinator.job_incidents() if i.node != self.state.node_id]
         return items
 
     def _on_checkpoints(self, rank: RankState, records: Any) -> None:
         """A rank finished (or failed) a save: one ``checkpoint`` incident per step and node."""
         for rec in records:
-            self.goodput.observe_checkpoint(rec.step, rec.duration)
             if rec.request_id:
                 self.commands.done(rec.request_id)
             key = rec.step if rec.ok else -rec.step - 1
@@ -512,7 +564,8 @@ class Agent:
                 if key in self._checkpoint_steps:
                     continue
                 self._checkpoint_steps.add(key)
-            reason = next((d["reason"] for d in self.decisions() if d["id"] == rec.request_id), "periodic")
+            decision = self.decision_log.get(rec.request_id) if rec.request_id else None
+            reason = decision.reason if decision is not None else "periodic"
             complete_after = max(rec.completed_after, rec.duration)
             detail = {"step": rec.step, "ok": rec.ok, "seconds": round(rec.duration, 6),
                       "complete_seconds": round(complete_after, 6), "asynchronous": rec.asynchronous,
@@ -526,42 +579,46 @@ class Agent:
                 "checkpoint at step %d %s (training thread %.3fs, complete after %.2fs, %s)", rec.step,
                 "saved" if rec.ok else "FAILED", rec.duration, complete_after, reason)
 
-    def on_exclusion(self, decision: dict) -> None:
+    def on_exclusion(self, decision: Decision) -> None:
         """A coordinator decision: mark this node's ranks excluded, or forget old-generation ranks."""
         st = self.state
         with st.lock:
-            if decision["node"] == st.node_id:
+            if decision.node == st.node_id:
                 for r in st.ranks.values():
                     r.state = "excluded"
-                log.warning("this node is excluded from the job: %s", decision["reason"])
+                log.warning("this node is excluded from the job: %s", decision.reason)
 
     def on_job_incident(self, coordinator: str, inc: pb.Incident) -> None:
-        """A job incident the coordinator decided about one of this node's ranks."""
-        incident = {"id": f"{coordinator}/{inc.id}", "kind": inc.kind, "node": inc.node, "rank": inc.rank,
-                    "step": inc.step, "detected_at": inc.detected_at,
-                    "detail": json.loads(inc.detail_json or "{}")}
+        """A job incident the coordinator decided about one of this node's ranks.
+
+        Kept under ``<coordinator>/<id>``; a later change (its resolution) is recorded as an
+        update of the copy, so this node's file tells the story too.
+        """
+        incident = Incident.from_pb(inc, id=f"{coordinator}/{inc.id}")
         if self.incidents.merge(incident):
             self._mark(incident)
-        elif "resolved_at" in incident["detail"]:
+            return
+        self.incidents.update(incident.id, **incident.detail)
+        if incident.resolved_at is not None:
             self._resolve(incident)
 
-    def _own_job_incident(self, incident: dict) -> None:
+    def _own_job_incident(self, incident: Incident) -> None:
         """The coordinator's verdict about a rank of the coordinator's own node."""
-        if incident["node"] != self.state.node_id:
+        if incident.node != self.state.node_id:
             return
-        if "resolved_at" in incident["detail"]:
+        if incident.resolved_at is not None:
             self._resolve(incident)
         else:
             self._mark(incident)
 
-    def _mark(self, incident: dict) -> None:
+    def _mark(self, incident: Incident) -> None:
         """A job verdict sets the rank's state.  A hung rank returns to ok once it progresses
         again; a job straggler once the coordinator resolves the incident (:meth:`_resolve`)."""
-        state = {"hang": "hung", "straggler": "straggler"}.get(incident["kind"])
-        if state is None or (state == "straggler" and "resolved_at" in incident["detail"]):
+        state = {"hang": "hung", "straggler": "straggler"}.get(incident.kind)
+        if state is None or (state == "straggler" and incident.resolved_at is not None):
             return
         with self.state.lock:
-            for rank in incident["detail"].get("ranks") or [incident["rank"]]:
+            for rank in incident.detail.get("ranks") or [incident.rank]:
                 if state == "straggler":
                     self._job_stragglers.add(rank)
                 r = self.state.ranks.get(rank)
@@ -570,16 +627,13 @@ class Agent:
                     if state == "hung":
                         self._marked_at[rank] = self.state.clock()
 
-    def _resolve(self, incident: dict) -> None:
+    def _resolve(self, incident: Incident) -> None:
         """The coordinator lifted a job straggler flag: its ranks are ok again (unless this
         node's own detector flags them)."""
-        if incident["kind"] != "straggler":
+        if incident.kind != "straggler":
             return
         with self.state.lock:
-            known = next((i for i in self.incidents.items if i["id"] == incident["id"]), None)
-            if known is not None and known is not incident:
-                known["detail"]["resolved_at"] = incident["detail"]["resolved_at"]
-            for rank in incident["detail"].get("ranks") or [incident["rank"]]:
+            for rank in incident.detail.get("ranks") or [incident.rank]:
                 self._job_stragglers.discard(rank)
                 r = self.state.ranks.get(rank)
                 if r is not None and r.state == "straggler" and rank not in self._stragglers.flagged:
@@ -635,8 +689,8 @@ class Agent:
         except LookupError as exc:
             return pb.CheckpointReply(accepted=False, message=str(exc))
         self.commands.publish_checkpoint(d)
-        return pb.CheckpointReply(accepted=True, step=d["step"], id=d["id"],
-                                  message=f"every rank saves after step {d['step']}")
+        return pb.CheckpointReply(accepted=True, step=d.step, id=d.id,
+                                  message=f"every rank saves after step {d.step}")
 
     def _request_checkpoint(self, request: pb.CheckpointRequest,
                             context: grpc.ServicerContext) -> pb.CheckpointReply:

@@ -343,6 +343,7 @@ class AgentClient:
             batch.dropped_total = max(batch.dropped_total, self.dropped_total)
             self._yielded.append((time.monotonic(), _records_in(batch)))
             yield pb.ReportMessage(batch=batch)
+        yield pb.ReportMessage(goodbye=pb.Goodbye())  # closed on purpose: not a death
 
 
 def _seq_of(pg: object) -> int:

@@ -159,7 +159,7 @@ def test_a_job_straggler_verdict_marks_the_rank_until_the_coordinator_resolves_i
                                            "resolved_at": time.time()})
         agent.on_job_incident("n9", resolved)
         assert agent.state.ranks[1].state == "ok"
-        (kept,) = [i for i in agent.incidents.items if i["id"] == "n9/straggler-1"]
-        assert "resolved_at" in kept["detail"]
+        (kept,) = [i for i in agent.incidents.items if i.id == "n9/straggler-1"]
+        assert "resolved_at" in kept.detail
     finally:
         client.close()

@@ -33,7 +33,7 @@ def make(policy=None, straggler=None):
 
 def eviction_checkpoints(c, node):
     """The checkpoints the coordinator decided before evicting ``node``."""
-    return [d for d in c.decisions if d["kind"] == "checkpoint" and f"before evicting {node}" in d["reason"]]
+    return [d for d in c.decisions if d.kind == "checkpoint" and f"before evicting {node}" in d.reason]
 
 
 def test_names_the_culprit_on_another_node_and_excludes_it():
@@ -48,14 +48,14 @@ def test_names_the_culprit_on_another_node_and_excludes_it():
     c.sync(summary("n1", 2, clock.t, [dict(rank=1, step=50, progress_at=t, last_seen=clock.t,
                                            group_seqs={"0": 899})]))
     c.evaluate()
-    (hang,) = [i for i in c.incidents.items if i["kind"] == "hang"]
-    assert (hang["node"], hang["rank"]) == ("n1", 1) and "behind" in hang["detail"]["reason"]
+    (hang,) = [i for i in c.incidents.items if i.kind == "hang"]
+    assert (hang.node, hang.rank) == ("n1", 1) and "behind" in hang.detail["reason"]
     assert c.excluded == {"n1": c.excluded["n1"]} and c.generation == 1
-    (d,) = [d for d in c.decisions if d["kind"] == "exclude"]
-    assert d["node"] == "n1" and d["generation"] == 1
+    (d,) = [d for d in c.decisions if d.kind == "exclude"]
+    assert d.node == "n1" and d.generation == 1
     # The decision travels in every sync reply; the culprit's node also gets the incident.
     reply = c.sync(summary("n1", 3, clock.t, []))
-    assert [x.id for x in reply.decisions] == [d["id"]]
+    assert [x.id for x in reply.decisions] == [d.id]
     assert any(i.kind == "hang" for i in reply.incidents)
 
 
@@ -107,7 +107,7 @@ def test_checkpoint_step_is_ahead_of_the_fastest_rank_and_duplicates_merge():
     c.sync(summary("n0", 1, t, [dict(rank=0, step=40, progress_at=t, last_seen=t)]))
     c.sync(summary("n1", 1, t, [dict(rank=1, step=42, progress_at=t, last_seen=t)]))
     d = c.request_checkpoint("operator")
-    assert d["step"] == 42 + 20  # 2 s of 0.1 s steps past the fastest rank
+    assert d.step == 42 + 20  # 2 s of 0.1 s steps past the fastest rank
     assert c.request_checkpoint("again") is d
 
 
@@ -158,8 +158,8 @@ def test_a_costly_straggling_node_is_evicted_after_the_next_checkpoint():
         if eviction_checkpoints(c, "n1"):
             break
     (planned,) = eviction_checkpoints(c, "n1")  # a 2x slower single-rank node is to be evicted
-    step = planned["step"]
-    assert c.excluded == {} and [d["kind"] for d in c.decisions] == ["checkpoint"]
+    step = planned.step
+    assert c.excluded == {} and [d.kind for d in c.decisions] == ["checkpoint"]
     c.sync(summary("n0", 999, clock.t, [dict(rank=0, step=step - 1, progress_at=clock.t, last_seen=clock.t)]))
     c.evaluate()
     assert c.excluded == {}, "evicted before its checkpoint was complete"
@@ -177,15 +177,15 @@ def test_a_restart_is_over_only_when_new_workers_step():
     for n in ("n0", "n1"):
         c.sync(summary(n, 1, t, [dict(rank=int(n[1]), step=5, pid=10 + int(n[1]), progress_at=t, last_seen=t)]))
     c.exclude("n1", "test")
-    (restart,) = [i for i in c.incidents.items if i["kind"] == "restart"]
+    (restart,) = [i for i in c.incidents.items if i.kind == "restart"]
     clock.t += 1  # n0's old worker still steps until the restart stops it
     c.sync(summary("n0", 2, clock.t, [dict(rank=0, step=6, pid=10, progress_at=clock.t, last_seen=clock.t)]))
     c.evaluate()
-    assert "recovered_after_seconds" not in restart["detail"]
+    assert "recovered_after_seconds" not in c.incidents.get(restart.id).detail
     clock.t += 7  # a new worker (new pid) steps
     c.sync(summary("n0", 3, clock.t, [dict(rank=0, step=6, pid=20, progress_at=clock.t, last_seen=clock.t)]))
     c.evaluate()
-    assert restart["detail"]["recovered_after_seconds"] == pytest.approx(8, abs=0.01)
+    assert c.incidents.get(restart.id).detail["recovered_after_seconds"] == pytest.approx(8, abs=0.01)
 
 
 def test_a_job_straggler_is_resolved_when_the_node_recovers():
@@ -211,15 +211,16 @@ def test_a_job_straggler_is_resolved_when_the_node_recovers():
 
     for _ in range(60):
         sync(0.2)
-    (inc,) = [i for i in c.incidents.items if i["kind"] == "straggler"]
-    assert (inc["node"], inc["rank"]) == ("n1", 1) and "resolved_at" not in inc["detail"]
+    (inc,) = [i for i in c.incidents.items if i.kind == "straggler"]
+    assert (inc.node, inc.rank) == ("n1", 1) and "resolved_at" not in inc.detail
     for _ in range(60):
         sync(0.1)
-        if "resolved_at" in inc["detail"]:
+        inc = c.incidents.get(inc.id)
+        if "resolved_at" in inc.detail:
             break
-    assert "resolved_at" in inc["detail"], "a recovered node's straggler incident is resolved"
+    assert "resolved_at" in inc.detail, "a recovered node's straggler incident is resolved"
     assert c.decisions == [] and c.excluded == {}
     # The node hears it with its next sync (and unmarks its rank: test_agent_grpc).
     (sent,) = [i for i in sync(0.1).incidents if i.kind == "straggler"]
-    assert json.loads(sent.detail_json)["resolved_at"] == inc["detail"]["resolved_at"]
-    assert len([i for i in c.incidents.items if i["kind"] == "straggler"]) == 1
+    assert json.loads(sent.detail_json)["resolved_at"] == inc.detail["resolved_at"]
+    assert len([i for i in c.incidents.items if i.kind == "straggler"]) == 1

@@ -160,4 +160,4 @@ def test_an_exporter_outage_hides_readings_but_not_what_changed_during_it(export
     exporter.status = 200
     exporter.body = with_value(FIXTURE, "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", 0, "1")
     monitor.poll()
-    assert [(i["detail"]["gpu"], i["detail"]["reason"]) for i in incidents.items] == [(0, "ecc_uncorrected")]
+    assert [(i.detail["gpu"], i.detail["reason"]) for i in incidents.items] == [(0, "ecc_uncorrected")]

@@ -62,8 +62,8 @@ def test_a_fatal_xid_is_an_incident_naming_gpu_ranks_and_action():
     monitor.poll()
     monitor.on_xid(XidEvent(gpu=1, xid=79, at=clock.now))
     (inc,) = incidents.items
-    assert (inc["kind"], inc["node"], inc["rank"], inc["step"]) == ("gpu_fault", "n0", 9, 41)
-    d = inc["detail"]
+    assert (inc.kind, inc.node, inc.rank, inc.step) == ("gpu_fault", "n0", 9, 41)
+    d = inc.detail
     assert (d["gpu"], d["xid"], d["action"], d["ranks"], d["reason"], d["fatal"]) == (1, 79, "reboot", [9], "xid", True)
     assert d["uuid"].startswith("GPU-")
     (ev,) = events
@@ -90,8 +90,8 @@ def test_risks_go_to_listeners_and_faults_become_incidents_as_the_script_runs():
     # ECC at 2 s; the slowdown from 1 s has lasted 2 s at 3 s; uncorrected ECC at 3 s; lost at 4 s.
     assert got == [("risk", "ecc_corrected", 0, (8,)), ("risk", "throttle", 0, (8,)),
                    ("fatal", "ecc_uncorrected", 1, (9,)), ("fatal", "gpu_lost", 1, (9,))]
-    assert [i["detail"]["reason"] for i in incidents.items] == ["ecc_uncorrected", "gpu_lost"]
-    assert [i["detail"]["action"] for i in incidents.items] == ["reset_gpu", "reboot"]
+    assert [i.detail["reason"] for i in incidents.items] == ["ecc_uncorrected", "gpu_lost"]
+    assert [i.detail["action"] for i in incidents.items] == ["reset_gpu", "reboot"]
     assert events[1].detail["throttle"] == ["hw_thermal_slowdown"]
 
 
@@ -99,7 +99,7 @@ def test_an_unknown_xid_is_an_incident_but_not_fatal():
     monitor, clock, incidents, events = make()
     monitor.on_xid(XidEvent(gpu=0, xid=999, at=clock.now))
     (inc,) = incidents.items
-    assert (inc["detail"]["action"], inc["detail"]["fatal"]) == ("unknown", False)
+    assert (inc.detail["action"], inc.detail["fatal"]) == ("unknown", False)
     assert events[0].kind == "risk"
 
 
@@ -107,7 +107,7 @@ def test_without_ranks_the_incident_names_none():
     monitor, clock, incidents, _ = make(ranks=[])
     monitor.on_xid(XidEvent(gpu=1, xid=48, at=clock.now))
     (inc,) = incidents.items
-    assert inc["rank"] == -1 and inc["step"] == -1 and inc["detail"]["ranks"] == []
+    assert inc.rank == -1 and inc.step == -1 and inc.detail["ranks"] == []
 
 
 def test_a_failing_listener_does_not_stop_the_others():
@@ -146,9 +146,9 @@ def test_ranks_map_to_gpus_by_uuid_whatever_the_indices():
     monitor.poll()
     monitor.on_xid(XidEvent(gpu=1, xid=79, at=clock.now))
     (inc,) = incidents.items
-    assert (inc["rank"], inc["detail"]["gpu"], inc["detail"]["ranks"]) == (8, 1, [8])
+    assert (inc.rank, inc.detail["gpu"], inc.detail["ranks"]) == (8, 1, [8])
     monitor.on_xid(XidEvent(gpu=0, xid=48, at=clock.now))
-    assert incidents.items[1]["detail"]["ranks"] == [9]
+    assert incidents.items[1].detail["ranks"] == [9]
     # A UUID no GPU reports (another node's, or none read yet) falls back to the local rank.
     stray = RankDevice(rank=3, device="cpu", local_rank=1, step=0, uuid="GPU-ffffffff")
     assert monitor.gpu_of_rank(stray) == 1

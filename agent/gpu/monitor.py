@@ -29,7 +29,7 @@ from rankwatch.agent.gpu.base import SLOWDOWN_REASONS, GpuReading, GpuSource, Xi
 from rankwatch.agent.gpu.config import GpuConfig, open_source
 from rankwatch.agent.gpu.faults import Finding, ThrottleTracker, compare, xid_finding
 from rankwatch.agent.gpu.xid import describe
-from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.incidents import Incident, IncidentLog
 
 __all__ = ["GpuEvent", "GpuMonitor", "RankDevice", "gpu_of"]
 
@@ -70,7 +70,7 @@ class GpuEvent:
     uuid: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
     """What was seen, e.g. {"new_errors": 3, "total": 12} or {"throttle": ["hw_thermal_slowdown"]}."""
-    incident: dict[str, Any] | None = None
+    incident: Incident | None = None
     """The ``gpu_fault`` incident recorded for it, if any."""
 
 

@@ -186,12 +186,18 @@ class Batch(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ...) -> None: ...
 
 class ReportMessage(_message.Message):
-    __slots__ = ("hello", "batch")
+    __slots__ = ("hello", "batch", "goodbye")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    GOODBYE_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     batch: Batch
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    goodbye: Goodbye
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
+
+class Goodbye(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ReportSummary(_message.Message):
     __slots__ = ("batches_accepted", "batches_rejected")
@@ -264,7 +270,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., state: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., last_collective_seq: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ..., slowdown: _Optional[float] = ..., own_work_seconds: _Optional[float] = ..., collective_wait_seconds: _Optional[float] = ..., collective_source: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class Incident(_message.Message):
-    __slots__ = ("kind", "node", "rank", "step", "detected_at", "detail_json", "id")
+    __slots__ = ("kind", "node", "rank", "step", "detected_at", "detail_json", "id", "run_id")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +278,7 @@ class Incident(_message.Message):
     DETECTED_AT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_JSON_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     kind: str
     node: str
     rank: int
@@ -279,7 +286,8 @@ class Incident(_message.Message):
     detected_at: float
     detail_json: str
     id: str
-    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_at: _Optional[float] = ..., detail_json: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_at: _Optional[float] = ..., detail_json: _Optional[str] = ..., id: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes")
@@ -406,7 +414,7 @@ class RankSummary(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ...) -> None: ...
 
 class NodeSummary(_message.Message):
-    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds")
+    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "decisions", "run_id")
     class TimeSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -420,16 +428,20 @@ class NodeSummary(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     INCIDENTS_FIELD_NUMBER: _ClassVar[int]
     TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     seq: int
     sent_at: float
     ranks: _containers.RepeatedCompositeFieldContainer[RankSummary]
     incidents: _containers.RepeatedCompositeFieldContainer[Incident]
     time_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    decisions: _containers.RepeatedCompositeFieldContainer[Decision]
+    run_id: str
+    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("id", "kind", "node", "generation", "step", "reason", "decided_at")
+    __slots__ = ("id", "kind", "node", "generation", "step", "reason", "decided_at", "run_id", "seq")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -437,6 +449,8 @@ class Decision(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: str
     node: str
@@ -444,7 +458,9 @@ class Decision(_message.Message):
     step: int
     reason: str
     decided_at: float
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., decided_at: _Optional[float] = ...) -> None: ...
+    run_id: str
+    seq: int
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., decided_at: _Optional[float] = ..., run_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class SyncReply(_message.Message):
     __slots__ = ("coordinator", "decisions", "incidents")

@@ -1,0 +1,128 @@
+"""Goodput as a reader: every bucket from incidents, decisions and step progress, with moved clocks."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+from prometheus_client import generate_latest
+
+from conftest import parse_metrics
+from rankwatch.address import Address
+from rankwatch.agent.decisions import Decision
+from rankwatch.agent.goodput import KINDS, Progress, StepProgress, breakdown
+from rankwatch.agent.incidents import Incident
+from rankwatch.agent.server import Agent, AgentConfig
+from rankwatch.proto import pb
+
+T0 = 1000.0
+
+
+def started(step_seconds: float = 1.0) -> StepProgress:
+    """A job whose first step completed at T0 (it started at T0 - step_seconds)."""
+    p = StepProgress()
+    p.observe(T0, [1, 1], step_seconds)
+    return p
+
+
+def incident(kind: str, at: float, n: int = 1, step: int = 0, node: str = "n0", **detail) -> Incident:
+    return Incident(id=f"{kind}-{n}", kind=kind, node=node, rank=0, step=step, detected_at=at, detail=detail)
+
+
+def exclude(at: float, n: int) -> Decision:
+    return Decision(id=f"job/exclude-{n}", kind="exclude", node=f"n{n}", generation=n, reason="test",
+                    decided_at=at, seq=n)
+
+
+def lost(now: float, *, incidents=(), decisions=(), progress: Progress | None = None) -> dict[str, float]:
+    b = breakdown(now, incidents=incidents, decisions=decisions, progress=progress or started().snapshot())
+    assert b is not None
+    assert b["productive"] == pytest.approx(max(0.0, b["elapsed"] - sum(b[k] for k in KINDS[1:])))
+    return b
+
+
+def test_nothing_before_the_first_step_then_all_productive():
+    p = StepProgress()
+    p.observe(T0 - 5, [0, 0], 1.0)  # ranks connected, no step completed yet
+    assert breakdown(T0, incidents=[], decisions=[], progress=p.snapshot()) is None
+    p.observe(T0, [1, 1], 1.0)
+    b = lost(T0 + 99, progress=p.snapshot())
+    assert b == {"productive": 100.0, "hang": 0.0, "restart": 0.0, "recompute": 0.0, "checkpoint": 0.0,
+                 "elapsed": 100.0}
+
+
+def test_a_hang_counts_from_its_last_progress_to_its_resolution_once():
+    hang = incident("hang", T0 + 20, stalled_seconds=6.0, resolved_at=T0 + 30)
+    copy = Incident(id="n0/hang-1", kind="hang", node="n1", rank=0, step=0, detected_at=T0 + 20,
+                    detail=dict(hang.detail))  # a node's copy of the coordinator's verdict
+    assert lost(T0 + 99, incidents=[hang, copy])["hang"] == pytest.approx(16.0)
+    open_hang = incident("hang", T0 + 20, n=2, stalled_seconds=6.0)
+    assert lost(T0 + 99, incidents=[open_hang])["hang"] == pytest.approx(6.0)
+
+
+def test_a_restart_counts_until_it_recovered_or_until_now():
+    done = incident("restart", T0 + 40, started_at=T0 + 40, recovered_after_seconds=8.0)
+    assert lost(T0 + 99, incidents=[done], decisions=[exclude(T0 + 40, 1)])["restart"] == pytest.approx(8.0)
+    going = incident("restart", T0 + 40, started_at=T0 + 40)
+    assert lost(T0 + 99, incidents=[going], decisions=[exclude(T0 + 40, 1)])["restart"] == pytest.approx(59.0)
+
+
+def test_a_superseded_restart_is_closed_at_the_next_ones_decision():
+    # The first restart never recovered: the second decision (10 s later) superseded it.
+    first = incident("restart", T0 + 40, n=1, started_at=T0 + 40)
+    second = incident("restart", T0 + 50, n=2, started_at=T0 + 50, recovered_after_seconds=5.0)
+    b = lost(T0 + 99, incidents=[first, second], decisions=[exclude(T0 + 40, 1), exclude(T0 + 50, 2)])
+    assert b["restart"] == pytest.approx(10.0 + 5.0)
+
+
+def test_recompute_counts_the_steps_trained_again_after_resuming_from_an_older_checkpoint():
+    p = started(step_seconds=0.5)
+    for step in range(2, 61):
+        p.observe(T0 + step, [step, step - 1], 0.5)  # one rank a step behind is no resume
+    assert p.snapshot().resumes == ()
+    # Restarted from the checkpoint at step 40 (steps 41..60 were lost).
+    p.observe(T0 + 80, [40, 40], 0.5)
+    assert lost(T0 + 80, progress=p.snapshot())["recompute"] == 0.0
+    p.observe(T0 + 83, [45, 45], 0.5)
+    assert lost(T0 + 83, progress=p.snapshot())["recompute"] == pytest.approx(5 * 0.5)
+    p.observe(T0 + 85, [50, 50], 0.5)
+    # A second failure while retraining: back to step 40 again; 41..50 were trained twice for nothing.
+    p.observe(T0 + 90, [40, 40], 0.5)
+    p.observe(T0 + 99, [70, 70], 0.5)  # past the old mark: steps 61..70 are new work
+    assert lost(T0 + 99, progress=p.snapshot())["recompute"] == pytest.approx((10 + 20) * 0.5)
+    assert [(r.step, r.high_water) for r in p.snapshot().resumes] == [(40, 60), (40, 60)]
+
+
+def test_checkpoint_time_counts_each_saved_step_once_at_its_longest():
+    saves = [incident("checkpoint", T0 + 10, n=1, step=40, seconds=2.0, ok=True),
+             incident("checkpoint", T0 + 10, n=2, step=40, node="n1", seconds=3.0, ok=True),
+             incident("checkpoint", T0 + 30, n=3, step=80, seconds=1.0, ok=False)]
+    assert lost(T0 + 99, incidents=saves)["checkpoint"] == pytest.approx(4.0)
+
+
+def test_lost_time_never_exceeds_the_elapsed_time():
+    going = incident("restart", T0 - 500, started_at=T0 - 500)
+    b = lost(T0 + 9, incidents=[going], decisions=[exclude(T0 - 500, 1)])
+    assert b["productive"] == 0.0 and b["elapsed"] == pytest.approx(10.0)
+
+
+def test_the_agent_exports_the_reader_and_summary_feeds_nothing(tmp_path):
+    agent = Agent(AgentConfig(node_id="n0", listen=[Address(path=str(tmp_path / "a.sock"))],
+                              metrics_port=None))
+    try:
+        rank = agent.state.hello(pb.Hello(rank=0, world_size=1, pid=os.getpid(), node_id="n0", backend="gloo"))
+        rank.step, rank.steps_completed = 50, 50
+        agent.summary(1)
+        assert agent.goodput(T0) is None, "summary() has no goodput side effect"
+        agent.progress.observe(T0, [1], 1.0)
+        agent.incidents.add(kind="checkpoint", node="n0", rank=0, step=40, detected_at=T0 + 5,
+                            detail={"ok": True, "seconds": 4.0})
+        m = parse_metrics(generate_latest(agent.registry).decode())
+        now = agent.state.clock()
+        assert m[("rankwatch_goodput_ratio", frozenset({("node", "n0")}))] == pytest.approx(
+            1 - 4.0 / (now - T0 + 1.0), rel=1e-3)
+        assert m[("rankwatch_training_time_seconds_total",
+                  frozenset({("node", "n0"), ("kind", "checkpoint")}))] == pytest.approx(4.0)
+    finally:
+        agent.stop(timedelta(0))
