@@ -294,7 +294,8 @@ class Coordinator:
             silent_node = node is None or now - node.received_at > self.policy.node_timeout_seconds
         alive = None if silent_node else bool(summ and summ.alive)
         stopped = bool(summ and summ.stopped) and not silent_node
-        fresh = summ.stacks if summ and summ.stacks and now - (summ.stacks_at + node.offset) < 10 else None
+        fresh = (summ.stacks if summ and summ.stacks and node is not None
+                 and now - (summ.stacks_at + node.offset) < 10 else None)
         detail = {"collective": verdict.collective, "alive": alive, "stopped": stopped,
                   "stacks": fresh, "reason": verdict.reason, "pid": summ.pid if summ else None,
                   "stalled_seconds": round(verdict.stalled_for, 3),
@@ -330,7 +331,8 @@ class Coordinator:
                     n.ranks_dead_since = None
                 elif n.ranks_dead_since is None:
                     n.ranks_dead_since = now
-                crashed = all_died and now - n.ranks_dead_since >= self.policy.crashed_grace_seconds
+                crashed = (all_died and n.ranks_dead_since is not None
+                           and now - n.ranks_dead_since >= self.policy.crashed_grace_seconds)
                 others_live = any(now - m.received_at <= self.policy.node_timeout_seconds
                                   for k, m in self.nodes.items() if k != name)
                 if crashed or (silent and others_live):

@@ -192,3 +192,6 @@ class _NoLive:
 
     def __exit__(self, *exc: object) -> None:
         pass
+
+    def update(self, renderable: object) -> None:
+        pass

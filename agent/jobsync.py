@@ -146,7 +146,8 @@ class JobLink:
 
     def sync_once(self) -> None:
         summary = self.agent.summary(self._next_seq())
-        for addr in self.candidates or [None]:
+        candidates: list[Address | None] = list(self.candidates) or [None]
+        for addr in candidates:
             if addr is None or self.agent.serves(addr):
                 reply = self.agent.coordinator.sync(summary)
                 self._took_role(True, addr)

@@ -155,11 +155,11 @@ class NodeCollector:
                                 labels=["node"])
         c.add_metric([node], sum(r.dropped for r in st.ranks.values()))
         yield c
-        c = GaugeMetricFamily("rankwatch_incidents", "Incidents this agent holds, by kind.",
+        g = GaugeMetricFamily("rankwatch_incidents", "Incidents this agent holds, by kind.",
                               labels=["node", "kind"])
         for kind in ("straggler", "hang", "gpu_fault", "rank_exit", "checkpoint", "restart"):
-            c.add_metric([node, kind], sum(1 for i in st.incidents if i.kind == kind))
-        yield c
+            g.add_metric([node, kind], sum(1 for i in st.incidents if i.kind == kind))
+        yield g
 
     def _throughput(self, node: str, st: NodeState) -> Iterable[Metric]:
         g = GaugeMetricFamily("rankwatch_tokens_per_second", "Tokens/s of this node's ranks.",

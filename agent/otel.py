@@ -234,7 +234,8 @@ def _tracer_provider(node_id: str, chosen: list[SpanExporter]) -> TracerProvider
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=_resource(node_id), id_generator=_TraceIds(), shutdown_on_exit=False)
+    ids: Any = _TraceIds()  # duck-typed IdGenerator (see _TraceIds)
+    provider = TracerProvider(resource=_resource(node_id), id_generator=ids, shutdown_on_exit=False)
     for exporter in chosen:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
@@ -338,10 +339,10 @@ class SpanExport:
         if self._closed:
             return
         self._closed = True
-        for listeners, listener in ((self.state.step_listeners, self.on_steps),
-                                    (self.incidents.listeners, self.on_incident)):
-            if listener in listeners:
-                listeners.remove(listener)
+        if self.on_steps in self.state.step_listeners:
+            self.state.step_listeners.remove(self.on_steps)
+        if self.on_incident in self.incidents.listeners:
+            self.incidents.listeners.remove(self.on_incident)
         _within(self.provider.shutdown, timeout, "the last spans")
         if self.skipped_steps:
             log.info("OpenTelemetry: %d sampled steps were over %d per batch and made no span",

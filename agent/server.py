@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
@@ -224,7 +224,7 @@ class Agent:
                 response_serializer=pb.CheckpointReply.SerializeToString),
         })
 
-    def _decoder(self, cls: type) -> Callable[[bytes], Any]:
+    def _decoder(self, cls: Any) -> Callable[[bytes], Any]:
         def decode(data: bytes) -> Any:
             try:
                 return cls.FromString(data)
@@ -276,10 +276,11 @@ class Agent:
                     self._stream_broke(rank, error)
         return pb.ReportSummary(batches_accepted=accepted, batches_rejected=rejected)
 
-    def _refuse(self, context: grpc.ServicerContext, exc: Rejected) -> None:
+    def _refuse(self, context: grpc.ServicerContext, exc: Rejected) -> NoReturn:
         self.state.note_rejected(exc)
         code = grpc.StatusCode.ALREADY_EXISTS if exc.reason == "duplicate_rank" else grpc.StatusCode.INVALID_ARGUMENT
         context.abort(code, str(exc))
+        raise AssertionError("context.abort raises")  # for the type checker: abort never returns
 
     def _status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         st = self.state
@@ -655,6 +656,7 @@ class Agent:
         except ValueError as exc:
             self.state.note_rejected(Rejected("malformed", f"summary: {exc}"))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # context.abort raised already
 
     def _on_gpu_event(self, event: Any) -> None:
         """A GPU risk (rising ECC, a pending row remap, throttling): checkpoint while it is cheap.

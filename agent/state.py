@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rankwatch.agent.histogram import COLLECTIVE_BUCKETS, STEP_BUCKETS, HistogramSet
+from rankwatch.agent.incidents import Incident
 from rankwatch.proto import pb
 
 __all__ = ["OPS", "PHASES", "NodeState", "RankState", "Rejected"]
@@ -158,7 +159,7 @@ class NodeState:
         self.flops_total = 0.0
         self.records = {"collective": 0, "step": 0}
         self.rejected: dict[str, int] = {}
-        self.incidents: list[dict] = []  # replaced by the agent's IncidentLog items
+        self.incidents: list[Incident] = []  # replaced by the agent's IncidentLog items
         self._next_stream = 0
         self._last_log: dict[str, float] = {}
         self.step_listeners: list[Callable[[RankState, pb.StepColumns], None]] = []
@@ -426,15 +427,17 @@ def parse_flight_recorder(text: str) -> dict | None:
         if not isinstance(e, dict):
             raise ValueError("a pending entry is not an object")
         try:
-            entry = {"group": str(e["group"]), "desc": str(e.get("desc", "")), "seq": int(e["seq"]),
-                     "op": str(e["op"]), "state": str(e.get("state", "")), "since": float(e["since"])}
+            labels = {k: str(e[k]) if k in ("group", "op") else str(e.get(k, ""))
+                      for k in ("group", "desc", "op", "state")}
+            seq, since = int(e["seq"]), float(e["since"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad pending entry ({exc!r})") from None
-        for k in ("group", "desc", "op", "state"):
-            _fr_label(entry[k])
-        if not math.isfinite(entry["since"]):
+        for label in labels.values():
+            _fr_label(label)
+        if not math.isfinite(since):
             raise ValueError("pending entry time is NaN or infinite")
-        out["pending"].append(entry)
+        out["pending"].append({"group": labels["group"], "desc": labels["desc"], "seq": seq,
+                               "op": labels["op"], "state": labels["state"], "since": since})
     for key in ("completed", "enqueued"):
         seqs = doc.get(key, {})
         if not isinstance(seqs, dict) or len(seqs) > 256:

@@ -254,15 +254,15 @@ def score(ranks: list[RankWork], cfg: StragglerConfig, gpu_throttle: GpuThrottle
         if not np.isfinite(slowdown[i]) or not base_k[i] > 0:
             continue
         lag_i = max(float(lag[i]), 0.0) if np.isfinite(lag[i]) else 0.0
-        excess = float(own_excess[i]) + lag_i
-        cause = _cause(excess, lag_i, float(data_excess[i]), float(delay_excess[i]),
+        extra = float(own_excess[i]) + lag_i
+        cause = _cause(extra, lag_i, float(data_excess[i]), float(delay_excess[i]),
                        gpu_throttle(r.rank) if gpu_throttle else [], cfg)
         ratio = float(slowdown[i])
         if cause == "communication":
             ratio = (float(own[i]) + lag_i) / float(base_k[i])
         step = r.step_seconds or float(own[i])
         out.append(Score(rank=r.rank, node=r.node, slowdown=ratio, cause=cause,
-                         excess_seconds=excess, speedup=step / max(step - max(excess, 0.0), 1e-9)))
+                         excess_seconds=extra, speedup=step / max(step - max(extra, 0.0), 1e-9)))
     return out
 
 

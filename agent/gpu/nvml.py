@@ -75,10 +75,11 @@ class NvmlSource:
     def __init__(self, nvml: ModuleType | None = None) -> None:
         if nvml is None:
             try:
-                import pynvml as nvml
+                import pynvml
             except ImportError as exc:
                 raise NvmlUnavailable(f"nvidia-ml-py is not installed ({exc})") from None
-        self._nvml = nvml
+            nvml = pynvml
+        self._nvml: Any = nvml
         try:
             nvml.nvmlInit()
         except Exception as exc:  # noqa: BLE001 - NVMLError or a loader error
@@ -90,7 +91,7 @@ class NvmlSource:
             raise NvmlUnavailable(f"NVML could not list the GPUs: {exc}") from None
         self._event_set: Any = None
         self._events_failed = False
-        self._warned: set[tuple[int, str, int]] = set()
+        self._warned: set[tuple[int, str, int | None]] = set()
 
     def _open(self, index: int) -> _Gpu:
         nv = self._nvml

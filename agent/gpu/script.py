@@ -124,7 +124,7 @@ def parse_script(data: Any, origin: str = "<script>") -> Script:
     raw = data.get("events", [])
     if not isinstance(raw, list):
         raise fail("events", "expected a list")
-    events = [_event(e, count, nvlinks, lambda m, i=i: fail(f"events[{i}]", m)) for i, e in enumerate(raw)]
+    events = [_event(e, count, nvlinks, _failing_at(fail, i)) for i, e in enumerate(raw)]
     events.sort(key=lambda e: e.at)  # stable: events at the same time keep their order
     return Script(count, name, nvlinks, tuple(events), origin)
 
@@ -139,6 +139,11 @@ def _counts(value: Any, keys: tuple[str, ...], hi: int, fail: Callable[[str], Sc
     if not isinstance(value, dict) or not value or set(value) - set(keys):
         raise fail(f"expected an object with keys from {', '.join(keys)}")
     return {k: _int(v, 0, hi, fail) for k, v in value.items()}
+
+
+def _failing_at(fail: Callable[[str, str], ScriptError], i: int) -> Callable[[str], ScriptError]:
+    """``fail`` bound to ``events[i]``: the message names the event that is wrong."""
+    return lambda m: fail(f"events[{i}]", m)
 
 
 def _event(e: Any, count: int, nvlinks: int, fail: Callable[[str], ScriptError]) -> ScriptEvent:
