@@ -81,7 +81,7 @@ def compare(prev: GpuReading | None, cur: GpuReading) -> list[Finding]:
         out.append(Finding(gpu, "fatal", "row_remap_failed", "reset_gpu", True,
                            detail={"note": "row remapping failed: the GPU needs service"}))
     wanted = cur.recovery_action
-    if wanted not in (None, "none") and (prev is None or prev.recovery_action != wanted):
+    if wanted is not None and wanted != "none" and (prev is None or prev.recovery_action != wanted):
         out.append(Finding(gpu, "fatal", "recovery_action", _RECOVERY_FATAL_ACTION.get(wanted, "reboot"),
                            True, detail={"recovery_action": wanted}))
     if pending and (prev is None or not prev.remapped_rows.get("pending", 0)):
