@@ -30,6 +30,7 @@ import pytest
 
 from conftest import wait_for
 from rankwatch.address import Address
+from rankwatch.agent.incidents import IncidentLog
 from rankwatch.status import fetch_status
 
 REPO = Path(__file__).resolve().parents[1]
@@ -381,10 +382,11 @@ def test_real_slurm_job_gets_an_agent_from_the_prolog_and_the_epilog_keeps_its_i
         # COORDINATOR_PORT: the job's first node (here its only one) coordinates the job.
         assert final["coordinator"] is True and final["coordinator_node"] == cluster.node
         assert [(r["rank"], r["step"]) for r in final["ranks"]] == [(0, 12)]
-        incidents = [json.loads(line) for line in (kept / "incidents.jsonl").read_text().splitlines()]
-        hangs = [i for i in incidents if i["kind"] == "hang"]
-        assert [(i["rank"], i["node"]) for i in hangs] == [(0, cluster.node)], incidents
-        assert hangs[0]["detail"]["alive"] is True and "stacks" in hangs[0]["detail"]
+        # The file holds incidents and their later updates; its reader replays both.
+        incidents = IncidentLog.replay(kept / "incidents.jsonl")
+        hangs = [i for i in incidents if i.kind == "hang"]
+        assert [(i.rank, i.node) for i in hangs] == [(0, cluster.node)], incidents
+        assert hangs[0].detail["alive"] is True and "stacks" in hangs[0].detail
     finally:
         cluster.stop()
         _stop_leftover_agents(paths["run"])

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import torchrun, wait_for
+from rankwatch.agent.incidents import IncidentLog
 
 pytestmark = pytest.mark.e2e
 
@@ -48,8 +49,8 @@ def test_sigstopped_worker_named_within_10s(agent_proc, tmp_path):
         assert d["stacks"] is None and "SIGSTOP" in d["stacks_note"]
         assert {r["rank"]: r["state"] for r in agent_proc.status()["ranks"]}[1] == "hung"
         # Kept on disk, and readable with diagnose.
-        on_disk = (agent_proc.sock.parent / "state-n0" / "incidents.jsonl").read_text()
-        assert json.loads(on_disk.splitlines()[-1])["id"] == inc["id"]
+        on_disk = IncidentLog.replay(agent_proc.sock.parent / "state-n0" / "incidents.jsonl")
+        assert [i.rank for i in on_disk if i.id == inc["id"] and i.kind == "hang"] == [1]
         out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "diagnose", "--agent",
                               str(agent_proc.addr), inc["id"]], capture_output=True, text=True, timeout=30)
         assert out.returncode == 0 and json.loads(out.stdout)["rank"] == 1
