@@ -10,6 +10,8 @@ from the newest checkpoint and trains to the end.
 
 from __future__ import annotations
 
+import base64
+import json
 import shutil
 import subprocess
 import time
@@ -25,6 +27,14 @@ pytestmark = pytest.mark.e2e
 
 STEPS = 600
 RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60"
+
+
+def _store_keys(endpoint: str) -> set[str]:
+    """The keys torch's EtcdStore holds in etcd (v2 API), decoded (it writes them base64-encoded)."""
+    with urllib.request.urlopen(f"http://{endpoint}/v2/keys/torch/elastic/store?recursive=true",
+                                timeout=5) as r:
+        nodes = json.load(r)["node"].get("nodes", [])
+    return {base64.b64decode(n["key"].rsplit("/", 1)[1]).decode() for n in nodes}
 
 
 def _etcd_answers(url: str) -> bool:
@@ -87,4 +97,10 @@ def test_the_first_nodes_loss_leaves_the_job_training(tmp_path, etcd):
         assert jobs[1].wait(240) == 0
         (rank,) = [r for r in c.agents[1].status()["ranks"] if r["pid"] == back["pid"]]
         assert rank["step"] == STEPS and rank["rank"] == 0  # the job of one node, to its end
+        # rankwatch's handler ran, not the stock one: its generation and the first round's
+        # members are in etcd.
+        keys = _store_keys(etcd)
+        assert any(k.startswith("rankwatch/job/") and k.endswith("generation") for k in keys), keys
+        assert {"torch.rendezvous.job.0/rankwatch/member/n0",
+                "torch.rendezvous.job.0/rankwatch/member/n1"} <= keys, keys
         print(f"node n1 trained again {recovered:.1f} s after node n0 was killed")
