@@ -35,6 +35,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import AgentProcess  # noqa: E402
+from overhead import block_ratios, quantile  # noqa: E402
 
 import rankwatch.hooks as rw  # noqa: E402
 
@@ -48,16 +49,6 @@ def _model(dim: int, layers: int, device: str) -> torch.nn.Module:
 
 def _dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device == "cuda" else torch.float32
-
-
-def _ratios(times: list[float], arms: list[bool], block: int) -> list[float]:
-    blocks = [(arms[i], statistics.median(times[i + 1:i + block])) for i in range(0, len(times) - block + 1, block)]
-    return [on / off for (a, on), (b, off) in zip(blocks[::2], blocks[1::2]) if a and not b]
-
-
-def _q(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[int(q * (len(xs) - 1))]
 
 
 def main() -> None:
@@ -127,10 +118,10 @@ def _run(agent: AgentProcess, args: argparse.Namespace) -> None:
             instr.install()
         if not control:
             on_steps = [t for t, a in zip(times, arms) if a]
-        r = _ratios(times[args.block * 2:], arms[args.block * 2:], args.block)
+        r = block_ratios(times[args.block * 2:], arms[args.block * 2:], args.block)
         print(f"| {'A/A control' if control else 'A/B on/off'}, blocks of {args.block} | median step "
               f"{statistics.median(times) * 1e3:.2f} ms | ratio {statistics.median(r):.4f} (median of {len(r)} "
-              f"block pairs; IQR {_q(r, 0.25):.4f}-{_q(r, 0.75):.4f}) |", flush=True)
+              f"block pairs; IQR {quantile(r, 0.25):.4f}-{quantile(r, 0.75):.4f}) |", flush=True)
     status = agent.status()
     mon.close()
     after = [loop.step(off, n) for n in range(args.baseline)]

@@ -67,16 +67,21 @@ def ab_job(tmp: Path, agent: AgentProcess, steps: int, block: int = 10, control:
     ratios = []
     for r in range(SHAPE["nproc"]):
         d = json.loads((out / f"rank{r}.json").read_text())
-        times, arms = d["step_times"], d["rankwatch_on"]
-        blocks = [(arms[i], statistics.median(times[i + 1:i + block]))  # skip each block's 1st step
-                  for i in range(block * 2, len(times) - block + 1, block)]
-        ratios += [on / off for (a, on), (b, off) in zip(blocks[::2], blocks[1::2]) if a and not b]
+        ratios += block_ratios(d["step_times"][block * 2:], d["rankwatch_on"][block * 2:], block)
     print(f"| in-job {'A/A control' if control else 'A/B'}, blocks of {block} steps | ratio on/off {statistics.median(ratios):.4f} "
           f"(median of {len(ratios)} block pairs over {SHAPE['nproc']} ranks; "
-          f"IQR {_q(ratios, 0.25):.3f}-{_q(ratios, 0.75):.3f}) |", flush=True)
+          f"IQR {quantile(ratios, 0.25):.3f}-{quantile(ratios, 0.75):.3f}) |", flush=True)
 
 
-def _q(xs: list[float], q: float) -> float:
+def block_ratios(times: list[float], arms: list[bool], block: int) -> list[float]:
+    """Per pair of consecutive blocks (on, then off): the ratio of their median steps,
+    each block's first step left out (it pays for the switch)."""
+    blocks = [(arms[i], statistics.median(times[i + 1:i + block]))
+              for i in range(0, len(times) - block + 1, block)]
+    return [on / off for (a, on), (b, off) in zip(blocks[::2], blocks[1::2]) if a and not b]
+
+
+def quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[int(q * (len(xs) - 1))]
 
