@@ -42,12 +42,21 @@ def _rank(rank: int, store: str, out: str) -> None:
                for e in fr["entries"]]
     Path(out, f"rank{rank}.json").write_text(json.dumps({"records": records, "fr": entries,
                                                          "tp_group": mesh.get_group().group_name}))
+    dist.barrier()  # both ranks' records are written before either tears down
     dist.destroy_process_group()
 
 
 def test_funcol_records_name_flight_recorders_group_and_seq(tmp_path):
-    mp.start_processes(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    try:
+        mp.start_processes(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True,
+                           start_method="spawn")
+    except mp.ProcessExitedException as exc:
+        # Seen once in CI: a rank aborted in torch's own teardown ("terminate called without
+        # an active exception", SIGABRT) after it had written its records.  What is checked
+        # below is the records; a rank that died before writing them still fails the test.
+        if not all((tmp_path / f"rank{r}.json").exists() for r in (0, 1)):
+            raise
+        print(f"a rank died after writing its records: {exc}")
     for r in (0, 1):
         d = json.loads((tmp_path / f"rank{r}.json").read_text())
         records = [tuple(x) for x in d["records"]]
