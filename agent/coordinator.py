@@ -35,7 +35,8 @@ from collections.abc import Callable
 
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
-from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
+from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, HangFinding, Snapshot, evaluate, straggler_detail
+from rankwatch.agent.hang import HangConfig, RankProgress
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.state import parse_flight_recorder
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector
@@ -236,8 +237,9 @@ class Coordinator:
         now = self.clock()
         self._check_dead(now)
         self._check_gpu(now)
-        self._check_hang(now)
-        self._check_stragglers(now)
+        verdicts = evaluate(now, self.snapshot(now), self.hang)
+        self._check_hang(now, verdicts.hang)
+        self._check_stragglers(now, verdicts.work)
         self._check_evictions()
         self._check_recovered(now)
 
@@ -245,41 +247,42 @@ class Coordinator:
         excluded = self.excluded
         return [n for name, n in self.nodes.items() if name not in excluded]
 
-    def progress(self, now: float) -> list[RankProgress]:
-        """Every included rank's progress on the coordinator's clock."""
-        out = []
+    def snapshot(self, now: float) -> Snapshot:
+        """Every included rank on the coordinator's clock, as :func:`evaluate` reads it.
+
+        Summaries are replaced whole on each sync, never changed, so the windows are
+        referenced here rather than copied, and the lock is held only to collect them.
+        """
         with self.lock:
-            for name, n in self.nodes.items():
-                if name in self.excluded:
-                    continue
-                silent_node = now - n.received_at > self.policy.node_timeout_seconds
-                for r in n.summary.ranks:
-                    out.append(RankProgress(
-                        rank=r.rank, node=name, step=r.step, step_seconds=r.step_seconds,
-                        steps_completed=r.steps_completed, activity=r.activity or "train",
-                        progress_at=r.progress_at + n.offset,
-                        last_seen=min(r.last_seen + n.offset, n.received_at) if silent_node
-                        else r.last_seen + n.offset,
-                        connected=r.connected and not silent_node, exited_cleanly=r.exited_cleanly,
-                        group_seqs=dict(r.group_seqs),
-                        inflight=({"op": r.inflight.op, "group": r.inflight.group,
-                                   "seq": r.inflight.seq, "since": r.inflight.since + n.offset}
-                                  if r.HasField("inflight") else None),
-                        stacks=r.stacks or None,
-                        flight_recorder=_flight_recorder(r)))
-        return out
+            nodes = [(name, n, now - n.received_at > self.policy.node_timeout_seconds)
+                     for name, n in self.nodes.items() if name not in self.excluded]
+            names = tuple(self.nodes)
+        out = []
+        for name, n, silent_node in nodes:
+            for r in n.summary.ranks:
+                fresh = now - (r.stacks_at + n.offset) < STACKS_FRESH_SECONDS
+                out.append(RankProgress(
+                    rank=r.rank, node=name, step=r.step, step_seconds=r.step_seconds,
+                    steps_completed=r.steps_completed, activity=r.activity or "train",
+                    progress_at=r.progress_at + n.offset,
+                    last_seen=min(r.last_seen + n.offset, n.received_at) if silent_node
+                    else r.last_seen + n.offset,
+                    connected=r.connected and not silent_node, exited_cleanly=r.exited_cleanly,
+                    group_seqs=dict(r.group_seqs),
+                    inflight=({"op": r.inflight.op, "group": r.inflight.group,
+                               "seq": r.inflight.seq, "since": r.inflight.since + n.offset}
+                              if r.HasField("inflight") else None),
+                    stacks=r.stacks if r.stacks and fresh else None,
+                    flight_recorder=_flight_recorder(r), pid=r.pid, alive=r.alive, stopped=r.stopped,
+                    own=r.own_work, data=r.data_wait, wait=r.comm_wait))
+        return Snapshot(ranks=out, scope="job", nodes=names,
+                        silent_nodes=frozenset(name for name, _, silent in nodes if silent))
 
-    def _rank(self, node: str, rank: int) -> pb.RankSummary | None:
-        n = self.nodes.get(node)
-        return next((r for r in n.summary.ranks if r.rank == rank), None) if n else None
-
-    def _check_hang(self, now: float) -> None:
+    def _check_hang(self, now: float, found: HangFinding | None) -> None:
         r = self._restart
         if r is not None and now - r.started_at < self.policy.restart_quiet_seconds:
             return  # the workers are being restarted
-        views = self.progress(now)
-        verdict = detect_hang(now, views, self.hang) if views else None
-        if verdict is None:
+        if found is None:
             if self._open_hang is not None:
                 log.info("job progress resumed after %s", self._open_hang)
                 self.incidents.resolve(self._open_hang, now)
@@ -287,34 +290,14 @@ class Coordinator:
             return
         if self._open_hang is not None:
             return
-        c = verdict.culprit
-        with self.lock:
-            summ = self._rank(c.node, c.rank)
-            node = self.nodes.get(c.node)
-            silent_node = node is None or now - node.received_at > self.policy.node_timeout_seconds
-        alive = None if silent_node else bool(summ and summ.alive)
-        stopped = bool(summ and summ.stopped) and not silent_node
-        fresh = (summ.stacks if summ and summ.stacks and node is not None
-                 and now - (summ.stacks_at + node.offset) < 10 else None)
-        detail = {"collective": verdict.collective, "alive": alive, "stopped": stopped,
-                  "stacks": fresh, "reason": verdict.reason, "pid": summ.pid if summ else None,
-                  "stalled_seconds": round(verdict.stalled_for, 3),
-                  "allowance_seconds": round(verdict.allowance, 3),
-                  "silent_ranks": verdict.silent, "inflight": c.inflight,
-                  "started_at": round(now - verdict.stalled_for, 3),
-                  "flight_recorder": flight_recorder_evidence(views),
-                  "nodes": sorted(self.nodes), "scope": "job"}
-        if fresh is None:
-            detail["stacks_note"] = ("the node's agent is silent" if silent_node else
-                                     "the process is stopped (SIGSTOP): its threads cannot run"
-                                     if stopped else "no fresh stacks from the rank")
-        hang = self.incidents.add(kind="hang", node=c.node, rank=c.rank, step=c.step,
-                                  detected_at=now, detail=detail)
+        hang = self.incidents.add(kind="hang", node=found.node, rank=found.rank, step=found.step,
+                                  detected_at=now, detail=found.detail)
         self._open_hang = hang.id
         self._on_incident(hang)
-        log.warning("JOB HANG: rank %d on node %s %s; others wait in %s", c.rank, c.node,
-                    verdict.reason, verdict.collective)
-        if self.policy.exclude_hung and self.exclude(c.node, f"hang: rank {c.rank} {verdict.reason}"):
+        v = found.verdict
+        log.warning("JOB HANG: rank %d on node %s %s; others wait in %s", found.rank, found.node,
+                    v.reason, v.collective)
+        if self.policy.exclude_hung and self.exclude(found.node, f"hang: rank {found.rank} {v.reason}"):
             self.incidents.resolve(hang.id, self.clock())  # the restart takes over from here
 
     def _check_dead(self, now: float) -> None:
@@ -354,24 +337,16 @@ class Coordinator:
                 self.exclude(name, f"fatal GPU fault on gpu {detail.get('gpu')}: "
                                    f"{detail.get('reason') or detail.get('action')}")
 
-    def _check_stragglers(self, now: float) -> None:
-        with self.lock:
-            excluded = self.excluded
-            ranks = [(name, r) for name, n in self.nodes.items() if name not in excluded
-                     for r in n.summary.ranks if r.connected]
-        if len(ranks) < 2 or len({name for name, _ in ranks}) < 2:
+    def _check_stragglers(self, now: float, work: list[RankWork]) -> None:
+        if len(work) < 2 or len({w.node for w in work}) < 2:
             return  # one node: its own agent decides
         per_node: dict[str, int] = {}
-        for name, _ in ranks:
-            per_node[name] = per_node.get(name, 0) + 1
-        done = min(r.steps_completed for _, r in ranks)
+        for w in work:
+            per_node[w.node] = per_node.get(w.node, 0) + 1
+        done = min(w.completed for w in work)
         if done <= self._evaluated_steps:
             return
         self._evaluated_steps = done
-        work = [RankWork(rank=r.rank, node=name, step=r.step, own=list(r.own_work),
-                         data=list(r.data_wait), wait=list(r.comm_wait),
-                         step_seconds=r.step_seconds, completed=r.steps_completed)
-                for name, r in ranks]
         for ev in self._stragglers.update(work, done):
             if ev.kind == "cleared":
                 self._resolve_straggler(ev.score.rank, now)
@@ -382,7 +357,7 @@ class Coordinator:
                 continue
             inc = self.incidents.add(kind="straggler", node=ev.work.node, rank=ev.score.rank,
                                      step=ev.work.step, detected_at=now,
-                                     detail={**ev.detail(self._straggler_cfg.window), "job": True})
+                                     detail=straggler_detail(ev, self._straggler_cfg.window, "job"))
             for rank in ev.ranks or [ev.score.rank]:
                 self._open_stragglers[rank] = inc.id
             self._on_incident(inc)

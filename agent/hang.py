@@ -16,6 +16,7 @@ sequence numbers, else the rank stuck longest outside a collective.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,8 +68,15 @@ class RankProgress:
     exited_cleanly: bool = False
     group_seqs: dict[str, int] = field(default_factory=dict)
     inflight: dict[str, Any] | None = None   # {op, group, seq, since}
-    stacks: str | None = None
+    stacks: str | None = None                # fresh stacks only (taken within the last 10 s)
     flight_recorder: dict | None = None      # {pending: [{group, seq, op, ...}], completed}
+    pid: int = 0
+    alive: bool | None = None                # None: unknown (its node's agent is silent)
+    stopped: bool = False                    # SIGSTOPped
+    # The straggler detector's windows, oldest first: own work, data wait, collective wait.
+    own: Sequence[float] = ()
+    data: Sequence[float] = ()
+    wait: Sequence[float] = ()
 
 
 @dataclass(kw_only=True)

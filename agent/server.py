@@ -26,7 +26,7 @@ from rankwatch.address import Address
 from rankwatch.agent.auth import authorized
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
-from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
+from rankwatch.agent.hang import HangConfig
 from rankwatch.agent.host import HostCollector
 from rankwatch.agent import goodput
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
@@ -34,11 +34,11 @@ from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.jobmetrics import JobCollector
 from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint, summary_incidents
 from rankwatch.agent.metrics import NodeCollector
-from rankwatch.agent.rankexit import BrokenStream, ExitConfig, ExitWatch, exit_detail
-from rankwatch.agent.state import NodeState, RankState, Rejected, _pid_alive
-from rankwatch.agent.starvation import StarvationTracker
-from rankwatch.agent.stepstarts import StepStarts
-from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, score
+from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS
+from rankwatch.agent.nodewatch import NodeWatch, process_state
+from rankwatch.agent.rankexit import ExitConfig
+from rankwatch.agent.state import NodeState, RankState, Rejected
+from rankwatch.agent.straggler import StragglerConfig
 from rankwatch.proto import pb
 
 __all__ = ["Agent", "AgentConfig"]
@@ -101,27 +101,19 @@ class Agent:
         self.incidents = IncidentLog(config.state_dir / "incidents.jsonl" if config.state_dir else None)
         self.state.incidents = self.incidents.items
         self.decision_log = DecisionLog(config.state_dir / "decisions.jsonl" if config.state_dir else None)
-        self._open_hang: Incident | None = None
-        self._exits = ExitWatch(config.exits)
-        self._stragglers = StragglerDetector(config.straggler, gpu_throttle=self.gpu_throttle_for_rank)
-        self._starvation = StarvationTracker()
-        self._step_starts = StepStarts()
-        self.state.step_listeners.append(self._step_starts.on_steps)
-        self._straggler_view: tuple[dict[int, str], float] = ({}, 1.0)
-        self._evaluated_steps = 0
+        self.watch = NodeWatch(self.state, self.incidents, hang=config.hang, straggler=config.straggler,
+                               exits=config.exits, gpu_throttle=self.gpu_throttle_for_rank)
         self._detector: threading.Thread | None = None
         self.coordinator = Coordinator(config.node_id, incidents=self.incidents, decisions=self.decision_log,
                                        hang=config.hang,
                                        straggler=config.straggler, policy=config.policy,
                                        on_incident=self._own_job_incident)
-        self._marked_at: dict[int, float] = {}   # rank -> when a job verdict marked it hung
-        self._job_stragglers: set[int] = set()   # ranks the coordinator flags as stragglers
         self.commands = CommandHub()
         self.link = JobLink(self, config.coordinators, config.sync_interval)
         self.progress = goodput.StepProgress()
         self._checkpoint_steps: set[int] = set()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(NodeCollector(self.state, lambda: self._straggler_view))
+        self.registry.register(NodeCollector(self.state, lambda: self.watch.straggler_view))
         self.registry.register(JobCollector(self))
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
         self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
@@ -273,7 +265,7 @@ class Agent:
             if rank is not None:
                 st.goodbye(rank, said_goodbye)
                 if not said_goodbye:
-                    self._stream_broke(rank, error)
+                    self.watch.stream_broke(rank, error)
         return pb.ReportSummary(batches_accepted=accepted, batches_rejected=rejected)
 
     def _refuse(self, context: grpc.ServicerContext, exc: Rejected) -> NoReturn:
@@ -341,148 +333,23 @@ class Agent:
         while not self._stopped.wait(0.25):
             try:
                 now = self.state.clock()
+                watch = self.watch
+                if self.link.generation > 0:
+                    watch.forget_gone(now)
+                watch.unmark_progressed()
                 self._observe_progress(now)
-                self.check_exits(now)
+                watch.check_exits(now, restarts=(d.decided_at for d in self.decisions() if d.kind == "exclude"))
                 if self.link.acting and self.config.coordinators:
                     self.coordinator.evaluate()
                 elif not self.link.coordinated(now):
-                    self.check_hang(now)
+                    watch.check_hang(now)
                 # This node's ranks against each other; the coordinator compares nodes.
-                self.check_stragglers(now)
+                watch.check_stragglers(now)
                 if self._pending_risk and any(r.connected and r.steps_completed
                                               for r in self.state.snapshot()):
                     self._risk_checkpoint(self._pending_risk)
             except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
                 log.exception("detector error")
-
-    def check_hang(self, now: float) -> Incident | None:
-        """Run the hang detector once; record a ``hang`` incident per stall."""
-        st = self.state
-        with st.lock:
-            ranks = list(st.ranks.values())
-            views = [RankProgress(
-                rank=r.rank, node=r.node, step=r.step, step_seconds=r.step_seconds,
-                steps_completed=r.steps_completed, activity=r.activity, progress_at=r.progress_at,
-                last_seen=r.last_seen, connected=r.connected, exited_cleanly=r.exited_cleanly,
-                group_seqs=dict(r.group_seqs), inflight=r.inflight, stacks=r.stacks,
-                flight_recorder=r.flight_recorder if now - r.stacks_at < 10 else None) for r in ranks]
-        verdict = detect_hang(now, views, self.config.hang)
-        if verdict is None:
-            if self._open_hang is not None:
-                log.info("progress resumed after hang %s", self._open_hang.id)
-                self.incidents.resolve(self._open_hang.id, now)
-                with st.lock:
-                    for r in ranks:
-                        if r.state == "hung":
-                            r.state = "ok"
-                self._open_hang = None
-            return None
-        if self._open_hang is not None:
-            return None
-        culprit = next(r for r in ranks if r.rank == verdict.culprit.rank)
-        alive, stopped = _process_state(culprit.pid)
-        fresh = culprit.stacks if culprit.stacks and now - culprit.stacks_at < 10 else None
-        detail = {
-            "collective": verdict.collective, "alive": alive, "stopped": stopped,
-            "stacks": fresh, "reason": verdict.reason, "pid": culprit.pid,
-            "stalled_seconds": round(verdict.stalled_for, 3),
-            "allowance_seconds": round(verdict.allowance, 3), "silent_ranks": verdict.silent,
-            "started_at": round(now - verdict.stalled_for, 3),
-            "inflight": culprit.inflight,
-            "flight_recorder": flight_recorder_evidence(views),
-        }
-        if fresh is None:
-            detail["stacks_note"] = ("the process is stopped (SIGSTOP): its threads cannot run"
-                                     if stopped else "no stacks: the rank's sender thread is silent"
-                                     if verdict.culprit.rank in verdict.silent else
-                                     "the step had not yet run long enough for stacks")
-        with st.lock:
-            culprit.state = "hung"
-        self._open_hang = self.incidents.add(kind="hang", node=culprit.node, rank=culprit.rank,
-                                             step=culprit.step, detected_at=now, detail=detail)
-        log.warning("HANG: rank %d (pid %d, %s) %s; stalled %.1fs (allowance %.1fs); "
-                    "others wait in %s", culprit.rank, culprit.pid,
-                    "stopped" if stopped else "alive" if alive else "gone", verdict.reason,
-                    verdict.stalled_for, verdict.allowance, verdict.collective)
-        return self._open_hang
-
-    def _stream_broke(self, rank: RankState, error: str) -> None:
-        """Keep what the agent knew of a rank whose stream broke, for :meth:`check_exits`."""
-        with self.state.lock:
-            broken = BrokenStream(
-                rank=rank.rank, node=rank.node, pid=rank.pid, stream=rank.stream, step=rank.step,
-                activity=rank.activity, last_seen=rank.last_seen, ended_at=self.state.clock(),
-                error=error, inflight=dict(rank.inflight) if rank.inflight else None)
-        self._exits.broke(broken)
-
-    def check_exits(self, now: float) -> list[Incident]:
-        """Judge each broken stream once more; record a ``rank_exit`` incident per dead rank."""
-        st = self.state
-        with st.lock:
-            streaming = {r.pid: r.stream for r in st.ranks.values() if r.connected}
-        exited = self._exits.review(now, alive=lambda pid: _process_state(pid)[0], streaming=streaming,
-                                    restarts=(d.decided_at for d in self.decisions() if d.kind == "exclude"))
-        made = []
-        for b in exited:
-            with st.lock:
-                r = st.ranks.get(b.rank)
-                if r is not None and r.stream == b.stream and r.state in ("ok", "straggler", "hung"):
-                    r.state = "dead"  # as goodbye() marks it when the process is gone already
-            made.append(self.incidents.add(kind="rank_exit", node=b.node, rank=b.rank, step=b.step,
-                                           detected_at=now, detail=exit_detail(b, now)))
-            log.warning("RANK EXIT: rank %d (pid %d) died at step %d (%s, stream %s)", b.rank, b.pid,
-                        b.step, b.activity, b.error)
-        return made
-
-    def check_stragglers(self, now: float) -> list[Incident]:
-        """Score the ranks once per completed step of the slowest; record incidents.
-
-        Each rank's run delay (CPU starvation of its training thread) is sampled
-        here, and its step starts come from a step listener, so the detector can
-        tell a starved host or late collectives from slow compute.
-        """
-        st = self.state
-        with st.lock:
-            ranks = [r for r in st.ranks.values() if r.connected]
-            done = min((r.steps_completed for r in ranks), default=0)
-            if done <= self._evaluated_steps or len(ranks) < 2:
-                return []
-            self._evaluated_steps = done
-            work = [RankWork(rank=r.rank, node=r.node, step=r.step, own=list(r.own_work),
-                             data=list(r.data_wait), wait=list(r.comm_wait),
-                             step_seconds=r.step_seconds, completed=r.steps_completed) for r in ranks]
-            pids = {r.rank: r.pid for r in ranks}
-        for w in work:
-            self._starvation.sample(w.rank, pids[w.rank], w.completed)
-            w.delay = self._starvation.per_step(w.rank)
-            w.start = self._step_starts.for_rank(w.rank, w.completed)
-        events = self._stragglers.update(work, done)
-        scores = {s.rank: s for s in score(work, self.config.straggler, self.gpu_throttle_for_rank)}
-        flagged = self._stragglers.flagged
-        with st.lock:
-            for r in ranks:
-                if r.rank in scores:
-                    r.slowdown = scores[r.rank].slowdown
-                if r.state in ("ok", "straggler"):
-                    job = r.rank in self._job_stragglers   # the coordinator's flag, kept until lifted
-                    r.state = "straggler" if r.rank in flagged or job else "ok"
-        job_step = max(w.step_seconds for w in work)
-        self._straggler_view = ({rank: s.cause for rank, s in flagged.items()},
-                                self._stragglers.cost_ratio(job_step))
-        made = []
-        for ev in events:
-            s = ev.score
-            if ev.kind == "cleared":
-                log.info("rank %d is no longer a straggler (slowdown %.2f)", s.rank, s.slowdown)
-                continue
-            made.append(self.incidents.add(kind="straggler", node=ev.work.node, rank=s.rank,
-                                           step=ev.work.step, detected_at=now,
-                                           detail=ev.detail(self.config.straggler.window)))
-            log.warning("STRAGGLER: %s at step %d, %.0f%% slower own work (%s); "
-                        "the job would step %.2fx faster without it",
-                        f"node {ev.work.node} (ranks {ev.ranks})" if ev.scope == "node" else f"rank {s.rank}",
-                        ev.work.step, (s.slowdown - 1) * 100, s.cause, s.speedup)
-        return made
 
     # -- the job: coordinator, commands ------------------------------------------
     def serves(self, addr: Address) -> bool:
@@ -494,25 +361,15 @@ class Agent:
         now = st.clock()
         out = pb.NodeSummary(node_id=st.node_id, seq=seq, sent_at=now)
         with st.lock:
-            if self.link.generation > 0:  # forget workers of earlier generations once gone
-                for k in [k for k, r in st.ranks.items()
-                          if not r.connected and not r.exited_cleanly and now - r.last_seen > 5
-                          and not _pid_alive(r.pid)]:
-                    del st.ranks[k]
-            for k, at in list(self._marked_at.items()):
-                r = st.ranks.get(k)
-                if r is None or (r.state == "hung" and r.progress_at > at):
-                    if r is not None:
-                        r.state = "ok"  # progress after the verdict: the hang is over
-                    del self._marked_at[k]
             ranks = list(st.ranks.values())
             rows = [(r, dict(r.group_seqs), r.inflight, list(r.own_work), list(r.data_wait),
                      list(r.comm_wait)) for r in ranks]
             incidents = summary_incidents(list(st.incidents), st.node_id)
         for r, seqs, inflight, own, data, wait in rows:
-            alive, stopped = _process_state(r.pid)
-            fresh = r.stacks if r.stacks and now - r.stacks_at < 10 else ""
-            fr = r.flight_recorder if r.flight_recorder and now - r.stacks_at < 10 else None
+            alive, stopped = process_state(r.pid)
+            recent = now - r.stacks_at < STACKS_FRESH_SECONDS
+            fresh = r.stacks if r.stacks and recent else ""
+            fr = r.flight_recorder if r.flight_recorder and recent else None
             rs = pb.RankSummary(
                 rank=r.rank, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
                 steps_completed=r.steps_completed, activity=r.activity, progress_at=r.progress_at,
@@ -582,12 +439,9 @@ class Agent:
 
     def on_exclusion(self, decision: Decision) -> None:
         """A coordinator decision: mark this node's ranks excluded, or forget old-generation ranks."""
-        st = self.state
-        with st.lock:
-            if decision.node == st.node_id:
-                for r in st.ranks.values():
-                    r.state = "excluded"
-                log.warning("this node is excluded from the job: %s", decision.reason)
+        if decision.node == self.state.node_id:
+            self.watch.exclude_all()
+            log.warning("this node is excluded from the job: %s", decision.reason)
 
     def on_job_incident(self, coordinator: str, inc: pb.Incident) -> None:
         """A job incident the coordinator decided about one of this node's ranks.
@@ -597,48 +451,20 @@ class Agent:
         """
         incident = Incident.from_pb(inc, id=f"{coordinator}/{inc.id}")
         if self.incidents.merge(incident):
-            self._mark(incident)
+            self.watch.mark(incident)
             return
         self.incidents.update(incident.id, **incident.detail)
         if incident.resolved_at is not None:
-            self._resolve(incident)
+            self.watch.lift(incident)
 
     def _own_job_incident(self, incident: Incident) -> None:
         """The coordinator's verdict about a rank of the coordinator's own node."""
         if incident.node != self.state.node_id:
             return
         if incident.resolved_at is not None:
-            self._resolve(incident)
+            self.watch.lift(incident)
         else:
-            self._mark(incident)
-
-    def _mark(self, incident: Incident) -> None:
-        """A job verdict sets the rank's state.  A hung rank returns to ok once it progresses
-        again; a job straggler once the coordinator resolves the incident (:meth:`_resolve`)."""
-        state = {"hang": "hung", "straggler": "straggler"}.get(incident.kind)
-        if state is None or (state == "straggler" and incident.resolved_at is not None):
-            return
-        with self.state.lock:
-            for rank in incident.detail.get("ranks") or [incident.rank]:
-                if state == "straggler":
-                    self._job_stragglers.add(rank)
-                r = self.state.ranks.get(rank)
-                if r is not None and r.state in ("ok", "straggler", "hung"):
-                    r.state = state
-                    if state == "hung":
-                        self._marked_at[rank] = self.state.clock()
-
-    def _resolve(self, incident: Incident) -> None:
-        """The coordinator lifted a job straggler flag: its ranks are ok again (unless this
-        node's own detector flags them)."""
-        if incident.kind != "straggler":
-            return
-        with self.state.lock:
-            for rank in incident.detail.get("ranks") or [incident.rank]:
-                self._job_stragglers.discard(rank)
-                r = self.state.ranks.get(rank)
-                if r is not None and r.state == "straggler" and rank not in self._stragglers.flagged:
-                    r.state = "ok"
+            self.watch.mark(incident)
 
     def _commands(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> Iterator[pb.Command]:
         def step() -> int:
@@ -719,19 +545,6 @@ class Agent:
 
     def _rank_pids(self) -> dict[int, int]:
         return {r.rank: r.pid for r in self.state.snapshot() if r.connected}
-
-
-def _process_state(pid: int) -> tuple[bool, bool]:
-    """(alive, stopped) of a local process."""
-    import psutil
-
-    try:
-        status = psutil.Process(pid).status()
-    except psutil.Error:
-        return False, False
-    if status == psutil.STATUS_ZOMBIE:
-        return False, False
-    return True, status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 
 def _prepare_socket_path(path: str) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from rankwatch.agent.histogram import COLLECTIVE_BUCKETS, STEP_BUCKETS, HistogramSet
 from rankwatch.agent.incidents import Incident
+from rankwatch.agent.rankstate import INITIAL, next_state
 from rankwatch.proto import pb
 
 __all__ = ["OPS", "PHASES", "NodeState", "RankState", "Rejected"]
@@ -92,7 +93,7 @@ class RankState:
     # Per step, over the same window as step_durations: (data, forward, backward, optimizer, other).
     phase_window: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     collective_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(OPS), np.int64))
-    state: str = "ok"
+    state: str = INITIAL
     steps_completed: int = 0
     progress_at: float = 0.0                # agent clock: last time step or a sequence moved
     group_seqs: dict[str, int] = field(default_factory=dict)
@@ -206,7 +207,7 @@ class NodeState:
                 rank.connected = False
                 rank.exited_cleanly = clean
                 if not clean and not _pid_alive(rank.pid):
-                    rank.state = "dead"
+                    rank.state = next_state(rank.state, "exited")
         log.info("rank %d stream closed (%s)", rank.rank, "clean" if clean else "broken")
 
     # -- data -------------------------------------------------------------

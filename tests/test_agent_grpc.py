@@ -150,7 +150,7 @@ def test_a_job_straggler_verdict_marks_the_rank_until_the_coordinator_resolves_i
                               detail_json=json.dumps({"cause": "compute", "slowdown": 1.4, "ranks": [1]}))
         agent.on_job_incident("n9", flagged)
         assert agent.state.ranks[1].state == "straggler"
-        agent.check_stragglers(time.time())  # the node's own detector (one rank) keeps the mark
+        agent.watch.check_stragglers(time.time())  # the node's own detector (one rank) keeps the mark
         agent.on_job_incident("n9", flagged)  # the same verdict, synced again
         assert agent.state.ranks[1].state == "straggler"
         resolved = pb.Incident()

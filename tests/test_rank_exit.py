@@ -70,7 +70,7 @@ def test_a_killed_rank_is_a_rank_exit_with_its_evidence(agent, tmp_path):
     assert agent.state.ranks[0].state == "dead"
     assert [(i.kind, i.detail["pid"]) for i in IncidentLog.replay(tmp_path / "state" / "incidents.jsonl")] == [
         ("rank_exit", proc.pid)]
-    agent.check_exits(time.time())
+    agent.watch.check_exits(time.time())
     assert len(exits(agent)) == 1, "one incident per exit"
 
 
@@ -80,7 +80,7 @@ def test_a_clean_close_is_no_rank_exit(agent):
     assert proc.returncode == 0
     wait_for(lambda: not agent.state.ranks[0].connected, 10, what="the stream's end")
     assert agent.state.ranks[0].exited_cleanly
-    assert agent.check_exits(time.time()) == [] and exits(agent) == []
+    assert agent.watch.check_exits(time.time()) == [] and exits(agent) == []
     assert agent.state.ranks[0].state == "ok"
 
 
