@@ -27,12 +27,12 @@ coordinator's clock by the offset seen when the summary arrives.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
+from rankwatch.agent import checkpoint_policy
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
 from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, HangFinding, Snapshot, evaluate, straggler_detail
@@ -187,13 +187,13 @@ class Coordinator:
             ranks = [r for n in self._live_nodes() for r in n.summary.ranks if r.connected]
             if not ranks:
                 raise LookupError("no rank is connected to any node of this job")
-            top = max(r.step for r in ranks)
-            step_s = max((r.step_seconds for r in ranks), default=0.0)
-            lead = max(2, math.ceil(self.policy.checkpoint_lead_seconds / step_s)) if step_s > 0 else 2
-            pending = [d for d in self.log.items if d.kind == "checkpoint" and d.step > top]
-            if pending:  # a duplicate: the pending request already covers it
-                return pending[-1]
-            return self._decide("checkpoint", step=top + lead, reason=reason)
+            checkpoints = [d for d in self.log.items if d.kind == "checkpoint"]
+            step, new = checkpoint_policy.save_step(
+                max(r.step for r in ranks), max((r.step_seconds for r in ranks), default=0.0),
+                self.policy.checkpoint_lead_seconds, pending=(d.step for d in checkpoints))
+            if not new:  # a duplicate: the pending request already covers it
+                return next(d for d in reversed(checkpoints) if d.step == step)
+            return self._decide("checkpoint", step=step, reason=reason)
 
     def _decide(self, kind: str, *, node: str = "", step: int = 0, reason: str) -> Decision:
         d = self.log.decide(kind, now=self.clock(), node=node, step=step, reason=reason)
@@ -376,7 +376,8 @@ class Coordinator:
 
     def _plan_eviction(self, node: str, speedup: float, cause: str) -> None:
         """A costly straggling node: checkpoint now, exclude it once that checkpoint is complete."""
-        if speedup < self.policy.evict_straggler_speedup or node in self._evictions or node in self.excluded:
+        if (not checkpoint_policy.wants_eviction(speedup, self.policy.evict_straggler_speedup)
+                or node in self._evictions or node in self.excluded):
             return
         reason = f"straggler: the job would step {speedup:.2f}x faster without node {node} ({cause})"
         try:
@@ -391,10 +392,9 @@ class Coordinator:
             return
         saved = [i.step for i in self.job_incidents() + self.incidents.items
                  if i.kind == "checkpoint" and i.detail.get("ok")]
-        for node, (step, reason) in list(self._evictions.items()):
-            if any(s >= step for s in saved):
-                del self._evictions[node]
-                self.exclude(node, reason)
+        for node in checkpoint_policy.evictions_due({n: step for n, (step, _) in self._evictions.items()}, saved):
+            _, reason = self._evictions.pop(node)
+            self.exclude(node, reason)
 
     def _check_recovered(self, now: float) -> None:
         """Close a restart once every included node has a new worker that completed a step after it.

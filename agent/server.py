@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from rankwatch.agent import otel
+from rankwatch.agent import checkpoint_policy, otel
 from rankwatch.address import Address
 from rankwatch.agent.auth import authorized
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 _SERVICE = "rankwatch.v1.Agent"
 _MAX_MESSAGE = 16 << 20
 _MAX_RPCS = 512
-_RISK_CHECKPOINT_EVERY = 600.0   # seconds between risk checkpoints for the same GPU and signal
 _DECISIONS_SENT = 64   # the newest decisions a node's summary carries to its coordinator
 
 
@@ -493,7 +492,7 @@ class Agent:
         if event.kind != "risk":
             return
         key = (event.gpu, event.reason)
-        if event.at - self._risk_requested.get(key, float("-inf")) < _RISK_CHECKPOINT_EVERY:
+        if not checkpoint_policy.risk_due(event.at, self._risk_requested.get(key)):
             return
         self._risk_requested[key] = event.at
         self._risk_checkpoint(f"gpu risk: {event.reason} on gpu {event.gpu} of {event.node}")
