@@ -21,19 +21,20 @@ from typing import Any, NoReturn
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from rankwatch.agent import checkpoint_policy, otel
+from rankwatch.agent import checkpoint_policy
+from rankwatch.agent.export import otel
 from rankwatch.address import Address
 from rankwatch.agent.auth import authorized
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hang import HangConfig
-from rankwatch.agent.host import HostCollector
+from rankwatch.agent.export.host import HostCollector
 from rankwatch.agent import goodput
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
 from rankwatch.agent.incidents import Incident, IncidentLog
-from rankwatch.agent.jobmetrics import JobCollector
+from rankwatch.agent.export.jobmetrics import JobCollector
 from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint, summary_incidents
-from rankwatch.agent.metrics import NodeCollector
+from rankwatch.agent.export.metrics import NodeCollector
 from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS
 from rankwatch.agent.nodewatch import NodeWatch, process_state
 from rankwatch.agent.rankexit import ExitConfig

@@ -82,7 +82,7 @@ def _sink(port: mp.Queue, stop: mp.Event) -> None:
 
 def in_process(endpoint: str, rounds: int, batches: int) -> dict[str, tuple[float, float]]:
     """Per arm: median CPU microseconds per batch of the ingesting thread and of the process."""
-    from rankwatch.agent import otel
+    from rankwatch.agent.export import otel
     from rankwatch.agent.incidents import IncidentLog
     from rankwatch.agent.state import NodeState
     from rankwatch.hooks.recorder import OPS

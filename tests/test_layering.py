@@ -59,6 +59,25 @@ def test_shared_modules_import_neither_side_nor_torch():
     assert offending("rankwatch", ("rankwatch.agent", "rankwatch.hooks", "torch")) == {}
 
 
+# The detectors and the decisions: what is wrong, and what to do about it.  Exporters read
+# them (agent/export/); they never reach into an exporter.
+DETECTORS = ("hang", "straggler", "evaluate", "nodewatch", "rankstate", "rankexit", "starvation",
+             "stepstarts", "checkpoint_policy", "goodput", "coordinator", "decisions", "incidents", "state")
+
+
+def test_detectors_import_no_exporter():
+    assert (ROOT / "agent" / "export" / "metrics.py").exists()
+    found = {}
+    for name in DETECTORS:
+        path = ROOT / "agent" / f"{name}.py"
+        bad = sorted(m for m in imported_modules(path, "rankwatch.agent")
+                     if m == "rankwatch.agent.export" or m.startswith("rankwatch.agent.export.")
+                     or m in ("prometheus_client", "opentelemetry") or m.startswith("opentelemetry."))
+        if bad:
+            found[name] = bad
+    assert found == {}
+
+
 @pytest.mark.parametrize("source,package,want", [
     ("from rankwatch.agent.address import Address", "rankwatch.hooks", "rankwatch.agent.address"),
     ("import rankwatch.agent.server", "rankwatch.hooks", "rankwatch.agent.server"),

@@ -28,7 +28,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from conftest import AgentProcess, torchrun, wait_for
-from rankwatch.agent import otel
+from rankwatch.agent.export import otel
 from rankwatch.address import Address
 from rankwatch.agent.gpu import GpuConfig
 from rankwatch.agent.gpu.script import load_script
@@ -251,7 +251,7 @@ def test_exporters_follow_standard_env(clean_env: pytest.MonkeyPatch) -> None:
 # -- the agent without OpenTelemetry ----------------------------------------------------------
 
 def test_no_otel_env_agent_runs_and_exports_nothing(clean_env, tmp_path, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="rankwatch.agent.otel")
+    caplog.set_level(logging.INFO, logger="rankwatch.agent.export.otel")
     agent = thread_agent(tmp_path)
     try:
         assert agent._otel is None
@@ -280,7 +280,7 @@ def test_missing_exporter_package_logs_once_and_agent_runs(clean_env, tmp_path, 
     agent = thread_agent(tmp_path)
     try:
         assert agent._otel is None and not otel_listeners(agent)
-        warned = [r.getMessage() for r in caplog.records if r.name == "rankwatch.agent.otel"]
+        warned = [r.getMessage() for r in caplog.records if r.name == "rankwatch.agent.export.otel"]
         assert len(warned) == 1 and "pip install 'rankwatch[otlp]'" in warned[0], warned
     finally:
         agent.stop(timedelta(seconds=0.5))
