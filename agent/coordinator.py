@@ -29,15 +29,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-from rankwatch.agent import checkpoint_policy
+from rankwatch.agent import checkpoint_policy, load_policy
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
 from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, HangFinding, Snapshot, evaluate, straggler_detail
-from rankwatch.agent.hang import HangConfig, RankProgress
+from rankwatch.agent.hang import HangConfig, RankProgress, hang_possible
 from rankwatch.agent.incidents import Incident, IncidentLog
+from rankwatch.agent.load_policy import LoadConfig
 from rankwatch.agent.state import parse_flight_recorder
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector
 from rankwatch.proto import pb
@@ -83,8 +85,11 @@ class PolicyConfig:
 class _Node:
     summary: pb.NodeSummary
     received_at: float
-    offset: float           # coordinator clock - node clock
+    offset: float           # coordinator clock - node clock (plus transit)
     ranks_dead_since: float | None = None
+    interval: float = 0.25  # how often the node was last told to sync
+    best_offset: float = float("inf")   # its smallest offset: clock skew plus the fastest transit
+    latest_progress: float = float("-inf")   # its ranks' latest progress, on the coordinator's clock
 
 
 @dataclass
@@ -108,8 +113,11 @@ class Coordinator:
     def __init__(self, node_id: str, *, incidents: IncidentLog, decisions: DecisionLog | None = None,
                  hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
                  policy: PolicyConfig | None = None, clock=time.time,
-                 on_incident: Callable[[Incident], None] | None = None) -> None:
+                 on_incident: Callable[[Incident], None] | None = None, load: LoadConfig | None = None,
+                 tick_seconds: float = 0.25) -> None:
         self.node_id = node_id
+        self.tick_seconds = tick_seconds
+        """How often the agent calls :meth:`evaluate`."""
         self.incidents = incidents
         self.hang = hang or HangConfig()
         self.policy = policy or PolicyConfig()
@@ -128,6 +136,21 @@ class Coordinator:
         self._open_hang: str | None = None   # the open job hang incident's id
         self._restart: _Restart | None = None
         self._flagged: set[tuple[str, int]] = set()
+        self.load_cfg = load or LoadConfig()
+        self.interval = self.load_cfg.base_interval
+        """How often nodes are told to sync (:func:`load_policy.sync_interval`)."""
+        self.overloaded: str | None = None
+        """Why the coordinator is itself a bottleneck now (None: it is not)."""
+        self.overloads = 0
+        """Times the coordinator found itself overloaded (a counter)."""
+        self._quiet = 0.0                   # no node is called silent before this (coordinator clock)
+        self._delays: deque[float] = deque(maxlen=512)
+        self._synced = 0
+        self._count = 0   # nodes known (read without the lock for the reply's interval)
+        self._tick = (time.monotonic(), time.process_time(), 0)   # (wall, cpu, syncs) at the last window
+        self._last_eval: float | None = None   # time.monotonic() of the last evaluate()
+        self._encoded: tuple[int, list[pb.Decision]] = (0, [])
+        self._stragglers_at = float("-inf")   # when the straggler detector last ran
 
     # -- intake ---------------------------------------------------------------
     def sync(self, summary: pb.NodeSummary) -> pb.SyncReply:
@@ -142,23 +165,40 @@ class Coordinator:
                     and summary.sent_at <= prev.summary.sent_at):
                 raise ValueError(f"stale summary {summary.seq} from {summary.node_id} "
                                  f"(have {prev.summary.seq})")
-            prev = self.nodes.get(summary.node_id)
-            self.nodes[summary.node_id] = _Node(summary, now, now - summary.sent_at,
-                                                prev.ranks_dead_since if prev else None)
+            offset = now - summary.sent_at
+            best = min(offset, prev.best_offset if prev else offset)
+            self._delays.append(offset - best)
+            self._synced += 1
+            self._count = len(self.nodes) + (summary.node_id not in self.nodes)
+            latest = max((r.progress_at for r in summary.ranks if not r.exited_cleanly), default=float("-inf"))
+            self.nodes[summary.node_id] = _Node(summary, now, offset, prev.ranks_dead_since if prev else None,
+                                                interval=self._interval(), best_offset=best,
+                                                latest_progress=latest + offset)
             if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
                 self.dead.discard(summary.node_id)
         if summary.run_id:
             self.incidents.run_id = self.log.run_id = summary.run_id
         self._adopt(summary)
-        reply = pb.SyncReply(coordinator=self.node_id)
-        reply.decisions.extend(d.to_pb() for d in self.log.items)
+        reply = pb.SyncReply(coordinator=self.node_id, sync_interval_seconds=self._interval())
+        reply.decisions.extend(self._decisions_pb())
         reply.incidents.extend(inc.to_pb() for inc in self.incidents.items_for(node=summary.node_id))
         return reply
+
+    def _decisions_pb(self) -> list[pb.Decision]:
+        """Every decision, encoded once (the log only grows)."""
+        count, encoded = self._encoded
+        if count != len(self.log):
+            items = self.log.items
+            encoded = [d.to_pb() for d in items]
+            self._encoded = (len(items), encoded)
+        return encoded
 
     def _adopt(self, summary: pb.NodeSummary) -> None:
         """Take the decisions a node applied that this log lacks (an earlier coordinator's)."""
         sent = [Decision.from_pb(d) for d in summary.decisions[-_DECISIONS_ADOPTED:]
-                if d.id and d.kind in _DECISION_KINDS and d.generation >= 0]
+                if d.id and not self.log.knows(d.id) and d.kind in _DECISION_KINDS and d.generation >= 0]
+        if not sent:
+            return
         for d in self.log.adopt(sent):
             log.warning("decision %s (%s%s, generation %d) taken over from node %s's log", d.id, d.kind,
                         f" node {d.node}" if d.node else "", d.generation, summary.node_id)
@@ -235,13 +275,74 @@ class Coordinator:
     def evaluate(self) -> None:
         """Run the job-wide detectors and the policy once."""
         now = self.clock()
+        self._check_load(now)
         self._check_dead(now)
         self._check_gpu(now)
-        verdicts = evaluate(now, self.snapshot(now), self.hang)
-        self._check_hang(now, verdicts.hang)
-        self._check_stragglers(now, verdicts.work)
+        # Snapshotting every rank is the costly part at thousands of ranks: only while a hang
+        # is possible at all, or the straggler detector is due (once per sync interval).
+        # A hang already named stays open until progress shows (the cheap test).
+        possible = hang_possible(now, self._latest_progress(), self.hang)
+        hang_due = possible and self._open_hang is None
+        stragglers_due = now - self._stragglers_at >= max(1.0, self.interval)
+        verdicts = evaluate(now, self.snapshot(now), self.hang) if hang_due or stragglers_due else None
+        if now >= self._quiet:   # stale summaries after the coordinator's own stall are no evidence
+            if verdicts is not None and hang_due:
+                self._check_hang(now, verdicts.hang)
+            elif not possible:
+                self._check_hang(now, None)
+        if verdicts is not None and stragglers_due:
+            self._stragglers_at = now
+            self._check_stragglers(now, verdicts.work)
         self._check_evictions()
         self._check_recovered(now)
+
+    def _check_load(self, now: float) -> None:
+        """Measure this coordinator's own load; set the sync interval; hold off silence verdicts."""
+        wall, cpu = time.monotonic(), time.process_time()
+        lag = 0.0 if self._last_eval is None else max(0.0, wall - self._last_eval - self.tick_seconds)
+        self._last_eval = wall
+        w0, c0, s0 = self._tick
+        with self.lock:
+            synced, nodes = self._synced, len(self.nodes)
+            delays = sorted(self._delays)
+        if wall - w0 < 2.0 and lag < self.load_cfg.lag_seconds:
+            return   # measure over windows of two seconds (a late loop is news at once)
+        self._tick = (wall, cpu, synced)
+        cores = (cpu - c0) / (wall - w0)
+        load = load_policy.Load(cores=cores, loop_lag=lag,
+                                sync_delay=delays[len(delays) // 2] if delays else 0.0)
+        with self.lock:
+            self._delays.clear()
+        interval = max(load_policy.sync_interval(self.interval, load, self.load_cfg),
+                       load_policy.interval_floor(nodes, self.load_cfg))
+        if interval != self.interval:
+            log.info("nodes now sync every %.2fs (%d nodes, %.0f syncs/s, %.2f cores)", interval, nodes,
+                     (synced - s0) / (wall - w0), cores)
+            self.interval = interval
+        why = load_policy.overload(load, self.load_cfg)
+        if why is not None:
+            if self.overloaded is None:
+                log.warning("coordinator overloaded: %s; no node is called silent until it recovers", why)
+            self.overloads += 1
+            self._quiet = load_policy.quiet_until(now, self.interval, self.policy.node_timeout_seconds,
+                                                  self.load_cfg)
+        elif self.overloaded is not None:
+            log.info("coordinator load back to normal")
+        self.overloaded = why
+
+    def _latest_progress(self) -> float:
+        """The latest progress of any included rank, on this clock (-inf: none yet)."""
+        with self.lock:
+            return max((n.latest_progress for name, n in self.nodes.items() if name not in self.excluded),
+                       default=float("-inf"))
+
+    def _interval(self) -> float:
+        """The interval to ask of a node now: never below the floor for the nodes known."""
+        return max(self.interval, load_policy.interval_floor(self._count, self.load_cfg))
+
+    def _silent(self, n: _Node, now: float) -> bool:
+        return load_policy.node_silent(now, n.received_at, max(n.interval, self.interval),
+                                       self.policy.node_timeout_seconds, self._quiet, self.load_cfg)
 
     def _live_nodes(self) -> list[_Node]:
         excluded = self.excluded
@@ -254,8 +355,8 @@ class Coordinator:
         referenced here rather than copied, and the lock is held only to collect them.
         """
         with self.lock:
-            nodes = [(name, n, now - n.received_at > self.policy.node_timeout_seconds)
-                     for name, n in self.nodes.items() if name not in self.excluded]
+            nodes = [(name, n, self._silent(n, now)) for name, n in self.nodes.items()
+                     if name not in self.excluded]
             names = tuple(self.nodes)
         out = []
         for name, n, silent_node in nodes:
@@ -265,8 +366,10 @@ class Coordinator:
                     rank=r.rank, node=name, step=r.step, step_seconds=r.step_seconds,
                     steps_completed=r.steps_completed, activity=r.activity or "train",
                     progress_at=r.progress_at + n.offset,
+                    # A node's report is its ranks' state as of its sending: between syncs (slow
+                    # under backpressure), a rank it saw is not silent for the coordinator either.
                     last_seen=min(r.last_seen + n.offset, n.received_at) if silent_node
-                    else r.last_seen + n.offset,
+                    else r.last_seen + n.offset + (now - n.received_at),
                     connected=r.connected and not silent_node, exited_cleanly=r.exited_cleanly,
                     group_seqs=dict(r.group_seqs),
                     inflight=({"op": r.inflight.op, "group": r.inflight.group,
@@ -307,7 +410,7 @@ class Coordinator:
                 if name in self.excluded or name in self.dead:
                     continue
                 ranks = n.summary.ranks
-                silent = now - n.received_at > self.policy.node_timeout_seconds
+                silent = self._silent(n, now)
                 all_died = bool(ranks) and all(not r.connected and not r.exited_cleanly and not r.alive
                                                for r in ranks)
                 if not all_died:
@@ -316,8 +419,7 @@ class Coordinator:
                     n.ranks_dead_since = now
                 crashed = (all_died and n.ranks_dead_since is not None
                            and now - n.ranks_dead_since >= self.policy.crashed_grace_seconds)
-                others_live = any(now - m.received_at <= self.policy.node_timeout_seconds
-                                  for k, m in self.nodes.items() if k != name)
+                others_live = any(not self._silent(m, now) for k, m in self.nodes.items() if k != name)
                 if crashed or (silent and others_live):
                     dead.append((name, "its agent went silent" if silent else "all its ranks died"))
             for name, _ in dead:

@@ -75,6 +75,7 @@ class DecisionLog:
         self.run_id = run_id
         self._lock = threading.Lock()
         self._items: list[Decision] = []
+        self._ids: set[str] = set()
         self._seq = 0
         self._generation = 0
         if path is not None:
@@ -90,6 +91,12 @@ class DecisionLog:
         with self._lock:
             return self._generation
 
+    def knows(self, decision_id: str) -> bool:
+        return decision_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._items)
+
     def get(self, decision_id: str) -> Decision | None:
         with self._lock:
             return next((d for d in self._items if d.id == decision_id), None)
@@ -104,6 +111,7 @@ class DecisionLog:
             d = Decision(id=f"{tag}{kind}-{self._seq}", kind=kind, node=node, generation=self._generation,
                          step=step, reason=reason, decided_at=now, run_id=self.run_id, seq=self._seq)
             self._items.append(d)
+            self._ids.add(d.id)
             self._write(d)
         return d
 
@@ -114,11 +122,10 @@ class DecisionLog:
         """
         fresh = []
         with self._lock:
-            known = {d.id for d in self._items}
             for d in decisions:
-                if d.id in known:
+                if d.id in self._ids:
                     continue
-                known.add(d.id)
+                self._ids.add(d.id)
                 self._items.append(d)
                 self._seq = max(self._seq, d.seq)
                 self._generation = max(self._generation, d.generation)

@@ -14,6 +14,7 @@ apply the policy (an exclusion).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 from rankwatch.agent.hang import HangConfig, HangVerdict, RankProgress, detect_hang, flight_recorder_evidence
@@ -55,18 +56,21 @@ class HangFinding:
 class Verdicts:
     hang: HangFinding | None
     """The job (or node) is hung, and who is stuck; None while it progresses."""
-    work: list[RankWork]
-    """The straggler detector's inputs: each connected rank's recent steps."""
+    snapshot: Snapshot
+
+    @cached_property
+    def work(self) -> list[RankWork]:
+        """The straggler detector's inputs: each connected rank's recent steps (built when asked:
+        at thousands of ranks the copy costs more than the hang check)."""
+        return [RankWork(rank=r.rank, node=r.node, step=r.step, own=list(r.own), data=list(r.data),
+                         wait=list(r.wait), step_seconds=r.step_seconds, completed=r.steps_completed)
+                for r in self.snapshot.ranks if r.connected]
 
 
 def evaluate(now: float, snap: Snapshot, hang: HangConfig) -> Verdicts:
     """Run the detectors' pure part once over ``snap``."""
     verdict = detect_hang(now, snap.ranks, hang) if snap.ranks else None
-    return Verdicts(hang=_hang_finding(now, verdict, snap) if verdict is not None else None,
-                    work=[RankWork(rank=r.rank, node=r.node, step=r.step, own=list(r.own),
-                                   data=list(r.data), wait=list(r.wait), step_seconds=r.step_seconds,
-                                   completed=r.steps_completed)
-                          for r in snap.ranks if r.connected])
+    return Verdicts(hang=_hang_finding(now, verdict, snap) if verdict is not None else None, snapshot=snap)
 
 
 def _hang_finding(now: float, verdict: HangVerdict, snap: Snapshot) -> HangFinding:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["HangConfig", "HangVerdict", "RankProgress", "detect_hang", "flight_recorder_evidence"]
+__all__ = ["HangConfig", "HangVerdict", "RankProgress", "detect_hang", "flight_recorder_evidence", "hang_possible"]
 
 
 @dataclass(kw_only=True)
@@ -87,6 +87,15 @@ class HangVerdict:
     allowance: float
     collective: dict[str, Any] | None     # what the others wait in: {op, seq, group}
     silent: list[int]
+
+
+def hang_possible(now: float, latest_progress: float, cfg: HangConfig) -> bool:
+    """Whether any verdict could come of ranks whose latest progress was at ``latest_progress``.
+
+    A cheap test before :func:`detect_hang`: no allowance is shorter than the shortest knob.
+    """
+    shortest = min(cfg.floor_seconds, cfg.first_step_seconds, cfg.checkpoint_seconds, cfg.eval_seconds)
+    return now - latest_progress >= shortest
 
 
 def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangVerdict | None:

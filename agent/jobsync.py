@@ -26,6 +26,7 @@ import grpc
 from rankwatch.address import Address
 from rankwatch.agent.auth import metadata
 from rankwatch.agent.decisions import Decision
+from rankwatch.agent.load_policy import LoadConfig
 from rankwatch.agent.incidents import Incident
 from rankwatch.proto import pb, pb_grpc
 
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 _RPC_TIMEOUT = 1.0
 _INCIDENTS_SENT = 50
+_MAX_INTERVAL = LoadConfig.max_interval   # the slowest sync a coordinator may ask for
+_SILENT_INTERVALS = LoadConfig.silent_intervals   # the coordinator is gone after this many intervals
 
 
 class CommandHub:
@@ -103,7 +106,7 @@ class JobLink:
     def __init__(self, agent: Agent, candidates: list[Address], interval: float = 0.25) -> None:
         self.agent = agent
         self.candidates = candidates
-        self.interval = interval
+        self.base_interval = self.interval = interval
         self.acting = not candidates
         self.coordinator_node = agent.config.node_id if not candidates else ""
         self.coordinator_addr: Address | None = None
@@ -134,7 +137,8 @@ class JobLink:
 
     def coordinated(self, now: float) -> bool:
         """True while another agent coordinates this node and answers."""
-        return not self.acting and now - self.last_ok < self.agent.config.policy.node_timeout_seconds
+        timeout = max(self.agent.config.policy.node_timeout_seconds, _SILENT_INTERVALS * self.interval)
+        return not self.acting and now - self.last_ok < timeout
 
     # -- the loop ---------------------------------------------------------------
     def _loop(self) -> None:
@@ -192,6 +196,12 @@ class JobLink:
         """Keep the coordinator's decisions in this agent's log (the coordinator's own node
         already holds them there) and act on each once."""
         self.coordinator_node = reply.coordinator
+        asked = reply.sync_interval_seconds
+        if asked > 0:   # the coordinator's backpressure, within sane bounds (NaN fails both tests)
+            interval = min(_MAX_INTERVAL, max(self.base_interval, asked)) if asked == asked else self.base_interval
+            if interval != self.interval:
+                log.info("the coordinator asks for a sync every %.2fs", interval)
+                self.interval = interval
         decisions = [Decision.from_pb(d) for d in reply.decisions]
         self.agent.decision_log.adopt(decisions)
         for d in decisions:

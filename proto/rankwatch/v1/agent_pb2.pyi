@@ -463,14 +463,16 @@ class Decision(_message.Message):
     def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., decided_at: _Optional[float] = ..., run_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class SyncReply(_message.Message):
-    __slots__ = ("coordinator", "decisions", "incidents")
+    __slots__ = ("coordinator", "decisions", "incidents", "sync_interval_seconds")
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     INCIDENTS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     coordinator: str
     decisions: _containers.RepeatedCompositeFieldContainer[Decision]
     incidents: _containers.RepeatedCompositeFieldContainer[Incident]
-    def __init__(self, coordinator: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ...) -> None: ...
+    sync_interval_seconds: float
+    def __init__(self, coordinator: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., sync_interval_seconds: _Optional[float] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("reason",)

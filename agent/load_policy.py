@@ -1,0 +1,110 @@
+"""The coordinator's load: how often nodes sync, and when a silent node is evidence of anything.
+
+One coordinator serves every node's ``Sync``.  Python's gRPC server is bound by
+one core (the GIL), so a big job can ask for more syncs than it can serve.  Two
+rules keep an overloaded coordinator from harming the job:
+
+* **Backpressure.**  Each reply tells the node how often to sync
+  (:func:`sync_interval`): the base rate while the coordinator has room, slower
+  as the job grows past what it can serve, by its measured load.
+* **Silence is evidence only from a coordinator that could have heard.**  A node
+  whose summaries stop arriving is silent after the longer of the timeout and a
+  few of its sync intervals (:func:`node_silent`).  While the coordinator itself
+  shows overload (:func:`overload`): its own loop ran late (it was paused or
+  starved), its process is saturating a core, or summaries arrive late against
+  each node's best, no node is called silent, and for a grace period after it,
+  so every node gets a fair chance to be heard.  Positive evidence (a node that
+  reports its ranks dead, a hang's culprit, a fatal GPU fault) still acts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Load", "LoadConfig", "interval_floor", "node_silent", "overload", "quiet_until", "sync_interval"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadConfig:
+    base_interval: float = 0.25
+    """Seconds between a node's syncs while the coordinator has room."""
+    max_interval: float = 5.0
+    """Never ask a node to sync less often than this."""
+    target_cores: float = 0.7
+    """Slow the nodes down while the coordinator's process uses more CPU than this (cores);
+    speed them up again below 70 % of it."""
+    busy_cores: float = 0.9
+    """The process using this many cores or more is saturated (one core: the GIL)."""
+    lag_seconds: float = 1.0
+    """The coordinator's own loop running this much late: it was paused or starved."""
+    delay_seconds: float = 0.5
+    """Summaries arriving this much later than each node's best (median): overloaded."""
+    max_syncs_per_second: float = 2000.0
+    """About what one core serves: nodes never sync faster than this allows together, so a
+    big job's first seconds (every node joining at once) do not swamp the coordinator."""
+    silent_intervals: float = 3.0
+    """A node is silent after this many of its sync intervals (or the node timeout, if longer)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.base_interval <= self.max_interval:
+            raise ValueError("LoadConfig needs 0 < base_interval <= max_interval")
+        for knob in ("target_cores", "busy_cores", "lag_seconds", "delay_seconds", "max_syncs_per_second",
+                     "silent_intervals"):
+            if not getattr(self, knob) > 0:
+                raise ValueError(f"LoadConfig.{knob} must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Load:
+    """What the coordinator measured of itself over its last window."""
+
+    cores: float
+    """Process CPU seconds per wall second."""
+    loop_lag: float
+    """How much later than planned its evaluation loop last ran (seconds)."""
+    sync_delay: float
+    """Median over recent summaries of (arrival - sending) minus that node's smallest."""
+
+
+def overload(load: Load, cfg: LoadConfig) -> str | None:
+    """Why the coordinator is itself a bottleneck now, or None."""
+    if load.loop_lag >= cfg.lag_seconds:
+        return f"its own loop ran {load.loop_lag:.1f}s late (paused or starved)"
+    if load.cores >= cfg.busy_cores:
+        return f"it uses {load.cores:.2f} cores (saturated)"
+    if load.sync_delay >= cfg.delay_seconds:
+        return f"summaries arrive {load.sync_delay:.2f}s late (median)"
+    return None
+
+
+def quiet_until(now: float, interval: float, node_timeout: float, cfg: LoadConfig) -> float:
+    """After overload at ``now``: the time before which no node is called silent."""
+    return now + max(node_timeout, cfg.silent_intervals * interval)
+
+
+def node_silent(now: float, received_at: float, interval: float, node_timeout: float,
+                quiet: float, cfg: LoadConfig) -> bool:
+    """Whether a node whose last summary arrived at ``received_at`` has gone silent."""
+    if now < quiet:
+        return False
+    return now - received_at > max(node_timeout, cfg.silent_intervals * interval)
+
+
+def interval_floor(nodes: int, cfg: LoadConfig) -> float:
+    """The shortest interval for ``nodes`` nodes together (before any load is measured)."""
+    return max(cfg.base_interval, min(cfg.max_interval, nodes / cfg.max_syncs_per_second))
+
+
+def sync_interval(current: float, load: Load, cfg: LoadConfig) -> float:
+    """How often every node should sync next, so that the coordinator keeps room to spare.
+
+    Multiplicative steps on the measured load: 1.5x slower while the coordinator is over
+    its CPU target or overloaded, 0.8x faster while it is well under it and summaries
+    arrive on time.  (Its CPU has a fixed part, so a per-sync cost model would misjudge
+    small rates; the steps need none.)
+    """
+    if overload(load, cfg) is not None or load.cores >= cfg.target_cores:
+        return min(cfg.max_interval, current * 1.5)
+    if load.cores < 0.7 * cfg.target_cores and load.sync_delay < cfg.delay_seconds / 2:
+        return max(cfg.base_interval, current * 0.8)
+    return current

@@ -1,0 +1,75 @@
+"""The coordinator's load rules: backpressure, and silence that is evidence only from a coordinator
+that could have heard (pure functions), plus a real coordinator driven by simulated nodes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from rankwatch.agent.load_policy import (Load, LoadConfig, interval_floor, node_silent, overload, quiet_until,
+                                         sync_interval)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+CFG = LoadConfig()
+IDLE = Load(cores=0.1, loop_lag=0.0, sync_delay=0.0)
+
+
+def test_overload_has_three_kinds_of_evidence():
+    assert overload(IDLE, CFG) is None
+    assert "late" in overload(Load(cores=0.1, loop_lag=4.8, sync_delay=0.0), CFG)
+    assert "cores" in overload(Load(cores=0.95, loop_lag=0.0, sync_delay=0.0), CFG)
+    assert "arrive" in overload(Load(cores=0.1, loop_lag=0.0, sync_delay=0.8), CFG)
+
+
+def test_nodes_slow_down_under_load_and_speed_up_again():
+    busy = Load(cores=0.8, loop_lag=0.0, sync_delay=0.0)
+    assert sync_interval(0.25, busy, CFG) == pytest.approx(0.375)
+    assert sync_interval(4.0, busy, CFG) == CFG.max_interval
+    assert sync_interval(1.0, IDLE, CFG) == pytest.approx(0.8)
+    assert sync_interval(0.26, IDLE, CFG) == CFG.base_interval
+    middling = Load(cores=0.6, loop_lag=0.0, sync_delay=0.0)
+    assert sync_interval(1.0, middling, CFG) == 1.0     # between the marks: hold
+    assert interval_floor(64, CFG) == CFG.base_interval
+    assert interval_floor(4096, CFG) == pytest.approx(2.048)
+    assert interval_floor(10**6, CFG) == CFG.max_interval
+
+
+def test_silence_needs_a_few_intervals_and_none_during_the_quiet_after_overload():
+    assert not node_silent(10.0, received_at=8.0, interval=0.25, node_timeout=3.0, quiet=0.0, cfg=CFG)
+    assert node_silent(10.0, received_at=6.9, interval=0.25, node_timeout=3.0, quiet=0.0, cfg=CFG)
+    # Told to sync every 2 s: silent only after 3 of its intervals.
+    assert not node_silent(10.0, received_at=4.1, interval=2.0, node_timeout=3.0, quiet=0.0, cfg=CFG)
+    assert node_silent(10.0, received_at=3.9, interval=2.0, node_timeout=3.0, quiet=0.0, cfg=CFG)
+    quiet = quiet_until(9.0, interval=0.25, node_timeout=3.0, cfg=CFG)
+    assert quiet == 12.0
+    assert not node_silent(10.0, received_at=0.0, interval=0.25, node_timeout=3.0, quiet=quiet, cfg=CFG)
+    assert node_silent(12.0, received_at=0.0, interval=0.25, node_timeout=3.0, quiet=quiet, cfg=CFG)
+
+
+def _load_args(**kw):
+    import coordinator_load
+
+    args = coordinator_load.parser().parse_args([])
+    for k, v in {"nodes": 64, "seconds": 10.0, "fault_at": 3.0, "warmup": 2.0, **kw}.items():
+        setattr(args, k, v)
+    return coordinator_load.run(args)
+
+
+@pytest.mark.e2e
+def test_64_nodes_a_silent_one_is_excluded_and_no_healthy_one():
+    r = _load_args(silence=5)
+    assert r["failed"] == 0 and r["healthy_excluded"] == []
+    assert r["silent_excluded_after_s"] is not None and r["silent_excluded_after_s"] <= 5.0
+    assert r["syncs_per_second"] > 0.8 * 64 * 4
+
+
+@pytest.mark.e2e
+def test_a_paused_coordinator_excludes_no_healthy_node():
+    """SIGSTOP the coordinator for 5 s (a long GC pause, a starved VM) under 64 nodes' syncs: once
+    it runs again, every node looks silent and every rank stalled.  None of that is evidence."""
+    r = _load_args(pause=5.0, seconds=13.0)
+    assert r["failed_by_code"].get("DEADLINE_EXCEEDED", 0) > 0, "the pause must have cost syncs"
+    assert r["healthy_excluded"] == []
