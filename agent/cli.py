@@ -18,10 +18,10 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from rankwatch import __version__
 from rankwatch.address import Address, node_id, resolve
@@ -31,41 +31,45 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-
-def _address(text: str) -> Address:
-    try:
-        return Address.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+T = TypeVar("T")
 
 
-def _positive(text: str) -> float:
+def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type from a parser that raises ValueError with a readable message."""
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
+
+
+def _parse_positive(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise ValueError(f"{text!r} is not a number") from None
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
+        raise ValueError(f"{value} must be positive")
     return value
 
 
-def _gpu_source(text: str) -> tuple[str, object]:
+def _parse_port(text: str) -> int:
+    if not text.strip().isdigit() or not 0 <= int(text) < 65536:
+        raise ValueError(f"{text!r} is not a port number (0-65535)")
+    return int(text)
+
+
+def _parse_gpu_source(text: str) -> tuple[str, object]:
     from rankwatch.agent.gpu import parse_gpu_source
 
-    try:
-        return parse_gpu_source(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse_gpu_source(text)
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= port < 65536:
-        raise argparse.ArgumentTypeError(f"port {port} out of range 0-65535")
-    return port
+_address = _argument(Address.parse)
+_positive = _argument(_parse_positive)
+_port = _argument(_parse_port)
+_gpu_source = _argument(_parse_gpu_source)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankwatch.knobs import require_positive
+
 __all__ = ["HangConfig", "HangVerdict", "RankProgress", "detect_hang", "flight_recorder_evidence", "hang_possible"]
 
 
@@ -39,10 +41,8 @@ class HangConfig:
     """A rank whose stream has sent nothing for this long is silent (stopped or gone)."""
 
     def __post_init__(self) -> None:
-        for knob in ("floor_seconds", "step_multiple", "first_step_seconds", "checkpoint_seconds",
-                     "eval_seconds", "silence_seconds"):
-            if not getattr(self, knob) > 0:
-                raise ValueError(f"HangConfig.{knob} must be positive")
+        require_positive(self, "floor_seconds", "step_multiple", "first_step_seconds", "checkpoint_seconds",
+                         "eval_seconds", "silence_seconds")
 
     def allowance(self, r: RankProgress) -> float:
         if r.activity == "checkpoint":

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rankwatch.knobs import require_positive
+
 __all__ = ["Load", "LoadConfig", "interval_floor", "node_silent", "overload", "quiet_until", "sync_interval"]
 
 
@@ -48,10 +50,8 @@ class LoadConfig:
     def __post_init__(self) -> None:
         if not 0 < self.base_interval <= self.max_interval:
             raise ValueError("LoadConfig needs 0 < base_interval <= max_interval")
-        for knob in ("target_cores", "busy_cores", "lag_seconds", "delay_seconds", "max_syncs_per_second",
-                     "silent_intervals"):
-            if not getattr(self, knob) > 0:
-                raise ValueError(f"LoadConfig.{knob} must be positive")
+        require_positive(self, "target_cores", "busy_cores", "lag_seconds", "delay_seconds",
+                         "max_syncs_per_second", "silent_intervals")
 
 
 @dataclass(frozen=True, kw_only=True)

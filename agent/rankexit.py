@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rankwatch.knobs import require_positive
+
 __all__ = ["BrokenStream", "ExitConfig", "ExitWatch", "Verdict", "exit_detail", "judge"]
 
 log = logging.getLogger(__name__)
@@ -35,9 +37,7 @@ class ExitConfig:
     """A stream that breaks this soon after a restart decision was stopped by the restart."""
 
     def __post_init__(self) -> None:
-        for knob in ("wait_seconds", "restart_seconds"):
-            if not getattr(self, knob) > 0:
-                raise ValueError(f"ExitConfig.{knob} must be positive")
+        require_positive(self, "wait_seconds", "restart_seconds")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rankwatch.knobs import require_positive
+
 __all__ = ["CAUSES", "RankWork", "Score", "StragglerConfig", "StragglerDetector", "StragglerEvent",
            "cost_ratio", "score"]
 
@@ -84,9 +86,7 @@ class StragglerConfig:
             raise ValueError("StragglerConfig.window must be at least 3")
         if not 0 < self.clear_threshold <= self.threshold:
             raise ValueError("StragglerConfig needs 0 < clear_threshold <= threshold")
-        for knob in ("evidence", "drift", "clip"):
-            if not getattr(self, knob) > 0:
-                raise ValueError(f"StragglerConfig.{knob} must be positive")
+        require_positive(self, "evidence", "drift", "clip")
         if self.host_evidence < self.evidence:
             raise ValueError("StragglerConfig.host_evidence must be at least evidence")
         if self.clear_after < 1 or self.warmup_steps < 0 or self.node_grace < 0:

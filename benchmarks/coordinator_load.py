@@ -123,8 +123,9 @@ async def _drive(node: SimNode, stubs: list, end: float, lat: list, fails: dict,
                 reply = await stubs[node.index % len(stubs)].Sync(node.summary(time.time()), timeout=RPC_TIMEOUT)
                 lat.append((t_sent, time.perf_counter() - t0))
                 done[0] += 1
-                if reply.sync_interval_seconds > 0:
-                    node.interval = min(5.0, max(0.25, reply.sync_interval_seconds))
+                asked = getattr(reply, "sync_interval_seconds", 0.0)   # a coordinator before backpressure
+                if asked > 0:
+                    node.interval = min(5.0, max(0.25, asked))
             except grpc.aio.AioRpcError as exc:
                 fails[exc.code().name] = fails.get(exc.code().name, 0) + 1
                 failed_at.append(time.time())

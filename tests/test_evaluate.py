@@ -104,14 +104,19 @@ def make_watch(clock):
                               gpu_throttle=lambda rank: [])
 
 
-def test_a_job_that_ends_while_hung_is_not_called_resumed():
+def hung_rank():
+    """One rank that stalled past the allowance, and the hang incident it got."""
     now = [1000.0]
     st, log, watch = make_watch(lambda: now[0])
     r = st.hello(hello(0, os.getpid()))
     progress(st, r, 1, step=3, group_seq=5)
     now[0] += 5
-    hang = watch.check_hang(now[0])
-    assert hang is not None and st.ranks[0].state == "hung"
+    assert watch.check_hang(now[0]) is not None and st.ranks[0].state == "hung"
+    return now, st, log, watch, r
+
+
+def test_a_job_that_ends_while_hung_is_not_called_resumed():
+    now, st, log, watch, r = hung_rank()
     st.goodbye(r, clean=True)   # SIGTERM: the rank closes its stream on its way out
     assert watch.check_hang(now[0] + 1) is None
     (inc,) = log.items
@@ -119,12 +124,7 @@ def test_a_job_that_ends_while_hung_is_not_called_resumed():
 
 
 def test_progress_after_a_hang_resolves_it_and_the_rank_is_ok_again():
-    now = [1000.0]
-    st, log, watch = make_watch(lambda: now[0])
-    r = st.hello(hello(0, os.getpid()))
-    progress(st, r, 1, step=3, group_seq=5)
-    now[0] += 5
-    assert watch.check_hang(now[0]) is not None
+    now, st, log, watch, r = hung_rank()
     progress(st, r, 2, step=4, group_seq=6)
     assert watch.check_hang(now[0]) is None
     (inc,) = log.items
