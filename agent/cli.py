@@ -55,8 +55,10 @@ def _parse_positive(text: str) -> float:
 
 
 def _parse_port(text: str) -> int:
-    if not text.strip().isdigit() or not 0 <= int(text) < 65536:
-        raise ValueError(f"{text!r} is not a port number (0-65535)")
+    if not text.strip().isdigit():
+        raise ValueError(f"{text!r} is not a port number")
+    if not 0 <= int(text) < 65536:
+        raise ValueError(f"port {int(text)} out of range 0-65535")
     return int(text)
 
 
