@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the job's coordinator candidates in node-rank order, repeatable; the "
                         "first that answers coordinates (this agent's own address may be one). "
                         "Default: this agent coordinates its own node alone")
+    a.add_argument("--election", default=None, metavar="etcd://HOST:PORT[,...]",
+                   help="the coordinator is the agent holding the job's key in this etcd (v2 API; "
+                        "the [etcd] extra), instead of the --coordinator list's first")
+    a.add_argument("--job-id", default="", metavar="ID", help="the job's id in etcd (with --election)")
+    a.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                   help="this agent's address for the other agents (default: its first TCP --listen)")
     a.add_argument("--token-file", type=Path, default=None, metavar="PATH",
                    help="the job's shared token (mode 0600) for coordinator and control RPCs "
                         "(default: $RANKWATCH_TOKEN; none: unchecked)")
@@ -180,13 +186,15 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         kind, script = args.gpu_source
         gpu = GpuConfig(source=kind, script=script, dcgm_url=args.dcgm_url,
                         interval=timedelta(seconds=args.gpu_interval) if args.gpu_interval else None)
+        config = AgentConfig(node_id=node, listen=listen, metrics_port=args.metrics_port,
+                             metrics_addr=args.metrics_addr, state_dir=state_dir,
+                             hang=HangConfig(floor_seconds=args.hang_floor), straggler=straggler,
+                             coordinators=args.coordinator, policy=policy, gpu=gpu, token=token,
+                             election=args.election, job_id=args.job_id, advertise=args.advertise)
     except ValueError as exc:
         print(f"rankwatch agent: {exc}", file=sys.stderr)
         return 2
-    agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=args.metrics_port,
-                              metrics_addr=args.metrics_addr, state_dir=state_dir,
-                              hang=HangConfig(floor_seconds=args.hang_floor), straggler=straggler,
-                              coordinators=args.coordinator, policy=policy, gpu=gpu, token=token))
+    agent = Agent(config)
     try:
         agent.start()
     except (RuntimeError, OSError) as exc:

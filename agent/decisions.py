@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,10 @@ from rankwatch.proto import pb
 __all__ = ["Decision", "DecisionLog"]
 
 log = logging.getLogger(__name__)
+
+_KINDS = ("exclude", "checkpoint")
+_MAX_INT = 1 << 53
+_MAX_TEXT = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +61,31 @@ class Decision:
         return cls(id=d.id, kind=d.kind, node=d.node, generation=d.generation, step=d.step,
                    reason=d.reason, decided_at=d.decided_at, run_id=d.run_id, seq=d.seq)
 
+    @classmethod
+    def from_json(cls, r: Mapping[str, Any]) -> Decision:
+        """A decision read back from a store another process writes (etcd).
+
+        Raises:
+            ValueError: a field missing, of the wrong type or out of range.
+        """
+        try:
+            kind, ints, text = r["kind"], {k: r[k] for k in ("generation", "step", "seq")}, \
+                {k: r[k] for k in ("id", "node", "reason", "run_id")}
+            decided_at = float(r["decided_at"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"decision record: {exc!r}") from None
+        if kind not in _KINDS:
+            raise ValueError(f"decision kind {kind!r}")
+        for k, v in ints.items():
+            if type(v) is not int or not 0 <= v <= _MAX_INT:
+                raise ValueError(f"decision {k} {v!r} out of range")
+        for k, v in text.items():
+            if not isinstance(v, str) or len(v) > _MAX_TEXT:
+                raise ValueError(f"decision {k}: not a string of at most {_MAX_TEXT} characters")
+        if not math.isfinite(decided_at):
+            raise ValueError("decision decided_at is not finite")
+        return cls(kind=kind, decided_at=decided_at, **ints, **text)
+
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "kind": self.kind, "node": self.node, "generation": self.generation,
                 "step": self.step, "reason": self.reason, "decided_at": self.decided_at,
@@ -78,6 +108,8 @@ class DecisionLog:
         self._ids: set[str] = set()
         self._seq = 0
         self._generation = 0
+        self.sink: Callable[[Decision], None] | None = None
+        """Also called with each decision made here (the job's log in etcd, with an election)."""
         if path is not None:
             self._seq, self._generation = _counters(path)
 
@@ -113,6 +145,11 @@ class DecisionLog:
             self._items.append(d)
             self._ids.add(d.id)
             self._write(d)
+        if self.sink is not None:
+            try:
+                self.sink(d)
+            except Exception as exc:  # noqa: BLE001 - the decision stands; the store is best effort
+                log.warning("decision %s not recorded in the job's store: %s", d.id, exc)
         return d
 
     def adopt(self, decisions: Iterable[Decision]) -> list[Decision]:

@@ -31,6 +31,7 @@ from rankwatch.agent.incidents import Incident
 from rankwatch.proto import pb, pb_grpc
 
 if TYPE_CHECKING:
+    from rankwatch.agent.election import Election
     from rankwatch.agent.server import Agent
 
 __all__ = ["CommandHub", "JobLink", "forward_checkpoint"]
@@ -103,12 +104,16 @@ class JobLink:
         interval: seconds between summaries.
     """
 
-    def __init__(self, agent: Agent, candidates: list[Address], interval: float = 0.25) -> None:
+    def __init__(self, agent: Agent, candidates: list[Address], interval: float = 0.25,
+                 elected: bool = False) -> None:
         self.agent = agent
         self.candidates = candidates
+        self.elected = elected
+        self.election: Election | None = None
+        """Set before :meth:`start` when ``elected`` (it needs the agent's bound port)."""
         self.base_interval = self.interval = interval
-        self.acting = not candidates
-        self.coordinator_node = agent.config.node_id if not candidates else ""
+        self.acting = not candidates and not elected
+        self.coordinator_node = agent.config.node_id if self.acting else ""
         self.coordinator_addr: Address | None = None
         self.last_ok = 0.0
         self._applied: set[str] = set()   # ids of the decisions this node has acted on
@@ -119,7 +124,14 @@ class JobLink:
         self._stop = threading.Event()
 
     # -- lifecycle --------------------------------------------------------------
+    @property
+    def coordinates_job(self) -> bool:
+        """True while this agent is the coordinator of a job of several nodes."""
+        return self.acting and (bool(self.candidates) or self.elected)
+
     def start(self) -> None:
+        if self.election is not None:
+            self.election.start()
         self._thread = threading.Thread(target=self._loop, name="rankwatch-sync", daemon=True)
         self._thread.start()
 
@@ -127,6 +139,8 @@ class JobLink:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2)
+        if self.election is not None:
+            self.election.stop()
         for ch in self._channels.values():
             ch.close()
 
@@ -148,11 +162,27 @@ class JobLink:
             except Exception:  # noqa: BLE001 - the agent never dies of a sync bug
                 log.exception("sync with the coordinator failed")
 
+    def _candidates(self) -> list[Address | None]:
+        """Where to sync, in order; None is this agent itself."""
+        election = self.election
+        if election is None:
+            return list(self.candidates) or [None]
+        if election.is_leader():
+            return [None]
+        if self.acting:   # lost the key: another agent, or nobody yet, coordinates
+            self._took_role(False, None)
+        leader = election.leader()
+        try:
+            return [Address.parse(leader)] if leader else []
+        except ValueError:
+            self._warn_once(f"the coordinator key holds {leader!r}, not an address")
+            return []
+
     def sync_once(self) -> None:
         summary = self.agent.summary(self._next_seq())
-        candidates: list[Address | None] = list(self.candidates) or [None]
+        candidates = self._candidates()
         for addr in candidates:
-            if addr is None or self.agent.serves(addr):
+            if addr is None or (self.election is None and self.agent.serves(addr)):
                 reply = self.agent.coordinator.sync(summary)
                 self._took_role(True, addr)
             else:
@@ -169,7 +199,7 @@ class JobLink:
             self.apply(reply)
             return
         if self.last_ok and time.time() - self.last_ok > 5:
-            log.warning("no coordinator answers (%s)", ", ".join(map(str, self.candidates)))
+            log.warning("no coordinator answers (%s)", ", ".join(map(str, candidates)) or "none elected")
 
     def _warn_once(self, text: str) -> None:
         if text not in self._warned:
@@ -179,6 +209,12 @@ class JobLink:
     def _took_role(self, acting: bool, addr: Address | None) -> None:
         if acting != self.acting:
             log.warning("this agent %s the job's coordinator", "is now" if acting else "is no longer")
+            if acting and self.election is not None:   # go on from the job's log in etcd
+                try:
+                    taken = self.agent.decision_log.adopt(self.election.decisions.load())
+                    log.info("took over %d decision(s) from the job's log in etcd", len(taken))
+                except Exception as exc:  # noqa: BLE001 - the nodes' summaries carry them too
+                    log.warning("could not read the job's decision log in etcd: %s", exc)
         self.acting, self.coordinator_addr = acting, addr
 
     def _next_seq(self) -> int:

@@ -35,6 +35,7 @@ from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.export.jobmetrics import JobCollector
 from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint, summary_incidents
 from rankwatch.agent.export.metrics import NodeCollector
+from rankwatch.agent.election import Election, parse_endpoints
 from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS
 from rankwatch.agent.nodewatch import NodeWatch, process_state
 from rankwatch.agent.rankexit import ExitConfig
@@ -67,6 +68,9 @@ class AgentConfig:
         token: the job's shared token for Sync and RequestCheckpoint (None: no check).
         gpu: GPU health source and thresholds (default: NVML if it initialises, else none).
         exits: how long a rank's broken stream is watched for its process's exit.
+        election: ``etcd://HOST:PORT[,...]``: the coordinator is whichever agent of ``job_id``
+            holds the coordinator key in etcd (:mod:`.election`); needs a TCP ``listen``.
+        advertise: this agent's address for the other agents (default: its first TCP one).
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
@@ -74,9 +78,18 @@ class AgentConfig:
                  hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
                  coordinators: list[Address] | None = None, policy: PolicyConfig | None = None,
                  sync_interval: float = 0.25, token: str | None = None, gpu: GpuConfig | None = None,
-                 exits: ExitConfig | None = None) -> None:
+                 exits: ExitConfig | None = None, election: str | None = None, job_id: str = "",
+                 advertise: str | None = None) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
+        if election is not None:
+            parse_endpoints(election)
+            if not job_id or "/" in job_id or len(job_id) > 128:
+                raise ValueError("an election needs a job id (--job-id: 1-128 characters, no '/')")
+            if coordinators:
+                raise ValueError("an election and a --coordinator list exclude each other")
+            if all(a.is_unix for a in listen) and advertise is None:
+                raise ValueError("an election needs a TCP address the other agents reach (--listen HOST:PORT)")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
             raise ValueError(f"AgentConfig.metrics_port {metrics_port} out of range")
         self.node_id, self.listen = node_id, listen
@@ -90,6 +103,7 @@ class AgentConfig:
         self.token = token
         self.gpu = gpu or GpuConfig()
         self.exits = exits or ExitConfig()
+        self.election, self.job_id, self.advertise = election, job_id, advertise
 
 
 class Agent:
@@ -109,7 +123,7 @@ class Agent:
                                        straggler=config.straggler, policy=config.policy,
                                        on_incident=self._own_job_incident)
         self.commands = CommandHub()
-        self.link = JobLink(self, config.coordinators, config.sync_interval)
+        self.link = JobLink(self, config.coordinators, config.sync_interval, elected=config.election is not None)
         self.progress = goodput.StepProgress()
         self._checkpoint_steps: set[int] = set()
         self.registry = CollectorRegistry(auto_describe=False)
@@ -146,6 +160,8 @@ class Agent:
             raise
         self._detector = threading.Thread(target=self._detect_loop, name="rankwatch-detect", daemon=True)
         self._detector.start()
+        if self.config.election is not None:
+            self.link.election = self._election(self.config.election)
         self.link.start()
         log.info("agent %s serving gRPC on %s, /metrics on port %s", self.config.node_id,
                  ", ".join(map(str, self.config.listen)), self.metrics_port)
@@ -170,6 +186,17 @@ class Agent:
                 os.chmod(addr.path, 0o600)  # type: ignore[arg-type]
         self._grpc = server
         self._owns_sockets = True
+
+    def _election(self, endpoints: str) -> Election:
+        """Campaign for the job's coordinator key under this agent's TCP address."""
+        me = self.config.advertise
+        if me is None:
+            tcp = next(a for a in self.config.listen if not a.is_unix)
+            host = tcp.host if tcp.host not in ("0.0.0.0", "::", "") else socket.getfqdn()
+            me = f"{host}:{self.tcp_ports[0]}"
+        election = Election(parse_endpoints(endpoints), self.config.job_id, me)
+        self.decision_log.sink = election.decisions.append
+        return election
 
     def stop(self, grace: timedelta = timedelta(seconds=1)) -> None:
         self._stopped.set()
@@ -339,7 +366,7 @@ class Agent:
                 watch.unmark_progressed()
                 self._observe_progress(now)
                 watch.check_exits(now, restarts=(d.decided_at for d in self.decisions() if d.kind == "exclude"))
-                if self.link.acting and self.config.coordinators:
+                if self.is_coordinator():
                     self.coordinator.evaluate()
                 elif not self.link.coordinated(now):
                     watch.check_hang(now)
@@ -398,7 +425,7 @@ class Agent:
                                  progress=self.progress.snapshot())
 
     def is_coordinator(self) -> bool:
-        return self.link.acting and bool(self.config.coordinators)
+        return self.link.coordinates_job
 
     def decisions(self) -> list[Decision]:
         """The job's decisions this agent made or applied (one log, whether it coordinates or not)."""
@@ -474,7 +501,7 @@ class Agent:
 
     def _sync(self, request: pb.NodeSummary, context: grpc.ServicerContext) -> pb.SyncReply:
         self._authorize(context, "Sync")
-        if not (self.link.acting and self.config.coordinators):
+        if not self.is_coordinator():
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"{self.config.node_id} is not the job's coordinator")
         try:

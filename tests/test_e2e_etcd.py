@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -21,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
-from multinode import Cluster, free_port
+from etcdcluster import EtcdCluster
+from multinode import Cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -37,34 +36,13 @@ def _store_keys(endpoint: str) -> set[str]:
     return {base64.b64decode(n["key"].rsplit("/", 1)[1]).decode() for n in nodes}
 
 
-def _etcd_answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/v2/keys/", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture
 def etcd(tmp_path: Path):
-    exe = shutil.which("etcd")
-    if exe is None:
-        pytest.fail("etcd not found on PATH: install Debian's 'etcd-server' (.ci/apt-packages lists it)")
-    client, peer = free_port(), free_port()
-    url = f"http://127.0.0.1:{client}"
-    log = open(tmp_path / "etcd.log", "w")
-    proc = subprocess.Popen(
-        [exe, "--name", "e0", "--data-dir", str(tmp_path / "etcd"), "--enable-v2=true",
-         "--listen-client-urls", url, "--advertise-client-urls", url,
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"e0=http://127.0.0.1:{peer}"], stdout=log, stderr=subprocess.STDOUT)
+    cluster = EtcdCluster(tmp_path)
     try:
-        wait_for(lambda: proc.poll() is None and _etcd_answers(url), 30, what="etcd answering")
-        yield f"127.0.0.1:{client}"
+        yield cluster.endpoints[0]
     finally:
-        proc.terminate()
-        proc.wait(10)
+        cluster.stop()
 
 
 def test_the_first_nodes_loss_leaves_the_job_training(tmp_path, etcd):
