@@ -24,6 +24,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from rankwatch.agent import otel
 from rankwatch.address import Address
 from rankwatch.agent.auth import authorized
+from rankwatch.agent.gate import Gate, StreamLimits
+from rankwatch.agent.tls import TlsConfig
+from rankwatch.credentials import ClientCredentials
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
@@ -64,7 +67,10 @@ class AgentConfig:
         coordinators: the job's coordinator candidates, in node-rank order (this agent's own
             address may be among them); empty: this agent coordinates its node alone.
         policy: the coordinator's policy (exclusions, minimum nodes).
-        token: the job's shared token for Sync and RequestCheckpoint (None: no check).
+        token: the job's shared token: every TCP call needs it, and Sync and
+            RequestCheckpoint on the socket too (None: no check).
+        tls: mutual TLS for the TCP listeners and for calls to the coordinator (None: plain TCP).
+        streams: stream caps, the server threads kept for control calls, the hello deadline.
         gpu: GPU health source and thresholds (default: NVML if it initialises, else none).
         exits: how long a rank's broken stream is watched for its process's exit.
     """
@@ -74,7 +80,8 @@ class AgentConfig:
                  hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
                  coordinators: list[Address] | None = None, policy: PolicyConfig | None = None,
                  sync_interval: float = 0.25, token: str | None = None, gpu: GpuConfig | None = None,
-                 exits: ExitConfig | None = None) -> None:
+                 exits: ExitConfig | None = None, tls: TlsConfig | None = None,
+                 streams: StreamLimits | None = None) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -90,6 +97,12 @@ class AgentConfig:
         self.token = token
         self.gpu = gpu or GpuConfig()
         self.exits = exits or ExitConfig()
+        self.tls = tls
+        self.streams = streams or StreamLimits()
+
+    def client_credentials(self) -> ClientCredentials:
+        """What this agent presents when it calls another agent (its coordinator)."""
+        return self.tls.client_credentials(self.token) if self.tls else ClientCredentials(self.token)
 
 
 class Agent:
@@ -130,6 +143,10 @@ class Agent:
         self._risk_requested: dict[tuple[int, str], float] = {}
         self._pending_risk: str | None = None
         self.registry.register(GpuCollector(self.gpu))
+        self.gate = Gate(config.token, config.streams, node=config.node_id,
+                         on_unauthenticated=lambda method, peer: self.state.note_rejected(
+                             Rejected("unauthenticated", f"{method} from {peer}")))
+        self.registry.register(self.gate)
         self._grpc: grpc.Server | None = None
         self._http: Any = None
         self.metrics_port: int | None = None
@@ -160,7 +177,10 @@ class Agent:
 
     def _start_grpc(self) -> None:
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rankwatch-grpc"),
+            # Streams never take more than limits.total threads: the rest serve control calls.
+            futures.ThreadPoolExecutor(max_workers=self.gate.limits.threads,
+                                       thread_name_prefix="rankwatch-grpc"),
+            interceptors=(self.gate,),
             maximum_concurrent_rpcs=_MAX_RPCS,
             options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
                      ("grpc.max_send_message_length", _MAX_MESSAGE),
@@ -170,6 +190,9 @@ class Agent:
             if addr.is_unix:
                 _prepare_socket_path(addr.path)  # type: ignore[arg-type]
                 server.add_insecure_port(addr.grpc_target())
+            elif self.config.tls is not None:
+                self.tcp_ports.append(server.add_secure_port(addr.grpc_target(),
+                                                             self.config.tls.server_credentials()))
             else:
                 self.tcp_ports.append(server.add_insecure_port(addr.grpc_target()))
         server.start()
@@ -683,7 +706,8 @@ class Agent:
         """Ask the job for a checkpoint: through the coordinator, or this agent's own node."""
         if not self.link.acting and self.link.coordinator_addr is not None:
             try:
-                return forward_checkpoint(self.link.coordinator_addr, reason, self.config.token)
+                return forward_checkpoint(self.link.coordinator_addr, reason,
+                                          self.config.client_credentials())
             except grpc.RpcError as exc:
                 return pb.CheckpointReply(accepted=False, message=f"coordinator unreachable: {exc.code().name}")
         try:

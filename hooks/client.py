@@ -36,6 +36,7 @@ import grpc
 import numpy as np
 
 from rankwatch.address import Address
+from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.hooks.recorder import ACTIVITY_IDLE, ACTIVITY_TRAIN, OPS, Recorder
 from rankwatch.proto import pb, pb_grpc
 
@@ -63,14 +64,17 @@ class AgentClient:
         max_batch: records per batch; a full batch is sent at once.
         queue_batches: batches held while the agent is slow or away.
         last_seq: returns the rank's latest collective sequence number.
+        creds: the job's token and TLS files, for an agent over TCP (default: none).
     """
 
     def __init__(self, recorder: Recorder, hello: pb.Hello, address: Address, *,
                  flush_interval: timedelta = timedelta(milliseconds=100),
                  max_batch: int = 1024, queue_batches: int = 256,
                  last_seq: Callable[[], int] = lambda: -1,
-                 group_seqs: Callable[[], dict[str, int]] = dict) -> None:
+                 group_seqs: Callable[[], dict[str, int]] = dict,
+                 creds: ClientCredentials | None = None) -> None:
         self._rec = recorder
+        self._creds = creds or ClientCredentials()
         self._hello = hello
         self._address = address
         self._interval = flush_interval.total_seconds()
@@ -247,7 +251,7 @@ class AgentClient:
         delay = _RECONNECT_MIN.total_seconds()
         warned = False
         while not self._stop.is_set():
-            channel = grpc.insecure_channel(self._address.grpc_target())
+            channel = open_channel(self._address, self._creds)
             try:
                 grpc.channel_ready_future(channel).result(timeout=_CONNECT_TIMEOUT.total_seconds())
                 self.connected.set()
@@ -299,7 +303,7 @@ class AgentClient:
         delay = _RECONNECT_MIN.total_seconds()
         request = pb.CommandRequest(rank=self._hello.rank, pid=self._hello.pid)
         while not self._stop.is_set():
-            channel = grpc.insecure_channel(self._address.grpc_target())
+            channel = open_channel(self._address, self._creds)
             try:
                 for cmd in pb_grpc.AgentStub(channel).Commands(request):
                     delay = _RECONNECT_MIN.total_seconds()

@@ -1,0 +1,251 @@
+"""The agent's front door: who may call, and how many streams anyone may hold.
+
+One ``grpc.ServerInterceptor`` wraps every handler, so no RPC can forget a check:
+
+* **Credentials.** With a token configured, every call that arrives over TCP
+  (``Report``, ``Commands``, ``Status``, ``Sync``, ``RequestCheckpoint``, and any
+  RPC added later) needs ``authorization: Bearer <token>``, or it is refused with
+  UNAUTHENTICATED.  Calls on the Unix socket are not asked: the socket is 0600 in
+  a directory of the agent's user, and that is its access control.  The server
+  tells the two apart by ``context.peer()``: ``unix:...`` for the socket,
+  ``ipv4:``/``ipv6:`` for TCP.
+* **Streams are capped.** ``Report`` and ``Commands`` hold a server thread for
+  their whole life.  At most ``per_peer`` of them per TCP host and ``total`` in all
+  are served; more are refused with RESOURCE_EXHAUSTED, counted and logged.
+* **Capacity for the control calls.** The server's thread pool has ``total +
+  reserve`` threads (:meth:`StreamLimits.threads`).  Streams can take at most
+  ``total`` of them, so ``Status``, ``Sync`` and ``RequestCheckpoint`` always find
+  one of the ``reserve`` threads free, however many streams anyone opens.  Reserved
+  threads were chosen over a second server or ``grpc.aio`` because they keep one
+  port and one handler table, and the bound is plain arithmetic (streams <= total
+  < threads) that a test can check.
+* **A hello is due.** A ``Report`` stream that has sent nothing within
+  ``hello_timeout`` is cancelled, so idle connections cannot sit on the caps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import grpc
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from rankwatch.agent.auth import authorized
+
+__all__ = ["Gate", "StreamLimits", "is_local_peer", "peer_host"]
+
+log = logging.getLogger(__name__)
+
+_STREAMS = ("Report", "Commands")   # the long-lived RPCs that hold a server thread
+_LOG_EVERY = 10.0                   # seconds between log lines per refusal reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamLimits:
+    total: int = 128
+    """Streams (Report and Commands) served at once, from everyone."""
+    per_peer: int = 32
+    """Streams served at once from one TCP host (a node's ranks hold two each)."""
+    reserve: int = 16
+    """Server threads streams can never take: Status, Sync and RequestCheckpoint run there."""
+    hello_timeout: timedelta = timedelta(seconds=5)
+    """A Report stream that has sent no hello by then is closed."""
+
+    def __post_init__(self) -> None:
+        if self.total < 1 or self.per_peer < 1 or self.reserve < 1:
+            raise ValueError("StreamLimits.total, per_peer and reserve must be at least 1")
+        if self.hello_timeout.total_seconds() <= 0:
+            raise ValueError("StreamLimits.hello_timeout must be positive")
+
+    @property
+    def threads(self) -> int:
+        """The server's thread pool: every stream, plus the reserve for control calls."""
+        return self.total + self.reserve
+
+
+def is_local_peer(peer: str) -> bool:
+    """True for a call on a Unix socket (``unix:...``), which needs no token."""
+    return peer.startswith("unix:")
+
+
+def peer_host(peer: str) -> str:
+    """The host part of ``context.peer()``: ``ipv4:10.0.0.2:5123`` -> ``ipv4:10.0.0.2``."""
+    if is_local_peer(peer):
+        return "unix"
+    head, _, _port = peer.rpartition(":")
+    return head or peer
+
+
+class Gate(grpc.ServerInterceptor):
+    """Checks credentials and stream caps for every call; also a Prometheus collector.
+
+    Args:
+        token: the job's bearer token (None: TCP calls need none).
+        node: this node's id (the ``node`` label).
+        limits: stream caps and the hello deadline.
+        on_unauthenticated: called with (method, peer) for each refused call.
+        clock: monotonic seconds (injected in tests).
+    """
+
+    def __init__(self, token: str | None, limits: StreamLimits | None = None, *, node: str = "",
+                 on_unauthenticated: Callable[[str, str], None] = lambda m, p: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.token = token
+        self.node = node
+        self.limits = limits or StreamLimits()
+        self._on_unauthenticated = on_unauthenticated
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_peer: dict[str, int] = {}
+        self._open = 0
+        self.refused: dict[str, int] = {}
+        self._logged: dict[str, tuple[float, int]] = {}   # reason -> (when, count then)
+
+    # -- grpc.ServerInterceptor -------------------------------------------------
+    def intercept_service(self, continuation: Callable[[Any], Any],
+                          handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        kind = _kind(handler)
+        inner = getattr(handler, kind)
+        wrap = self._wrap_stream if method in _STREAMS else self._wrap_call
+        return handler._replace(**{kind: wrap(method, kind, inner)})
+
+    def _wrap_call(self, method: str, kind: str, inner: Callable) -> Callable:
+        if kind.startswith("unary_stream") or kind == "stream_stream":
+            def gen(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                self._check(method, context)
+                yield from inner(request, context)
+            return gen
+
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            self._check(method, context)
+            return inner(request, context)
+        return call
+
+    def _wrap_stream(self, method: str, kind: str, inner: Callable) -> Callable:
+        if kind == "stream_unary":
+            def report(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                self._check(method, context)
+                key = self._acquire(method, context)
+                try:
+                    return inner(self._hello_due(requests, context), context)
+                finally:
+                    self._release(key)
+            return report
+
+        def commands(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            self._check(method, context)
+            key = self._acquire(method, context)
+            try:
+                yield from inner(request, context)
+            finally:
+                self._release(key)
+        return commands
+
+    # -- checks -----------------------------------------------------------------
+    def _check(self, method: str, context: grpc.ServicerContext) -> None:
+        peer = context.peer()
+        if is_local_peer(peer) or authorized(context, self.token):
+            return
+        self._refuse("unauthenticated", f"{method} from {peer} without the job's token")
+        self._on_unauthenticated(method, peer)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} needs the job's token "
+                      "(authorization: Bearer; --token-file or $RANKWATCH_TOKEN)")
+
+    def _acquire(self, method: str, context: grpc.ServicerContext) -> str:
+        key = peer_host(context.peer())
+        lim = self.limits
+        with self._lock:
+            held = self._by_peer.get(key, 0)
+            if self._open >= lim.total:
+                reason, why = "streams_total", f"the agent serves {lim.total} streams already"
+            elif key != "unix" and held >= lim.per_peer:
+                reason, why = "streams_per_peer", f"{key} holds {lim.per_peer} streams already"
+            else:
+                self._open += 1
+                self._by_peer[key] = held + 1
+                return key
+        self._refuse(reason, f"{method} from {context.peer()}: {why}")
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} refused: {why}")
+        raise AssertionError("context.abort raises")
+
+    def _release(self, key: str) -> None:
+        with self._lock:
+            self._open -= 1
+            left = self._by_peer[key] - 1
+            if left:
+                self._by_peer[key] = left
+            else:
+                del self._by_peer[key]
+
+    def _hello_due(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        """``requests``, cancelled if the first message is not there in time."""
+        first = threading.Event()
+
+        def expire() -> None:
+            if not first.is_set() and context.is_active():
+                self._refuse("no_hello", f"Report from {context.peer()} sent no hello in "
+                             f"{self.limits.hello_timeout.total_seconds():g} s")
+                context.cancel()
+
+        timer = threading.Timer(self.limits.hello_timeout.total_seconds(), expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            for msg in requests:
+                if not first.is_set():
+                    first.set()
+                    timer.cancel()
+                yield msg
+        finally:
+            timer.cancel()
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        """Count a refusal; log one line per reason per 10 s, with the count since."""
+        with self._lock:
+            count = self.refused[reason] = self.refused.get(reason, 0) + 1
+            now = self._clock()
+            at, before = self._logged.get(reason, (float("-inf"), 0))
+            if now - at < _LOG_EVERY:
+                return
+            self._logged[reason] = (now, count)
+        more = count - before - 1
+        log.warning("refused: %s%s", detail, f" (and {more} more since the last line)" if more > 0 else "")
+
+    # -- views --------------------------------------------------------------------
+    def open_streams(self) -> int:
+        with self._lock:
+            return self._open
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            refused = dict(self.refused)
+            streams = self._open
+        c = CounterMetricFamily("rankwatch_rpcs_refused", "Calls the agent refused at its door, by reason "
+                                "(unauthenticated, streams_total, streams_per_peer, no_hello)",
+                                labels=["node", "reason"])
+        for reason, n in sorted(refused.items()):
+            c.add_metric([self.node, reason], n)
+        yield c
+        g = GaugeMetricFamily("rankwatch_streams_open", "Report and Commands streams being served",
+                              labels=["node"])
+        g.add_metric([self.node], streams)
+        yield g
+        cap = GaugeMetricFamily("rankwatch_streams_limit", "Streams served at once, at most", labels=["node"])
+        cap.add_metric([self.node], self.limits.total)
+        yield cap
+
+
+def _kind(handler: Any) -> str:
+    if handler.request_streaming:
+        return "stream_stream" if handler.response_streaming else "stream_unary"
+    return "unary_stream" if handler.response_streaming else "unary_unary"
