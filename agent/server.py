@@ -25,6 +25,8 @@ from rankwatch.agent import otel
 from rankwatch.address import Address
 from rankwatch.agent.auth import authorized
 from rankwatch.agent.gate import Gate, StreamLimits
+from rankwatch.agent.identity import RankStreams
+from rankwatch.peercred import CredListener, PeerCred
 from rankwatch.agent.tls import TlsConfig
 from rankwatch.credentials import ClientCredentials
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
@@ -147,6 +149,8 @@ class Agent:
                          on_unauthenticated=lambda method, peer: self.state.note_rejected(
                              Rejected("unauthenticated", f"{method} from {peer}")))
         self.registry.register(self.gate)
+        self.rank_streams = RankStreams()
+        self._creds: list[CredListener] = []
         self._grpc: grpc.Server | None = None
         self._http: Any = None
         self.metrics_port: int | None = None
@@ -199,8 +203,18 @@ class Agent:
         for addr in self.config.listen:
             if addr.is_unix:
                 os.chmod(addr.path, 0o600)  # type: ignore[arg-type]
+                self._creds.append(CredListener(addr.path))  # type: ignore[arg-type]
+                self._creds[-1].start()
         self._grpc = server
         self._owns_sockets = True
+
+    def _peer_cred(self, nonce: bytes) -> PeerCred | None:
+        """Who presented ``nonce`` on a credentials socket (rankwatch/peercred.py)."""
+        for listener in self._creds:
+            cred = listener.take(nonce)
+            if cred is not None:
+                return cred
+        return None
 
     def stop(self, grace: timedelta = timedelta(seconds=1)) -> None:
         self._stopped.set()
@@ -211,6 +225,9 @@ class Agent:
         if self._grpc is not None:
             self._grpc.stop(grace.total_seconds()).wait()
             self._grpc = None
+        for listener in self._creds:
+            listener.stop()
+        self._creds.clear()
         if self._otel is not None:
             self._otel.shutdown()
         if self._http is not None:
@@ -269,7 +286,7 @@ class Agent:
                     if body != "hello":
                         self._refuse(context, Rejected("no_hello", f"stream opened with {body!r}"))
                     try:
-                        rank = st.hello(msg.hello)
+                        rank = self.rank_streams.admit(st, msg.hello, context, self._peer_cred)
                     except Rejected as exc:
                         self._refuse(context, exc)
                     if rank.job_id:  # the job's run id, on every incident and decision
@@ -294,6 +311,7 @@ class Agent:
             # Only a rank's goodbye makes its end clean: a rank whose process died can end
             # the stream as a close does (the iteration just stops), not only as an error.
             if rank is not None:
+                self.rank_streams.release(rank.rank, context)
                 st.goodbye(rank, said_goodbye)
                 if not said_goodbye:
                     self._stream_broke(rank, error)
@@ -301,7 +319,8 @@ class Agent:
 
     def _refuse(self, context: grpc.ServicerContext, exc: Rejected) -> NoReturn:
         self.state.note_rejected(exc)
-        code = grpc.StatusCode.ALREADY_EXISTS if exc.reason == "duplicate_rank" else grpc.StatusCode.INVALID_ARGUMENT
+        code = {"duplicate_rank": grpc.StatusCode.ALREADY_EXISTS, "pid_not_peer": grpc.StatusCode.PERMISSION_DENIED,
+                "uid_not_agent": grpc.StatusCode.PERMISSION_DENIED}.get(exc.reason, grpc.StatusCode.INVALID_ARGUMENT)
         context.abort(code, str(exc))
         raise AssertionError("context.abort raises")  # for the type checker: abort never returns
 

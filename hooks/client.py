@@ -37,6 +37,7 @@ import numpy as np
 
 from rankwatch.address import Address
 from rankwatch.credentials import ClientCredentials, open_channel
+from rankwatch.peercred import present
 from rankwatch.hooks.recorder import ACTIVITY_IDLE, ACTIVITY_TRAIN, OPS, Recorder
 from rankwatch.proto import pb, pb_grpc
 
@@ -259,7 +260,7 @@ class AgentClient:
                 log.info("rankwatch: streaming to agent at %s", self._address)
                 delay = _RECONNECT_MIN.total_seconds()
                 warned = False
-                pb_grpc.AgentStub(channel).Report(self._requests())
+                pb_grpc.AgentStub(channel).Report(self._requests(self._stream_hello()))
             except grpc.FutureTimeoutError:
                 if not warned:
                     log.warning("rankwatch: no agent at %s; training goes on, retrying",
@@ -336,9 +337,18 @@ class AgentClient:
         self._lost_in_flight += sum(n for t, n in self._yielded if t >= horizon)
         self._yielded.clear()
 
-    def _requests(self) -> Iterator[pb.ReportMessage]:
+    def _stream_hello(self) -> pb.Hello:
+        """The hello for a new stream: on a Unix socket, with the nonce this process just
+        showed the agent, so that it knows the rank's true pid (rankwatch/peercred.py)."""
+        hello = pb.Hello()
+        hello.CopyFrom(self._hello)
+        if self._address.path is not None:
+            hello.peer_nonce = present(self._address.path)
+        return hello
+
+    def _requests(self, hello: pb.Hello) -> Iterator[pb.ReportMessage]:
         self._yielded.clear()
-        yield pb.ReportMessage(hello=self._hello)
+        yield pb.ReportMessage(hello=hello)
         while not self._stop.is_set():
             try:
                 batch = self._queue.get(timeout=0.2)
