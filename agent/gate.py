@@ -21,10 +21,18 @@ One ``grpc.ServerInterceptor`` wraps every handler, so no RPC can forget a check
   < threads) that a test can check.
 * **A hello is due.** A ``Report`` stream that has sent nothing within
   ``hello_timeout`` is cancelled, so idle connections cannot sit on the caps.
+* **So is every request.** gRPC runs a unary or server-streaming handler only once
+  its request message has arrived, on a pool thread that waits for it with no
+  limit: calls that never send it would take every thread.  So every such method
+  is served as a client-streaming one (the same on the wire): the credentials are
+  checked on the headers, before any message, and the wait for the message is
+  capped (``waiting_per_peer``, and half the reserve in all) and cancelled after
+  ``request_timeout``.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -56,12 +64,22 @@ class StreamLimits:
     """Server threads streams can never take: Status, Sync and RequestCheckpoint run there."""
     hello_timeout: timedelta = timedelta(seconds=5)
     """A Report stream that has sent no hello by then is closed."""
+    request_timeout: timedelta = timedelta(seconds=2)
+    """A call whose request message has not arrived by then is closed."""
+    waiting_per_peer: int = 2
+    """Calls that wait for their request message, per TCP host (the Unix socket counts as one)."""
 
     def __post_init__(self) -> None:
         if self.total < 1 or self.per_peer < 1 or self.reserve < 1:
             raise ValueError("StreamLimits.total, per_peer and reserve must be at least 1")
-        if self.hello_timeout.total_seconds() <= 0:
-            raise ValueError("StreamLimits.hello_timeout must be positive")
+        if self.hello_timeout.total_seconds() <= 0 or self.request_timeout.total_seconds() <= 0:
+            raise ValueError("StreamLimits.hello_timeout and request_timeout must be positive")
+
+    @property
+    def waiting_total(self) -> int:
+        """Calls waiting for their request message, in all: half the reserve at most, so the
+        other half of the reserved threads always serves calls whose message is there."""
+        return max(1, self.reserve // 2)
 
     @property
     def threads(self) -> int:
@@ -104,6 +122,9 @@ class Gate(grpc.ServerInterceptor):
         self._lock = threading.Lock()
         self._by_peer: dict[str, int] = {}
         self._open = 0
+        self._watchdog = _Watchdog()
+        self._waiting: dict[str, int] = {}   # calls waiting for their request message, by peer
+        self._waiting_all = 0
         self.refused: dict[str, int] = {}
         self._logged: dict[str, tuple[float, int]] = {}   # reason -> (when, count then)
 
@@ -116,19 +137,46 @@ class Gate(grpc.ServerInterceptor):
         method = handler_call_details.method.rsplit("/", 1)[-1]
         kind = _kind(handler)
         inner = getattr(handler, kind)
-        wrap = self._wrap_stream if method in _STREAMS else self._wrap_call
+        stream = method in _STREAMS
+        if kind == "unary_unary":
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap_unary(method, inner), request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if kind == "unary_stream":
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_unary_stream(method, inner, stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        wrap = self._wrap_stream if stream else self._wrap_call
         return handler._replace(**{kind: wrap(method, kind, inner)})
 
+    def _wrap_unary(self, method: str, inner: Callable) -> Callable:
+        def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            self._check(method, context)
+            return inner(self._request(method, requests, context), context)
+        return call
+
+    def _wrap_unary_stream(self, method: str, inner: Callable, stream: bool) -> Callable:
+        def gen(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            self._check(method, context)
+            key = self._acquire(method, context) if stream else None
+            try:
+                yield from inner(self._request(method, requests, context), context)
+            finally:
+                if key is not None:
+                    self._release(key)
+        return gen
+
     def _wrap_call(self, method: str, kind: str, inner: Callable) -> Callable:
-        if kind.startswith("unary_stream") or kind == "stream_stream":
-            def gen(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        if kind == "stream_stream":
+            def gen(requests: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 self._check(method, context)
-                yield from inner(request, context)
+                yield from inner(requests, context)
             return gen
 
-        def call(request: Any, context: grpc.ServicerContext) -> Any:
+        def call(requests: Any, context: grpc.ServicerContext) -> Any:
             self._check(method, context)
-            return inner(request, context)
+            return inner(requests, context)
         return call
 
     def _wrap_stream(self, method: str, kind: str, inner: Callable) -> Callable:
@@ -178,6 +226,42 @@ class Gate(grpc.ServerInterceptor):
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} refused: {why}")
         raise AssertionError("context.abort raises")
 
+    def _request(self, method: str, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        """The call's one request message, waited for under the caps and the deadline."""
+        key = peer_host(context.peer())
+        lim = self.limits
+        with self._lock:
+            held = self._waiting.get(key, 0)
+            full = self._waiting_all >= lim.waiting_total or held >= lim.waiting_per_peer
+            if not full:
+                self._waiting_all += 1
+                self._waiting[key] = held + 1
+        if full:
+            self._refuse("waiting", f"{method} from {context.peer()}: too many calls wait for their request")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{method} refused: too many calls from {key} wait for their request")
+        timer = self._watchdog.after(lim.request_timeout.total_seconds(),
+                                     lambda: self._overdue(method, context, "request"))
+        try:
+            request = next(requests, None)
+        finally:
+            self._watchdog.cancel(timer)
+            with self._lock:
+                self._waiting_all -= 1
+                left = self._waiting[key] - 1
+                if left:
+                    self._waiting[key] = left
+                else:
+                    del self._waiting[key]
+        if request is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method} needs one request message")
+        return request
+
+    def _overdue(self, method: str, context: grpc.ServicerContext, what: str) -> None:
+        if context.is_active():
+            self._refuse(f"no_{what}", f"{method} from {context.peer()} sent no {what} in time")
+            context.cancel()
+
     def _release(self, key: str) -> None:
         with self._lock:
             self._open -= 1
@@ -189,25 +273,17 @@ class Gate(grpc.ServerInterceptor):
 
     def _hello_due(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         """``requests``, cancelled if the first message is not there in time."""
-        first = threading.Event()
-
-        def expire() -> None:
-            if not first.is_set() and context.is_active():
-                self._refuse("no_hello", f"Report from {context.peer()} sent no hello in "
-                             f"{self.limits.hello_timeout.total_seconds():g} s")
-                context.cancel()
-
-        timer = threading.Timer(self.limits.hello_timeout.total_seconds(), expire)
-        timer.daemon = True
-        timer.start()
+        timer = self._watchdog.after(self.limits.hello_timeout.total_seconds(),
+                                     lambda: self._overdue("Report", context, "hello"))
         try:
             for msg in requests:
-                if not first.is_set():
-                    first.set()
-                    timer.cancel()
+                if timer is not None:
+                    self._watchdog.cancel(timer)
+                    timer = None
                 yield msg
         finally:
-            timer.cancel()
+            if timer is not None:
+                self._watchdog.cancel(timer)
 
     def _refuse(self, reason: str, detail: str) -> None:
         """Count a refusal; log one line per reason per 10 s, with the count since."""
@@ -243,6 +319,46 @@ class Gate(grpc.ServerInterceptor):
         cap = GaugeMetricFamily("rankwatch_streams_limit", "Streams served at once, at most", labels=["node"])
         cap.add_metric([self.node], self.limits.total)
         yield cap
+
+
+class _Watchdog:
+    """One thread that runs callbacks at their deadlines (cancelled ones are skipped)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._live: set[int] = set()   # scheduled and not cancelled
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def after(self, seconds: float, callback: Callable[[], None]) -> int:
+        with self._cond:
+            self._next += 1
+            heapq.heappush(self._heap, (time.monotonic() + seconds, self._next, callback))
+            self._live.add(self._next)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rankwatch-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._next
+
+    def cancel(self, handle: int) -> None:
+        with self._cond:
+            self._live.discard(handle)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                _, handle, callback = heapq.heappop(self._heap)
+                if handle not in self._live:
+                    continue
+                self._live.discard(handle)
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - a deadline never kills the watchdog
+                log.exception("deadline callback failed")
 
 
 def _kind(handler: Any) -> str:

@@ -22,7 +22,7 @@ from conftest import AgentProcess, parse_metrics, wait_for
 from multinode import free_port
 from rankwatch.address import Address
 from rankwatch.proto import pb, pb_grpc
-from rankwatch.status import fetch_status
+from rankwatch.status import AgentUnreachable, fetch_status
 
 pytestmark = pytest.mark.e2e
 
@@ -150,3 +150,42 @@ def test_streams_cannot_starve_status_or_sync(tmp_path):
     finally:
         n1.stop()
         n0.stop()
+
+
+def test_calls_that_never_send_their_request_cannot_starve_status(tmp_path):
+    """gRPC runs a unary handler only once its message is there, on a thread that waits for
+    it: 100 Status and 100 Commands calls that never send one must not take every thread."""
+    tcp = Address.parse(f"127.0.0.1:{free_port()}")
+    agent = AgentProcess(tmp_path / "a.sock", extra=("--listen", str(tcp))).start()
+    hold = threading.Event()
+
+    def never():
+        hold.wait(30)
+        yield from ()
+
+    channel = grpc.insecure_channel(tcp.grpc_target())
+    try:
+        calls = [channel.stream_unary("/rankwatch.v1.Agent/Status").future(never(), timeout=20)
+                 for _ in range(100)]
+        streams = [channel.stream_stream("/rankwatch.v1.Agent/Commands")(never(), timeout=20)
+                   for _ in range(100)]
+        # The attacker's own host shares its quota: a Status from there is refused, at once.
+        t0 = time.monotonic()
+        with pytest.raises(AgentUnreachable, match="RESOURCE_EXHAUSTED"):
+            fetch_status(tcp, timedelta(seconds=3))
+        assert time.monotonic() - t0 < 1.0
+        with StatusProbe(agent.addr) as probe:   # everyone else is served
+            wait_for(lambda: all(c.done() for c in calls), 10, what="the silent Status calls ended")
+        assert not probe.failures and probe.worst < 1.0, (probe.worst, probe.failures[:3])
+        codes = [c.exception().code() for c in calls]
+        # Two wait at a time from one host, and are closed after 2 s; the rest are refused.
+        assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}, set(codes)
+        for s in streams:
+            with pytest.raises(grpc.RpcError) as err:
+                next(s)
+            assert err.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
+        assert _refused(agent, "waiting") >= 100 and _refused(agent, "no_request") >= 2
+    finally:
+        hold.set()
+        channel.close()
+        agent.stop()
