@@ -273,8 +273,8 @@ class Gate(grpc.ServerInterceptor):
 
     def _hello_due(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         """``requests``, cancelled if the first message is not there in time."""
-        timer = self._watchdog.after(self.limits.hello_timeout.total_seconds(),
-                                     lambda: self._overdue("Report", context, "hello"))
+        timer: int | None = self._watchdog.after(self.limits.hello_timeout.total_seconds(),
+                                                 lambda: self._overdue("Report", context, "hello"))
         try:
             for msg in requests:
                 if timer is not None:
@@ -307,7 +307,7 @@ class Gate(grpc.ServerInterceptor):
             refused = dict(self.refused)
             streams = self._open
         c = CounterMetricFamily("rankwatch_rpcs_refused", "Calls the agent refused at its door, by reason "
-                                "(unauthenticated, streams_total, streams_per_peer, no_hello)",
+                                "(unauthenticated, streams_total, streams_per_peer, no_hello, waiting, no_request)",
                                 labels=["node", "reason"])
         for reason, n in sorted(refused.items()):
             c.add_metric([self.node, reason], n)
