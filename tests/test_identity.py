@@ -141,3 +141,43 @@ def test_a_pid_that_is_not_the_peers_is_refused(agent):
         verified.close()
     finally:
         channel.close()
+
+
+_POD_RANK = """
+import os, sys, time
+from datetime import timedelta
+from rankwatch.address import Address
+from rankwatch.hooks.client import AgentClient
+from rankwatch.hooks.recorder import OPS, Recorder
+from rankwatch.proto import pb
+hello = pb.Hello(rank=6, world_size=8, pid=os.getpid(), node_id="n0", backend="gloo", op_names=list(OPS))
+c = AgentClient(Recorder(), hello, Address(path=sys.argv[1]), flush_interval=timedelta(milliseconds=20))
+c.start()
+print(os.getpid(), flush=True)
+sys.stdin.read()
+c.close()
+"""
+
+
+def test_a_rank_in_another_pid_namespace_is_known_by_its_true_pid(agent):
+    """As from a Kubernetes pod: the rank's own pid means nothing to the agent; SO_PEERCRED
+    gives the pid the agent's namespace knows it by."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.fail("this test needs unshare(1) and root, to start a process in a new pid namespace")
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-c", _POD_RANK, str(agent.sock)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        own_pid = int(proc.stdout.readline())
+        assert own_pid < 10, "not in a fresh pid namespace"
+        rank = wait_for(lambda: _rank(agent, 6), 15, what="the namespaced rank connected")
+        import psutil
+
+        true = psutil.Process(rank["pid"])
+        assert rank["pid"] != own_pid and true.cmdline()[:2] == [sys.executable, "-c"], true.cmdline()
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
