@@ -1,12 +1,12 @@
-"""A shared token for the job's control traffic.
+"""The job's shared token, on the agent's side.
 
-Node agent -> coordinator summaries (``Sync``) and checkpoint requests
-(``RequestCheckpoint``, which the coordinator also answers for exclusions
-and restarts through its decisions) carry ``authorization: Bearer <token>``
-when a token is configured: ``--token-file PATH`` or ``$RANKWATCH_TOKEN``.
-An agent with a token refuses those calls without it (UNAUTHENTICATED).
-Rank streams stay on the node's 0600 Unix socket, where the file mode is the
-access control.  Mutual TLS is not built yet.
+With a token (``--token-file PATH``, ``$RANKWATCH_TOKEN_FILE`` or ``$RANKWATCH_TOKEN``)
+the agent refuses every RPC that arrives over TCP without
+``authorization: Bearer <token>`` (UNAUTHENTICATED); :mod:`rankwatch.agent.gate`
+does that for every call in one place.  ``Sync`` and ``RequestCheckpoint`` need
+the token on the Unix socket as well, since they move the whole job.  Other
+calls on the socket are not asked: the socket is 0600 in a 0700 directory.
+Clients send the token through :mod:`rankwatch.credentials`.
 """
 
 from __future__ import annotations
@@ -17,30 +17,25 @@ from pathlib import Path
 
 import grpc
 
-__all__ = ["TOKEN_ENV", "authorized", "load_token", "metadata"]
+from rankwatch.credentials import TOKEN_ENV, TOKEN_FILE_ENV, read_token_file
 
-TOKEN_ENV = "RANKWATCH_TOKEN"
+__all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "authorized", "load_token", "metadata"]
+
 _HEADER = "authorization"
 
 
 def load_token(path: Path | None = None) -> str | None:
-    """The token from ``path`` (stripped), else ``$RANKWATCH_TOKEN``, else None.
+    """The token from ``path``, else ``$RANKWATCH_TOKEN_FILE``, else ``$RANKWATCH_TOKEN``,
+    else None.
 
     Raises:
         ValueError: the file is unreadable, empty, or readable by others.
     """
+    if path is None and os.environ.get(TOKEN_FILE_ENV):
+        path = Path(os.environ[TOKEN_FILE_ENV])
     if path is None:
         return os.environ.get(TOKEN_ENV) or None
-    try:
-        mode = path.stat().st_mode
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read token file {path}: {exc.strerror}") from None
-    if mode & 0o077:
-        raise ValueError(f"token file {path} is readable by group or others (chmod 600 it)")
-    if not token:
-        raise ValueError(f"token file {path} is empty")
-    return token
+    return read_token_file(path)
 
 
 def metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -28,6 +28,8 @@ from rankwatch.address import Address, node_id, resolve
 
 if TYPE_CHECKING:
     from rankwatch.agent.straggler import StragglerConfig
+    from rankwatch.agent.gate import StreamLimits
+    from rankwatch.agent.tls import TlsConfig
 
 __all__ = ["main"]
 
@@ -74,6 +76,10 @@ _port = _argument(_parse_port)
 _gpu_source = _argument(_parse_gpu_source)
 
 
+_TOKEN_HELP = ("the job's shared token, for an agent over TCP (default: $RANKWATCH_TOKEN_FILE, then "
+               "$RANKWATCH_TOKEN); TLS files come from $RANKWATCH_TLS_CA, _CERT and _KEY")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rankwatch", description="Observability and fault tolerance "
                                 "for distributed PyTorch training.")
@@ -110,8 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--advertise", default=None, metavar="HOST:PORT",
                    help="this agent's address for the other agents (default: its first TCP --listen)")
     a.add_argument("--token-file", type=Path, default=None, metavar="PATH",
-                   help="the job's shared token (mode 0600) for coordinator and control RPCs "
-                        "(default: $RANKWATCH_TOKEN; none: unchecked)")
+                   help="the job's shared token (mode 0600): every call over TCP needs it, and "
+                        "Sync and RequestCheckpoint on the socket too (default: $RANKWATCH_TOKEN_FILE, "
+                        "then $RANKWATCH_TOKEN; none: unchecked)")
+    a.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
+                   help="this agent's certificate: TCP listeners use TLS and require client "
+                        "certificates signed by --tls-ca; also presented to the coordinator")
+    a.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="the key of --tls-cert")
+    a.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
+                   help="the CA that signs the job's certificates")
+    a.add_argument("--max-streams", type=int, default=None, metavar="N",
+                   help="rank streams served at once (default 128); more are refused")
+    a.add_argument("--control-reserve", type=int, default=None, metavar="N",
+                   help="server threads rank streams can never take, for Status, Sync and "
+                        "RequestCheckpoint (default 32; half of them may wait for a request's message)")
+    a.add_argument("--max-waiting-per-peer", type=int, default=None, metavar="N",
+                   help="calls from one TCP host that may wait for their request's message (default 2)")
+    a.add_argument("--max-streams-per-peer", type=int, default=None, metavar="N",
+                   help="rank streams served at once from one TCP host (default 32)")
     a.add_argument("--evict-straggler-speedup", type=_positive, default=1.25, metavar="X",
                    help="evict a straggling node at the next checkpoint when the job would step "
                         "X times faster without it (default 1.25; inf never evicts)")
@@ -134,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="the agent's live view")
     s.add_argument("--agent", type=_address, default=None, metavar="ADDR")
     s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--token-file", type=Path, default=None, metavar="PATH", help=_TOKEN_HELP)
 
     d = sub.add_parser("diagnose", help="the evidence of an incident")
     d.add_argument("--agent", type=_address, default=None, metavar="ADDR")
@@ -141,12 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read the incidents an agent kept in DIR, resolutions included, instead of "
                         "asking a live one (after the job and its agent are gone)")
     d.add_argument("incident", nargs="?", default=None, help="incident id (default: the latest)")
+    d.add_argument("--token-file", type=Path, default=None, metavar="PATH", help=_TOKEN_HELP)
 
     c = sub.add_parser("checkpoint", help="ask the job for a checkpoint now")
     c.add_argument("--agent", type=_address, default=None, metavar="ADDR")
     c.add_argument("--reason", default="operator", help="recorded with the request")
-    c.add_argument("--token-file", type=Path, default=None, metavar="PATH",
-                   help="the job's shared token (default: $RANKWATCH_TOKEN)")
+    c.add_argument("--token-file", type=Path, default=None, metavar="PATH", help=_TOKEN_HELP)
 
     m = sub.add_parser("demo", help="a local CPU job under rankwatch, with a live view")
     m.add_argument("--steps", type=int, default=160, help="training steps (default 160)")
@@ -182,6 +205,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         policy = PolicyConfig(min_nodes=args.min_nodes,
                               evict_straggler_speedup=args.evict_straggler_speedup)
         token = load_token(args.token_file)
+        tls = _tls_config(args)
+        streams = _stream_limits(args)
         straggler = _straggler_config(args)
         kind, script = args.gpu_source
         gpu = GpuConfig(source=kind, script=script, dcgm_url=args.dcgm_url,
@@ -190,7 +215,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                              metrics_addr=args.metrics_addr, state_dir=state_dir,
                              hang=HangConfig(floor_seconds=args.hang_floor), straggler=straggler,
                              coordinators=args.coordinator, policy=policy, gpu=gpu, token=token,
-                             election=args.election, job_id=args.job_id, advertise=args.advertise)
+                             election=args.election, job_id=args.job_id, advertise=args.advertise,
+                             tls=tls, streams=streams)
     except ValueError as exc:
         print(f"rankwatch agent: {exc}", file=sys.stderr)
         return 2
@@ -204,6 +230,26 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: agent.stop())
     agent.wait()
     return 0
+
+
+def _tls_config(args: argparse.Namespace) -> TlsConfig | None:
+    """--tls-cert, --tls-key and --tls-ca, all three or none (ValueError)."""
+    from rankwatch.agent.tls import TlsConfig
+
+    files = (args.tls_cert, args.tls_key, args.tls_ca)
+    if not any(files):
+        return None
+    if not all(files):
+        raise ValueError("mutual TLS needs --tls-cert, --tls-key and --tls-ca together")
+    return TlsConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+
+
+def _stream_limits(args: argparse.Namespace) -> StreamLimits:
+    from rankwatch.agent.gate import StreamLimits
+
+    knobs = {"total": args.max_streams, "per_peer": args.max_streams_per_peer,
+             "reserve": args.control_reserve, "waiting_per_peer": args.max_waiting_per_peer}
+    return StreamLimits(**{k: v for k, v in knobs.items() if v is not None})
 
 
 def _straggler_config(args: argparse.Namespace) -> StragglerConfig:
@@ -240,9 +286,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> dict | None:
     from rankwatch.status import AgentUnreachable, fetch_status
 
+    from rankwatch.credentials import ClientCredentials
+
     addr = resolve(str(args.agent) if args.agent else None)
     try:
-        return fetch_status(addr)
+        return fetch_status(addr, creds=ClientCredentials.from_env(token_file=args.token_file))
+    except ValueError as exc:
+        print(f"rankwatch {args.command}: {exc}", file=sys.stderr)
+        return None
     except AgentUnreachable as exc:
         print(f"rankwatch {args.command}: {exc} (start one with `rankwatch agent`, "
               f"or point --agent / $RANKWATCH_AGENT at it)", file=sys.stderr)
@@ -294,12 +345,12 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     """Ask the job for a checkpoint; every rank saves after the step the coordinator names."""
     import grpc
 
-    from rankwatch.agent.auth import load_token
     from rankwatch.agent.jobsync import forward_checkpoint
+    from rankwatch.credentials import ClientCredentials
 
     addr = resolve(str(args.agent) if args.agent else None)
     try:
-        reply = forward_checkpoint(addr, args.reason, load_token(args.token_file))
+        reply = forward_checkpoint(addr, args.reason, ClientCredentials.from_env(token_file=args.token_file))
     except ValueError as exc:
         print(f"rankwatch checkpoint: {exc}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from rankwatch.address import Address
-from rankwatch.agent.auth import metadata
+from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.agent.decisions import Decision
 from rankwatch.agent.load_policy import LoadConfig
 from rankwatch.agent.incidents import Incident
@@ -187,8 +187,7 @@ class JobLink:
                 self._took_role(True, addr)
             else:
                 try:
-                    reply = pb_grpc.AgentStub(self._channel(addr)).Sync(
-                        summary, timeout=_RPC_TIMEOUT, metadata=metadata(self.agent.config.token))
+                    reply = pb_grpc.AgentStub(self._channel(addr)).Sync(summary, timeout=_RPC_TIMEOUT)
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                         self._warn_once(f"coordinator {addr} refused this node's token: {exc.details()}")
@@ -224,7 +223,7 @@ class JobLink:
     def _channel(self, addr: Address) -> grpc.Channel:
         key = str(addr)
         if key not in self._channels:
-            self._channels[key] = grpc.insecure_channel(addr.grpc_target())
+            self._channels[key] = open_channel(addr, self.agent.config.client_credentials())
         return self._channels[key]
 
     # -- applying the coordinator's reply ---------------------------------------
@@ -253,12 +252,16 @@ class JobLink:
                 self.agent.on_job_incident(reply.coordinator, inc)
 
 
-def forward_checkpoint(addr: Address, reason: str, token: str | None = None) -> pb.CheckpointReply:
-    """Ask the agent at ``addr`` for a checkpoint (raises grpc.RpcError)."""
-    with grpc.insecure_channel(addr.grpc_target()) as ch:
+def forward_checkpoint(addr: Address, reason: str,
+                       creds: ClientCredentials | str | None = None) -> pb.CheckpointReply:
+    """Ask the agent at ``addr`` for a checkpoint (raises grpc.RpcError).
+
+    ``creds``: the job's credentials, or just its token."""
+    if not isinstance(creds, ClientCredentials):
+        creds = ClientCredentials(creds)
+    with open_channel(addr, creds) as ch:
         return pb_grpc.AgentStub(ch).RequestCheckpoint(pb.CheckpointRequest(reason=reason),
-                                                       timeout=3 * _RPC_TIMEOUT,
-                                                       metadata=metadata(token))
+                                                       timeout=3 * _RPC_TIMEOUT)
 
 
 def summary_incidents(items: list[Incident], node: str) -> list[Incident]:

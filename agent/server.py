@@ -25,6 +25,11 @@ from rankwatch.agent import checkpoint_policy
 from rankwatch.agent.export import otel
 from rankwatch.address import Address
 from rankwatch.agent.auth import authorized
+from rankwatch.agent.gate import Gate, StreamLimits
+from rankwatch.agent.identity import RankStreams
+from rankwatch.peercred import CredListener, PeerCred
+from rankwatch.agent.tls import TlsConfig
+from rankwatch.credentials import ClientCredentials
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hang import HangConfig
@@ -65,7 +70,10 @@ class AgentConfig:
         coordinators: the job's coordinator candidates, in node-rank order (this agent's own
             address may be among them); empty: this agent coordinates its node alone.
         policy: the coordinator's policy (exclusions, minimum nodes).
-        token: the job's shared token for Sync and RequestCheckpoint (None: no check).
+        token: the job's shared token: every TCP call needs it, and Sync and
+            RequestCheckpoint on the socket too (None: no check).
+        tls: mutual TLS for the TCP listeners and for calls to the coordinator (None: plain TCP).
+        streams: stream caps, the server threads kept for control calls, the hello deadline.
         gpu: GPU health source and thresholds (default: NVML if it initialises, else none).
         exits: how long a rank's broken stream is watched for its process's exit.
         election: ``etcd://HOST:PORT[,...]``: the coordinator is whichever agent of ``job_id``
@@ -79,7 +87,8 @@ class AgentConfig:
                  coordinators: list[Address] | None = None, policy: PolicyConfig | None = None,
                  sync_interval: float = 0.25, token: str | None = None, gpu: GpuConfig | None = None,
                  exits: ExitConfig | None = None, election: str | None = None, job_id: str = "",
-                 advertise: str | None = None) -> None:
+                 advertise: str | None = None, tls: TlsConfig | None = None,
+                 streams: StreamLimits | None = None) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if election is not None:
@@ -104,6 +113,12 @@ class AgentConfig:
         self.gpu = gpu or GpuConfig()
         self.exits = exits or ExitConfig()
         self.election, self.job_id, self.advertise = election, job_id, advertise
+        self.tls = tls
+        self.streams = streams or StreamLimits()
+
+    def client_credentials(self) -> ClientCredentials:
+        """What this agent presents when it calls another agent (its coordinator)."""
+        return self.tls.client_credentials(self.token) if self.tls else ClientCredentials(self.token)
 
 
 class Agent:
@@ -136,6 +151,12 @@ class Agent:
         self._risk_requested: dict[tuple[int, str], float] = {}
         self._pending_risk: str | None = None
         self.registry.register(GpuCollector(self.gpu))
+        self.gate = Gate(config.token, config.streams, node=config.node_id,
+                         on_unauthenticated=lambda method, peer: self.state.note_rejected(
+                             Rejected("unauthenticated", f"{method} from {peer}")))
+        self.registry.register(self.gate)
+        self.rank_streams = RankStreams()
+        self._creds: list[CredListener] = []
         self._grpc: grpc.Server | None = None
         self._http: Any = None
         self.metrics_port: int | None = None
@@ -168,7 +189,10 @@ class Agent:
 
     def _start_grpc(self) -> None:
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rankwatch-grpc"),
+            # Streams never take more than limits.total threads: the rest serve control calls.
+            futures.ThreadPoolExecutor(max_workers=self.gate.limits.threads,
+                                       thread_name_prefix="rankwatch-grpc"),
+            interceptors=(self.gate,),
             maximum_concurrent_rpcs=_MAX_RPCS,
             options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
                      ("grpc.max_send_message_length", _MAX_MESSAGE),
@@ -178,12 +202,17 @@ class Agent:
             if addr.is_unix:
                 _prepare_socket_path(addr.path)  # type: ignore[arg-type]
                 server.add_insecure_port(addr.grpc_target())
+            elif self.config.tls is not None:
+                self.tcp_ports.append(server.add_secure_port(addr.grpc_target(),
+                                                             self.config.tls.server_credentials()))
             else:
                 self.tcp_ports.append(server.add_insecure_port(addr.grpc_target()))
         server.start()
         for addr in self.config.listen:
             if addr.is_unix:
                 os.chmod(addr.path, 0o600)  # type: ignore[arg-type]
+                self._creds.append(CredListener(addr.path))  # type: ignore[arg-type]
+                self._creds[-1].start()
         self._grpc = server
         self._owns_sockets = True
 
@@ -198,6 +227,14 @@ class Agent:
         self.decision_log.sink = election.decisions.append
         return election
 
+    def _peer_cred(self, nonce: bytes) -> PeerCred | None:
+        """Who presented ``nonce`` on a credentials socket (rankwatch/peercred.py)."""
+        for listener in self._creds:
+            cred = listener.take(nonce)
+            if cred is not None:
+                return cred
+        return None
+
     def stop(self, grace: timedelta = timedelta(seconds=1)) -> None:
         self._stopped.set()
         self.link.stop()
@@ -207,6 +244,9 @@ class Agent:
         if self._grpc is not None:
             self._grpc.stop(grace.total_seconds()).wait()
             self._grpc = None
+        for listener in self._creds:
+            listener.stop()
+        self._creds.clear()
         if self._otel is not None:
             self._otel.shutdown()
         if self._http is not None:
@@ -265,7 +305,7 @@ class Agent:
                     if body != "hello":
                         self._refuse(context, Rejected("no_hello", f"stream opened with {body!r}"))
                     try:
-                        rank = st.hello(msg.hello)
+                        rank = self.rank_streams.admit(st, msg.hello, context, self._peer_cred)
                     except Rejected as exc:
                         self._refuse(context, exc)
                     if rank.job_id:  # the job's run id, on every incident and decision
@@ -290,6 +330,7 @@ class Agent:
             # Only a rank's goodbye makes its end clean: a rank whose process died can end
             # the stream as a close does (the iteration just stops), not only as an error.
             if rank is not None:
+                self.rank_streams.release(rank.rank, context)
                 st.goodbye(rank, said_goodbye)
                 if not said_goodbye:
                     self.watch.stream_broke(rank, error)
@@ -297,7 +338,8 @@ class Agent:
 
     def _refuse(self, context: grpc.ServicerContext, exc: Rejected) -> NoReturn:
         self.state.note_rejected(exc)
-        code = grpc.StatusCode.ALREADY_EXISTS if exc.reason == "duplicate_rank" else grpc.StatusCode.INVALID_ARGUMENT
+        code = {"duplicate_rank": grpc.StatusCode.ALREADY_EXISTS, "pid_not_peer": grpc.StatusCode.PERMISSION_DENIED,
+                "uid_not_agent": grpc.StatusCode.PERMISSION_DENIED}.get(exc.reason, grpc.StatusCode.INVALID_ARGUMENT)
         context.abort(code, str(exc))
         raise AssertionError("context.abort raises")  # for the type checker: abort never returns
 
@@ -536,7 +578,8 @@ class Agent:
         """Ask the job for a checkpoint: through the coordinator, or this agent's own node."""
         if not self.link.acting and self.link.coordinator_addr is not None:
             try:
-                return forward_checkpoint(self.link.coordinator_addr, reason, self.config.token)
+                return forward_checkpoint(self.link.coordinator_addr, reason,
+                                          self.config.client_credentials())
             except grpc.RpcError as exc:
                 return pb.CheckpointReply(accepted=False, message=f"coordinator unreachable: {exc.code().name}")
         try:

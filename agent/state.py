@@ -166,12 +166,13 @@ class NodeState:
         self.step_listeners: list[Callable[[RankState, pb.StepColumns], None]] = []
 
     # -- streams ----------------------------------------------------------
-    def hello(self, msg: pb.Hello, alive=None) -> RankState:
+    def hello(self, msg: pb.Hello, alive=None, replace: bool = False) -> RankState:
         """Register a rank's stream.
 
         Args:
             msg: the stream's first message.
             alive: ``pid -> bool``; a live rank's slot is not taken over.
+            replace: take the slot over anyway (agent/identity.py decided so).
 
         Raises:
             Rejected: invalid identity, or the rank is already live on another stream.
@@ -179,7 +180,8 @@ class NodeState:
         _check_hello(msg)
         with self.lock:
             old = self.ranks.get(msg.rank)
-            if old is not None and old.connected and (old.pid == msg.pid or (alive or _pid_alive)(old.pid)):
+            if (not replace and old is not None and old.connected
+                    and (old.pid == msg.pid or (alive or _pid_alive)(old.pid))):
                 raise self._reject("duplicate_rank", f"rank {msg.rank} is already reporting "
                                    f"from pid {old.pid} on this node")
             self._next_stream += 1

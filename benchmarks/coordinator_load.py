@@ -139,7 +139,10 @@ def _start_coordinator(tmp: Path, port: int) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--node-id", "coord", "--listen", addr,
          "--listen", f"unix:{tmp / 'coord.sock'}", "--coordinator", addr, "--metrics-port", "0",
-         "--state-dir", str(tmp / "state"), "--gpu-source", "none"],
+         "--state-dir", str(tmp / "state"), "--gpu-source", "none",
+         # Every simulated node calls from this one host, where each real node is a host of
+         # its own: lift the per-host cap on calls waiting for their message (default 2).
+         "--max-waiting-per-peer", "1024"],
         env=env, stdout=open(tmp / "coord.log", "w"), stderr=subprocess.STDOUT)
 
 

@@ -36,6 +36,8 @@ import grpc
 import numpy as np
 
 from rankwatch.address import Address
+from rankwatch.credentials import ClientCredentials, open_channel
+from rankwatch.peercred import present
 from rankwatch.hooks.recorder import ACTIVITY_IDLE, ACTIVITY_TRAIN, OPS, Recorder
 from rankwatch.proto import pb, pb_grpc
 
@@ -63,14 +65,17 @@ class AgentClient:
         max_batch: records per batch; a full batch is sent at once.
         queue_batches: batches held while the agent is slow or away.
         last_seq: returns the rank's latest collective sequence number.
+        creds: the job's token and TLS files, for an agent over TCP (default: none).
     """
 
     def __init__(self, recorder: Recorder, hello: pb.Hello, address: Address, *,
                  flush_interval: timedelta = timedelta(milliseconds=100),
                  max_batch: int = 1024, queue_batches: int = 256,
                  last_seq: Callable[[], int] = lambda: -1,
-                 group_seqs: Callable[[], dict[str, int]] = dict) -> None:
+                 group_seqs: Callable[[], dict[str, int]] = dict,
+                 creds: ClientCredentials | None = None) -> None:
         self._rec = recorder
+        self._creds = creds or ClientCredentials()
         self._hello = hello
         self._address = address
         self._interval = flush_interval.total_seconds()
@@ -247,7 +252,7 @@ class AgentClient:
         delay = _RECONNECT_MIN.total_seconds()
         warned = False
         while not self._stop.is_set():
-            channel = grpc.insecure_channel(self._address.grpc_target())
+            channel = open_channel(self._address, self._creds)
             try:
                 grpc.channel_ready_future(channel).result(timeout=_CONNECT_TIMEOUT.total_seconds())
                 self.connected.set()
@@ -255,7 +260,7 @@ class AgentClient:
                 log.info("rankwatch: streaming to agent at %s", self._address)
                 delay = _RECONNECT_MIN.total_seconds()
                 warned = False
-                pb_grpc.AgentStub(channel).Report(self._requests())
+                pb_grpc.AgentStub(channel).Report(self._requests(self._stream_hello()))
             except grpc.FutureTimeoutError:
                 if not warned:
                     log.warning("rankwatch: no agent at %s; training goes on, retrying",
@@ -299,7 +304,7 @@ class AgentClient:
         delay = _RECONNECT_MIN.total_seconds()
         request = pb.CommandRequest(rank=self._hello.rank, pid=self._hello.pid)
         while not self._stop.is_set():
-            channel = grpc.insecure_channel(self._address.grpc_target())
+            channel = open_channel(self._address, self._creds)
             try:
                 for cmd in pb_grpc.AgentStub(channel).Commands(request):
                     delay = _RECONNECT_MIN.total_seconds()
@@ -332,9 +337,18 @@ class AgentClient:
         self._lost_in_flight += sum(n for t, n in self._yielded if t >= horizon)
         self._yielded.clear()
 
-    def _requests(self) -> Iterator[pb.ReportMessage]:
+    def _stream_hello(self) -> pb.Hello:
+        """The hello for a new stream: on a Unix socket, with the nonce this process just
+        showed the agent, so that it knows the rank's true pid (rankwatch/peercred.py)."""
+        hello = pb.Hello()
+        hello.CopyFrom(self._hello)
+        if self._address.path is not None:
+            hello.peer_nonce = present(self._address.path)
+        return hello
+
+    def _requests(self, hello: pb.Hello) -> Iterator[pb.ReportMessage]:
         self._yielded.clear()
-        yield pb.ReportMessage(hello=self._hello)
+        yield pb.ReportMessage(hello=hello)
         while not self._stop.is_set():
             try:
                 batch = self._queue.get(timeout=0.2)

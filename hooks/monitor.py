@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 from rankwatch.address import Address, node_id, resolve
+from rankwatch.credentials import ClientCredentials
 from rankwatch.proto import pb
 from rankwatch.hooks.recorder import (
     ACTIVITY_CHECKPOINT,
@@ -235,11 +236,21 @@ def _init(mesh: Any, address: Address, node: str, peak_flops: float | None,
     hello = _hello(mesh, node, peak_flops, job_id)
     hello.collective_source = instr.source
     client = AgentClient(recorder, hello, address, last_seq=instr.last_seq,
-                         group_seqs=instr.group_seqs)
+                         group_seqs=instr.group_seqs, creds=_credentials())
     client.start()
     monitor = Monitor(recorder, instr, client)
     atexit.register(monitor.close)
     return monitor
+
+
+def _credentials() -> ClientCredentials:
+    """The job's credentials from the environment; none (with an error logged) if they
+    cannot be read: the Unix socket needs none, and training goes on either way."""
+    try:
+        return ClientCredentials.from_env()
+    except ValueError as exc:
+        log.error("rankwatch: %s; calling the agent without credentials", exc)
+        return ClientCredentials()
 
 
 def _device_uuid(torch: Any) -> str:

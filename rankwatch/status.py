@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from rankwatch.address import Address
+from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.proto import pb, pb_grpc
 
 __all__ = ["AgentUnreachable", "fetch_status", "reachable"]
@@ -22,25 +23,37 @@ class AgentUnreachable(RuntimeError):
     """No agent answered at the address."""
 
 
-def reachable(addr: Address, timeout: timedelta = timedelta(milliseconds=500)) -> bool:
+def reachable(addr: Address, timeout: timedelta = timedelta(milliseconds=500),
+              creds: ClientCredentials | None = None) -> bool:
     try:
-        fetch_status(addr, timeout)
+        fetch_status(addr, timeout, creds)
         return True
     except AgentUnreachable:
         return False
 
 
-def fetch_status(addr: Address, timeout: timedelta = timedelta(seconds=3)) -> dict[str, Any]:
+def fetch_status(addr: Address, timeout: timedelta = timedelta(seconds=3),
+                 creds: ClientCredentials | None = None) -> dict[str, Any]:
     """The agent's live view, in the ``status --json`` schema.
+
+    Args:
+        creds: the job's credentials (default: from the ``RANKWATCH_*`` environment).
 
     Raises:
         AgentUnreachable: nothing answered in time, or the answer was an error.
     """
-    with grpc.insecure_channel(addr.grpc_target()) as channel:
+    if creds is None:
+        try:
+            creds = ClientCredentials.from_env()
+        except ValueError as exc:
+            raise AgentUnreachable(f"cannot call the agent at {addr}: {exc}") from None
+    with open_channel(addr, creds) as channel:
         try:
             resp = pb_grpc.AgentStub(channel).Status(pb.StatusRequest(),
                                                      timeout=timeout.total_seconds())
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise AgentUnreachable(f"agent at {addr} refused: {exc.details()}") from None
             raise AgentUnreachable(f"no agent at {addr}: {exc.code().name}") from None
     return status_dict(resp)
 

@@ -115,7 +115,8 @@ def test_duplicate_rank_refused_first_keeps_streaming(agent):
         wait_for(lambda: 1 in agent.state.ranks, 5)
         rec2, c2 = make_client(addr, rank=1, pid=os.getppid())  # a different, live process
         c2.start()
-        wait_for(lambda: agent.state.rejected.get("duplicate_rank", 0) >= 1, 5, what="refusal")
+        # Its nonce shows the agent (SO_PEERCRED) that the claimed pid is not the caller's.
+        wait_for(lambda: agent.state.rejected.get("pid_not_peer", 0) >= 1, 5, what="refusal")
         c2.close(timedelta(seconds=0.2))
         feed(rec1, 50)
         wait_for(lambda: agent.state.ranks[1].collective_counts.sum() == 50, 5)

@@ -128,7 +128,7 @@ def test_strict_validation_refuses_a_misspelt_field():
 def test_daemonset_args_parse_with_the_agent_cli():
     args = build_parser().parse_args(_agent_args("gpu-node-7"))
     assert args.command == "agent" and args.node_id == "gpu-node-7"
-    assert [a.path for a in args.listen] == ["/run/rankwatch/agent.sock"]
+    assert [str(a) for a in args.listen] == ["unix:/run/rankwatch/agent.sock", "$(POD_IP):7411"]
     pod = _daemonset()["spec"]["template"]["spec"]
     agent = _container(pod, "agent")
     env = {e["name"]: e for e in agent["env"]}
@@ -138,6 +138,14 @@ def test_daemonset_args_parse_with_the_agent_cli():
     assert args.metrics_port == ports["metrics"] == 9478
     assert _host_path(pod, agent, "/run/rankwatch") == "/run/rankwatch"
     assert _host_path(pod, agent, str(args.state_dir)) == "/var/lib/rankwatch"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert ports["grpc-tls"] == 7411
+    # Mutual TLS from the Secret: every file the flags name is a key of the mounted Secret.
+    (mount,) = [m for m in agent["volumeMounts"] if m["mountPath"] == "/etc/rankwatch/tls"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "rankwatch-agent-tls" and mount["readOnly"] is True
+    assert [args.tls_cert, args.tls_key, args.tls_ca] == [
+        Path("/etc/rankwatch/tls") / k for k in ("tls.crt", "tls.key", "ca.crt")]
 
 
 def test_daemonset_runs_unprivileged_on_gpu_nodes():

@@ -216,6 +216,52 @@ def test_coordinator_port_and_token_key_give_the_job_a_token_its_agents_require(
         _stop_leftover_agents(paths["run"])
 
 
+def test_ca_key_gives_the_job_per_node_certificates_for_mutual_tls(tmp_path):
+    from rankwatch.credentials import ClientCredentials
+    from rankwatch.status import AgentUnreachable
+    from tlscerts import CertAuthority
+
+    _require("setpriv", "setsid", "scontrol", "sha256sum", "openssl")
+    port = _free_port()
+    paths = _write_settings(tmp_path / "settings", tmp_path, coordinator_port=port)
+    key = tmp_path / "token.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    ca = CertAuthority(tmp_path / "ca", "slurm-ca")
+    ca_key = tmp_path / "ca" / "slurm-ca.key"
+    ca_key.chmod(0o600)
+    with open(tmp_path / "settings", "a") as f:
+        f.write(f"TOKEN_KEY_FILE={shlex.quote(str(key))}\nTLS_CA_CERT={shlex.quote(str(ca.ca))}\n"
+                f"TLS_CA_KEY={shlex.quote(str(ca_key))}\n")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=test\nSlurmctldHost=localhost\nNodeName=localhost\n")
+    job_env = {"SLURMD_NODENAME": "localhost", "SLURM_NODELIST": "localhost", "SLURM_CONF": str(conf)}
+    try:
+        _run_script(PROLOG, 48, tmp_path / "settings", **job_env)
+        d = paths["run"] / "48"
+        for name in ("tls.key", "tls.crt", "ca.crt"):
+            assert (d / name).stat().st_mode & 0o777 == 0o600, name
+        wait_for(lambda: fetch_status(Address(path=str(d / "agent.sock")))["coordinator"], 10,
+                 what="the agent to coordinate")
+        tcp = Address.parse(f"localhost:{port}")
+        token = (d / "token").read_text().strip()
+        job = ClientCredentials.tls(token, str(d / "ca.crt"), str(d / "tls.crt"), str(d / "tls.key"))
+        assert fetch_status(tcp, creds=job)["node"] == "localhost"
+        for wrong in (ClientCredentials(token),                                     # plaintext
+                      ClientCredentials.tls(token, str(d / "ca.crt"), None, None)):  # no client certificate
+            with pytest.raises(AgentUnreachable, match="UNAVAILABLE"):
+                fetch_status(tcp, creds=wrong)
+        _run_script(EPILOG, 48, tmp_path / "settings", **job_env)
+        assert not (d / "tls.key").exists()
+
+        ca_key.chmod(0o644)                                     # a CA key others may read: refused
+        _run_script(PROLOG, 49, tmp_path / "settings", **job_env)
+        assert "slurm-ca.key must be root's, mode 0600" in paths["log"].read_text()
+        assert not (paths["run"] / "49.pid").exists()
+    finally:
+        _stop_leftover_agents(paths["run"])
+
+
 # -- a real Slurm ------------------------------------------------------------------------
 
 class SlurmCluster:

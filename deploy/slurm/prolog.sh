@@ -34,6 +34,9 @@ AGENT_ARGS=""                          # more `rankwatch agent` flags, e.g. "--h
 COORDINATOR_PORT=""                    # set (e.g. 9479) to coordinate the job across its nodes
 COORDINATOR_CANDIDATES=2               # the job's first N nodes may coordinate, in that order
 TOKEN_KEY_FILE=/etc/rankwatch/slurm-token.key  # root's, 0600, the same on every node: per-job tokens
+TLS_CA_CERT=/etc/rankwatch/slurm-ca.crt  # with its key: per-job certificates for mutual TLS
+TLS_CA_KEY=/etc/rankwatch/slurm-ca.key   # root's, 0600, the same on every node
+TLS_DAYS=30                              # how long a job's certificates are valid
 START_TIMEOUT=20                       # seconds to wait for the agent's socket
 config=${RANKWATCH_SLURM_CONFIG:-/etc/default/rankwatch-slurm}
 # shellcheck source=/dev/null
@@ -85,6 +88,7 @@ fi
 # coordinates.  With TOKEN_KEY_FILE, the calls between them carry the job's token.
 coordination=()
 token=""
+tls=""
 if [ -n "$COORDINATOR_PORT" ]; then
     case "$COORDINATOR_PORT$COORDINATOR_CANDIDATES" in
         *[!0-9]*) log "error: COORDINATOR_PORT/COORDINATOR_CANDIDATES must be numbers"; exit 0 ;;
@@ -107,6 +111,16 @@ if [ -n "$COORDINATOR_PORT" ]; then
         token=$({ cat "$TOKEN_KEY_FILE"; printf ':%s' "$job"; } | sha256sum | cut -d ' ' -f 1)
         coordination+=(--token-file "$sock_dir/token")
     fi
+    if [ ! -e "$TLS_CA_KEY" ]; then
+        log "warning: no $TLS_CA_KEY: port $COORDINATOR_PORT takes plaintext calls"
+    elif [ ! -s "$TLS_CA_KEY" ] || [ "$(stat -c %u "$TLS_CA_KEY")" != 0 ] \
+        || [ $((8#$(stat -c %a "$TLS_CA_KEY") & 8#077)) -ne 0 ] || [ ! -r "$TLS_CA_CERT" ]; then
+        log "error: $TLS_CA_KEY must be root's, mode 0600 and not empty, beside $TLS_CA_CERT; not starting the agent"
+        exit 0
+    else
+        tls=1
+        coordination+=(--tls-cert "$sock_dir/tls.crt" --tls-key "$sock_dir/tls.key" --tls-ca "$sock_dir/ca.crt")
+    fi
 fi
 
 # Root owns $RUN_DIR and the pidfile; the user owns only the socket's directory
@@ -124,6 +138,32 @@ if [ -n "$token" ] && ! printf '%s\n' "$token" | setpriv --reuid="$uid" --regid=
         /bin/sh -c 'umask 077 && cat >"$1"' rankwatch-token "$sock_dir/token"; then
     log "error: cannot write the job's token to $sock_dir/token"
     exit 0
+fi
+
+# Mutual TLS: a key and a certificate for this job on this node (server and client use,
+# the node's name as its DNS name), signed by the root-only CA key in a directory only
+# root can read, then handed to the job's user like the token.
+as_user_write() {
+    # shellcheck disable=SC2016
+    setpriv --reuid="$uid" --regid="$gid" --init-groups -- /bin/sh -c 'umask 077 && cat >"$1"' rankwatch-tls "$1"
+}
+if [ -n "$tls" ]; then
+    work=$(mktemp -d) || { log "error: no temporary directory for the job's certificate"; exit 0; }
+    printf 'subjectAltName=DNS:%s\nextendedKeyUsage=serverAuth,clientAuth\nkeyUsage=digitalSignature\n' \
+        "$node" >"$work/ext"
+    if ! openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout "$work/key" \
+            -out "$work/csr" -subj "/OU=rankwatch job $job/CN=$node" >/dev/null 2>&1 \
+        || ! openssl x509 -req -in "$work/csr" -CA "$TLS_CA_CERT" -CAkey "$TLS_CA_KEY" \
+            -CAcreateserial -CAserial "$work/serial" -days "$TLS_DAYS" -extfile "$work/ext" \
+            -out "$work/crt" >/dev/null 2>&1 \
+        || ! as_user_write "$sock_dir/tls.key" <"$work/key" \
+        || ! as_user_write "$sock_dir/tls.crt" <"$work/crt" \
+        || ! as_user_write "$sock_dir/ca.crt" <"$TLS_CA_CERT"; then
+        rm -rf "$work"
+        log "error: cannot make the job's TLS certificate in $sock_dir"
+        exit 0
+    fi
+    rm -rf "$work"
 fi
 
 # setsid detaches the agent from slurmd; setpriv drops to the job's user before

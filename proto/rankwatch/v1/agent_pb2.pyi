@@ -21,7 +21,7 @@ PHASE_CHECKPOINT: Phase
 PHASE_IDLE: Phase
 
 class Hello(_message.Message):
-    __slots__ = ("rank", "local_rank", "world_size", "node_id", "pid", "backend", "device", "mesh_coords", "mesh_shape", "job_id", "peak_flops", "op_names", "device_uuid", "collective_source")
+    __slots__ = ("rank", "local_rank", "world_size", "node_id", "pid", "backend", "device", "mesh_coords", "mesh_shape", "job_id", "peak_flops", "op_names", "device_uuid", "collective_source", "peer_nonce")
     class MeshCoordsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class Hello(_message.Message):
     OP_NAMES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PEER_NONCE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     world_size: int
@@ -64,7 +65,8 @@ class Hello(_message.Message):
     op_names: _containers.RepeatedScalarFieldContainer[str]
     device_uuid: str
     collective_source: str
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ..., job_id: _Optional[str] = ..., peak_flops: _Optional[float] = ..., op_names: _Optional[_Iterable[str]] = ..., device_uuid: _Optional[str] = ..., collective_source: _Optional[str] = ...) -> None: ...
+    peer_nonce: bytes
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ..., job_id: _Optional[str] = ..., peak_flops: _Optional[float] = ..., op_names: _Optional[_Iterable[str]] = ..., device_uuid: _Optional[str] = ..., collective_source: _Optional[str] = ..., peer_nonce: _Optional[bytes] = ...) -> None: ...
 
 class StepColumns(_message.Message):
     __slots__ = ("step", "start", "duration", "data", "forward", "backward", "optimizer", "tokens", "flops", "wait")

@@ -1,0 +1,367 @@
+"""The agent's front door: who may call, and how many streams anyone may hold.
+
+One ``grpc.ServerInterceptor`` wraps every handler, so no RPC can forget a check:
+
+* **Credentials.** With a token configured, every call that arrives over TCP
+  (``Report``, ``Commands``, ``Status``, ``Sync``, ``RequestCheckpoint``, and any
+  RPC added later) needs ``authorization: Bearer <token>``, or it is refused with
+  UNAUTHENTICATED.  Calls on the Unix socket are not asked: the socket is 0600 in
+  a directory of the agent's user, and that is its access control.  The server
+  tells the two apart by ``context.peer()``: ``unix:...`` for the socket,
+  ``ipv4:``/``ipv6:`` for TCP.
+* **Streams are capped.** ``Report`` and ``Commands`` hold a server thread for
+  their whole life.  At most ``per_peer`` of them per TCP host and ``total`` in all
+  are served; more are refused with RESOURCE_EXHAUSTED, counted and logged.
+* **Capacity for the control calls.** The server's thread pool has ``total +
+  reserve`` threads (:meth:`StreamLimits.threads`).  Streams can take at most
+  ``total`` of them, so ``Status``, ``Sync`` and ``RequestCheckpoint`` always find
+  one of the ``reserve`` threads free, however many streams anyone opens.  Reserved
+  threads were chosen over a second server or ``grpc.aio`` because they keep one
+  port and one handler table, and the bound is plain arithmetic (streams <= total
+  < threads) that a test can check.
+* **A hello is due.** A ``Report`` stream that has sent nothing within
+  ``hello_timeout`` is cancelled, so idle connections cannot sit on the caps.
+* **So is every request.** gRPC runs a unary or server-streaming handler only once
+  its request message has arrived, on a pool thread that waits for it with no
+  limit: calls that never send it would take every thread.  So every such method
+  is served as a client-streaming one (the same on the wire): the credentials are
+  checked on the headers, before any message, and the wait for the message is
+  capped (``waiting_per_peer``, and half the reserve in all) and cancelled after
+  ``request_timeout``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import grpc
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from rankwatch.agent.auth import authorized
+
+__all__ = ["Gate", "StreamLimits", "is_local_peer", "peer_host"]
+
+log = logging.getLogger(__name__)
+
+_STREAMS = ("Report", "Commands")   # the long-lived RPCs that hold a server thread
+_LOG_EVERY = 10.0                   # seconds between log lines per refusal reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamLimits:
+    total: int = 128
+    """Streams (Report and Commands) served at once, from everyone."""
+    per_peer: int = 32
+    """Streams served at once from one TCP host (a node's ranks hold two each)."""
+    reserve: int = 32
+    """Server threads streams can never take: Status, Sync and RequestCheckpoint run there."""
+    hello_timeout: timedelta = timedelta(seconds=5)
+    """A Report stream that has sent no hello by then is closed."""
+    request_timeout: timedelta = timedelta(seconds=2)
+    """A call whose request message has not arrived by then is closed."""
+    waiting_per_peer: int = 2
+    """Calls that wait for their request message, per TCP host (the Unix socket counts as one)."""
+
+    def __post_init__(self) -> None:
+        if self.total < 1 or self.per_peer < 1 or self.reserve < 1 or self.waiting_per_peer < 1:
+            raise ValueError("StreamLimits.total, per_peer, reserve and waiting_per_peer must be at least 1")
+        if self.hello_timeout.total_seconds() <= 0 or self.request_timeout.total_seconds() <= 0:
+            raise ValueError("StreamLimits.hello_timeout and request_timeout must be positive")
+
+    @property
+    def waiting_total(self) -> int:
+        """Calls waiting for their request message, in all: half the reserve at most, so the
+        other half of the reserved threads always serves calls whose message is there."""
+        return max(1, self.reserve // 2)
+
+    @property
+    def threads(self) -> int:
+        """The server's thread pool: every stream, plus the reserve for control calls."""
+        return self.total + self.reserve
+
+
+def is_local_peer(peer: str) -> bool:
+    """True for a call on a Unix socket (``unix:...``), which needs no token."""
+    return peer.startswith("unix:")
+
+
+def peer_host(peer: str) -> str:
+    """The host part of ``context.peer()``: ``ipv4:10.0.0.2:5123`` -> ``ipv4:10.0.0.2``."""
+    if is_local_peer(peer):
+        return "unix"
+    head, _, _port = peer.rpartition(":")
+    return head or peer
+
+
+class Gate(grpc.ServerInterceptor):
+    """Checks credentials and stream caps for every call; also a Prometheus collector.
+
+    Args:
+        token: the job's bearer token (None: TCP calls need none).
+        node: this node's id (the ``node`` label).
+        limits: stream caps and the hello deadline.
+        on_unauthenticated: called with (method, peer) for each refused call.
+        clock: monotonic seconds (injected in tests).
+    """
+
+    def __init__(self, token: str | None, limits: StreamLimits | None = None, *, node: str = "",
+                 on_unauthenticated: Callable[[str, str], None] = lambda m, p: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.token = token
+        self.node = node
+        self.limits = limits or StreamLimits()
+        self._on_unauthenticated = on_unauthenticated
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_peer: dict[str, int] = {}
+        self._open = 0
+        self._watchdog = _Watchdog()
+        self._waiting: dict[str, int] = {}   # calls waiting for their request message, by peer
+        self._waiting_all = 0
+        self.refused: dict[str, int] = {}
+        self._logged: dict[str, tuple[float, int]] = {}   # reason -> (when, count then)
+
+    # -- grpc.ServerInterceptor -------------------------------------------------
+    def intercept_service(self, continuation: Callable[[Any], Any],
+                          handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        kind = _kind(handler)
+        inner = getattr(handler, kind)
+        stream = method in _STREAMS
+        if kind == "unary_unary":
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap_unary(method, inner), request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if kind == "unary_stream":
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_unary_stream(method, inner, stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        wrap = self._wrap_stream if stream else self._wrap_call
+        return handler._replace(**{kind: wrap(method, kind, inner)})
+
+    def _wrap_unary(self, method: str, inner: Callable) -> Callable:
+        def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            self._check(method, context)
+            return inner(self._request(method, requests, context), context)
+        return call
+
+    def _wrap_unary_stream(self, method: str, inner: Callable, stream: bool) -> Callable:
+        def gen(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            self._check(method, context)
+            key = self._acquire(method, context) if stream else None
+            try:
+                yield from inner(self._request(method, requests, context), context)
+            finally:
+                if key is not None:
+                    self._release(key)
+        return gen
+
+    def _wrap_call(self, method: str, kind: str, inner: Callable) -> Callable:
+        if kind == "stream_stream":
+            def gen(requests: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                self._check(method, context)
+                yield from inner(requests, context)
+            return gen
+
+        def call(requests: Any, context: grpc.ServicerContext) -> Any:
+            self._check(method, context)
+            return inner(requests, context)
+        return call
+
+    def _wrap_stream(self, method: str, kind: str, inner: Callable) -> Callable:
+        if kind == "stream_unary":
+            def report(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                self._check(method, context)
+                key = self._acquire(method, context)
+                try:
+                    return inner(self._hello_due(requests, context), context)
+                finally:
+                    self._release(key)
+            return report
+
+        def commands(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            self._check(method, context)
+            key = self._acquire(method, context)
+            try:
+                yield from inner(request, context)
+            finally:
+                self._release(key)
+        return commands
+
+    # -- checks -----------------------------------------------------------------
+    def _check(self, method: str, context: grpc.ServicerContext) -> None:
+        peer = context.peer()
+        if is_local_peer(peer) or authorized(context, self.token):
+            return
+        self._refuse("unauthenticated", f"{method} from {peer} without the job's token")
+        self._on_unauthenticated(method, peer)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} needs the job's token "
+                      "(authorization: Bearer; --token-file or $RANKWATCH_TOKEN)")
+
+    def _acquire(self, method: str, context: grpc.ServicerContext) -> str:
+        key = peer_host(context.peer())
+        lim = self.limits
+        with self._lock:
+            held = self._by_peer.get(key, 0)
+            if self._open >= lim.total:
+                reason, why = "streams_total", f"the agent serves {lim.total} streams already"
+            elif key != "unix" and held >= lim.per_peer:
+                reason, why = "streams_per_peer", f"{key} holds {lim.per_peer} streams already"
+            else:
+                self._open += 1
+                self._by_peer[key] = held + 1
+                return key
+        self._refuse(reason, f"{method} from {context.peer()}: {why}")
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} refused: {why}")
+        raise AssertionError("context.abort raises")
+
+    def _request(self, method: str, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        """The call's one request message, waited for under the caps and the deadline."""
+        key = peer_host(context.peer())
+        lim = self.limits
+        with self._lock:
+            held = self._waiting.get(key, 0)
+            full = self._waiting_all >= lim.waiting_total or held >= lim.waiting_per_peer
+            if not full:
+                self._waiting_all += 1
+                self._waiting[key] = held + 1
+        if full:
+            self._refuse("waiting", f"{method} from {context.peer()}: too many calls wait for their request")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{method} refused: too many calls from {key} wait for their request")
+        timer = self._watchdog.after(lim.request_timeout.total_seconds(),
+                                     lambda: self._overdue(method, context, "request"))
+        try:
+            request = next(requests, None)
+        finally:
+            self._watchdog.cancel(timer)
+            with self._lock:
+                self._waiting_all -= 1
+                left = self._waiting[key] - 1
+                if left:
+                    self._waiting[key] = left
+                else:
+                    del self._waiting[key]
+        if request is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method} needs one request message")
+        return request
+
+    def _overdue(self, method: str, context: grpc.ServicerContext, what: str) -> None:
+        if context.is_active():
+            self._refuse(f"no_{what}", f"{method} from {context.peer()} sent no {what} in time")
+            context.cancel()
+
+    def _release(self, key: str) -> None:
+        with self._lock:
+            self._open -= 1
+            left = self._by_peer[key] - 1
+            if left:
+                self._by_peer[key] = left
+            else:
+                del self._by_peer[key]
+
+    def _hello_due(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        """``requests``, cancelled if the first message is not there in time."""
+        timer: int | None = self._watchdog.after(self.limits.hello_timeout.total_seconds(),
+                                                 lambda: self._overdue("Report", context, "hello"))
+        try:
+            for msg in requests:
+                if timer is not None:
+                    self._watchdog.cancel(timer)
+                    timer = None
+                yield msg
+        finally:
+            if timer is not None:
+                self._watchdog.cancel(timer)
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        """Count a refusal; log one line per reason per 10 s, with the count since."""
+        with self._lock:
+            count = self.refused[reason] = self.refused.get(reason, 0) + 1
+            now = self._clock()
+            at, before = self._logged.get(reason, (float("-inf"), 0))
+            if now - at < _LOG_EVERY:
+                return
+            self._logged[reason] = (now, count)
+        more = count - before - 1
+        log.warning("refused: %s%s", detail, f" (and {more} more since the last line)" if more > 0 else "")
+
+    # -- views --------------------------------------------------------------------
+    def open_streams(self) -> int:
+        with self._lock:
+            return self._open
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            refused = dict(self.refused)
+            streams = self._open
+        c = CounterMetricFamily("rankwatch_rpcs_refused", "Calls the agent refused at its door, by reason "
+                                "(unauthenticated, streams_total, streams_per_peer, no_hello, waiting, no_request)",
+                                labels=["node", "reason"])
+        for reason, n in sorted(refused.items()):
+            c.add_metric([self.node, reason], n)
+        yield c
+        g = GaugeMetricFamily("rankwatch_streams_open", "Report and Commands streams being served",
+                              labels=["node"])
+        g.add_metric([self.node], streams)
+        yield g
+        cap = GaugeMetricFamily("rankwatch_streams_limit", "Streams served at once, at most", labels=["node"])
+        cap.add_metric([self.node], self.limits.total)
+        yield cap
+
+
+class _Watchdog:
+    """One thread that runs callbacks at their deadlines (cancelled ones are skipped)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._live: set[int] = set()   # scheduled and not cancelled
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def after(self, seconds: float, callback: Callable[[], None]) -> int:
+        with self._cond:
+            self._next += 1
+            heapq.heappush(self._heap, (time.monotonic() + seconds, self._next, callback))
+            self._live.add(self._next)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rankwatch-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._next
+
+    def cancel(self, handle: int) -> None:
+        with self._cond:
+            self._live.discard(handle)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                _, handle, callback = heapq.heappop(self._heap)
+                if handle not in self._live:
+                    continue
+                self._live.discard(handle)
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - a deadline never kills the watchdog
+                log.exception("deadline callback failed")
+
+
+def _kind(handler: Any) -> str:
+    if handler.request_streaming:
+        return "stream_stream" if handler.response_streaming else "stream_unary"
+    return "unary_stream" if handler.response_streaming else "unary_unary"
