@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
+from rankwatch.agent import validate
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 _DECISION_KINDS = ("exclude", "checkpoint")
 _DECISIONS_ADOPTED = 256   # the most decisions taken from one summary
+_MAX_LEAD = 100_000        # the most steps a checkpoint is asked ahead
 
 
 @dataclass(kw_only=True)
@@ -134,6 +136,7 @@ class Coordinator:
         now = self.clock()
         if not summary.node_id:
             raise ValueError("summary without node_id")
+        validate.check_summary(summary)  # raises Rejected (a ValueError): nothing of it is kept
         with self.lock:
             prev = self.nodes.get(summary.node_id)
             # A lower seq with a later clock is the node's agent restarted, not a replay.
@@ -188,7 +191,9 @@ class Coordinator:
                 raise LookupError("no rank is connected to any node of this job")
             top = max(r.step for r in ranks)
             step_s = max((r.step_seconds for r in ranks), default=0.0)
-            lead = max(2, math.ceil(self.policy.checkpoint_lead_seconds / step_s)) if step_s > 0 else 2
+            # Capped: a step time near zero must not make the lead (and the decision's int64 step) overflow.
+            lead = max(2, min(_MAX_LEAD, math.ceil(self.policy.checkpoint_lead_seconds / max(step_s, 1e-6)))) \
+                if step_s > 0 else 2
             pending = [d for d in self.log.items if d.kind == "checkpoint" and d.step > top]
             if pending:  # a duplicate: the pending request already covers it
                 return pending[-1]

@@ -39,6 +39,7 @@ from rankwatch.agent.state import NodeState, RankState, Rejected, _pid_alive
 from rankwatch.agent.starvation import StarvationTracker
 from rankwatch.agent.stepstarts import StepStarts
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, score
+from rankwatch.agent.validate import clean_text
 from rankwatch.proto import pb
 
 __all__ = ["Agent", "AgentConfig"]
@@ -570,10 +571,10 @@ class Agent:
             complete_after = max(rec.completed_after, rec.duration)
             detail = {"step": rec.step, "ok": rec.ok, "seconds": round(rec.duration, 6),
                       "complete_seconds": round(complete_after, 6), "asynchronous": rec.asynchronous,
-                      "path": rec.path, "request": rec.request_id or None, "reason": reason,
+                      "path": clean_text(rec.path), "request": rec.request_id or None, "reason": reason,
                       "started_at": rec.started_at}
             if not rec.ok:
-                detail["error"] = rec.error
+                detail["error"] = clean_text(rec.error)
             self.incidents.add(kind="checkpoint", node=self.state.node_id, rank=rank.rank, step=rec.step,
                                detected_at=rec.started_at + complete_after, detail=detail)
             (log.info if rec.ok else log.warning)(
@@ -654,7 +655,7 @@ class Agent:
         try:
             return self.coordinator.sync(request)
         except ValueError as exc:
-            self.state.note_rejected(Rejected("malformed", f"summary: {exc}"))
+            self.state.note_rejected(exc if isinstance(exc, Rejected) else Rejected("malformed", f"summary: {exc}"))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # context.abort raised already
 
@@ -697,7 +698,7 @@ class Agent:
     def _request_checkpoint(self, request: pb.CheckpointRequest,
                             context: grpc.ServicerContext) -> pb.CheckpointReply:
         self._authorize(context, "RequestCheckpoint")
-        return self.checkpoint(request.reason or "operator")
+        return self.checkpoint(clean_text(request.reason, 256) or "operator")
 
     def _authorize(self, context: grpc.ServicerContext, what: str) -> None:
         if not authorized(context, self.config.token):

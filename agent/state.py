@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rankwatch.agent.histogram import COLLECTIVE_BUCKETS, STEP_BUCKETS, HistogramSet
+from rankwatch.agent import validate
 from rankwatch.agent.incidents import Incident
 from rankwatch.proto import pb
 
@@ -176,6 +177,7 @@ class NodeState:
             Rejected: invalid identity, or the rank is already live on another stream.
         """
         _check_hello(msg)
+        validate.check_hello(msg)
         with self.lock:
             old = self.ranks.get(msg.rank)
             if old is not None and old.connected and (old.pid == msg.pid or (alive or _pid_alive)(old.pid)):
@@ -220,6 +222,7 @@ class NodeState:
         steps = _check_steps(batch.steps) if batch.HasField("steps") else None
         if batch.HasField("progress"):
             _check_progress(batch.progress)
+        validate.check_batch(batch, coll)
         with self.lock:
             if batch.seq <= rank.last_batch_seq:
                 raise self._reject("duplicate_batch",
@@ -308,7 +311,8 @@ class NodeState:
     def note_rejected(self, exc: Rejected) -> None:
         """Count a refused message and log it: one line per reason per 10 s."""
         with self.lock:
-            count = self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
+            reason = validate.reason_label(exc.reason)
+            count = self.rejected[reason] = self.rejected.get(reason, 0) + 1
             now = self.clock()
             loud = now - self._last_log.get(exc.reason, 0.0) >= 10.0
             if loud:
