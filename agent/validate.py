@@ -100,6 +100,9 @@ def check_label(value: str, what: str, reason: str = "invalid_value") -> None:
 
 def check_hello(msg: pb.Hello) -> None:
     """What :func:`state._check_hello` leaves open: the pid's and mesh's ranges."""
+    for value in (msg.node_id, msg.backend, msg.device, msg.device_uuid, msg.collective_source,
+                  msg.job_id, *msg.op_names, *msg.mesh_coords, *msg.mesh_shape):
+        check_label(value, "a name in the hello", "invalid_hello")
     if msg.pid >= 1 << 32:
         raise _reject("invalid_hello", f"pid {msg.pid} out of range")
     for coords in (msg.mesh_coords, msg.mesh_shape):

@@ -235,3 +235,48 @@ def test_status_cli_still_prints(agent):
                           "--json"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["node"] == "n0"
+
+
+def test_markup_and_control_characters_never_reach_the_terminal(agent, channel):
+    # A mesh key "[/x]" crashed `rankwatch status` for everyone with rich's MarkupError.
+    s = Stream(channel, hello(6, mesh_coords={"[/x]": 0, "[bold red]tp": 1}))
+    s.batch(progress=pb.Progress(step=3, sampled_at=time.time()))
+    wait_for(lambda: rank_of(agent, 6), 10, what="the rank with markup in its mesh")
+    # Another node's id and its rank's state, through Sync, reach the coordinator's table too.
+    now = time.time()
+    pb_grpc.AgentStub(channel).Sync(pb.NodeSummary(node_id="[/y]", seq=1, sent_at=now, ranks=[pb.RankSummary(
+        rank=40, pid=1, step=3, state="ok[/z]", connected=True, alive=True, progress_at=now, last_seen=now)]),
+        timeout=5)
+    # A C1 control character (a terminal escape introducer) in a hello is refused.
+    call = channel.stream_unary(REPORT, request_serializer=pb.ReportMessage.SerializeToString,
+                                response_deserializer=pb.ReportSummary.FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        call(iter([pb.ReportMessage(hello=hello(7, mesh_coords={"\x9b31m": 0}))]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr)],
+                         capture_output=True, text=True, timeout=30)
+    s.close()
+    assert out.returncode == 0, out.stderr
+    assert "[/x]0" in out.stdout and "[bold red]tp1" in out.stdout
+    assert "[/y]" in out.stdout and "ok[/z]" in out.stdout
+
+
+def test_views_escape_every_wire_string():
+    from rich.console import Console
+
+    from rankwatch.agent.view import rank_table, timeline
+
+    rank = {"rank": 0, "node": "[/n]\x1b[2J", "pid": 1, "mesh": {"[/x]": 0}, "step": 1, "step_seconds": 0.1,
+            "phase_seconds": {}, "collectives": 0, "dropped": 0, "slowdown": 1.0, "state": "[/s]",
+            "connected": True}
+    status = {"node": "[/me]", "ranks": [rank], "tokens_per_second": 0.0, "incidents": [
+        {"kind": "[/k]", "node": "[/n]", "rank": 0, "step": 1, "detected_at": 1.0,
+         "detail": {"error": "[/e]\x07" + "y" * 5000}}]}
+    console = Console(width=400, record=True, force_terminal=False)
+    console.print(rank_table(status))
+    console.print(timeline(status, 0.0))
+    text = console.export_text()
+    for s in ("[/n]", "[/x]0", "[/s]", "[/me]", "[/k]", "[/e]"):
+        assert s in text, s
+    assert "\x1b" not in text and "\x07" not in text
+    assert "y" * 1100 not in text
