@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scrape this dcgm-exporter /metrics for GPU health instead of NVML")
     a.add_argument("--gpu-interval", type=_positive, default=None, metavar="SECONDS",
                    help="between GPU readings (default 5; 0.5 for a script)")
+    a.add_argument("--rank-grace", type=_positive, default=60.0, metavar="SECONDS",
+                   help="how long a disconnected rank stays in /metrics (default 60)")
 
     r = sub.add_parser("run", help="run torchrun with rankwatch wired in",
                        usage="rankwatch run [--agent ADDR] [--node-id ID] -- <torchrun args>")
@@ -180,7 +182,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=args.metrics_port,
                               metrics_addr=args.metrics_addr, state_dir=state_dir,
                               hang=HangConfig(floor_seconds=args.hang_floor), straggler=straggler,
-                              coordinators=args.coordinator, policy=policy, gpu=gpu, token=token))
+                              coordinators=args.coordinator, policy=policy, gpu=gpu, token=token,
+                              rank_grace=args.rank_grace))
     try:
         agent.start()
     except (RuntimeError, OSError) as exc:

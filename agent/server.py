@@ -28,7 +28,7 @@ from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 from rankwatch.agent.host import HostCollector
-from rankwatch.agent import goodput
+from rankwatch.agent import bounds, goodput
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.jobmetrics import JobCollector
@@ -68,6 +68,7 @@ class AgentConfig:
         token: the job's shared token for Sync and RequestCheckpoint (None: no check).
         gpu: GPU health source and thresholds (default: NVML if it initialises, else none).
         exits: how long a rank's broken stream is watched for its process's exit.
+        rank_grace: seconds a disconnected rank stays in /metrics.
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
@@ -75,7 +76,7 @@ class AgentConfig:
                  hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
                  coordinators: list[Address] | None = None, policy: PolicyConfig | None = None,
                  sync_interval: float = 0.25, token: str | None = None, gpu: GpuConfig | None = None,
-                 exits: ExitConfig | None = None) -> None:
+                 exits: ExitConfig | None = None, rank_grace: float = 60.0) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -91,6 +92,7 @@ class AgentConfig:
         self.token = token
         self.gpu = gpu or GpuConfig()
         self.exits = exits or ExitConfig()
+        self.rank_grace = rank_grace
 
 
 class Agent:
@@ -120,9 +122,9 @@ class Agent:
         self.commands = CommandHub()
         self.link = JobLink(self, config.coordinators, config.sync_interval)
         self.progress = goodput.StepProgress()
-        self._checkpoint_steps: set[int] = set()
+        self._checkpoint_steps = bounds.RecentSet(4096)   # (step, ok) keys already recorded
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(NodeCollector(self.state, lambda: self._straggler_view))
+        self.registry.register(NodeCollector(self.state, lambda: self._straggler_view, config.rank_grace))
         self.registry.register(JobCollector(self))
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
         self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
@@ -529,7 +531,7 @@ class Agent:
         out.incidents.extend(i.to_pb() for i in incidents)
         out.decisions.extend(d.to_pb() for d in self.decision_log.items[-_DECISIONS_SENT:])
         out.run_id = self.incidents.run_id
-        return out
+        return bounds.cap_summary(out)
 
     def _observe_progress(self, now: float) -> None:
         ranks = self.state.snapshot()

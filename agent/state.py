@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rankwatch.agent.histogram import COLLECTIVE_BUCKETS, STEP_BUCKETS, HistogramSet
-from rankwatch.agent import validate
+from rankwatch.agent import bounds, validate
 from rankwatch.agent.incidents import Incident
 from rankwatch.proto import pb
 
@@ -164,6 +164,7 @@ class NodeState:
         self._next_stream = 0
         self._last_log: dict[str, float] = {}
         self.step_listeners: list[Callable[[RankState, pb.StepColumns], None]] = []
+        self.max_ranks = bounds.MAX_RANK_IDS
 
     # -- streams ----------------------------------------------------------
     def hello(self, msg: pb.Hello, alive=None) -> RankState:
@@ -183,6 +184,12 @@ class NodeState:
             if old is not None and old.connected and (old.pid == msg.pid or (alive or _pid_alive)(old.pid)):
                 raise self._reject("duplicate_rank", f"rank {msg.rank} is already reporting "
                                    f"from pid {old.pid} on this node")
+            try:  # a bounded number of rank ids: a new one takes the place of one gone longest
+                evict = bounds.rank_to_evict(self.ranks, msg.rank, self.max_ranks)
+            except LookupError as exc:
+                raise self._reject("too_many_ranks", str(exc)) from None
+            if evict is not None:
+                del self.ranks[evict]
             self._next_stream += 1
             op_map = np.array([_OP_INDEX.get(name, _OP_INDEX["other"]) for name in msg.op_names]
                               or [_OP_INDEX["other"]], dtype=np.int64)

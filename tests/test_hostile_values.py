@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue
 import subprocess
 import sys
 import time
@@ -20,42 +19,11 @@ import numpy as np
 import pytest
 
 from conftest import AgentProcess, parse_metrics, wait_for
+from rankstream import REPORT, Stream, hello
 from rankwatch.agent import validate
 from rankwatch.agent.jobsync import forward_checkpoint
 from rankwatch.hooks.recorder import OPS
 from rankwatch.proto import pb, pb_grpc
-
-REPORT = "/rankwatch.v1.Agent/Report"
-
-
-class Stream:
-    """One rank's Report stream, kept open; messages go in as the test sends them."""
-
-    def __init__(self, channel: grpc.Channel, hello: pb.Hello) -> None:
-        self._q: queue.Queue = queue.Queue()
-        call = channel.stream_unary(REPORT, request_serializer=pb.ReportMessage.SerializeToString,
-                                    response_deserializer=pb.ReportSummary.FromString)
-        self.future = call.future(iter(self._q.get, None), timeout=60)
-        self.seq = 0
-        self.send(pb.ReportMessage(hello=hello))
-
-    def send(self, msg: pb.ReportMessage) -> None:
-        self._q.put(msg)
-
-    def batch(self, **fields) -> None:
-        self.seq += 1
-        self.send(pb.ReportMessage(batch=pb.Batch(seq=self.seq, **fields)))
-
-    def close(self) -> pb.ReportSummary:
-        self.send(pb.ReportMessage(goodbye=pb.Goodbye()))
-        self._q.put(None)
-        return self.future.result(timeout=10)
-
-
-def hello(rank: int, **kw) -> pb.Hello:
-    return pb.Hello(rank=rank, world_size=64, pid=os.getpid(), node_id="n0", backend="gloo",
-                    op_names=list(OPS), **kw)
-
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
