@@ -34,6 +34,8 @@ MAX_INCIDENTS_PER_RANK = 64
 MAX_INCIDENTS = 1024
 MAX_INCIDENT_TOTAL_BYTES = 8 << 20
 MAX_SUMMARY_BYTES = 2 << 20
+MAX_STATUS_BYTES = 12 << 20
+"""A Status answer stays below gRPC's 16 MiB: over it, the oldest incidents are left out."""
 MAX_FILE_RECORDS_PER_RUN = 16384
 """Lines one run may append to ``incidents.jsonl`` (incidents and their updates)."""
 MAX_FILE_BYTES_PER_RUN = 64 << 20
@@ -110,13 +112,7 @@ def cap_detail(detail: Mapping[str, Any], limit: int = MAX_INCIDENT_BYTES) -> di
     return out
 
 
-class _Incident(Protocol):
-    node: str
-    rank: int
-    detail: Mapping[str, Any]
-
-
-def incidents_to_drop(items: Sequence[_Incident], sizes: Sequence[int], per_rank: int = MAX_INCIDENTS_PER_RANK,
+def incidents_to_drop(items: Sequence[Any], sizes: Sequence[int], per_rank: int = MAX_INCIDENTS_PER_RANK,
                       per_node: int = MAX_INCIDENTS, total_bytes: int = MAX_INCIDENT_TOTAL_BYTES) -> list[int]:
     """Indices of ``items`` (oldest first; ``sizes``: each one's detail in bytes) to drop so
     that no (node, rank) holds more than ``per_rank``, and all of them together at most
@@ -177,3 +173,18 @@ def cap_summary(s: pb.NodeSummary, limit: int = MAX_SUMMARY_BYTES) -> pb.NodeSum
         for n in sorted(drop, reverse=True):
             del s.ranks[n]
     return s
+
+
+def cap_status(resp: pb.StatusResponse, limit: int = MAX_STATUS_BYTES) -> pb.StatusResponse:
+    """``resp`` without its oldest incidents while over ``limit`` bytes, in place; returns it."""
+    size = resp.ByteSize()
+    if size <= limit:
+        return resp
+    drop = 0
+    for inc in resp.incidents:
+        if size <= limit:
+            break
+        size -= inc.ByteSize() + 4
+        drop += 1
+    del resp.incidents[:drop]
+    return resp

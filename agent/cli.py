@@ -161,7 +161,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
     listen = args.listen or [resolve(None)]
     node = node_id(args.node_id)
-    state_dir = args.state_dir or Path(f"/tmp/rankwatch-{os.getuid()}") / node
+    state_dir = _agent_dirs(args.state_dir, listen, node)
+    if state_dir is None:
+        return 1
     from rankwatch.agent.coordinator import PolicyConfig
 
     from rankwatch.agent.gpu import GpuConfig
@@ -184,6 +186,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                               hang=HangConfig(floor_seconds=args.hang_floor), straggler=straggler,
                               coordinators=args.coordinator, policy=policy, gpu=gpu, token=token,
                               rank_grace=args.rank_grace))
+    for log in (agent.incidents, agent.decision_log):   # an unwritable directory: said now, loudly
+        if log.writer is not None:
+            log.writer.probe()
     try:
         agent.start()
     except (RuntimeError, OSError) as exc:
@@ -193,6 +198,36 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: agent.stop())
     agent.wait()
     return 0
+
+
+def _agent_dirs(state_dir: Path | None, listen: list[Address], node: str) -> Path | None:
+    """The agent's state directory, after checking the default directory if it is used.
+
+    The default directory (``/tmp/rankwatch-<uid>``) must be the user's own, mode 0700,
+    and not a symlink, else the agent refuses (None, the reason printed): another user
+    could have made it first.  A state directory that cannot be made is not fatal: the
+    agent starts, says so loudly, and keeps its records in memory (retried) until it can.
+    """
+    from rankwatch.address import default_dir
+    from rankwatch.agent.safedir import UnsafeDirectory, check_default, private_dir
+
+    base = Path(default_dir())
+    try:
+        check_default(listen, state_dir_default=state_dir is None)
+        if state_dir is None:
+            return private_dir(base / node, repair=True)
+    except UnsafeDirectory as exc:
+        print(f"rankwatch agent: refusing the default directory: {exc}", file=sys.stderr)
+        return None
+    except OSError as exc:
+        print(f"rankwatch agent: {base}: {exc}", file=sys.stderr)
+        return None
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        logging.getLogger("rankwatch.agent").error("state directory %s: %s; incidents and decisions are "
+                                                   "kept in memory until it can be written", state_dir, exc)
+    return state_dir
 
 
 def _straggler_config(args: argparse.Namespace) -> StragglerConfig:

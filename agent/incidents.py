@@ -21,7 +21,7 @@ from typing import Any
 from rankwatch.agent import bounds, jsonl
 from rankwatch.proto import pb
 
-__all__ = ["Incident", "IncidentLog", "replay"]
+__all__ = ["Incident", "IncidentLog", "Replayed", "replay"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,12 @@ class Incident:
                    run_id=str(record.get("run_id") or ""))
 
 
+class Replayed(list):
+    """The incidents a file holds (a list), and ``skipped``: its lines that did not parse."""
+
+    skipped = 0
+
+
 class IncidentLog:
     """Args:
         path: the JSONL file, appended to (never read back into the live view, which shows
@@ -105,6 +111,7 @@ class IncidentLog:
 
     def __init__(self, path: Path | None, run_id: str = "") -> None:
         self.path = path
+        self.writer = jsonl.Writer(path) if path is not None else None
         self.run_id = run_id
         self.items: list[Incident] = []
         self._sizes: list[int] = []   # each item's detail, in bytes of JSON
@@ -197,17 +204,18 @@ class IncidentLog:
             return [i for i in self.items if i.node == node]
 
     @staticmethod
-    def replay(lines: Iterable[str] | Path) -> list[Incident]:
+    def replay(lines: Iterable[str] | Path) -> Replayed:
         """The incidents an ``incidents.jsonl`` holds, each with its updates applied, in order.
 
         An id recorded again (an agent restarted on the same state directory counts from 1
         again) starts a new incident; an update applies to the latest incident of its id.
-        Lines that do not parse (a write cut short by a crash) are skipped.
+        Lines that do not parse (a write cut short by a crash or a full disk) are skipped
+        and counted in the result's ``skipped``.
         """
         if isinstance(lines, Path):
-            with open(lines) as f:
+            with open(lines, errors="replace") as f:
                 return IncidentLog.replay(f.readlines())
-        out: list[Incident] = []
+        out = Replayed()
         latest: dict[str, int] = {}
         for n, line in enumerate(lines, start=1):
             if not line.strip():
@@ -221,12 +229,16 @@ class IncidentLog:
                 else:
                     latest[str(record["id"])] = len(out)
                     out.append(Incident.from_json(record))
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("incidents file line %d skipped: %s", n, exc)
+            except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+                out.skipped += 1
+                if out.skipped <= 5:
+                    log.warning("incidents file line %d skipped: %s", n, exc)
+        if out.skipped > 5:
+            log.warning("incidents file: %d lines skipped in all", out.skipped)
         return out
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self.path is None:
+        if self.writer is None:
             return
         if self._file_run != self.run_id:   # the bound is per run
             self._file_run, self._file_records, self._file_bytes = self.run_id, 0, 0
@@ -241,10 +253,8 @@ class IncidentLog:
             return
         self._file_records += 1
         self._file_bytes += size
-        try:
-            jsonl.append(self.path, record)
-        except OSError as exc:
-            log.warning("could not persist incident %s: %s", record.get("id") or record.get("update"), exc)
+        if self.writer is not None:
+            self.writer.append(record)   # a failed write waits in the writer's spool, retried
 
 
 replay = IncidentLog.replay

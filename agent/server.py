@@ -28,7 +28,7 @@ from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 from rankwatch.agent.host import HostCollector
-from rankwatch.agent import bounds, goodput
+from rankwatch.agent import bounds, goodput, storemetrics
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.jobmetrics import JobCollector
@@ -126,6 +126,7 @@ class Agent:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(self.state, lambda: self._straggler_view, config.rank_grace))
         self.registry.register(JobCollector(self))
+        self.registry.register(storemetrics.StorageCollector(self))
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
         self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
         self.gpu_listeners = self.gpu.listeners  # called with every fatal and risk GpuEvent
@@ -337,7 +338,8 @@ class Agent:
                     saved.add(i.step)
                 incidents.append(i)
         resp.incidents.extend(inc.to_pb() for inc in incidents)
-        return resp
+        storemetrics.fill_status(resp, self)
+        return bounds.cap_status(resp)
 
     # -- detection ------------------------------------------------------------
     def _detect_loop(self) -> None:

@@ -313,14 +313,27 @@ def check_incident(i: pb.Incident, now: float | None = None) -> None:
     if not isinstance(detail, dict):
         raise _reject("malformed", "incident detail is not a JSON object")
     if not _finite(detail):
-        raise _reject("invalid_value", "incident detail holds NaN or infinity")
+        raise _reject("invalid_value", "incident detail holds NaN, infinity or a number beyond 2^53")
+    for key in _DETAIL_DURATIONS:   # what goodput and the views read as times
+        if isinstance(detail.get(key), (int, float)) and not isinstance(detail[key], bool):
+            check_duration(float(detail[key]), f"incident {key}")
+    for key in _DETAIL_TIMES:
+        if isinstance(detail.get(key), (int, float)) and not isinstance(detail[key], bool):
+            check_timestamp(float(detail[key]), f"incident {key}", now)
+
+
+_DETAIL_DURATIONS = ("seconds", "complete_seconds", "stalled_seconds", "recovered_after_seconds",
+                     "allowance_seconds")
+_DETAIL_TIMES = ("started_at", "resolved_at")
 
 
 def _finite(value: Any, depth: int = 0) -> bool:
     if depth > 16:
         return False
     if isinstance(value, float):
-        return math.isfinite(value)
+        return math.isfinite(value) and abs(value) < 1e300
+    if isinstance(value, int):
+        return abs(value) < MAX_STEP
     if isinstance(value, dict):
         return all(_finite(v, depth + 1) for v in value.values())
     if isinstance(value, list):

@@ -36,6 +36,11 @@ class Stream:
         self._q.put(None)
         return self.future.result(timeout=30)
 
+    def cancel(self) -> None:
+        """End the stream from this side at once (what is still queued is not sent)."""
+        self.future.cancel()
+        self._q.put(None)
+
 
 def hello(rank: int, world_size: int = 64, **kw) -> pb.Hello:
     return pb.Hello(rank=rank, world_size=world_size, pid=os.getpid(), node_id="n0", backend="gloo",

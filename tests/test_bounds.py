@@ -89,3 +89,13 @@ def test_a_summary_is_cut_below_its_bound_least_needed_first():
     assert len(out.ranks) == 80            # every rank is still there
     assert out.ranks[0].stacks == "" and out.incidents[-1].id == "checkpoint-299"
     assert out.decisions[-1].id == "d-199"
+
+
+def test_a_status_answer_stays_below_the_message_limit_oldest_incidents_out():
+    resp = pb.StatusResponse(node_id="n0")
+    for n in range(400):
+        resp.incidents.append(pb.Incident(id=f"hang-{n}", kind="hang", detail_json="x" * (60 << 10)))
+    assert resp.ByteSize() > 16 << 20
+    out = bounds.cap_status(resp)
+    assert out.ByteSize() <= bounds.MAX_STATUS_BYTES
+    assert out.incidents[-1].id == "hang-399" and len(out.incidents) > 150

@@ -174,6 +174,10 @@ def test_sync_summaries_out_of_range_get_invalid_argument_and_status_answers(age
                id="x", kind="checkpoint", node="intruder", detected_at=now, detail_json='{"a": NaN}')]),
            pb.NodeSummary(node_id="intruder", seq=11, sent_at=now, incidents=[pb.Incident(
                id="x", kind="checkpoint", node="intruder", detected_at=now, detail_json="[" * 50_000)]),
+           pb.NodeSummary(node_id="intruder", seq=13, sent_at=now, incidents=[pb.Incident(
+               id="x", kind="checkpoint", node="intruder", detected_at=now, detail_json='{"seconds": 1e300}')]),
+           pb.NodeSummary(node_id="intruder", seq=14, sent_at=now, incidents=[pb.Incident(
+               id="x", kind="checkpoint", node="intruder", detected_at=now, detail_json='{"n": 9223372036854775807}')]),
            pb.NodeSummary(node_id="intruder", seq=12, sent_at=now, decisions=[pb.Decision(
                id="j/checkpoint-1", kind="checkpoint", generation=0, step=2**62, seq=1, decided_at=now)])]
     for msg in bad:
