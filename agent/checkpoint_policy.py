@@ -25,11 +25,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-__all__ = ["MIN_LEAD_STEPS", "RISK_EVERY_SECONDS", "evictions_due", "risk_due", "save_step",
+__all__ = ["MAX_LEAD_STEPS", "MIN_LEAD_STEPS", "RISK_EVERY_SECONDS", "evictions_due", "risk_due", "save_step",
            "wants_eviction"]
 
 MIN_LEAD_STEPS = 2
 """A requested save is never sooner than this many steps past the fastest rank."""
+MAX_LEAD_STEPS = 100_000
+"""Nor further ahead than this: a step time near zero must not push the step (an int64) out of range."""
 RISK_EVERY_SECONDS = 600.0
 """Seconds between risk checkpoints for the same GPU and signal."""
 
@@ -50,7 +52,8 @@ def save_step(fastest_step: int, step_seconds: float, lead_seconds: float,
     ahead = [s for s in pending if s > fastest_step]
     if ahead:
         return ahead[-1], False
-    lead = max(MIN_LEAD_STEPS, math.ceil(lead_seconds / step_seconds)) if step_seconds > 0 else MIN_LEAD_STEPS
+    lead = (max(MIN_LEAD_STEPS, min(MAX_LEAD_STEPS, math.ceil(lead_seconds / max(step_seconds, 1e-9))))
+            if step_seconds > 0 else MIN_LEAD_STEPS)
     return fastest_step + lead, True
 
 

@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scrape this dcgm-exporter /metrics for GPU health instead of NVML")
     a.add_argument("--gpu-interval", type=_positive, default=None, metavar="SECONDS",
                    help="between GPU readings (default 5; 0.5 for a script)")
+    a.add_argument("--rank-grace", type=_positive, default=60.0, metavar="SECONDS",
+                   help="how long a disconnected rank stays in /metrics (default 60)")
 
     r = sub.add_parser("run", help="run torchrun with rankwatch wired in",
                        usage="rankwatch run [--agent ADDR] [--node-id ID] -- <torchrun args>")
@@ -194,7 +196,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
     listen = args.listen or [resolve(None)]
     node = node_id(args.node_id)
-    state_dir = args.state_dir or Path(f"/tmp/rankwatch-{os.getuid()}") / node
+    state_dir = _agent_dirs(args.state_dir, listen, node)
+    if state_dir is None:
+        return 1
     from rankwatch.agent.coordinator import PolicyConfig
 
     from rankwatch.agent.gpu import GpuConfig
@@ -216,11 +220,14 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                              hang=HangConfig(floor_seconds=args.hang_floor), straggler=straggler,
                              coordinators=args.coordinator, policy=policy, gpu=gpu, token=token,
                              election=args.election, job_id=args.job_id, advertise=args.advertise,
-                             tls=tls, streams=streams)
+                             tls=tls, streams=streams, rank_grace=args.rank_grace)
     except ValueError as exc:
         print(f"rankwatch agent: {exc}", file=sys.stderr)
         return 2
     agent = Agent(config)
+    for log in (agent.incidents, agent.decision_log):   # an unwritable directory: said now, loudly
+        if log.writer is not None:
+            log.writer.probe()
     try:
         agent.start()
     except (RuntimeError, OSError) as exc:
@@ -250,6 +257,36 @@ def _stream_limits(args: argparse.Namespace) -> StreamLimits:
     knobs = {"total": args.max_streams, "per_peer": args.max_streams_per_peer,
              "reserve": args.control_reserve, "waiting_per_peer": args.max_waiting_per_peer}
     return StreamLimits(**{k: v for k, v in knobs.items() if v is not None})
+
+
+def _agent_dirs(state_dir: Path | None, listen: list[Address], node: str) -> Path | None:
+    """The agent's state directory, after checking the default directory if it is used.
+
+    The default directory (``/tmp/rankwatch-<uid>``) must be the user's own, mode 0700,
+    and not a symlink, else the agent refuses (None, the reason printed): another user
+    could have made it first.  A state directory that cannot be made is not fatal: the
+    agent starts, says so loudly, and keeps its records in memory (retried) until it can.
+    """
+    from rankwatch.address import default_dir
+    from rankwatch.agent.safedir import UnsafeDirectory, check_default, private_dir
+
+    base = Path(default_dir())
+    try:
+        check_default(listen, state_dir_default=state_dir is None)
+        if state_dir is None:
+            return private_dir(base / node, repair=True)
+    except UnsafeDirectory as exc:
+        print(f"rankwatch agent: refusing the default directory: {exc}", file=sys.stderr)
+        return None
+    except OSError as exc:
+        print(f"rankwatch agent: {base}: {exc}", file=sys.stderr)
+        return None
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        logging.getLogger("rankwatch.agent").error("state directory %s: %s; incidents and decisions are "
+                                                   "kept in memory until it can be written", state_dir, exc)
+    return state_dir
 
 
 def _straggler_config(args: argparse.Namespace) -> StragglerConfig:

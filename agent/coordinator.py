@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-from rankwatch.agent import checkpoint_policy, load_policy
+from rankwatch.agent import checkpoint_policy, load_policy, validate
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
 from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, HangFinding, Snapshot, evaluate, straggler_detail
@@ -158,6 +158,7 @@ class Coordinator:
         now = self.clock()
         if not summary.node_id:
             raise ValueError("summary without node_id")
+        validate.check_summary(summary)  # raises Rejected (a ValueError): nothing of it is kept
         with self.lock:
             prev = self.nodes.get(summary.node_id)
             # A lower seq with a later clock is the node's agent restarted, not a replay.

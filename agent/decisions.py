@@ -102,6 +102,7 @@ class DecisionLog:
 
     def __init__(self, path: Path | None = None, run_id: str = "") -> None:
         self.path = path
+        self.writer = jsonl.Writer(path) if path is not None else None
         self.run_id = run_id
         self._lock = threading.Lock()
         self._items: list[Decision] = []
@@ -171,12 +172,8 @@ class DecisionLog:
         return fresh
 
     def _write(self, d: Decision) -> None:
-        if self.path is None:
-            return
-        try:
-            jsonl.append(self.path, d.to_json())
-        except OSError as exc:
-            log.warning("could not persist decision %s: %s", d.id, exc)
+        if self.writer is not None:
+            self.writer.append(d.to_json())   # a failed write waits in the writer's spool, retried
 
 
 def _counters(path: Path) -> tuple[int, int]:

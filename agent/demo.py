@@ -36,12 +36,14 @@ from pathlib import Path
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 
 from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address, resolve
 from rankwatch.agent.coordinator import PolicyConfig
 from rankwatch.agent.gpu import GpuConfig, load_script
 from rankwatch.agent.gpu.script import ScriptedSource
 from rankwatch.agent.run import DEFAULT_METRICS_PORT, _port_free
+from rankwatch.agent.safedir import UnsafeDirectory, check_default
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.agent.straggler import StragglerConfig
 from rankwatch.agent.view import goodput_line, rank_table, timeline
@@ -70,6 +72,11 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
     if reachable(addr):
         console.print(f"[red]an agent already answers at {addr}; stop it (or set {AGENT_ENV}) "
                       "and run the demo again[/]")
+        return 1
+    try:
+        check_default([addr])   # the coordinator's socket goes in the default directory
+    except UnsafeDirectory as exc:
+        console.print(f"[red]refusing the default directory: {escape(str(exc))}[/]")
         return 1
     workdir = Path(tempfile.mkdtemp(prefix="rankwatch-demo-"))
     script = workdir / "gpu-n1.json"

@@ -18,10 +18,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from rankwatch.agent import jsonl
+from rankwatch.agent import bounds, jsonl
 from rankwatch.proto import pb
 
-__all__ = ["Incident", "IncidentLog", "replay"]
+__all__ = ["Incident", "IncidentLog", "Replayed", "replay"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,12 @@ class Incident:
                    run_id=str(record.get("run_id") or ""))
 
 
+class Replayed(list):
+    """The incidents a file holds (a list), and ``skipped``: its lines that did not parse."""
+
+    skipped = 0
+
+
 class IncidentLog:
     """Args:
         path: the JSONL file, appended to (never read back into the live view, which shows
@@ -105,17 +111,26 @@ class IncidentLog:
 
     def __init__(self, path: Path | None, run_id: str = "") -> None:
         self.path = path
+        self.writer = jsonl.Writer(path) if path is not None else None
         self.run_id = run_id
         self.items: list[Incident] = []
+        self._sizes: list[int] = []   # each item's detail, in bytes of JSON
+        self._count = 0               # incidents added so far (their ids' numbers)
         self._lock = threading.Lock()
         self.listeners: list[Callable[[Incident], None]] = []
+        self.dropped = 0              # incidents let go from memory (the bounds in agent/bounds.py)
+        self.file_dropped = 0         # records not written: this run's file reached its bound
+        self._file_run: str | None = None
+        self._file_records = self._file_bytes = 0
 
     def add(self, *, kind: str, node: str, rank: int, step: int, detected_at: float,
             detail: Mapping[str, Any]) -> Incident:
         with self._lock:
-            incident = Incident(id=f"{kind}-{len(self.items) + 1}", kind=kind, node=node, rank=rank,
-                                step=step, detected_at=detected_at, detail=detail, run_id=self.run_id)
-            self.items.append(incident)
+            self._count += 1
+            incident = Incident(id=f"{kind}-{self._count}", kind=kind, node=node, rank=rank,
+                                step=step, detected_at=detected_at, detail=bounds.cap_detail(detail),
+                                run_id=self.run_id)
+            self._keep(incident)
             self._write(incident.to_json())
         for listener in list(self.listeners):
             try:
@@ -129,9 +144,23 @@ class IncidentLog:
         with self._lock:
             if any(i.id == incident.id for i in self.items):
                 return False
-            self.items.append(incident)
+            incident = replace(incident, detail=bounds.cap_detail(incident.detail))
+            self._keep(incident)
             self._write(incident.to_json())
         return True
+
+    def _keep(self, incident: Incident) -> None:
+        """Append ``incident``, then let the oldest go over the bounds (per rank, per node)."""
+        self.items.append(incident)
+        self._sizes.append(bounds.detail_size(incident.detail))
+        drop = bounds.incidents_to_drop(self.items, self._sizes)
+        for n in reversed(drop):   # in place: NodeState.incidents is this same list
+            del self.items[n]
+            del self._sizes[n]
+        if drop:
+            if not self.dropped:
+                log.warning("incident bound reached: the oldest incidents leave memory (the file keeps them)")
+            self.dropped += len(drop)
 
     def get(self, incident_id: str) -> Incident | None:
         with self._lock:
@@ -152,8 +181,10 @@ class IncidentLog:
             changed = {k: v for k, v in detail.items() if k not in old.detail or old.detail[k] != v}
             if not changed:
                 return None
-            new = replace(old, detail={**old.detail, **changed})
+            changed = bounds.cap_detail(changed)
+            new = replace(old, detail=bounds.cap_detail({**old.detail, **changed}))
             self.items[index] = new
+            self._sizes[index] = bounds.detail_size(new.detail)
             self._write({"update": incident_id, "detail": changed, "run_id": old.run_id})
         return new
 
@@ -173,17 +204,18 @@ class IncidentLog:
             return [i for i in self.items if i.node == node]
 
     @staticmethod
-    def replay(lines: Iterable[str] | Path) -> list[Incident]:
+    def replay(lines: Iterable[str] | Path) -> Replayed:
         """The incidents an ``incidents.jsonl`` holds, each with its updates applied, in order.
 
         An id recorded again (an agent restarted on the same state directory counts from 1
         again) starts a new incident; an update applies to the latest incident of its id.
-        Lines that do not parse (a write cut short by a crash) are skipped.
+        Lines that do not parse (a write cut short by a crash or a full disk) are skipped
+        and counted in the result's ``skipped``.
         """
         if isinstance(lines, Path):
-            with open(lines) as f:
+            with open(lines, errors="replace") as f:
                 return IncidentLog.replay(f.readlines())
-        out: list[Incident] = []
+        out = Replayed()
         latest: dict[str, int] = {}
         for n, line in enumerate(lines, start=1):
             if not line.strip():
@@ -197,17 +229,32 @@ class IncidentLog:
                 else:
                     latest[str(record["id"])] = len(out)
                     out.append(Incident.from_json(record))
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("incidents file line %d skipped: %s", n, exc)
+            except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+                out.skipped += 1
+                if out.skipped <= 5:
+                    log.warning("incidents file line %d skipped: %s", n, exc)
+        if out.skipped > 5:
+            log.warning("incidents file: %d lines skipped in all", out.skipped)
         return out
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self.path is None:
+        if self.writer is None:
             return
-        try:
-            jsonl.append(self.path, record)
-        except OSError as exc:
-            log.warning("could not persist incident %s: %s", record.get("id") or record.get("update"), exc)
+        if self._file_run != self.run_id:   # the bound is per run
+            self._file_run, self._file_records, self._file_bytes = self.run_id, 0, 0
+        size = len(json.dumps(record, default=str)) + 1
+        if (self._file_records >= bounds.MAX_FILE_RECORDS_PER_RUN
+                or self._file_bytes + size > bounds.MAX_FILE_BYTES_PER_RUN):
+            if not self.file_dropped:
+                log.warning("%s: this run's bound (%d records, %d bytes) reached; later incidents are "
+                            "kept in memory only", self.path, bounds.MAX_FILE_RECORDS_PER_RUN,
+                            bounds.MAX_FILE_BYTES_PER_RUN)
+            self.file_dropped += 1
+            return
+        self._file_records += 1
+        self._file_bytes += size
+        if self.writer is not None:
+            self.writer.append(record)   # a failed write waits in the writer's spool, retried
 
 
 replay = IncidentLog.replay

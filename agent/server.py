@@ -34,7 +34,8 @@ from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hang import HangConfig
 from rankwatch.agent.export.host import HostCollector
-from rankwatch.agent import goodput
+from rankwatch.agent import bounds, goodput
+from rankwatch.agent.export import storemetrics
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.export.jobmetrics import JobCollector
@@ -46,6 +47,7 @@ from rankwatch.agent.nodewatch import NodeWatch, process_state
 from rankwatch.agent.rankexit import ExitConfig
 from rankwatch.agent.state import NodeState, RankState, Rejected
 from rankwatch.agent.straggler import StragglerConfig
+from rankwatch.agent.validate import clean_text
 from rankwatch.proto import pb
 
 __all__ = ["Agent", "AgentConfig"]
@@ -79,6 +81,7 @@ class AgentConfig:
         election: ``etcd://HOST:PORT[,...]``: the coordinator is whichever agent of ``job_id``
             holds the coordinator key in etcd (:mod:`.election`); needs a TCP ``listen``.
         advertise: this agent's address for the other agents (default: its first TCP one).
+        rank_grace: seconds a disconnected rank stays in /metrics.
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
@@ -88,7 +91,7 @@ class AgentConfig:
                  sync_interval: float = 0.25, token: str | None = None, gpu: GpuConfig | None = None,
                  exits: ExitConfig | None = None, election: str | None = None, job_id: str = "",
                  advertise: str | None = None, tls: TlsConfig | None = None,
-                 streams: StreamLimits | None = None) -> None:
+                 streams: StreamLimits | None = None, rank_grace: float = 60.0) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if election is not None:
@@ -114,6 +117,7 @@ class AgentConfig:
         self.exits = exits or ExitConfig()
         self.election, self.job_id, self.advertise = election, job_id, advertise
         self.tls = tls
+        self.rank_grace = rank_grace
         self.streams = streams or StreamLimits()
 
     def client_credentials(self) -> ClientCredentials:
@@ -140,10 +144,11 @@ class Agent:
         self.commands = CommandHub()
         self.link = JobLink(self, config.coordinators, config.sync_interval, elected=config.election is not None)
         self.progress = goodput.StepProgress()
-        self._checkpoint_steps: set[int] = set()
+        self._checkpoint_steps = bounds.RecentSet(4096)   # (step, ok) keys already recorded
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(NodeCollector(self.state, lambda: self.watch.straggler_view))
+        self.registry.register(NodeCollector(self.state, lambda: self.watch.straggler_view, config.rank_grace))
         self.registry.register(JobCollector(self))
+        self.registry.register(storemetrics.StorageCollector(self))
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
         self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
         self.gpu_listeners = self.gpu.listeners  # called with every fatal and risk GpuEvent
@@ -395,7 +400,8 @@ class Agent:
                     saved.add(i.step)
                 incidents.append(i)
         resp.incidents.extend(inc.to_pb() for inc in incidents)
-        return resp
+        storemetrics.fill_status(resp, self)
+        return bounds.cap_status(resp)
 
     # -- detection ------------------------------------------------------------
     def _detect_loop(self) -> None:
@@ -454,7 +460,7 @@ class Agent:
         out.incidents.extend(i.to_pb() for i in incidents)
         out.decisions.extend(d.to_pb() for d in self.decision_log.items[-_DECISIONS_SENT:])
         out.run_id = self.incidents.run_id
-        return out
+        return bounds.cap_summary(out)
 
     def _observe_progress(self, now: float) -> None:
         ranks = self.state.snapshot()
@@ -496,10 +502,10 @@ class Agent:
             complete_after = max(rec.completed_after, rec.duration)
             detail = {"step": rec.step, "ok": rec.ok, "seconds": round(rec.duration, 6),
                       "complete_seconds": round(complete_after, 6), "asynchronous": rec.asynchronous,
-                      "path": rec.path, "request": rec.request_id or None, "reason": reason,
+                      "path": clean_text(rec.path), "request": rec.request_id or None, "reason": reason,
                       "started_at": rec.started_at}
             if not rec.ok:
-                detail["error"] = rec.error
+                detail["error"] = clean_text(rec.error)
             self.incidents.add(kind="checkpoint", node=self.state.node_id, rank=rank.rank, step=rec.step,
                                detected_at=rec.started_at + complete_after, detail=detail)
             (log.info if rec.ok else log.warning)(
@@ -549,7 +555,7 @@ class Agent:
         try:
             return self.coordinator.sync(request)
         except ValueError as exc:
-            self.state.note_rejected(Rejected("malformed", f"summary: {exc}"))
+            self.state.note_rejected(exc if isinstance(exc, Rejected) else Rejected("malformed", f"summary: {exc}"))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # context.abort raised already
 
@@ -593,7 +599,7 @@ class Agent:
     def _request_checkpoint(self, request: pb.CheckpointRequest,
                             context: grpc.ServicerContext) -> pb.CheckpointReply:
         self._authorize(context, "RequestCheckpoint")
-        return self.checkpoint(request.reason or "operator")
+        return self.checkpoint(clean_text(request.reason, 256) or "operator")
 
     def _authorize(self, context: grpc.ServicerContext, what: str) -> None:
         if not authorized(context, self.config.token):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rankwatch.agent.histogram import COLLECTIVE_BUCKETS, STEP_BUCKETS, HistogramSet
+from rankwatch.agent import bounds, validate
 from rankwatch.agent.incidents import Incident
 from rankwatch.agent.rankstate import INITIAL, next_state
 from rankwatch.proto import pb
@@ -164,6 +165,7 @@ class NodeState:
         self._next_stream = 0
         self._last_log: dict[str, float] = {}
         self.step_listeners: list[Callable[[RankState, pb.StepColumns], None]] = []
+        self.max_ranks = bounds.MAX_RANK_IDS
 
     # -- streams ----------------------------------------------------------
     def hello(self, msg: pb.Hello, alive=None, replace: bool = False) -> RankState:
@@ -178,12 +180,19 @@ class NodeState:
             Rejected: invalid identity, or the rank is already live on another stream.
         """
         _check_hello(msg)
+        validate.check_hello(msg)
         with self.lock:
             old = self.ranks.get(msg.rank)
             if (not replace and old is not None and old.connected
                     and (old.pid == msg.pid or (alive or _pid_alive)(old.pid))):
                 raise self._reject("duplicate_rank", f"rank {msg.rank} is already reporting "
                                    f"from pid {old.pid} on this node")
+            try:  # a bounded number of rank ids: a new one takes the place of one gone longest
+                evict = bounds.rank_to_evict(self.ranks, msg.rank, self.max_ranks)
+            except LookupError as exc:
+                raise self._reject("too_many_ranks", str(exc)) from None
+            if evict is not None:
+                del self.ranks[evict]
             self._next_stream += 1
             op_map = np.array([_OP_INDEX.get(name, _OP_INDEX["other"]) for name in msg.op_names]
                               or [_OP_INDEX["other"]], dtype=np.int64)
@@ -223,6 +232,7 @@ class NodeState:
         steps = _check_steps(batch.steps) if batch.HasField("steps") else None
         if batch.HasField("progress"):
             _check_progress(batch.progress)
+        validate.check_batch(batch, coll)
         with self.lock:
             if batch.seq <= rank.last_batch_seq:
                 raise self._reject("duplicate_batch",
@@ -311,7 +321,8 @@ class NodeState:
     def note_rejected(self, exc: Rejected) -> None:
         """Count a refused message and log it: one line per reason per 10 s."""
         with self.lock:
-            count = self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
+            reason = validate.reason_label(exc.reason)
+            count = self.rejected[reason] = self.rejected.get(reason, 0) + 1
             now = self.clock()
             loud = now - self._last_log.get(exc.reason, 0.0) >= 10.0
             if loud:

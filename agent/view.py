@@ -1,4 +1,9 @@
-"""Human views of a status: the per-rank table and the incident timeline."""
+"""Human views of a status: the per-rank table and the incident timeline.
+
+Every string in a status may come from the wire (a rank's mesh names, another node's id,
+an incident's detail): each is cut, stripped of control characters and escaped before
+rich renders it, so no text can carry markup (a mesh key ``[/x]``) or terminal escapes.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,21 @@ import time
 from typing import Any
 
 from rich import box
+from rich.markup import escape
 from rich.table import Table
+
+from rankwatch.agent.validate import clean_text
 
 __all__ = ["rank_table", "timeline"]
 
 
+def shown(value: Any, limit: int = 128) -> str:
+    """``value`` as text safe to give rich: cut, without control characters, markup escaped."""
+    return escape(clean_text(str(value), limit).replace("\n", " ").replace("\t", " "))
+
+
 def rank_table(status: dict[str, Any], title: str | None = None) -> Table:
-    t = Table(title=title or f"rankwatch — node {status['node']}", title_justify="left",
+    t = Table(title=title or f"rankwatch — node {shown(status['node'])}", title_justify="left",
               box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("rank", "node", "pid", "mesh", "step", "step ms", "data", "fwd", "bwd", "opt",
                 "colls", "drop", "slow", "state"):
@@ -21,8 +34,9 @@ def rank_table(status: dict[str, Any], title: str | None = None) -> Table:
     for r in status["ranks"]:
         ph = r["phase_seconds"]
         state = r["state"] if r["connected"] else f"{r['state']}, gone"
-        t.add_row(str(r["rank"]), r["node"], str(r["pid"]),
-                  " ".join(f"{k}{v}" for k, v in sorted(r["mesh"].items())), str(r["step"]),
+        state = shown(state)
+        t.add_row(str(r["rank"]), shown(r["node"]), str(r["pid"]),
+                  shown(" ".join(f"{k}{v}" for k, v in sorted(r["mesh"].items()))), str(r["step"]),
                   f"{r['step_seconds'] * 1e3:.1f}", *(f"{ph.get(p, 0.0) * 1e3:.1f}" for p in
                                                      ("data", "forward", "backward", "optimizer")),
                   str(r["collectives"]), str(r["dropped"]), f"{r.get('slowdown', 1.0):.2f}",
@@ -41,8 +55,8 @@ def timeline(status: dict[str, Any], started_at: float) -> Table:
     for col in ("t+s", "kind", "node", "rank", "step", "detail"):
         t.add_column(col)
     for inc in sorted(status["incidents"], key=lambda i: i["detected_at"]):
-        t.add_row(f"{inc['detected_at'] - started_at:.1f}", inc["kind"], inc["node"],
-                  str(inc["rank"]), str(inc["step"]), _brief(inc["detail"]))
+        t.add_row(f"{inc['detected_at'] - started_at:.1f}", shown(inc["kind"]), shown(inc["node"]),
+                  str(inc["rank"]), str(inc["step"]), shown(_brief(inc["detail"]), 1024))
     if not status["incidents"]:
         t.add_row(f"{time.time() - started_at:.1f}", "-", "-", "-", "-", "no incidents")
     return t

@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["AGENT_ENV", "NODE_ID_ENV", "Address", "default_address", "node_id", "resolve"]
+__all__ = ["AGENT_ENV", "NODE_ID_ENV", "TMPDIR_ENV", "Address", "default_address", "default_dir", "node_id",
+           "resolve"]
 
 AGENT_ENV = "RANKWATCH_AGENT"
 NODE_ID_ENV = "RANKWATCH_NODE_ID"
+TMPDIR_ENV = "RANKWATCH_TMPDIR"
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,15 @@ class Address:
         return f"{self.host}:{self.port}"
 
 
+def default_dir() -> str:
+    """The per-user default directory, ``/tmp/rankwatch-<uid>`` (``$RANKWATCH_TMPDIR`` replaces
+    ``/tmp``).  The agent uses it only if it is the user's own, mode 0700."""
+    return os.path.join(os.environ.get(TMPDIR_ENV) or "/tmp", f"rankwatch-{os.getuid()}")
+
+
 def default_address() -> Address:
     """The per-user default socket, ``/tmp/rankwatch-<uid>/agent.sock``."""
-    return Address(path=os.path.join(f"/tmp/rankwatch-{os.getuid()}", "agent.sock"))
+    return Address(path=os.path.join(default_dir(), "agent.sock"))
 
 
 def resolve(explicit: str | None = None) -> Address:

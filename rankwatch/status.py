@@ -92,4 +92,7 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
         "mfu": resp.mfu if resp.HasField("mfu") else None,
         "records_received": resp.records_received,
         "messages_rejected": resp.messages_rejected,
+        "storage": {name: {"path": f.path, "ok": f.ok, "written": f.written, "spooled": f.spooled,
+                           "failures": f.failures, "dropped": f.dropped, "last_error": f.last_error or None}
+                    for name, f in sorted(resp.storage.items())},
     }

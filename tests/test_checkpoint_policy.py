@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rankwatch.agent.checkpoint_policy import (MIN_LEAD_STEPS, RISK_EVERY_SECONDS, evictions_due, risk_due,
+from rankwatch.agent.checkpoint_policy import (MAX_LEAD_STEPS, MIN_LEAD_STEPS, RISK_EVERY_SECONDS, evictions_due, risk_due,
                                                save_step, wants_eviction)
 
 
@@ -12,6 +12,8 @@ def test_save_step_leads_the_fastest_rank_by_the_lead_time_in_steps():
     # Slow steps or no step time yet: never fewer than the minimum lead.
     assert save_step(100, step_seconds=10.0, lead_seconds=2.0) == (100 + MIN_LEAD_STEPS, True)
     assert save_step(100, step_seconds=0.0, lead_seconds=2.0) == (100 + MIN_LEAD_STEPS, True)
+    # A step time near zero (a hostile or broken report) never sends the step out of range.
+    assert save_step(100, step_seconds=1e-300, lead_seconds=2.0) == (100 + MAX_LEAD_STEPS, True)
 
 
 def test_a_request_while_one_is_still_ahead_is_that_one():

@@ -29,15 +29,18 @@ class NodeCollector:
     """``collect()`` renders the node's state; registered in the agent's own registry."""
 
     def __init__(self, state: NodeState,
-                 stragglers: Callable[[], tuple[dict[int, str], float]] | None = None) -> None:
+                 stragglers: Callable[[], tuple[dict[int, str], float]] | None = None,
+                 rank_grace: float = 60.0) -> None:
         self._state = state
+        self._grace = rank_grace   # a disconnected rank's series stay this long, then go
         # ({rank: cause} of the flagged stragglers, the job's speed-up without them)
         self._stragglers = stragglers or (lambda: ({}, 1.0))
 
     def collect(self) -> Iterable[Metric]:
         st = self._state
         node = st.node_id
-        ranks = st.snapshot()
+        now = st.clock()
+        ranks = [r for r in st.snapshot() if r.connected or now - r.last_seen <= self._grace]
         info = InfoMetricFamily("rankwatch_agent", "The agent's version and node.")
         info.add_metric([], {"node": node, "version": __version__})
         yield info

@@ -292,7 +292,7 @@ class Incident(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_at: _Optional[float] = ..., detail_json: _Optional[str] = ..., id: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes")
+    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes", "storage")
     class TimeSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,13 @@ class StatusResponse(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class StorageEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: StorageStatus
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[StorageStatus, _Mapping]] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +323,7 @@ class StatusResponse(_message.Message):
     TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_NODES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     started_at: float
     metrics_port: int
@@ -332,7 +340,26 @@ class StatusResponse(_message.Message):
     time_seconds: _containers.ScalarMap[str, float]
     nodes: _containers.RepeatedScalarFieldContainer[str]
     excluded_nodes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., coordinator: _Optional[bool] = ..., coordinator_node: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., nodes: _Optional[_Iterable[str]] = ..., excluded_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+    storage: _containers.MessageMap[str, StorageStatus]
+    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., coordinator: _Optional[bool] = ..., coordinator_node: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., nodes: _Optional[_Iterable[str]] = ..., excluded_nodes: _Optional[_Iterable[str]] = ..., storage: _Optional[_Mapping[str, StorageStatus]] = ...) -> None: ...
+
+class StorageStatus(_message.Message):
+    __slots__ = ("path", "ok", "written", "spooled", "failures", "dropped", "last_error")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SPOOLED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    ok: bool
+    written: int
+    spooled: int
+    failures: int
+    dropped: int
+    last_error: str
+    def __init__(self, path: _Optional[str] = ..., ok: _Optional[bool] = ..., written: _Optional[int] = ..., spooled: _Optional[int] = ..., failures: _Optional[int] = ..., dropped: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class CommandRequest(_message.Message):
     __slots__ = ("rank", "pid")

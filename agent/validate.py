@@ -1,0 +1,341 @@
+"""Ranges of every value that reaches an agent from the wire, in one place.
+
+Steps, sequence numbers, sizes and counts fit in 2^53 (a float64 holds them exactly, and
+any sum or lead the agent adds stays far below int64); durations are finite and at most a
+day; timestamps are finite, not negative, and not more than a day ahead of this machine's
+clock.  Strings are length-capped; labels may not hold control characters, and free text
+(a checkpoint's path or error) is cut and stripped of them.
+
+Each check raises :class:`~rankwatch.agent.state.Rejected` (a ``ValueError``) with one of
+:data:`REASONS` as its metric label, so ``rankwatch_messages_rejected_total`` stays a
+bounded set of series whatever arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from rankwatch.proto import pb
+
+__all__ = [
+    "MAX_DURATION", "MAX_STEP", "MAX_TEXT", "REASONS", "check_checkpoints", "check_summary",
+    "check_timestamp", "clean_text", "reason_label",
+]
+
+MAX_STEP = 1 << 53
+"""Exclusive bound of steps, sequence numbers, byte sizes, pids and counters."""
+MAX_DURATION = 86400.0
+"""Seconds: no step, collective, save or stall on the wire lasts longer than a day."""
+MAX_CLOCK_AHEAD = 86400.0
+"""A timestamp may be this far ahead of the agent's clock (skew between hosts)."""
+MAX_LABEL = 128
+MAX_TEXT = 1024
+"""Free text (a checkpoint's error or path) is cut to this many characters."""
+MAX_CHECKPOINTS_PER_BATCH = 64
+MAX_STACKS = 256 << 10
+MAX_SUMMARY_RANKS = 4096
+MAX_SUMMARY_INCIDENTS = 1024
+MAX_SUMMARY_DECISIONS = 1024
+MAX_DETAIL_JSON = 64 << 10
+MAX_WINDOW = 1024
+
+REASONS = (
+    "undecodable", "no_hello", "invalid_hello", "unknown_rank", "duplicate_rank", "too_many_ranks",
+    "duplicate_batch", "stale_stream", "oversized", "malformed", "invalid_value", "unauthenticated",
+    "pid_not_peer", "uid_not_agent", "other",
+)
+"""Every ``reason`` label of ``rankwatch_messages_rejected_total``."""
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def reason_label(reason: str) -> str:
+    """The metric label of a rejection reason: one of :data:`REASONS`."""
+    return reason if reason in REASONS else "other"
+
+
+def _reject(reason: str, detail: str) -> Exception:
+    from rankwatch.agent.state import Rejected
+
+    return Rejected(reason, detail)
+
+
+def clean_text(value: str, limit: int = MAX_TEXT) -> str:
+    """``value`` without control characters (newline and tab kept), cut to ``limit``."""
+    if len(value) > limit:
+        value = value[:limit] + "…"
+    return _CONTROL.sub("", value)
+
+
+def check_count(value: int, what: str, lo: int = 0) -> None:
+    if not lo <= value < MAX_STEP:
+        raise _reject("invalid_value", f"{what} {value} outside [{lo}, 2^53)")
+
+
+def check_duration(value: float, what: str) -> None:
+    if not (math.isfinite(value) and 0.0 <= value <= MAX_DURATION):
+        raise _reject("invalid_value", f"{what} {value!r} is not a duration in [0, {MAX_DURATION:.0f}] s")
+
+
+def check_timestamp(value: float, what: str, now: float | None = None) -> None:
+    """Unix seconds: finite, not negative, at most a day ahead of ``now`` (0 means unset)."""
+    limit = (time.time() if now is None else now) + MAX_CLOCK_AHEAD
+    if not (math.isfinite(value) and 0.0 <= value <= limit):
+        raise _reject("invalid_value", f"{what} {value!r} is not a plausible Unix time")
+
+
+def check_label(value: str, what: str, reason: str = "invalid_value") -> None:
+    if len(value) > MAX_LABEL or _CONTROL.search(value) or "\n" in value or "\t" in value:
+        raise _reject(reason, f"{what} is too long or has control characters")
+
+
+# -- rank streams ---------------------------------------------------------------
+
+def check_hello(msg: pb.Hello) -> None:
+    """What :func:`state._check_hello` leaves open: the pid's and mesh's ranges."""
+    for value in (msg.node_id, msg.backend, msg.device, msg.device_uuid, msg.collective_source,
+                  msg.job_id, *msg.op_names, *msg.mesh_coords, *msg.mesh_shape):
+        check_label(value, "a name in the hello", "invalid_hello")
+    if msg.pid >= 1 << 32:
+        raise _reject("invalid_hello", f"pid {msg.pid} out of range")
+    for coords in (msg.mesh_coords, msg.mesh_shape):
+        for value in coords.values():
+            if not 0 <= value < 1 << 20:
+                raise _reject("invalid_hello", f"mesh coordinate {value} out of range")
+
+
+def check_batch(batch: pb.Batch, collectives: dict[str, np.ndarray] | None = None,
+                now: float | None = None) -> None:
+    """Every range of a batch whose shapes :meth:`NodeState.ingest` checked: its counters,
+    step and collective columns (``collectives`` decoded), progress and checkpoint records."""
+    now = time.time() if now is None else now
+    check_count(batch.seq, "batch seq")
+    check_count(batch.dropped_total, "dropped_total")
+    if collectives is not None:
+        check_collective_columns(collectives, now)
+    if batch.HasField("steps"):
+        check_step_columns(batch.steps, now)
+    if batch.HasField("progress"):
+        check_progress(batch.progress, now)
+        if batch.progress.flight_recorder:
+            from rankwatch.agent.state import parse_flight_recorder
+
+            try:
+                doc = parse_flight_recorder(batch.progress.flight_recorder)
+                if doc is not None:
+                    check_flight_recorder(doc, now)
+            except ValueError as exc:
+                raise _reject("malformed", f"flight_recorder: {exc}") from None
+    check_checkpoints(batch.checkpoints, now)
+
+
+def check_step_columns(s: pb.StepColumns, now: float | None = None) -> None:
+    """Ranges of step columns whose lengths and signs are checked already."""
+    now = time.time() if now is None else now
+    steps = np.asarray(s.step, np.int64)
+    if steps.size and int(steps.max()) >= MAX_STEP:
+        raise _reject("invalid_value", "step number outside [0, 2^53)")
+    durations = np.array((s.duration, s.data, s.forward, s.backward, s.optimizer), np.float64)
+    if durations.size and float(durations.max()) > MAX_DURATION:
+        raise _reject("invalid_value", f"step time over {MAX_DURATION:.0f} s")
+    if s.wait and max(s.wait) > MAX_DURATION:
+        raise _reject("invalid_value", f"step wait over {MAX_DURATION:.0f} s")
+    if s.start and (max(s.start) > now + MAX_CLOCK_AHEAD):
+        raise _reject("invalid_value", "step start is not a plausible Unix time")
+    for col, what in ((s.tokens, "tokens"), (s.flops, "flops")):
+        if col and max(col) >= 1e30:
+            raise _reject("invalid_value", f"{what} per step implausibly large")
+
+
+def check_collective_columns(cols: dict[str, np.ndarray], now: float | None = None) -> None:
+    """Ranges of decoded collective columns (finite, non-negative checked already)."""
+    now = time.time() if now is None else now
+    if not cols["seq"].size:
+        return
+    if int(cols["seq"].max()) >= MAX_STEP or int(cols["seq"].min()) < -1:
+        raise _reject("invalid_value", "collective sequence number outside [-1, 2^53)")
+    if int(cols["nbytes"].max()) >= MAX_STEP:
+        raise _reject("invalid_value", "collective size over 2^53 bytes")
+    if float(cols["duration"].max()) > MAX_DURATION:
+        raise _reject("invalid_value", f"collective duration over {MAX_DURATION:.0f} s")
+    start = cols["start"]
+    if float(start.min()) < 0 or float(start.max()) > now + MAX_CLOCK_AHEAD:
+        raise _reject("invalid_value", "collective start is not a plausible Unix time")
+
+
+def check_progress(p: pb.Progress, now: float | None = None) -> None:
+    """Ranges of a rank's progress sample (finiteness and sizes are checked already)."""
+    check_count(p.step, "progress step", lo=-1)
+    check_count(p.last_collective_seq, "last_collective_seq", lo=-1)
+    for t, what in ((p.step_started_at, "step_started_at"), (p.sampled_at, "sampled_at")):
+        check_timestamp(t, what, now)
+    for value in p.group_seqs.values():
+        check_count(value, "group sequence number", lo=-1)
+    if p.HasField("inflight"):
+        check_count(p.inflight.seq, "in-flight sequence number", lo=-1)
+        check_timestamp(p.inflight.since, "in-flight since", now)
+
+
+def check_flight_recorder(doc: dict[str, Any], now: float | None = None) -> None:
+    """Ranges of a parsed Flight Recorder extract (:func:`state.parse_flight_recorder`).
+
+    Raises:
+        ValueError: a sequence number or time out of range.
+    """
+    for e in doc["pending"]:
+        if not -1 <= e["seq"] < MAX_STEP:
+            raise ValueError(f"pending sequence number {e['seq']} outside [-1, 2^53)")
+        check_timestamp(e["since"], "pending since", now)
+        for key in ("desc", "state"):
+            check_label(e[key], f"pending {key}")
+    for key in ("completed", "enqueued"):
+        for seq in doc[key].values():
+            if not -1 <= seq < MAX_STEP:
+                raise ValueError(f"'{key}' sequence number {seq} outside [-1, 2^53)")
+
+
+def check_checkpoints(records: Iterable[pb.CheckpointRecord], now: float | None = None) -> None:
+    """A batch's checkpoint records: each step, time and duration in range.
+
+    Their strings are not refused but cut and cleaned where they are kept (:func:`clean_text`).
+    """
+    records = list(records)
+    if len(records) > MAX_CHECKPOINTS_PER_BATCH:
+        raise _reject("oversized", f"{len(records)} checkpoint records in one batch")
+    for rec in records:
+        check_count(rec.step, "checkpoint step")
+        check_timestamp(rec.started_at, "checkpoint started_at", now)
+        check_duration(rec.duration, "checkpoint duration")
+        check_duration(rec.completed_after, "checkpoint completed_after")
+        if len(rec.request_id) > MAX_LABEL:
+            raise _reject("invalid_value", "checkpoint request_id too long")
+
+
+# -- node summaries (Sync) -------------------------------------------------------
+
+def check_summary(s: pb.NodeSummary, now: float | None = None) -> None:
+    """A node's summary, as the coordinator takes it in ``Sync``.
+
+    Raises:
+        Rejected: a count, value or string out of range (nothing of the summary is kept).
+    """
+    now = time.time() if now is None else now
+    check_label(s.node_id, "node_id", "malformed")
+    check_label(s.run_id, "run_id", "malformed")
+    check_count(s.seq, "summary seq")
+    check_timestamp(s.sent_at, "summary sent_at", now)
+    if (len(s.ranks) > MAX_SUMMARY_RANKS or len(s.incidents) > MAX_SUMMARY_INCIDENTS
+            or len(s.decisions) > MAX_SUMMARY_DECISIONS or len(s.time_seconds) > 64):
+        raise _reject("oversized", "too many ranks, incidents, decisions or accounts in a summary")
+    for key, value in s.time_seconds.items():
+        check_label(key, "a time account")
+        if not (math.isfinite(value) and 0 <= value < 1e10):
+            raise _reject("invalid_value", f"time account {key} {value!r} out of range")
+    for r in s.ranks:
+        _check_rank_summary(r, now)
+    for i in s.incidents:
+        check_incident(i, now)
+    for d in s.decisions:
+        check_label(d.id, "decision id")
+        check_label(d.kind, "decision kind")
+        check_label(d.node, "decision node")
+        check_label(d.run_id, "decision run_id")
+        check_count(d.generation, "decision generation")
+        check_count(d.step, "decision step")
+        check_count(d.seq, "decision seq")
+        check_timestamp(d.decided_at, "decision time", now)
+        if len(d.reason) > MAX_TEXT:
+            raise _reject("invalid_value", "decision reason too long")
+
+
+def _check_rank_summary(r: pb.RankSummary, now: float) -> None:
+    check_count(r.rank, "rank")
+    check_count(r.pid, "pid")
+    check_count(r.step, "step", lo=-1)
+    check_count(r.steps_completed, "steps_completed")
+    check_count(r.local_rank, "local_rank")
+    check_duration(r.step_seconds, "step_seconds")
+    for t, what in ((r.progress_at, "progress_at"), (r.last_seen, "last_seen"), (r.stacks_at, "stacks_at")):
+        check_timestamp(t, what, now)
+    check_label(r.activity, "activity")
+    check_label(r.state, "state")
+    if not (math.isfinite(r.tokens_per_second) and 0 <= r.tokens_per_second < 1e30):
+        raise _reject("invalid_value", "tokens_per_second out of range")
+    if len(r.group_seqs) > 256:
+        raise _reject("oversized", "too many groups in a rank summary")
+    for group, seq in r.group_seqs.items():
+        check_label(group, "group name")
+        check_count(seq, "group sequence number", lo=-1)
+    if r.HasField("inflight"):
+        check_label(r.inflight.op, "in-flight op")
+        check_label(r.inflight.group, "in-flight group")
+        check_count(r.inflight.seq, "in-flight sequence number", lo=-1)
+        check_timestamp(r.inflight.since, "in-flight since", now)
+    for window in (r.own_work, r.data_wait, r.comm_wait):
+        if len(window) > MAX_WINDOW:
+            raise _reject("oversized", "rank summary window too long")
+        for v in window:
+            check_duration(v, "a per-step time")
+    if len(r.stacks) > MAX_STACKS or len(r.flight_recorder) > MAX_STACKS:
+        raise _reject("oversized", "rank summary stacks or Flight Recorder too long")
+    if r.flight_recorder:
+        from rankwatch.agent.state import parse_flight_recorder
+
+        try:
+            doc = parse_flight_recorder(r.flight_recorder)
+            if doc is not None:
+                check_flight_recorder(doc, now)
+        except ValueError as exc:
+            raise _reject("malformed", f"flight_recorder: {exc}") from None
+
+
+def check_incident(i: pb.Incident, now: float | None = None) -> None:
+    """An incident a node reports in its summary."""
+    for value, what in ((i.id, "incident id"), (i.kind, "incident kind"), (i.node, "incident node"),
+                        (i.run_id, "incident run_id")):
+        check_label(value, what)
+    check_count(i.rank, "incident rank", lo=-1)
+    check_count(i.step, "incident step", lo=-1)
+    check_timestamp(i.detected_at, "incident detected_at", now)
+    if len(i.detail_json) > MAX_DETAIL_JSON:
+        raise _reject("oversized", f"incident detail over {MAX_DETAIL_JSON} bytes")
+    try:
+        detail = json.loads(i.detail_json or "{}")
+    except (ValueError, RecursionError):
+        raise _reject("malformed", "incident detail is not JSON") from None
+    if not isinstance(detail, dict):
+        raise _reject("malformed", "incident detail is not a JSON object")
+    if not _finite(detail):
+        raise _reject("invalid_value", "incident detail holds NaN, infinity or a number beyond 2^53")
+    for key in _DETAIL_DURATIONS:   # what goodput and the views read as times
+        if isinstance(detail.get(key), (int, float)) and not isinstance(detail[key], bool):
+            check_duration(float(detail[key]), f"incident {key}")
+    for key in _DETAIL_TIMES:
+        if isinstance(detail.get(key), (int, float)) and not isinstance(detail[key], bool):
+            check_timestamp(float(detail[key]), f"incident {key}", now)
+
+
+_DETAIL_DURATIONS = ("seconds", "complete_seconds", "stalled_seconds", "recovered_after_seconds",
+                     "allowance_seconds")
+_DETAIL_TIMES = ("started_at", "resolved_at")
+
+
+def _finite(value: Any, depth: int = 0) -> bool:
+    if depth > 16:
+        return False
+    if isinstance(value, float):
+        return math.isfinite(value) and abs(value) < 1e300
+    if isinstance(value, int):
+        return abs(value) < MAX_STEP
+    if isinstance(value, dict):
+        return all(_finite(v, depth + 1) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v, depth + 1) for v in value)
+    return True

@@ -1,0 +1,254 @@
+"""Values out of range, against a live agent: refused with a clear error, counted by reason,
+and the agent's Status and Sync go on answering (issue 13, the values half).
+
+The agent is a real ``rankwatch agent`` subprocess that coordinates its own node; the
+hostile rank is a real gRPC Report stream.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import AgentProcess, parse_metrics, wait_for
+from rankstream import REPORT, Stream, hello
+from rankwatch.agent import validate
+from rankwatch.agent.jobsync import forward_checkpoint
+from rankwatch.hooks.recorder import OPS
+from rankwatch.proto import pb, pb_grpc
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    sock = tmp_path_factory.mktemp("values") / "agent.sock"
+    a = AgentProcess(sock, extra=("--coordinator", str(sock))).start()
+    wait_for(lambda: a.status()["coordinator"], 10, what="the agent to coordinate its node")
+    yield a
+    a.stop()
+
+
+@pytest.fixture()
+def channel(agent):
+    ch = grpc.insecure_channel(agent.addr.grpc_target())
+    yield ch
+    ch.close()
+
+
+def rejected(agent, reason: str) -> float:
+    return parse_metrics(agent.metrics()).get(
+        ("rankwatch_messages_rejected_total", frozenset({("node", "n0"), ("reason", reason)})), 0.0)
+
+
+def rank_of(agent, rank: int) -> dict | None:
+    return next((r for r in agent.status()["ranks"] if r["rank"] == rank), None)
+
+
+def test_step_beyond_2_53_then_a_checkpoint_request_leaves_status_answering(agent, channel):
+    # The reproduced failure: step 2^63-1, then a checkpoint request, overflowed the
+    # decision's int64 and Status failed for good.
+    before = rejected(agent, "invalid_value")
+    s = Stream(channel, hello(1))
+    s.batch(progress=pb.Progress(step=2**63 - 1, sampled_at=time.time()))
+    s.batch(steps=pb.StepColumns(step=[2**62], start=[time.time()], duration=[0.1], data=[0], forward=[0],
+                                 backward=[0], optimizer=[0], tokens=[0], flops=[0]))
+    wait_for(lambda: rejected(agent, "invalid_value") >= before + 2, 10, what="both batches refused")
+    # The largest step in range is taken, and a checkpoint after it still fits.
+    s.batch(progress=pb.Progress(step=2**53 - 1, sampled_at=time.time()))
+    wait_for(lambda: (rank_of(agent, 1) or {}).get("step") == 2**53 - 1, 10, what="the step in range")
+    wait_for(lambda: forward_checkpoint(agent.addr, "test").accepted, 10, what="a checkpoint decision")
+    status = agent.status()
+    (d,) = [d for d in status["decisions"] if d["kind"] == "checkpoint"]
+    assert 2**53 - 1 < d["step"] < 2**63
+    assert rank_of(agent, 1)["step"] == 2**53 - 1
+    summary = s.close()
+    assert (summary.batches_accepted, summary.batches_rejected) == (1, 2)
+    agent.status()  # still answering
+
+
+def test_checkpoint_records_out_of_range_are_refused_and_counted(agent, channel):
+    before = rejected(agent, "invalid_value")
+    s = Stream(channel, hello(2))
+    now = time.time()
+    bad = [pb.CheckpointRecord(step=-5, started_at=now, duration=1.0, ok=True),
+           pb.CheckpointRecord(step=10, started_at=now, duration=math.nan, ok=True),
+           pb.CheckpointRecord(step=11, started_at=now, duration=math.inf, ok=True),
+           pb.CheckpointRecord(step=12, started_at=now, duration=1.0, completed_after=1e300, ok=True),
+           pb.CheckpointRecord(step=13, started_at=1e300, duration=1.0, ok=True),
+           pb.CheckpointRecord(step=2**60, started_at=now, duration=1.0, ok=True)]
+    for rec in bad:
+        s.batch(checkpoints=[rec])
+    # A 6 MB error string is kept cut, without its control characters.
+    s.batch(checkpoints=[pb.CheckpointRecord(step=20, started_at=now, duration=0.5, ok=False,
+                                             error="\x1b[31mdisk\x00 full " + "x" * (6 << 20))])
+    summary = s.close()
+    assert (summary.batches_accepted, summary.batches_rejected) == (1, len(bad))
+    assert rejected(agent, "invalid_value") - before == len(bad)
+    incidents = [i for i in agent.status()["incidents"] if i["kind"] == "checkpoint" and i["rank"] == 2]
+    assert [i["step"] for i in incidents] == [20]
+    error = incidents[0]["detail"]["error"]
+    assert error.startswith("[31mdisk full x") and len(error) <= validate.MAX_TEXT + 1
+    assert not any(ord(c) < 32 for c in error)
+
+
+def test_durations_and_times_out_of_range_are_refused(agent, channel):
+    before = rejected(agent, "invalid_value")
+    s = Stream(channel, hello(3))
+    now = time.time()
+
+    def steps(**over):
+        cols = dict(step=[1], start=[now], duration=[0.1], data=[0.0], forward=[0.0], backward=[0.0],
+                    optimizer=[0.0], tokens=[0.0], flops=[0.0])
+        cols.update(over)
+        return pb.StepColumns(**cols)
+
+    def colls(**over):
+        cols = dict(op=np.zeros(1, "<u1"), pg=np.zeros(1, "<u2"), seq=np.ones(1, "<i8"),
+                    start=np.full(1, now, "<f8"), duration=np.full(1, 0.01, "<f8"), nbytes=np.ones(1, "<i8"))
+        cols.update({k: np.asarray(v, cols[k].dtype) for k, v in over.items()})
+        return pb.CollectiveColumns(**{k: v.tobytes() for k, v in cols.items()})
+
+    bad = [dict(steps=steps(duration=[1e300])), dict(steps=steps(start=[1e300])),
+           dict(steps=steps(forward=[86401.0])), dict(steps=steps(tokens=[1e300])),
+           dict(collectives=colls(duration=[1e300])), dict(collectives=colls(seq=[2**62])),
+           dict(collectives=colls(start=[-5.0])), dict(collectives=colls(nbytes=[2**60])),
+           dict(progress=pb.Progress(step=1, step_started_at=1e300)),
+           dict(progress=pb.Progress(step=1, group_seqs={"0": 2**62})),
+           dict(progress=pb.Progress(step=1, inflight=pb.InFlight(op="all_reduce", seq=2**62, since=now))),
+           dict(dropped_total=2**63)]
+    for fields in bad:
+        s.batch(**fields)
+    s.batch(steps=steps(), collectives=colls())  # the same rank, in range: taken
+    summary = s.close()
+    assert (summary.batches_accepted, summary.batches_rejected) == (1, len(bad))
+    assert rejected(agent, "invalid_value") - before == len(bad)
+    assert agent.status()["goodput"] is None or agent.status()["time_seconds"]["elapsed"] < 1e6
+
+
+def test_flight_recorder_out_of_range_is_refused(agent, channel):
+    before = rejected(agent, "malformed")
+    s = Stream(channel, hello(4))
+    for doc in ({"pending": [{"group": "0", "op": "all_reduce", "seq": 2**62, "since": 1.0}]},
+                {"pending": [{"group": "0", "op": "all_reduce", "seq": 1, "since": 1e300}]},
+                {"completed": {"0": 2**63}}):
+        s.batch(progress=pb.Progress(step=1, stacks="x", flight_recorder=json.dumps(doc)))
+    summary = s.close()
+    assert (summary.batches_accepted, summary.batches_rejected) == (0, 3)
+    assert rejected(agent, "malformed") - before == 3
+
+
+def test_hello_out_of_range_is_refused_with_invalid_argument(agent, channel):
+    for bad in (pb.Hello(rank=5, world_size=64, pid=2**40), hello(5, mesh_coords={"dp": -1})):
+        call = channel.stream_unary(REPORT, request_serializer=pb.ReportMessage.SerializeToString,
+                                    response_deserializer=pb.ReportSummary.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            call(iter([pb.ReportMessage(hello=bad)]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def summary(seq: int, **rank) -> pb.NodeSummary:
+    now = time.time()
+    r = dict(rank=9, pid=os.getpid(), step=5, step_seconds=0.1, steps_completed=5, activity="train",
+             progress_at=now, last_seen=now, connected=False, alive=False)
+    r.update(rank)
+    return pb.NodeSummary(node_id="intruder", seq=seq, sent_at=now, ranks=[pb.RankSummary(**r)])
+
+
+def test_sync_summaries_out_of_range_get_invalid_argument_and_status_answers(agent, channel):
+    stub = pb_grpc.AgentStub(channel)
+    before = rejected(agent, "invalid_value") + rejected(agent, "oversized") + rejected(agent, "malformed")
+    now = time.time()
+    bad = [summary(1, step=2**63 - 1), summary(2, step_seconds=math.inf), summary(3, own_work=[1e300]),
+           summary(4, progress_at=1e300), summary(5, group_seqs={"0": 2**62}),
+           summary(6, stacks="x" * (validate.MAX_STACKS + 1)),
+           summary(7, flight_recorder=json.dumps({"completed": {"0": 2**62}})),
+           pb.NodeSummary(node_id="intruder", seq=8, sent_at=math.nan),
+           pb.NodeSummary(node_id="in\ntruder", seq=9, sent_at=now),
+           pb.NodeSummary(node_id="intruder", seq=10, sent_at=now, incidents=[pb.Incident(
+               id="x", kind="checkpoint", node="intruder", detected_at=now, detail_json='{"a": NaN}')]),
+           pb.NodeSummary(node_id="intruder", seq=11, sent_at=now, incidents=[pb.Incident(
+               id="x", kind="checkpoint", node="intruder", detected_at=now, detail_json="[" * 50_000)]),
+           pb.NodeSummary(node_id="intruder", seq=13, sent_at=now, incidents=[pb.Incident(
+               id="x", kind="checkpoint", node="intruder", detected_at=now, detail_json='{"seconds": 1e300}')]),
+           pb.NodeSummary(node_id="intruder", seq=14, sent_at=now, incidents=[pb.Incident(
+               id="x", kind="checkpoint", node="intruder", detected_at=now, detail_json='{"n": 9223372036854775807}')]),
+           pb.NodeSummary(node_id="intruder", seq=12, sent_at=now, decisions=[pb.Decision(
+               id="j/checkpoint-1", kind="checkpoint", generation=0, step=2**62, seq=1, decided_at=now)])]
+    for msg in bad:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Sync(msg, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, msg
+    after = rejected(agent, "invalid_value") + rejected(agent, "oversized") + rejected(agent, "malformed")
+    assert after - before == len(bad)
+    reply = stub.Sync(summary(20), timeout=5)  # in range: taken
+    assert reply.coordinator == "n0"
+    t0 = time.monotonic()
+    agent.status()
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_rejection_reasons_are_a_bounded_label_set(agent):
+    assert validate.reason_label("invalid_value") == "invalid_value"
+    assert validate.reason_label("x" * 200) == "other"
+    text = agent.metrics()
+    reasons = {dict(labels)["reason"] for (name, labels) in parse_metrics(text)
+               if name == "rankwatch_messages_rejected_total"}
+    assert reasons and reasons <= set(validate.REASONS)
+
+
+def test_status_cli_still_prints(agent):
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr),
+                          "--json"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["node"] == "n0"
+
+
+def test_markup_and_control_characters_never_reach_the_terminal(agent, channel):
+    # A mesh key "[/x]" crashed `rankwatch status` for everyone with rich's MarkupError.
+    s = Stream(channel, hello(6, mesh_coords={"[/x]": 0, "[bold red]tp": 1}))
+    s.batch(progress=pb.Progress(step=3, sampled_at=time.time()))
+    wait_for(lambda: rank_of(agent, 6), 10, what="the rank with markup in its mesh")
+    # Another node's id and its rank's state, through Sync, reach the coordinator's table too.
+    now = time.time()
+    pb_grpc.AgentStub(channel).Sync(pb.NodeSummary(node_id="[/y]", seq=1, sent_at=now, ranks=[pb.RankSummary(
+        rank=40, pid=1, step=3, state="ok[/z]", connected=True, alive=True, progress_at=now, last_seen=now)]),
+        timeout=5)
+    # A C1 control character (a terminal escape introducer) in a hello is refused.
+    call = channel.stream_unary(REPORT, request_serializer=pb.ReportMessage.SerializeToString,
+                                response_deserializer=pb.ReportSummary.FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        call(iter([pb.ReportMessage(hello=hello(7, mesh_coords={"\x9b31m": 0}))]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr)],
+                         capture_output=True, text=True, timeout=30)
+    s.close()
+    assert out.returncode == 0, out.stderr
+    assert "[/x]0" in out.stdout and "[bold red]tp1" in out.stdout
+    assert "[/y]" in out.stdout and "ok[/z]" in out.stdout
+
+
+def test_views_escape_every_wire_string():
+    from rich.console import Console
+
+    from rankwatch.agent.view import rank_table, timeline
+
+    rank = {"rank": 0, "node": "[/n]\x1b[2J", "pid": 1, "mesh": {"[/x]": 0}, "step": 1, "step_seconds": 0.1,
+            "phase_seconds": {}, "collectives": 0, "dropped": 0, "slowdown": 1.0, "state": "[/s]",
+            "connected": True}
+    status = {"node": "[/me]", "ranks": [rank], "tokens_per_second": 0.0, "incidents": [
+        {"kind": "[/k]", "node": "[/n]", "rank": 0, "step": 1, "detected_at": 1.0,
+         "detail": {"error": "[/e]\x07" + "y" * 5000}}]}
+    console = Console(width=400, record=True, force_terminal=False)
+    console.print(rank_table(status))
+    console.print(timeline(status, 0.0))
+    text = console.export_text()
+    for s in ("[/n]", "[/x]0", "[/s]", "[/me]", "[/k]", "[/e]"):
+        assert s in text, s
+    assert "\x1b" not in text and "\x07" not in text
+    assert "y" * 1100 not in text
