@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 
 from rankwatch.agent.decisions import Decision, DecisionLog
+from rankwatch.agent.hangend import hang_end, steps_at
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 from rankwatch.agent.incidents import Incident, IncidentLog
@@ -125,6 +126,7 @@ class Coordinator:
         self._evictions: dict[str, tuple[int, str]] = {}   # node -> (checkpoint step, reason)
         self._evaluated_steps = 0
         self._open_hang: str | None = None   # the open job hang incident's id
+        self._hang_steps: dict[tuple[str, int], int] = {}   # each rank's completed steps at the verdict
         self._restart: _Restart | None = None
         self._flagged: set[tuple[str, int]] = set()
 
@@ -279,13 +281,15 @@ class Coordinator:
             return  # the workers are being restarted
         views = self.progress(now)
         verdict = detect_hang(now, views, self.hang) if views else None
-        if verdict is None:
-            if self._open_hang is not None:
-                log.info("job progress resumed after %s", self._open_hang)
-                self.incidents.resolve(self._open_hang, now)
+        if self._open_hang is not None:
+            end = hang_end(views, self._hang_steps)
+            if end is not None:
+                log.info("job progress resumed after %s" if end == "resumed" else
+                         "the job's ranks ended while %s was open", self._open_hang)
+                self.incidents.resolve(self._open_hang, now, outcome=end)
                 self._open_hang = None
             return
-        if self._open_hang is not None:
+        if verdict is None:
             return
         c = verdict.culprit
         with self.lock:
@@ -311,6 +315,7 @@ class Coordinator:
         hang = self.incidents.add(kind="hang", node=c.node, rank=c.rank, step=c.step,
                                   detected_at=now, detail=detail)
         self._open_hang = hang.id
+        self._hang_steps = steps_at(views)
         self._on_incident(hang)
         log.warning("JOB HANG: rank %d on node %s %s; others wait in %s", c.rank, c.node,
                     verdict.reason, verdict.collective)

@@ -26,6 +26,8 @@ from rankwatch.address import Address
 from rankwatch.agent.auth import authorized
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
+from rankwatch.agent.hangend import hang_end, steps_at
+from rankwatch.agent.statedir import Snapshots, write_pointer
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 from rankwatch.agent.host import HostCollector
 from rankwatch.agent import goodput
@@ -40,6 +42,7 @@ from rankwatch.agent.starvation import StarvationTracker
 from rankwatch.agent.stepstarts import StepStarts
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, score
 from rankwatch.proto import pb
+from rankwatch.status import status_dict
 
 __all__ = ["Agent", "AgentConfig"]
 
@@ -102,6 +105,7 @@ class Agent:
         self.state.incidents = self.incidents.items
         self.decision_log = DecisionLog(config.state_dir / "decisions.jsonl" if config.state_dir else None)
         self._open_hang: Incident | None = None
+        self._hang_steps: dict[tuple[str, int], int] = {}   # each rank's completed steps at the verdict
         self._exits = ExitWatch(config.exits)
         self._stragglers = StragglerDetector(config.straggler, gpu_throttle=self.gpu_throttle_for_rank)
         self._starvation = StarvationTracker()
@@ -137,6 +141,8 @@ class Agent:
         self._stopped = threading.Event()
         self._owns_sockets = False
         self._otel: otel.OtelExport | None = None
+        self._snapshots = Snapshots(config.state_dir, lambda: status_dict(self._status(pb.StatusRequest(), None)),
+                                    lambda: self.incidents.run_id)
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
@@ -155,6 +161,8 @@ class Agent:
         self._detector = threading.Thread(target=self._detect_loop, name="rankwatch-detect", daemon=True)
         self._detector.start()
         self.link.start()
+        if self.config.state_dir is not None:
+            write_pointer(self.config.listen, self.config.state_dir)
         log.info("agent %s serving gRPC on %s, /metrics on port %s", self.config.node_id,
                  ", ".join(map(str, self.config.listen)), self.metrics_port)
 
@@ -185,6 +193,7 @@ class Agent:
         self.gpu.stop()
         if self._detector is not None:
             self._detector.join(2)
+            self._snapshots.write()  # the last view, for status and diagnose once the agent is gone
         if self._grpc is not None:
             self._grpc.stop(grace.total_seconds()).wait()
             self._grpc = None
@@ -352,6 +361,7 @@ class Agent:
                 if self._pending_risk and any(r.connected and r.steps_completed
                                               for r in self.state.snapshot()):
                     self._risk_checkpoint(self._pending_risk)
+                self._snapshots.maybe_write(now)
             except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
                 log.exception("detector error")
 
@@ -367,17 +377,19 @@ class Agent:
                 group_seqs=dict(r.group_seqs), inflight=r.inflight, stacks=r.stacks,
                 flight_recorder=r.flight_recorder if now - r.stacks_at < 10 else None) for r in ranks]
         verdict = detect_hang(now, views, self.config.hang)
-        if verdict is None:
-            if self._open_hang is not None:
-                log.info("progress resumed after hang %s", self._open_hang.id)
-                self.incidents.resolve(self._open_hang.id, now)
+        if self._open_hang is not None:
+            end = hang_end(views, self._hang_steps)
+            if end is not None:
+                log.info("progress resumed after hang %s" if end == "resumed" else
+                         "the job's ranks ended while hang %s was open", self._open_hang.id)
+                self.incidents.resolve(self._open_hang.id, now, outcome=end)
                 with st.lock:
                     for r in ranks:
-                        if r.state == "hung":
+                        if r.state == "hung" and end == "resumed":
                             r.state = "ok"
                 self._open_hang = None
             return None
-        if self._open_hang is not None:
+        if verdict is None:
             return None
         culprit = next(r for r in ranks if r.rank == verdict.culprit.rank)
         alive, stopped = _process_state(culprit.pid)
@@ -400,6 +412,7 @@ class Agent:
             culprit.state = "hung"
         self._open_hang = self.incidents.add(kind="hang", node=culprit.node, rank=culprit.rank,
                                              step=culprit.step, detected_at=now, detail=detail)
+        self._hang_steps = steps_at(views)
         log.warning("HANG: rank %d (pid %d, %s) %s; stalled %.1fs (allowance %.1fs); "
                     "others wait in %s", culprit.rank, culprit.pid,
                     "stopped" if stopped else "alive" if alive else "gone", verdict.reason,
