@@ -272,9 +272,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from rankwatch.agent.view import rank_table
+        from rankwatch.agent.view import latency_table, rank_table
 
-        Console(width=None if sys.stdout.isatty() else 140).print(rank_table(status))
+        console = Console(width=None if sys.stdout.isatty() else 140)
+        console.print(rank_table(status))
+        if any(r.get("op_latency") for r in status["ranks"]):
+            console.print(latency_table(status))
     return 0
 
 

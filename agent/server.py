@@ -27,10 +27,11 @@ from rankwatch.agent.auth import authorized
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hangend import hang_end, steps_at
+from rankwatch.agent.restarting import shown_state
 from rankwatch.agent.statedir import Snapshots, write_pointer
 from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 from rankwatch.agent.host import HostCollector
-from rankwatch.agent import goodput
+from rankwatch.agent import goodput, oplatency
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.jobmetrics import JobCollector
@@ -317,20 +318,24 @@ class Agent:
         for r in st.snapshot():
             resp.ranks.append(pb.RankStatus(
                 rank=r.rank, node=r.node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
-                state=r.state, phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
+                state=self._shown_state(r.state, r.last_seen, now), phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
                 backend=r.backend, collectives=int(r.collective_counts.sum()),
                 last_collective_seq=r.last_collective_seq, dropped=r.dropped,
                 last_seen=r.last_seen, connected=r.connected,
                 tokens_per_second=r.tokens_per_second, slowdown=r.slowdown,
                 own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds,
-                collective_source=r.collective_source, device_uuid=r.device_uuid))
+                collective_source=r.collective_source, device_uuid=r.device_uuid,
+                op_latency=oplatency.to_pb(r.op_latency)))
         if job:
             for node, r, excluded in self.coordinator.rank_summaries():
                 if node != st.node_id:
                     resp.ranks.append(pb.RankStatus(
                         rank=r.rank, node=node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
-                        state="excluded" if excluded else r.state, connected=r.connected,
-                        last_seen=r.last_seen, tokens_per_second=r.tokens_per_second))
+                        state="excluded" if excluded else self._shown_state(r.state, r.last_seen, now),
+                        connected=r.connected,
+                        last_seen=r.last_seen, tokens_per_second=r.tokens_per_second,
+                        phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords, op_latency=r.op_latency,
+                        backend=r.backend, collectives=r.collectives))
         with st.lock:
             incidents = list(st.incidents)
         if job:
@@ -531,9 +536,12 @@ class Agent:
                 steps_completed=r.steps_completed, activity=r.activity, progress_at=r.progress_at,
                 last_seen=r.last_seen, connected=r.connected, exited_cleanly=r.exited_cleanly,
                 group_seqs=seqs, stacks=fresh, stacks_at=r.stacks_at, alive=alive, stopped=stopped,
-                own_work=own, data_wait=data, comm_wait=wait, state=r.state,
+                own_work=own, data_wait=data, comm_wait=wait, state=self._shown_state(r.state, r.last_seen, now),
                 local_rank=r.local_rank, tokens_per_second=r.tokens_per_second,
-                flight_recorder=json.dumps(fr) if fr else "")
+                flight_recorder=json.dumps(fr) if fr else "",
+                phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
+                op_latency=oplatency.to_pb(r.op_latency), backend=r.backend,
+                collectives=int(r.collective_counts.sum()))
             if inflight:
                 rs.inflight.CopyFrom(pb.InFlight(op=inflight["op"], group=inflight["group"],
                                                  seq=inflight["seq"], since=inflight["since"]))
@@ -552,6 +560,11 @@ class Agent:
         """Where the job's time went (:func:`goodput.breakdown` over this agent's view)."""
         return goodput.breakdown(now, incidents=self.incident_view(), decisions=self.decisions(),
                                  progress=self.progress.snapshot())
+
+    def _shown_state(self, state: str, last_seen: float, now: float) -> str:
+        """A rank's state, ``restarting`` for one a restart stopped (:mod:`restarting`)."""
+        return shown_state(state, last_seen=last_seen, now=now,
+                           restarts=[d.decided_at for d in self.decisions() if d.kind == "exclude"])
 
     def is_coordinator(self) -> bool:
         return self.link.acting and bool(self.config.coordinators)
