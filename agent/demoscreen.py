@@ -58,14 +58,34 @@ def feed(status: dict[str, Any], notes: DemoNotes, limit: int = 14) -> list[tupl
         style = {"hang": "bold red", "gpu_fault": "red", "straggler": "yellow", "rank_exit": "red",
                  "restart": "cyan", "checkpoint": "green"}.get(i["kind"], "")
         where = f"{i['node']} rank {i['rank']}" if i["kind"] != "restart" else i["node"]
-        rows.append((i["detected_at"], style, f"{i['kind']:<10} {where} step {i['step']}: "
-                                              f"{brief(i['detail'])}"))
+        rows.append((i["detected_at"], style, f"{i['kind']:<10} {where} step {i['step']}: {_says(i)}"))
     for d in status.get("decisions", []):
         what = f"exclude {d['node']}" if d["kind"] == "exclude" else f"{d['kind']} at step {d['step']}"
         rows.append((d["decided_at"], "bold magenta", f"DECISION   {what}: {d['reason']}"))
     rows += [(at, "dim", f"demo       {text}") for at, text in notes.events]
     rows.sort(key=lambda r: r[0])
     return rows[-limit:]
+
+
+def _says(incident: dict[str, Any]) -> str:
+    """An incident in a few words for the feed (``diagnose`` has the rest)."""
+    d, kind = incident["detail"], incident["kind"]
+    if kind == "straggler":
+        return f"{d.get('cause')}, own work x{d.get('slowdown', 0):.2f}"
+    if kind == "hang":
+        c = d.get("collective") or {}
+        where = f"others wait in {c['op']} seq {c['seq']}" if c else "no collective"
+        return f"{where}; {'stopped' if d.get('stopped') else 'alive' if d.get('alive') else 'gone'}"
+    if kind == "restart":
+        back = d.get("recovered_after_seconds")
+        return f"without {d.get('excluded')}" + (f", training again after {back:.1f}s" if back else "")
+    if kind == "checkpoint":
+        return f"saved ({d.get('reason', '')})" if d.get("ok") else f"failed: {d.get('error', '')}"
+    if kind == "gpu_fault":
+        return f"gpu {d.get('gpu')} xid {d.get('xid')}: {d.get('action')}"
+    if kind == "rank_exit":
+        return f"process gone ({d.get('stream', '')})"
+    return brief(d)
 
 
 def next_line(status: dict[str, Any], notes: DemoNotes) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
+import numpy as np
 from prometheus_client import CollectorRegistry, start_http_server
 
 from rankwatch.agent import otel
@@ -335,7 +336,8 @@ class Agent:
                         connected=r.connected,
                         last_seen=r.last_seen, tokens_per_second=r.tokens_per_second,
                         phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords, op_latency=r.op_latency,
-                        backend=r.backend, collectives=r.collectives))
+                        backend=r.backend, collectives=r.collectives,
+                        own_work_seconds=_median(r.own_work), collective_wait_seconds=_median(r.comm_wait)))
         with st.lock:
             incidents = list(st.incidents)
         if job:
@@ -474,6 +476,7 @@ class Agent:
             self._starvation.sample(w.rank, pids[w.rank], w.completed)
             w.delay = self._starvation.per_step(w.rank)
             w.start = self._step_starts.for_rank(w.rank, w.completed)
+            w.gap = self._step_starts.gaps_for_rank(w.rank, w.completed)
         events = self._stragglers.update(work, done)
         scores = {s.rank: s for s in score(work, self.config.straggler, self.gpu_throttle_for_rank)}
         flagged = self._stragglers.flagged
@@ -779,3 +782,7 @@ def _prepare_socket_path(path: str) -> None:
             raise RuntimeError(f"an agent is already listening on {path}")
         finally:
             probe.close()
+
+
+def _median(values: Any) -> float:
+    return float(np.median(values)) if len(values) else 0.0

@@ -4,7 +4,8 @@ Its own model and dataset, ``init_device_mesh`` (which makes the process
 group), FSDP2's ``fully_shard`` (``--tp`` adds tensor parallelism on a 2-D
 mesh), its own DataLoader, and the README's own-loop pattern: ``mon.steps``,
 three marks, ``checkpoint_due``.  ``--slow-loader RANK:STEP:SECONDS`` makes one
-rank's loader slow from STEP on; ``--hang-at RANK:STEP`` makes one rank stop in
+rank's loader slow from STEP on (``--fetch-outside``: the older loop, each batch
+fetched before ``with mon.step(n):`` opens); ``--hang-at RANK:STEP`` makes one rank stop in
 STEP's forward for good.  Like many users' scripts it exits on SIGTERM (a
 preemption), so ``mon.close()`` runs.
 """
@@ -62,6 +63,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--slow-loader", default="")
     p.add_argument("--hang-at", default="")
+    p.add_argument("--fetch-outside", action="store_true")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # preempted: exit, closing what is open
     world = int(os.environ["WORLD_SIZE"])
@@ -84,8 +86,8 @@ def main() -> None:
         data, num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank(), shuffle=False))
 
     hang = tuple(int(v) for v in args.hang_at.split(":")) if args.hang_at else None
-    mon = rw.init(mesh=mesh)  # after init_device_mesh made the process group
-    for n, (x, y) in mon.steps(loader):
+
+    def train_step(n: int, x: torch.Tensor, y: torch.Tensor) -> None:
         while hang == (rank, n):
             time.sleep(0.1)  # stuck (a deadlock in user code)
         loss = F.cross_entropy(model(x), y); mon.mark("forward")   # noqa: E702
@@ -93,6 +95,15 @@ def main() -> None:
         opt.step(); opt.zero_grad();         mon.mark("optimizer")  # noqa: E702
         if mon.checkpoint_due(n):
             pass  # this script keeps no checkpoints
+
+    mon = rw.init(mesh=mesh)  # after init_device_mesh made the process group
+    if args.fetch_outside:
+        for n, (x, y) in enumerate(loader, start=1):
+            with mon.step(n):
+                train_step(n, x, y)
+    else:
+        for n, (x, y) in mon.steps(loader):
+            train_step(n, x, y)
     mon.close()  # before destroy_process_group
     dist.destroy_process_group()
 
