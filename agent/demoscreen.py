@@ -97,6 +97,8 @@ def next_line(status: dict[str, Any], notes: DemoNotes) -> str:
     if not steps and not status["incidents"]:
         return "the nodes start: torchrun on each, the rendezvous, FSDP2 wraps the model"
     if notes.xid in excluded:
+        if not steps:
+            return f"{notes.xid} is out: the nodes left restart without it, then finish the job"
         return (f"the nodes left finish the job at step {notes.steps}: the final view, the "
                 "timeline and the goodput breakdown follow")
     if notes.xid_fired:
@@ -145,10 +147,12 @@ def _nodes(status: dict[str, Any], notes: DemoNotes) -> Table:
             state = "[red]excluded[/]"
         elif live:
             state = "[green]training[/]" if any(r["step"] > 0 for r in live) else "[cyan]joining[/]"
+        elif ranks:
+            state = "[yellow]restarting[/]"
         elif node == notes.spare:
             state = "[cyan]hot spare, waiting[/]" if notes.spare_started else "[dim]not started[/]"
         else:
-            state = "[yellow]restarting[/]" if ranks else "[dim]starting[/]"
+            state = "[dim]starting[/]"
         t.add_row(node, state, str(len(live)), str(max((r["step"] for r in live), default="-")))
     return t
 

@@ -52,6 +52,9 @@ def test_the_screen_has_every_part():
     assert "what happens next" in text and "demo-n2 is out" in text
     nodes = text[text.index("nodes"):]
     assert "excluded" in nodes and "hot spare, waiting" in nodes
+    # The spare, once it had a rank, restarts with the others: never a waiting spare again.
+    later = {**STATUS, "ranks": STATUS["ranks"] + [rank(3, "demo-n3", 71, connected=False)]}
+    assert "hot spare" not in render(later, n).split("nodes")[-1]
 
 
 def test_the_story_follows_the_faults():
@@ -63,6 +66,8 @@ def test_the_story_follows_the_faults():
     assert "excludes demo-n1" in next_line(STATUS, notes(spare_started=True, xid_fired=True))
     done = {**STATUS, "excluded_nodes": ["demo-n2", "demo-n1"]}
     assert "finish the job at step 160" in next_line(done, notes(xid_fired=True))
+    between = {**done, "ranks": [rank(0, "demo-n0", 55, connected=False)]}
+    assert "restart without it" in next_line(between, notes(xid_fired=True))
 
 
 def test_the_comparison_with_plain_torchrun():
