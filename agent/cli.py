@@ -2,8 +2,8 @@
 
     rankwatch agent [--listen ADDR]... [--metrics-port N] [--node-id ID]
     rankwatch run [--agent ADDR] [--node-id ID] -- <torchrun args>
-    rankwatch status [--agent ADDR] [--json]
-    rankwatch diagnose [--agent ADDR] [INCIDENT]
+    rankwatch status [--agent ADDR] [--json] [--state-dir DIR]
+    rankwatch diagnose [--agent ADDR] [--json] [--state-dir DIR] [INCIDENT]
     rankwatch checkpoint [--agent ADDR]
     rankwatch demo
 
@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--metrics-addr", default="0.0.0.0", help="interface of /metrics")
     a.add_argument("--node-id", default=None, help="default: $RANKWATCH_NODE_ID, then the host name")
     a.add_argument("--state-dir", type=Path, default=None,
-                   help="keep incidents here (default /tmp/rankwatch-<uid>/<node-id>)")
+                   help="keep incidents, decisions and the last status view here "
+                        "(default $RANKWATCH_STATE_DIR, else /tmp/rankwatch-<uid>/<node-id>)")
     a.add_argument("--hang-floor", type=_positive, default=5.0, metavar="SECONDS",
                    help="shortest stall called a hang (default 5)")
     a.add_argument("--straggler-threshold", type=_positive, default=None, metavar="RATIO",
@@ -155,17 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--node-id", default=None)
     r.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="after --: passed to torchrun")
 
-    s = sub.add_parser("status", help="the agent's live view")
+    s = sub.add_parser("status", help="the agent's live view (or, when none answers, what it left)")
     s.add_argument("--agent", type=_address, default=None, metavar="ADDR")
     s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                   help="when no agent answers, read the view it left in DIR (default: the directory "
+                        "its socket names, else $RANKWATCH_STATE_DIR, else /tmp/rankwatch-<uid>/<node-id>)")
+    s.add_argument("--node-id", default=None, help="whose default state directory to read")
     s.add_argument("--token-file", type=Path, default=None, metavar="PATH", help=_TOKEN_HELP)
 
-    d = sub.add_parser("diagnose", help="the evidence of an incident")
+    d = sub.add_parser("diagnose", help="the evidence of an incident, told as a story")
     d.add_argument("--agent", type=_address, default=None, metavar="ADDR")
     d.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
                    help="read the incidents an agent kept in DIR, resolutions included, instead of "
-                        "asking a live one (after the job and its agent are gone)")
-    d.add_argument("incident", nargs="?", default=None, help="incident id (default: the latest)")
+                        "asking a live one (default when no agent answers: as for status)")
+    d.add_argument("--node-id", default=None, help="whose default state directory to read")
+    d.add_argument("--json", action="store_true", help="the incident in the status --json form")
+    d.add_argument("incident", nargs="?", default=None,
+                   help="incident id (default: the latest hang, else the latest incident)")
     d.add_argument("--token-file", type=Path, default=None, metavar="PATH", help=_TOKEN_HELP)
 
     c = sub.add_parser("checkpoint", help="ask the job for a checkpoint now")
@@ -196,7 +204,10 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
     listen = args.listen or [resolve(None)]
     node = node_id(args.node_id)
-    state_dir = _agent_dirs(args.state_dir, listen, node)
+    from rankwatch.agent.statedir import STATE_DIR_ENV
+
+    chosen = args.state_dir or (Path(os.environ[STATE_DIR_ENV]) if os.environ.get(STATE_DIR_ENV) else None)
+    state_dir = _agent_dirs(chosen, listen, node)
     if state_dir is None:
         return 1
     from rankwatch.agent.coordinator import PolicyConfig
@@ -321,20 +332,39 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> dict | None:
+    """The live view; else, when no agent answers, what it left in its state directory (saying
+    so on one line: to stderr with --json).  None: neither (the reason is printed)."""
+    from rankwatch.agent import statedir
     from rankwatch.status import AgentUnreachable, fetch_status
 
     from rankwatch.credentials import ClientCredentials
 
     addr = resolve(str(args.agent) if args.agent else None)
+    explicit = getattr(args, "state_dir", None)
+    if explicit is None or args.command != "diagnose":
+        try:
+            return fetch_status(addr, creds=ClientCredentials.from_env(token_file=args.token_file))
+        except ValueError as exc:
+            print(f"rankwatch {args.command}: {exc}", file=sys.stderr)
+            return None
+        except AgentUnreachable as exc:
+            unreachable = str(exc)
+    else:
+        unreachable = ""
     try:
-        return fetch_status(addr, creds=ClientCredentials.from_env(token_file=args.token_file))
-    except ValueError as exc:
-        print(f"rankwatch {args.command}: {exc}", file=sys.stderr)
+        where = statedir.locate(addr, node_id(getattr(args, "node_id", None)), explicit)
+        left = statedir.read(where)
+    except (FileNotFoundError, OSError) as exc:
+        if unreachable:
+            print(f"rankwatch {args.command}: {unreachable} (start one with `rankwatch agent`, "
+                  f"or point --agent / $RANKWATCH_AGENT at it), and {exc}", file=sys.stderr)
+        else:
+            print(f"rankwatch {args.command}: {exc}", file=sys.stderr)
         return None
-    except AgentUnreachable as exc:
-        print(f"rankwatch {args.command}: {exc} (start one with `rankwatch agent`, "
-              f"or point --agent / $RANKWATCH_AGENT at it)", file=sys.stderr)
-        return None
+    print(f"rankwatch {args.command}: {left.line(addr if unreachable else None, where)}",
+          file=sys.stderr if args.json else sys.stdout)
+    args._earlier = left.every
+    return left.status
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -346,35 +376,42 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from rankwatch.agent.view import rank_table
+        from rankwatch.agent.view import latency_table, rank_table
 
-        Console(width=None if sys.stdout.isatty() else 140).print(rank_table(status))
+        console = Console(width=None if sys.stdout.isatty() else 140)
+        console.print(rank_table(status))
+        if any(r.get("op_latency") for r in status["ranks"]):
+            console.print(latency_table(status))
     return 0
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
-    if args.state_dir is not None:
-        from rankwatch.agent.incidents import IncidentLog
-
-        path = args.state_dir / "incidents.jsonl"
-        if not path.is_file():
-            print(f"rankwatch diagnose: no {path}", file=sys.stderr)
-            return 1
-        incidents = [i.to_json() for i in IncidentLog.replay(path)]
-    else:
-        status = _status(args)
-        if status is None:
-            return 1
-        incidents = status["incidents"]
+    status = _status(args)
+    if status is None:
+        return 1
+    incidents = status["incidents"]
     if args.incident is not None:
-        incidents = [i for i in incidents if i["id"] == args.incident]
-        if not incidents:
+        # This run's first; then an earlier run's in the same state directory.
+        found = [i for i in incidents if i["id"] == args.incident] or \
+                [i for i in getattr(args, "_earlier", []) if i["id"] == args.incident]
+        if not found:
             print(f"rankwatch diagnose: no incident {args.incident!r} at this agent", file=sys.stderr)
             return 1
-    if not incidents:
+        chosen = found[-1]
+    elif not incidents:
         print("no incidents recorded by this agent")
         return 0
-    print(json.dumps(incidents[-1], indent=2))
+    else:
+        chosen = next((i for i in reversed(incidents) if i["kind"] == "hang"), incidents[-1])
+    if args.json:
+        print(json.dumps(chosen, indent=2))
+        return 0
+    from rankwatch.agent.story import tell
+
+    print(tell(chosen))
+    others = [i["id"] for i in incidents if i is not chosen]
+    if others and args.incident is None:
+        print(f"\nother incidents: {', '.join(others[-12:])} (rankwatch diagnose ID)")
     return 0
 
 

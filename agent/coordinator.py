@@ -35,8 +35,9 @@ from collections.abc import Callable
 
 from rankwatch.agent import checkpoint_policy, load_policy, validate
 from rankwatch.agent.decisions import Decision, DecisionLog
+from rankwatch.agent.hangend import hang_end, steps_at
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
-from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, HangFinding, Snapshot, evaluate, straggler_detail
+from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, Snapshot, Verdicts, evaluate, straggler_detail
 from rankwatch.agent.hang import HangConfig, RankProgress, hang_possible
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.load_policy import LoadConfig
@@ -134,6 +135,7 @@ class Coordinator:
         self._evictions: dict[str, tuple[int, str]] = {}   # node -> (checkpoint step, reason)
         self._evaluated_steps = 0
         self._open_hang: str | None = None   # the open job hang incident's id
+        self._hang_steps: dict[tuple[str, int], int] = {}   # each rank's completed steps at the verdict
         self._restart: _Restart | None = None
         self._flagged: set[tuple[str, int]] = set()
         self.load_cfg = load or LoadConfig()
@@ -151,6 +153,7 @@ class Coordinator:
         self._last_eval: float | None = None   # time.monotonic() of the last evaluate()
         self._encoded: tuple[int, list[pb.Decision]] = (0, [])
         self._stragglers_at = float("-inf")   # when the straggler detector last ran
+        self._hang_checked = float("-inf")   # when an open hang was last checked for its end
 
     # -- intake ---------------------------------------------------------------
     def sync(self, summary: pb.NodeSummary) -> pb.SyncReply:
@@ -281,16 +284,18 @@ class Coordinator:
         self._check_gpu(now)
         # Snapshotting every rank is the costly part at thousands of ranks: only while a hang
         # is possible at all, or the straggler detector is due (once per sync interval).
-        # A hang already named stays open until progress shows (the cheap test).
-        possible = hang_possible(now, self._latest_progress(), self.hang)
-        hang_due = possible and self._open_hang is None
-        stragglers_due = now - self._stragglers_at >= max(1.0, self.interval)
+        # An open hang is checked for its end once per interval; a new one only when possible.
+        every = max(1.0, self.interval)
+        if self._open_hang is None:
+            hang_due = hang_possible(now, self._latest_progress(), self.hang)
+        else:
+            hang_due = now - self._hang_checked >= every
+        stragglers_due = now - self._stragglers_at >= every
         verdicts = evaluate(now, self.snapshot(now), self.hang) if hang_due or stragglers_due else None
-        if now >= self._quiet:   # stale summaries after the coordinator's own stall are no evidence
-            if verdicts is not None and hang_due:
-                self._check_hang(now, verdicts.hang)
-            elif not possible:
-                self._check_hang(now, None)
+        if verdicts is not None and hang_due and now >= self._quiet:
+            # (stale summaries after the coordinator's own stall are no evidence)
+            self._hang_checked = now
+            self._check_hang(now, verdicts)
         if verdicts is not None and stragglers_due:
             self._stragglers_at = now
             self._check_stragglers(now, verdicts.work)
@@ -382,21 +387,26 @@ class Coordinator:
         return Snapshot(ranks=out, scope="job", nodes=names,
                         silent_nodes=frozenset(name for name, _, silent in nodes if silent))
 
-    def _check_hang(self, now: float, found: HangFinding | None) -> None:
+    def _check_hang(self, now: float, verdicts: Verdicts) -> None:
         r = self._restart
         if r is not None and now - r.started_at < self.policy.restart_quiet_seconds:
             return  # the workers are being restarted
-        if found is None:
-            if self._open_hang is not None:
-                log.info("job progress resumed after %s", self._open_hang)
-                self.incidents.resolve(self._open_hang, now)
+        ranks = verdicts.snapshot.ranks
+        if self._open_hang is not None:
+            end = hang_end(ranks, self._hang_steps)
+            if end is not None:
+                log.info("job progress resumed after %s" if end == "resumed" else
+                         "the job's ranks ended while %s was open", self._open_hang)
+                self.incidents.resolve(self._open_hang, now, outcome=end)
                 self._open_hang = None
             return
-        if self._open_hang is not None:
+        found = verdicts.hang
+        if found is None:
             return
         hang = self.incidents.add(kind="hang", node=found.node, rank=found.rank, step=found.step,
                                   detected_at=now, detail=found.detail)
         self._open_hang = hang.id
+        self._hang_steps = steps_at(ranks)
         self._on_incident(hang)
         v = found.verdict
         log.warning("JOB HANG: rank %d on node %s %s; others wait in %s", found.rank, found.node,

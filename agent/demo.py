@@ -18,12 +18,18 @@ Injected, all from outside the code under test, in this order:
 * once the spare trains, node 1's scripted GPU raises XID 79 (fatal: reboot):
   node 1 is excluded, and nodes 0 and 3 finish the job.
 
-It ends with the final view, the timeline and the goodput breakdown.
+In a terminal the demo shows one full-screen live view (:mod:`demoscreen`): the
+ranks and nodes, a running feed of incidents and decisions, goodput as it goes and
+a line on what happens next; the agents log to ``agents.log`` and each node's
+``rankwatch run`` to ``<node>.log`` in the demo's directory.  ``--no-live`` (or an
+output that is not a terminal) prints plain lines instead.  It ends with the final
+view, the timeline, the goodput breakdown and a comparison with plain torchrun.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -40,6 +46,7 @@ from rich.markup import escape
 
 from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address, resolve
 from rankwatch.agent.coordinator import PolicyConfig
+from rankwatch.agent.demoscreen import DemoNotes, screen, versus_torchrun
 from rankwatch.agent.gpu import GpuConfig, load_script
 from rankwatch.agent.gpu.script import ScriptedSource
 from rankwatch.agent.run import DEFAULT_METRICS_PORT, _port_free
@@ -68,6 +75,7 @@ def _free_port() -> int:
 
 def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) -> int:
     console = out or Console(width=None if sys.stdout.isatty() else 140)
+    live = live and console.is_terminal  # plain lines into a pipe or a file (CI)
     addr = resolve(None)
     if reachable(addr):
         console.print(f"[red]an agent already answers at {addr}; stop it (or set {AGENT_ENV}) "
@@ -79,6 +87,7 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
         console.print(f"[red]refusing the default directory: {escape(str(exc))}[/]")
         return 1
     workdir = Path(tempfile.mkdtemp(prefix="rankwatch-demo-"))
+    logs = _agent_logs_to(workdir / "agents.log") if live else None
     script = workdir / "gpu-n1.json"
     script.write_text(json.dumps(_GPU_SCRIPT))
     coord = Address.parse(f"127.0.0.1:{_free_port()}")
@@ -108,6 +117,13 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
     console.print("try [bold]rankwatch status[/] in another terminal")
     rdzv_port = _free_port()
     started = time.time()
+    notes = DemoNotes(nodes=_NODES, spare=_NODES[_SPARE], hung=_NODES[2], xid=_NODES[1], steps=steps,
+                      started=started)
+
+    def say(text: str) -> None:
+        notes.note(text)
+        if not live:
+            console.print(text)
 
     def launch(i: int) -> subprocess.Popen:
         node = _NODES[i]
@@ -135,19 +151,22 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
         training = {r["node"] for r in status["ranks"] if r["connected"] and r["step"] > 0}
         if len(jobs) < len(_NODES) and len(training) >= 3:
             jobs.append(launch(_SPARE))
-            console.print(f"hot spare {_NODES[_SPARE]} started: the job is full, so it waits")
+            notes.spare_started = True
+            say(f"hot spare {_NODES[_SPARE]} started: the job is full, so it waits")
         if not fired and _NODES[2] in status["excluded_nodes"] and _NODES[_SPARE] in training:
             source = agents[1].gpu.source
             if isinstance(source, ScriptedSource):
                 source.fire(0, 79)
-                fired = True
-                console.print(f"{_NODES[_SPARE]} took {_NODES[2]}'s place; {_NODES[1]}'s GPU 0 "
-                              "now raises XID 79")
+                fired = notes.xid_fired = True
+                say(f"{_NODES[_SPARE]} took {_NODES[2]}'s place; {_NODES[1]}'s GPU 0 now raises XID 79")
 
     status = None
+    watch = _Watch()
     try:
-        status = _watch(jobs, addr, console, live, story)
+        status = watch.run(jobs, addr, console, live, story, notes)
     finally:
+        if logs is not None:
+            logs.close()
         for job in jobs:
             if job.poll() is None:
                 job.terminate()
@@ -159,38 +178,65 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
         status = fetch_status(addr)
     except AgentUnreachable:
         pass
+    codes = [j.returncode for j in jobs]
     if status is not None:
         console.print(rank_table(status, title="final view (the coordinator's)"))
         console.print(timeline(status, started))
         console.print(goodput_line(status))
-    codes = [j.returncode for j in jobs]
+        versus = versus_torchrun(status, started, watch.productive_at_hang,
+                                 finished=all(c == 0 for c in codes))
+        if versus:
+            console.print(versus, soft_wrap=True)
+    if live:
+        console.print(f"logs: {workdir}/agents.log and {workdir}/<node>.log")
     console.print(f"nodes exited with {codes} after {time.time() - started:.0f} s")
     for agent in agents:
         agent.stop(timedelta(seconds=1))
     return 0 if all(c == 0 for c in codes) else 1
 
 
-def _watch(jobs: list[subprocess.Popen], addr: Address, console: Console, live: bool,
-           story: Callable[[dict], None]) -> dict | None:
-    status = None
-    last_print = 0.0
-    with Live(console=console, refresh_per_second=4, transient=False) if live else _NoLive() as view:
-        while any(j.poll() is None for j in jobs):
-            time.sleep(0.5)
-            try:
-                status = fetch_status(addr, timedelta(seconds=1))
-            except AgentUnreachable:
-                continue
-            story(status)
-            if live:
-                view.update(Group(rank_table(status)))
-            elif time.monotonic() - last_print > 5:
-                last_print = time.monotonic()
-                steps = [r["step"] for r in status["ranks"] if r["connected"]]
-                console.print(f"ranks {len(steps)} steps {min(steps, default=-1)}..{max(steps, default=-1)}"
-                              f" tokens/s {status['tokens_per_second']:.0f}"
-                              f" incidents {len(status['incidents'])}")
-    return status
+class _Watch:
+    """Polls the coordinator until the jobs end: the live screen, or a plain line every 5 s."""
+
+    def __init__(self) -> None:
+        self.productive_at_hang: float | None = None
+        """Productive seconds when the first hang showed (for the comparison with plain torchrun)."""
+
+    def run(self, jobs: list[subprocess.Popen], addr: Address, console: Console, live: bool,
+            story: Callable[[dict], None], notes: DemoNotes) -> dict | None:
+        status = None
+        last_print = 0.0
+        with (Live(screen(None, notes), console=console, refresh_per_second=4, screen=True)
+              if live else _NoLive()) as view:
+            while any(j.poll() is None for j in jobs):
+                time.sleep(0.5)
+                try:
+                    status = fetch_status(addr, timedelta(seconds=1))
+                except AgentUnreachable:
+                    continue
+                story(status)
+                if self.productive_at_hang is None and any(i["kind"] == "hang" for i in status["incidents"]):
+                    self.productive_at_hang = (status.get("time_seconds") or {}).get("productive", 0.0)
+                if live:
+                    view.update(screen(status, notes))
+                elif time.monotonic() - last_print > 5:
+                    last_print = time.monotonic()
+                    steps = [r["step"] for r in status["ranks"] if r["connected"]]
+                    console.print(f"ranks {len(steps)} steps {min(steps, default=-1)}..{max(steps, default=-1)}"
+                                  f" tokens/s {status['tokens_per_second']:.0f}"
+                                  f" incidents {len(status['incidents'])}")
+        return status
+
+
+def _agent_logs_to(path: Path) -> logging.FileHandler:
+    """Send this process's log lines (the four agents') to ``path``, off the live screen."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s rankwatch %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    return handler
 
 
 class _NoLive:

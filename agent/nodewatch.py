@@ -17,6 +17,7 @@ import psutil
 
 from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, Snapshot, evaluate, straggler_detail
 from rankwatch.agent.hang import HangConfig, RankProgress
+from rankwatch.agent.hangend import hang_end, steps_at
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.rankexit import BrokenStream, ExitConfig, ExitWatch, exit_detail
 from rankwatch.agent.rankstate import next_state
@@ -78,6 +79,7 @@ class NodeWatch:
         self.straggler = straggler
         self._gpu_throttle = gpu_throttle
         self._open_hang: Incident | None = None
+        self._hang_steps: dict[tuple[str, int], int] = {}   # each rank's completed steps at the verdict
         self._exits = ExitWatch(exits)
         self.stragglers = StragglerDetector(straggler, gpu_throttle=gpu_throttle)
         self._starvation = StarvationTracker()
@@ -91,28 +93,30 @@ class NodeWatch:
 
     # -- hang -------------------------------------------------------------------
     def check_hang(self, now: float) -> Incident | None:
-        """Run the hang detector once over the node; record a ``hang`` incident per stall."""
-        found = evaluate(now, snapshot(self.state, now), self.hang).hang
-        st = self.state
-        if found is None:
-            if self._open_hang is not None:
-                if any(r.connected for r in st.snapshot()):
-                    log.info("progress resumed after hang %s", self._open_hang.id)
-                    self.incidents.resolve(self._open_hang.id, now)
-                else:  # every stream closed: the job ended (or was stopped) while hung
-                    log.info("hang %s: the job ended while hung", self._open_hang.id)
-                    self.incidents.resolve(self._open_hang.id, now, ended_while_hung=True)
-                self._set_all("progressed")
+        """Run the hang detector once over the node; record a ``hang`` incident per stall,
+        and how an open one ended (:func:`hang_end`: resumed, or the ranks are gone)."""
+        snap = snapshot(self.state, now)
+        if self._open_hang is not None:
+            end = hang_end(snap.ranks, self._hang_steps)
+            if end is not None:
+                log.info("progress resumed after hang %s" if end == "resumed" else
+                         "the job's ranks ended while hang %s was open", self._open_hang.id)
+                self.incidents.resolve(self._open_hang.id, now, outcome=end)
+                if end == "resumed":
+                    self._set_all("progressed")
                 self._open_hang = None
             return None
-        if self._open_hang is not None:
+        found = evaluate(now, snap, self.hang).hang
+        if found is None:
             return None
+        st = self.state
         with st.lock:
             r = st.ranks.get(found.rank)
             if r is not None:
                 r.state = next_state(r.state, "hang")
         self._open_hang = self.incidents.add(kind="hang", node=found.node, rank=found.rank,
                                              step=found.step, detected_at=now, detail=found.detail)
+        self._hang_steps = steps_at(snap.ranks)
         v, d = found.verdict, found.detail
         log.warning("HANG: rank %d (pid %d, %s) %s; stalled %.1fs (allowance %.1fs); "
                     "others wait in %s", found.rank, v.culprit.pid,
@@ -178,6 +182,7 @@ class NodeWatch:
             self._starvation.sample(w.rank, pids.get(w.rank, 0), w.completed)
             w.delay = self._starvation.per_step(w.rank)
             w.start = self._step_starts.for_rank(w.rank, w.completed)
+            w.gap = self._step_starts.gaps_for_rank(w.rank, w.completed)
         events = self.stragglers.update(work, done)
         scores = {s.rank: s for s in score(work, self.straggler, self._gpu_throttle)}
         flagged = self.stragglers.flagged

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
+import numpy as np
 from prometheus_client import CollectorRegistry, start_http_server
 
 from rankwatch.agent import checkpoint_policy
@@ -34,8 +35,10 @@ from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hang import HangConfig
 from rankwatch.agent.export.host import HostCollector
-from rankwatch.agent import bounds, goodput
+from rankwatch.agent import bounds, goodput, oplatency
 from rankwatch.agent.export import storemetrics
+from rankwatch.agent.restarting import shown_state
+from rankwatch.agent.statedir import Snapshots, write_pointer
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.export.jobmetrics import JobCollector
@@ -49,6 +52,7 @@ from rankwatch.agent.state import NodeState, RankState, Rejected
 from rankwatch.agent.straggler import StragglerConfig
 from rankwatch.agent.validate import clean_text
 from rankwatch.proto import pb
+from rankwatch.status import status_dict
 
 __all__ = ["Agent", "AgentConfig"]
 
@@ -169,6 +173,8 @@ class Agent:
         self._stopped = threading.Event()
         self._owns_sockets = False
         self._otel: otel.OtelExport | None = None
+        self._snapshots = Snapshots(config.state_dir, lambda: status_dict(self._status(pb.StatusRequest(), None)),
+                                    lambda: self.incidents.run_id)
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
@@ -189,6 +195,8 @@ class Agent:
         if self.config.election is not None:
             self.link.election = self._election(self.config.election)
         self.link.start()
+        if self.config.state_dir is not None:
+            write_pointer(self.config.listen, self.config.state_dir)
         log.info("agent %s serving gRPC on %s, /metrics on port %s", self.config.node_id,
                  ", ".join(map(str, self.config.listen)), self.metrics_port)
 
@@ -246,6 +254,7 @@ class Agent:
         self.gpu.stop()
         if self._detector is not None:
             self._detector.join(2)
+            self._snapshots.write()  # the last view, for status and diagnose once the agent is gone
         if self._grpc is not None:
             self._grpc.stop(grace.total_seconds()).wait()
             self._grpc = None
@@ -374,20 +383,27 @@ class Agent:
         for r in st.snapshot():
             resp.ranks.append(pb.RankStatus(
                 rank=r.rank, node=r.node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
-                state=r.state, phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
+                state=r.state, restarting=self._restarting(r.state, r.last_seen, now),
+                phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
                 backend=r.backend, collectives=int(r.collective_counts.sum()),
                 last_collective_seq=r.last_collective_seq, dropped=r.dropped,
                 last_seen=r.last_seen, connected=r.connected,
                 tokens_per_second=r.tokens_per_second, slowdown=r.slowdown,
                 own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds,
-                collective_source=r.collective_source, device_uuid=r.device_uuid))
+                collective_source=r.collective_source, device_uuid=r.device_uuid,
+                op_latency=oplatency.to_pb(r.op_latency)))
         if job:
             for node, r, excluded in self.coordinator.rank_summaries():
                 if node != st.node_id:
                     resp.ranks.append(pb.RankStatus(
                         rank=r.rank, node=node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
-                        state="excluded" if excluded else r.state, connected=r.connected,
-                        last_seen=r.last_seen, tokens_per_second=r.tokens_per_second))
+                        state="excluded" if excluded else r.state,
+                        restarting=not excluded and self._restarting(r.state, r.last_seen, now),
+                        connected=r.connected,
+                        last_seen=r.last_seen, tokens_per_second=r.tokens_per_second,
+                        phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords, op_latency=r.op_latency,
+                        backend=r.backend, collectives=r.collectives,
+                        own_work_seconds=_median(r.own_work), collective_wait_seconds=_median(r.comm_wait)))
         with st.lock:
             incidents = list(st.incidents)
         if job:
@@ -423,6 +439,7 @@ class Agent:
                 if self._pending_risk and any(r.connected and r.steps_completed
                                               for r in self.state.snapshot()):
                     self._risk_checkpoint(self._pending_risk)
+                self._snapshots.maybe_write(now)
             except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
                 log.exception("detector error")
 
@@ -452,7 +469,10 @@ class Agent:
                 group_seqs=seqs, stacks=fresh, stacks_at=r.stacks_at, alive=alive, stopped=stopped,
                 own_work=own, data_wait=data, comm_wait=wait, state=r.state,
                 local_rank=r.local_rank, tokens_per_second=r.tokens_per_second,
-                flight_recorder=json.dumps(fr) if fr else "")
+                flight_recorder=json.dumps(fr) if fr else "",
+                phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
+                op_latency=oplatency.to_pb(r.op_latency), backend=r.backend,
+                collectives=int(r.collective_counts.sum()))
             if inflight:
                 rs.inflight.CopyFrom(pb.InFlight(op=inflight["op"], group=inflight["group"],
                                                  seq=inflight["seq"], since=inflight["since"]))
@@ -471,6 +491,11 @@ class Agent:
         """Where the job's time went (:func:`goodput.breakdown` over this agent's view)."""
         return goodput.breakdown(now, incidents=self.incident_view(), decisions=self.decisions(),
                                  progress=self.progress.snapshot())
+
+    def _restarting(self, state: str, last_seen: float, now: float) -> bool:
+        """Whether a dead rank's worker was stopped by a restart (:mod:`restarting`)."""
+        return shown_state(state, last_seen=last_seen, now=now,
+                           restarts=[d.decided_at for d in self.decisions() if d.kind == "exclude"]) == "restarting"
 
     def is_coordinator(self) -> bool:
         return self.link.coordinates_job
@@ -642,3 +667,7 @@ def _prepare_socket_path(path: str) -> None:
             raise RuntimeError(f"an agent is already listening on {path}")
         finally:
             probe.close()
+
+
+def _median(values: Any) -> float:
+    return float(np.median(values)) if len(values) else 0.0

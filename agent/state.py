@@ -21,6 +21,7 @@ import numpy as np
 
 from rankwatch.agent.histogram import COLLECTIVE_BUCKETS, STEP_BUCKETS, HistogramSet
 from rankwatch.agent import bounds, validate
+from rankwatch.agent.oplatency import OpLatency
 from rankwatch.agent.incidents import Incident
 from rankwatch.agent.rankstate import INITIAL, next_state
 from rankwatch.proto import pb
@@ -94,6 +95,7 @@ class RankState:
     # Per step, over the same window as step_durations: (data, forward, backward, optimizer, other).
     phase_window: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     collective_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(OPS), np.int64))
+    op_latency: OpLatency = field(default_factory=lambda: OpLatency(OPS))   # per op, for status
     state: str = INITIAL
     steps_completed: int = 0
     progress_at: float = 0.0                # agent clock: last time step or a sequence moved
@@ -283,6 +285,7 @@ class NodeState:
         self.coll_hist.observe_many(ops, cols["duration"])
         counts = np.bincount(ops, minlength=len(OPS))
         rank.collective_counts += counts
+        rank.op_latency.observe(ops, cols["duration"])
         self.coll_bytes += np.bincount(ops, weights=cols["nbytes"].astype(np.float64), minlength=len(OPS))
         seq = cols["seq"]
         if seq.size:

@@ -17,7 +17,9 @@ that is slow for everyone cancels out):
   ``±clip`` so that one wild step weighs no more than a few ordinary ones,
   less a ``drift`` that ordinary noise does not exceed for long.  A rank is
   flagged once its CUSUM reaches ``evidence`` *and* its windowed slowdown is at
-  least ``1 + threshold``;
+  least ``1 + threshold`` *and* its excess is at least ``min_excess_seconds`` a step
+  (a few percent of a millisecond step is scheduling noise), once that has held for
+  ``hold_seconds`` of step time (a burst of another process is shorter);
 * hysteresis: a flagged rank is cleared only after ``clear_after`` steps with
   its slowdown below ``1 + clear_threshold``; at once if it now works less than
   the others (slowdown below 1) while another flagged rank works more: the
@@ -28,10 +30,12 @@ that is slow for everyone cancels out):
   than one node), one node-level event replaces the per-rank ones;
 * the cause (:func:`_cause`): ``data`` when most of the excess is data-loader
   wait, ``host`` when most of it is the training thread waiting for a CPU
-  (run delay, :mod:`rankwatch.agent.starvation`), ``communication`` when most
-  of it is the rank leaving its collectives late (its steps start after the
-  others'), ``gpu_health`` when its GPU reports a slowdown throttle, else
-  ``compute``;
+  (run delay, :mod:`rankwatch.agent.starvation`), ``data`` again when most of it
+  is the rank's own time between its step scopes (a loop that fetches its batch
+  before ``with mon.step(n):``), ``communication`` when most of it is the rank
+  leaving its collectives late (its steps start after the others' with no more
+  time between its own steps), ``gpu_health`` when its GPU reports a slowdown
+  throttle, else ``compute``;
 * the cost: the job's step-time speed-up if the straggler's excess were gone.
 """
 
@@ -80,6 +84,14 @@ class StragglerConfig:
     """Steps a flagged rank waits for its node's other ranks before it is reported alone."""
     cause_share: float = 0.5
     """A cause needs at least this share of the excess (data wait, run delay, late start)."""
+    min_excess_seconds: float = 0.002
+    """A rank is flagged only while its excess is at least this (seconds per step): below it,
+    a ratio over a short step is the host's scheduling noise (a 5 ms step on a shared CPU
+    starts 1 ms late now and then, 20 %), not a rank that holds the job up."""
+    hold_seconds: float = 0.25
+    """Once confirmed, a slowdown must last this long in step time before it is flagged:
+    with millisecond steps the step-count evidence is over in tens of milliseconds, within
+    one burst of another process on the rank's core."""
 
     def __post_init__(self) -> None:
         if self.window < 3:
@@ -92,6 +104,8 @@ class StragglerConfig:
         if self.clear_after < 1 or self.warmup_steps < 0 or self.node_grace < 0:
             raise ValueError("StragglerConfig.clear_after must be >= 1, warmup_steps and "
                              "node_grace >= 0")
+        if self.min_excess_seconds < 0 or self.hold_seconds < 0:
+            raise ValueError("StragglerConfig.min_excess_seconds and hold_seconds must be >= 0")
         if not 0 < self.cause_share <= 1:
             raise ValueError("StragglerConfig.cause_share must be in (0, 1]")
 
@@ -114,6 +128,7 @@ class RankWork:
     completed: int = 1 << 30              # steps completed so far
     delay: list[float] | None = None
     start: list[float] | None = None
+    gap: list[float] | None = None        # time before each step since the previous one ended
 
 
 @dataclass(kw_only=True)
@@ -159,10 +174,11 @@ class _Window:
     data: np.ndarray
     delay: np.ndarray
     start: np.ndarray
+    gap: np.ndarray
 
 
 def _window(ranks: list[RankWork], last: int, n: int) -> _Window:
-    rows = {name: np.full((len(ranks), n), np.nan) for name in ("own", "data", "delay", "start")}
+    rows = {name: np.full((len(ranks), n), np.nan) for name in ("own", "data", "delay", "start", "gap")}
     for i, r in enumerate(ranks):
         for name in rows:
             col = getattr(r, name)
@@ -172,7 +188,7 @@ def _window(ranks: list[RankWork], last: int, n: int) -> _Window:
             lo = max(0, end - n)
             if end > lo:
                 rows[name][i, n - (end - lo):] = col[lo:end]
-    return _Window(rows["own"], rows["data"], rows["delay"], rows["start"])
+    return _Window(rows["own"], rows["data"], rows["delay"], rows["start"], rows["gap"])
 
 
 def _loo_median(x: np.ndarray) -> np.ndarray:
@@ -249,6 +265,7 @@ def score(ranks: list[RankWork], cfg: StragglerConfig, gpu_throttle: GpuThrottle
     own, base_k = _tail_medians(w.own, k), _tail_medians(base, k)
     own_excess = _tail_medians(w.own - base, k)
     data_excess, delay_excess, lag = excess(w.data), excess(w.delay), excess(w.start)
+    gap_excess = excess(w.gap)
     out = []
     for i, r in enumerate(full):
         if not np.isfinite(slowdown[i]) or not base_k[i] > 0:
@@ -256,9 +273,9 @@ def score(ranks: list[RankWork], cfg: StragglerConfig, gpu_throttle: GpuThrottle
         lag_i = max(float(lag[i]), 0.0) if np.isfinite(lag[i]) else 0.0
         extra = float(own_excess[i]) + lag_i
         cause = _cause(extra, lag_i, float(data_excess[i]), float(delay_excess[i]),
-                       gpu_throttle(r.rank) if gpu_throttle else [], cfg)
+                       gpu_throttle(r.rank) if gpu_throttle else [], cfg, outside=float(gap_excess[i]))
         ratio = float(slowdown[i])
-        if cause == "communication":
+        if lag_i > 0 and cause in ("communication", "data"):
             ratio = (float(own[i]) + lag_i) / float(base_k[i])
         step = r.step_seconds or float(own[i])
         out.append(Score(rank=r.rank, node=r.node, slowdown=ratio, cause=cause,
@@ -267,8 +284,11 @@ def score(ranks: list[RankWork], cfg: StragglerConfig, gpu_throttle: GpuThrottle
 
 
 def _cause(excess: float, lag: float, data: float, delay: float, throttles: list[str],
-           cfg: StragglerConfig) -> str:
-    """Attribute a rank's excess (seconds per step) to what measurably makes it up."""
+           cfg: StragglerConfig, outside: float = math.nan) -> str:
+    """Attribute a rank's excess (seconds per step) to what measurably makes it up.
+
+    ``outside``: the excess of the rank's time between its step scopes (its batch
+    fetched before the step opened), which makes its steps start late as a slow link does."""
     share = cfg.cause_share * excess
     if excess <= 0:
         return "compute"
@@ -276,6 +296,8 @@ def _cause(excess: float, lag: float, data: float, delay: float, throttles: list
         return "data"
     if math.isfinite(delay) and delay >= share:
         return "host"
+    if math.isfinite(outside) and outside >= share:
+        return "data"
     if lag >= share:
         return "communication"
     if SLOWING_THROTTLES.intersection(throttles):
@@ -404,7 +426,8 @@ class StragglerDetector:
     def _flag(self, scores: dict[int, Score], by_rank: dict[int, RankWork], ranks: list[RankWork],
               last: int) -> list[StragglerEvent]:
         cfg = self.cfg
-        slow = {rank for rank, s in scores.items() if s.slowdown >= 1 + cfg.threshold}
+        slow = {rank for rank, s in scores.items()
+                if s.slowdown >= 1 + cfg.threshold and s.excess_seconds >= cfg.min_excess_seconds}
         for rank in list(self._ready):
             if rank not in slow or rank in self.flagged:
                 del self._ready[rank]
@@ -431,7 +454,8 @@ class StragglerDetector:
             waiting = len(nodes) > 1 and len(members) > 1 and all(
                 r in slow or r in self.flagged for r in members)
             for rank in ready:
-                if not waiting or last - self._ready[rank] >= cfg.node_grace:
+                held = (last - self._ready[rank]) * by_rank[rank].step_seconds >= cfg.hold_seconds
+                if held and (not waiting or last - self._ready[rank] >= cfg.node_grace):
                     events.append(self._raise([scores[rank]], by_rank, "rank", [rank]))
         return events
 

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from rankwatch.agent.validate import clean_text
 
-__all__ = ["rank_table", "timeline"]
+__all__ = ["brief", "goodput_line", "latency_table", "rank_table", "timeline"]
 
 
 def shown(value: Any, limit: int = 128) -> str:
@@ -33,7 +33,8 @@ def rank_table(status: dict[str, Any], title: str | None = None) -> Table:
                      no_wrap=True)
     for r in status["ranks"]:
         ph = r["phase_seconds"]
-        state = r["state"] if r["connected"] else f"{r['state']}, gone"
+        state = "restarting" if r.get("restarting") else r["state"]
+        state = state if r["connected"] else f"{state}, gone"
         state = shown(state)
         t.add_row(str(r["rank"]), shown(r["node"]), str(r["pid"]),
                   shown(" ".join(f"{k}{v}" for k, v in sorted(r["mesh"].items()))), str(r["step"]),
@@ -50,13 +51,26 @@ def rank_table(status: dict[str, Any], title: str | None = None) -> Table:
     return t
 
 
+def latency_table(status: dict[str, Any]) -> Table:
+    """Each rank's collective latency by op: calls, and p50/p99 over its recent calls."""
+    t = Table(title="collective latency per rank (p50/p99 over each op's recent calls)",
+              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("rank", "node", "op", "calls", "p50 ms", "p99 ms"):
+        t.add_column(col, justify="left" if col in ("node", "op") else "right", no_wrap=True)
+    for r in status["ranks"]:
+        for op, v in sorted(r.get("op_latency", {}).items()):
+            t.add_row(str(r["rank"]), shown(r["node"]), shown(op), str(v["count"]), f"{v['p50_seconds'] * 1e3:.2f}",
+                      f"{v['p99_seconds'] * 1e3:.2f}")
+    return t
+
+
 def timeline(status: dict[str, Any], started_at: float) -> Table:
     t = Table(title="timeline", title_justify="left")
     for col in ("t+s", "kind", "node", "rank", "step", "detail"):
         t.add_column(col)
     for inc in sorted(status["incidents"], key=lambda i: i["detected_at"]):
         t.add_row(f"{inc['detected_at'] - started_at:.1f}", shown(inc["kind"]), shown(inc["node"]),
-                  str(inc["rank"]), str(inc["step"]), shown(_brief(inc["detail"]), 1024))
+                  str(inc["rank"]), str(inc["step"]), shown(brief(inc["detail"]), 1024))
     if not status["incidents"]:
         t.add_row(f"{time.time() - started_at:.1f}", "-", "-", "-", "-", "no incidents")
     return t
@@ -77,7 +91,8 @@ _LONG = {"stacks", "stacks_note", "flight_recorder", "path", "started_at", "reso
          "scope", "decision", "allowance_seconds", "pid", "uuid", "window_steps"}
 
 
-def _brief(detail: dict[str, Any]) -> str:
+def brief(detail: dict[str, Any]) -> str:
+    """An incident's detail in one line, without the long evidence (stacks, ...)."""
     def fmt(v: Any) -> str:
         if isinstance(v, float):
             return f"{v:.3g}"

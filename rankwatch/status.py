@@ -65,7 +65,7 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
         "metrics_port": resp.metrics_port or None,
         "ranks": [{
             "rank": r.rank, "node": r.node, "pid": r.pid, "step": r.step,
-            "step_seconds": r.step_seconds, "state": r.state,
+            "step_seconds": r.step_seconds, "state": r.state, "restarting": r.restarting,
             "phase_seconds": dict(r.phase_seconds), "mesh": dict(r.mesh_coords),
             "backend": r.backend, "collectives": r.collectives,
             "last_collective_seq": r.last_collective_seq, "dropped": r.dropped,
@@ -74,6 +74,9 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
             "own_work_seconds": r.own_work_seconds,
             "collective_wait_seconds": r.collective_wait_seconds,
             "collective_source": r.collective_source, "device_uuid": r.device_uuid,
+            "op_latency": {op: {"count": v.count, "p50_seconds": v.p50_seconds,
+                                "p99_seconds": v.p99_seconds, "window": v.window}
+                           for op, v in sorted(r.op_latency.items())},
         } for r in resp.ranks],
         "incidents": [{
             "id": i.id, "kind": i.kind, "node": i.node, "rank": i.rank, "step": i.step,

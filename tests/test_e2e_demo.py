@@ -41,3 +41,11 @@ def test_demo_runs_and_tells_the_story(tmp_path):
     assert productive + sum(lost.values()) == pytest.approx(elapsed, abs=0.5), m[0]
     # Its hang and its restarts cost time.
     assert lost.get("hang", 0) > 0 and lost.get("restart", 0) > 0, m[0]
+    # The same faults under plain torchrun: stuck at the hang until gloo's 30-minute timeout.
+    (v,) = re.finditer(r"^vs plain torchrun, same faults: stuck at step (\d+) until gloo's 30-minute timeout .*"
+                       r"goodput ([\d.]+)% \(([\d.]+)s trained of (\d+)s\), against ([\d.]+)% with rankwatch "
+                       r"\(([\d.]+)s of (\d+)s, the job finished\)$", out, re.M)
+    assert 60 <= int(v[1]) <= 75, v[0]   # the hang is injected at step 70
+    assert 1800 < float(v[4]) < 1800 + elapsed and 0 < float(v[3]) < productive, v[0]
+    assert float(v[2]) == pytest.approx(100 * float(v[3]) / float(v[4]), abs=0.06) and float(v[2]) < 5, v[0]
+    assert float(v[5]) == goodput, v[0]

@@ -91,6 +91,12 @@ def test_checkpoint_on_demand_saves_one_step_on_every_node(tmp_path):
         for node in (0, 1):
             c.torchrun(node, "2", 1, "--steps", "5000", "--log-every", "0", "--checkpoint-dir", str(ck))
         wait_for(lambda: running(c, 20), 120, what="both nodes training")
+        # The coordinator's view shows the other node's rank as fully as its own.
+        (remote,) = wait_for(lambda: [r for r in c.coordinator.status()["ranks"]
+                                      if r["node"] == "n1" and r["op_latency"]], 10, what="n1's rank in full")
+        assert remote["mesh"] == {"dp": remote["rank"], "tp": 0}, remote
+        assert remote["phase_seconds"]["forward"] > 0 and remote["backend"] == "gloo", remote
+        assert remote["op_latency"]["all_gather"]["count"] > 0 and remote["collectives"] > 0, remote
         step_s = seconds_per_step(c.coordinator.status)
         # Asked through the second node's agent: it forwards to the coordinator.
         from rankwatch.agent.jobsync import forward_checkpoint

@@ -58,16 +58,23 @@ def test_hung_node_is_excluded_and_the_job_continues_without_it(tmp_path):
         assert jobs[2].wait(60) == 0
         assert not _alive(victim["pid"])
 
+        seen = set()   # the states n0's and n1's ranks show while their workers restart
+
         def resumed():
             s = c.coordinator.status()
+            seen.update("restarting" if r.get("restarting") else r["state"]
+                        for r in s["ranks"] if r["node"] in ("n0", "n1"))
             live = [r for r in s["ranks"] if r["node"] in ("n0", "n1") and r["connected"]]
             pids = {r["pid"] for r in ranks if r["node"] in ("n0", "n1")}
             restart = next((i for i in s["incidents"] if i["kind"] == "restart"), None)
             back = (len(live) == 2 and all(r["pid"] not in pids for r in live) and restart
                     and "recovered_after_seconds" in restart["detail"])
             return back and (s, restart)
-        s, restart = wait_for(resumed, 90, interval=0.25, what="n0 and n1 training again")
+        s, restart = wait_for(resumed, 90, interval=0.1, what="n0 and n1 training again")
         t_back = time.monotonic() - t0
+        # Their workers were stopped by the restart: state dead (the contract's value), flagged
+        # as restarting, and never dead without the flag.
+        assert "dead" not in seen and "restarting" in seen, seen
         assert jobs[0].poll() is None and jobs[1].poll() is None, "no --max-restarts to spend"
         # The stall (over the 5 s hang floor, until the exclusion) and the restart (the
         # decision until both nodes train again) cost time; the rest trained steps.  Steps

@@ -44,6 +44,13 @@ def test_a_users_fsdp2_script(agent_proc, tmp_path):
         assert r["backend"] == "gloo" and r["collective_source"] == "python_wrappers"
         assert r["mesh"] == {"dp": r["rank"]} and r["step"] == STEPS
         assert r["phase_seconds"]["data"] > 0 and r["phase_seconds"]["forward"] > 0
+        # Per-op latency per rank: every call counted, quantiles over the recent ones.
+        for op in ("all_gather", "reduce_scatter"):
+            lat = r["op_latency"][op]
+            assert lat["count"] >= STEPS and 0 < lat["p50_seconds"] <= lat["p99_seconds"], (op, lat)
+    table = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent_proc.addr)],
+                           capture_output=True, text=True, timeout=60)
+    assert "collective latency per rank" in table.stdout and "reduce_scatter" in table.stdout, table.stdout
     m = parse_metrics(agent_proc.metrics())
     counts = _per_op(m, "rankwatch_collective_duration_seconds_count")
     nbytes = _per_op(m, "rankwatch_collective_bytes_total")

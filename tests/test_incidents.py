@@ -116,7 +116,9 @@ def test_diagnose_replays_the_state_directory_after_the_agent_is_gone(tmp_path, 
     hang = log.add(kind="hang", node="n0", rank=1, step=7, detected_at=50.0, detail={"alive": True})
     log.add(kind="checkpoint", node="n0", rank=0, step=5, detected_at=60.0, detail={"ok": True})
     log.resolve(hang.id, 58.0)
-    assert main(["diagnose", "--state-dir", str(tmp_path), hang.id]) == 0
-    shown = json.loads(capsys.readouterr().out)
+    assert main(["diagnose", "--json", "--state-dir", str(tmp_path), hang.id]) == 0
+    out = capsys.readouterr()
+    assert out.err.startswith(f"rankwatch diagnose: reading what the agent left in {tmp_path}")
+    shown = json.loads(out.out)
     assert shown == {**hang.as_status(), "detail": {"alive": True, "resolved_at": 58.0}, "run_id": "job-2"}
     assert main(["diagnose", "--state-dir", str(tmp_path / "none")]) == 1

@@ -4,11 +4,16 @@ Its own model and dataset, ``init_device_mesh`` (which makes the process
 group), FSDP2's ``fully_shard`` (``--tp`` adds tensor parallelism on a 2-D
 mesh), its own DataLoader, and the README's own-loop pattern: ``mon.steps``,
 three marks, ``checkpoint_due``.  ``--slow-loader RANK:STEP:SECONDS`` makes one
-rank's loader slow from STEP on.
+rank's loader slow from STEP on (``--fetch-outside``: the older loop, each batch
+fetched before ``with mon.step(n):`` opens); ``--hang-at RANK:STEP`` makes one rank stop in
+STEP's forward for good.  Like many users' scripts it exits on SIGTERM (a
+preemption), so ``mon.close()`` runs.
 """
 
 import argparse
 import os
+import signal
+import sys
 import time
 
 import torch
@@ -57,7 +62,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--slow-loader", default="")
+    p.add_argument("--hang-at", default="")
+    p.add_argument("--fetch-outside", action="store_true")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # preempted: exit, closing what is open
     world = int(os.environ["WORLD_SIZE"])
     if args.tp > 1:
         mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
@@ -77,13 +85,25 @@ def main() -> None:
     loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(
         data, num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank(), shuffle=False))
 
-    mon = rw.init(mesh=mesh)  # after init_device_mesh made the process group
-    for n, (x, y) in mon.steps(loader):
+    hang = tuple(int(v) for v in args.hang_at.split(":")) if args.hang_at else None
+
+    def train_step(n: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        while hang == (rank, n):
+            time.sleep(0.1)  # stuck (a deadlock in user code)
         loss = F.cross_entropy(model(x), y); mon.mark("forward")   # noqa: E702
         loss.backward();                     mon.mark("backward")  # noqa: E702
         opt.step(); opt.zero_grad();         mon.mark("optimizer")  # noqa: E702
         if mon.checkpoint_due(n):
             pass  # this script keeps no checkpoints
+
+    mon = rw.init(mesh=mesh)  # after init_device_mesh made the process group
+    if args.fetch_outside:
+        for n, (x, y) in enumerate(loader, start=1):
+            with mon.step(n):
+                train_step(n, x, y)
+    else:
+        for n, (x, y) in mon.steps(loader):
+            train_step(n, x, y)
     mon.close()  # before destroy_process_group
     dist.destroy_process_group()
 

@@ -214,7 +214,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node", "pid", "step", "step_seconds", "state", "phase_seconds", "mesh_coords", "backend", "collectives", "last_collective_seq", "dropped", "last_seen", "connected", "tokens_per_second", "slowdown", "own_work_seconds", "collective_wait_seconds", "collective_source", "device_uuid")
+    __slots__ = ("rank", "node", "pid", "step", "step_seconds", "state", "phase_seconds", "mesh_coords", "backend", "collectives", "last_collective_seq", "dropped", "last_seen", "connected", "tokens_per_second", "slowdown", "own_work_seconds", "collective_wait_seconds", "collective_source", "device_uuid", "op_latency", "restarting")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,13 @@ class RankStatus(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class OpLatencyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: OpLatency
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[OpLatency, _Mapping]] = ...) -> None: ...
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +256,8 @@ class RankStatus(_message.Message):
     COLLECTIVE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    OP_LATENCY_FIELD_NUMBER: _ClassVar[int]
+    RESTARTING_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node: str
     pid: int
@@ -269,7 +278,21 @@ class RankStatus(_message.Message):
     collective_wait_seconds: float
     collective_source: str
     device_uuid: str
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., state: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., last_collective_seq: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ..., slowdown: _Optional[float] = ..., own_work_seconds: _Optional[float] = ..., collective_wait_seconds: _Optional[float] = ..., collective_source: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    op_latency: _containers.MessageMap[str, OpLatency]
+    restarting: bool
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., state: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., last_collective_seq: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ..., slowdown: _Optional[float] = ..., own_work_seconds: _Optional[float] = ..., collective_wait_seconds: _Optional[float] = ..., collective_source: _Optional[str] = ..., device_uuid: _Optional[str] = ..., op_latency: _Optional[_Mapping[str, OpLatency]] = ..., restarting: _Optional[bool] = ...) -> None: ...
+
+class OpLatency(_message.Message):
+    __slots__ = ("count", "p50_seconds", "p99_seconds", "window")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    p50_seconds: float
+    p99_seconds: float
+    window: int
+    def __init__(self, count: _Optional[int] = ..., p50_seconds: _Optional[float] = ..., p99_seconds: _Optional[float] = ..., window: _Optional[int] = ...) -> None: ...
 
 class Incident(_message.Message):
     __slots__ = ("kind", "node", "rank", "step", "detected_at", "detail_json", "id", "run_id")
@@ -386,7 +409,7 @@ class Command(_message.Message):
     def __init__(self, id: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointCommand, _Mapping]] = ...) -> None: ...
 
 class RankSummary(_message.Message):
-    __slots__ = ("rank", "pid", "step", "step_seconds", "steps_completed", "activity", "progress_at", "last_seen", "connected", "exited_cleanly", "group_seqs", "inflight", "stacks", "alive", "stopped", "own_work", "data_wait", "comm_wait", "state", "local_rank", "tokens_per_second", "stacks_at", "flight_recorder")
+    __slots__ = ("rank", "pid", "step", "step_seconds", "steps_completed", "activity", "progress_at", "last_seen", "connected", "exited_cleanly", "group_seqs", "inflight", "stacks", "alive", "stopped", "own_work", "data_wait", "comm_wait", "state", "local_rank", "tokens_per_second", "stacks_at", "flight_recorder", "phase_seconds", "mesh_coords", "op_latency", "backend", "collectives")
     class GroupSeqsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +417,27 @@ class RankSummary(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PhaseSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MeshCoordsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class OpLatencyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: OpLatency
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[OpLatency, _Mapping]] = ...) -> None: ...
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -417,6 +461,11 @@ class RankSummary(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     STACKS_AT_FIELD_NUMBER: _ClassVar[int]
     FLIGHT_RECORDER_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MESH_COORDS_FIELD_NUMBER: _ClassVar[int]
+    OP_LATENCY_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     step: int
@@ -440,7 +489,12 @@ class RankSummary(_message.Message):
     tokens_per_second: float
     stacks_at: float
     flight_recorder: str
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ...) -> None: ...
+    phase_seconds: _containers.ScalarMap[str, float]
+    mesh_coords: _containers.ScalarMap[str, int]
+    op_latency: _containers.MessageMap[str, OpLatency]
+    backend: str
+    collectives: int
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., op_latency: _Optional[_Mapping[str, OpLatency]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ...) -> None: ...
 
 class NodeSummary(_message.Message):
     __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "decisions", "run_id")

@@ -1,0 +1,66 @@
+"""One rank's collective latency per op: recent p50/p99 and a count, for ``status``.
+
+``/metrics`` has the node's histograms by op (never per rank, by design); ``status``
+shows each rank's own figures, so a slow link or a rank that waits more stands out.
+Each op keeps a ring of its most recent durations; a batch of records costs a few
+numpy calls, one per op present in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rankwatch.proto import pb
+
+__all__ = ["OpLatency", "OpSummary", "to_pb"]
+
+
+@dataclass(frozen=True)
+class OpSummary:
+    count: int
+    """Calls since the rank connected."""
+    p50: float
+    """Seconds, over the recent window."""
+    p99: float
+    window: int
+    """Calls the quantiles are over."""
+
+
+class OpLatency:
+    """Args:
+        ops: the op names, by the agent's op index.
+        window: recent calls kept per op.
+    """
+
+    def __init__(self, ops: Sequence[str], window: int = 512) -> None:
+        self.ops = tuple(ops)
+        self.window = window
+        self._ring = np.zeros((len(self.ops), window), dtype=np.float64)
+        self._count = np.zeros(len(self.ops), dtype=np.int64)
+
+    def observe(self, ops: np.ndarray, durations: np.ndarray) -> None:
+        """Add ``durations[i]`` (seconds) to op ``ops[i]`` for every i."""
+        for op in np.unique(ops):
+            values = durations[ops == op][-self.window:]
+            start = int(self._count[op]) % self.window
+            idx = (start + np.arange(values.size)) % self.window
+            self._ring[op, idx] = values
+            self._count[op] += int(np.count_nonzero(ops == op))
+
+    def summary(self) -> dict[str, OpSummary]:
+        """Each op the rank has called: its count and recent quantiles."""
+        out = {}
+        for i in np.flatnonzero(self._count):
+            n = int(min(self._count[i], self.window))
+            p50, p99 = np.quantile(self._ring[i, :n], (0.5, 0.99))
+            out[self.ops[i]] = OpSummary(count=int(self._count[i]), p50=float(p50), p99=float(p99), window=n)
+        return out
+
+
+def to_pb(latency: OpLatency) -> dict[str, pb.OpLatency]:
+    """The wire form of a rank's :meth:`OpLatency.summary` (``RankStatus``/``RankSummary.op_latency``)."""
+    return {op: pb.OpLatency(count=s.count, p50_seconds=s.p50, p99_seconds=s.p99, window=s.window)
+            for op, s in latency.summary().items()}

@@ -1,0 +1,43 @@
+"""A rank's per-op collective latency for status: counts, and quantiles over a recent window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rankwatch.agent.oplatency import OpLatency, to_pb
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def test_quantiles_and_counts_by_op():
+    lat = OpLatency(OPS, window=1000)
+    ops = np.array([0] * 100 + [2] * 50)
+    durations = np.concatenate([np.linspace(0.001, 0.1, 100), np.full(50, 0.003)])
+    lat.observe(ops, durations)
+    s = lat.summary()
+    assert set(s) == {"all_reduce", "reduce_scatter"}
+    assert s["all_reduce"].count == 100 and s["all_reduce"].window == 100
+    assert s["all_reduce"].p50 == pytest.approx(0.0505, rel=1e-3)
+    assert s["all_reduce"].p99 == pytest.approx(np.quantile(durations[:100], 0.99))
+    assert s["reduce_scatter"].p50 == s["reduce_scatter"].p99 == pytest.approx(0.003)
+
+
+def test_the_window_keeps_the_most_recent_calls():
+    lat = OpLatency(OPS, window=8)
+    lat.observe(np.zeros(5, np.int64), np.full(5, 1.0))       # old and slow
+    for _ in range(3):
+        lat.observe(np.zeros(4, np.int64), np.full(4, 0.01))  # recent and fast, across the ring's end
+    s = lat.summary()["all_reduce"]
+    assert s.count == 17 and s.window == 8 and s.p99 == pytest.approx(0.01)
+    lat.observe(np.zeros(20, np.int64), np.arange(20, dtype=np.float64))  # one batch over the window
+    s = lat.summary()["all_reduce"]
+    assert s.count == 37 and s.p50 == pytest.approx(np.quantile(np.arange(12, 20), 0.5))
+
+
+def test_wire_form():
+    lat = OpLatency(OPS)
+    lat.observe(np.array([1, 1]), np.array([0.002, 0.004]))
+    (op, msg), = to_pb(lat).items()
+    assert op == "all_gather" and msg.count == 2 and msg.window == 2
+    assert msg.p50_seconds == pytest.approx(0.003)
