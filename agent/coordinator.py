@@ -115,9 +115,11 @@ class Coordinator:
                  hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
                  policy: PolicyConfig | None = None, clock=time.time,
                  on_incident: Callable[[Incident], None] | None = None, load: LoadConfig | None = None,
-                 tick_seconds: float = 0.25) -> None:
+                 tick_seconds: float = 0.25, refusals: Callable[[], int] | None = None) -> None:
         self.node_id = node_id
         self.tick_seconds = tick_seconds
+        self._refusals = refusals or (lambda: 0)
+        """Calls this agent refused for lack of capacity so far (a counter): overload evidence."""
         """How often the agent calls :meth:`evaluate`."""
         self.incidents = incidents
         self.hang = hang or HangConfig()
@@ -149,7 +151,7 @@ class Coordinator:
         self._delays: deque[float] = deque(maxlen=512)
         self._synced = 0
         self._count = 0   # nodes known (read without the lock for the reply's interval)
-        self._tick = (time.monotonic(), time.process_time(), 0)   # (wall, cpu, syncs) at the last window
+        self._tick = (time.monotonic(), time.process_time(), 0, 0)   # (wall, cpu, syncs, refused) then
         self._last_eval: float | None = None   # time.monotonic() of the last evaluate()
         self._encoded: tuple[int, list[pb.Decision]] = (0, [])
         self._stragglers_at = float("-inf")   # when the straggler detector last ran
@@ -307,16 +309,19 @@ class Coordinator:
         wall, cpu = time.monotonic(), time.process_time()
         lag = 0.0 if self._last_eval is None else max(0.0, wall - self._last_eval - self.tick_seconds)
         self._last_eval = wall
-        w0, c0, s0 = self._tick
+        w0, c0, s0, r0 = self._tick
         with self.lock:
             synced, nodes = self._synced, len(self.nodes)
             delays = sorted(self._delays)
+            due = sum((wall - w0) / max(n.interval, self.interval) for n in self.nodes.values())
         if wall - w0 < 2.0 and lag < self.load_cfg.lag_seconds:
             return   # measure over windows of two seconds (a late loop is news at once)
-        self._tick = (wall, cpu, synced)
+        refused = self._refusals()
+        self._tick = (wall, cpu, synced, refused)
         cores = (cpu - c0) / (wall - w0)
         load = load_policy.Load(cores=cores, loop_lag=lag,
-                                sync_delay=delays[len(delays) // 2] if delays else 0.0)
+                                sync_delay=delays[len(delays) // 2] if delays else 0.0,
+                                refused=refused - r0, heard=min(1.0, (synced - s0) / due) if due > 0 else 1.0)
         with self.lock:
             self._delays.clear()
         interval = max(load_policy.sync_interval(self.interval, load, self.load_cfg),

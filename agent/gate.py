@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 _STREAMS = ("Report", "Commands")   # the long-lived RPCs that hold a server thread
 _LOG_EVERY = 10.0                   # seconds between log lines per refusal reason
+_CAPACITY = ("streams_total", "waiting", "no_request")   # refusals for lack of room in all
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +299,11 @@ class Gate(grpc.ServerInterceptor):
         log.warning("refused: %s%s", detail, f" (and {more} more since the last line)" if more > 0 else "")
 
     # -- views --------------------------------------------------------------------
+    def capacity_refusals(self) -> int:
+        """Calls refused so far because the agent was full (not for a bad or greedy peer)."""
+        with self._lock:
+            return sum(n for reason, n in self.refused.items() if reason in _CAPACITY)
+
     def open_streams(self) -> int:
         with self._lock:
             return self._open

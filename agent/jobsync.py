@@ -127,7 +127,9 @@ class JobLink:
     @property
     def coordinates_job(self) -> bool:
         """True while this agent is the coordinator of a job of several nodes."""
-        return self.acting and (bool(self.candidates) or self.elected)
+        if self.elected:   # the lease, checked now: an agent paused past it must not act on
+            return self.acting and self.election is not None and self.election.is_leader()
+        return self.acting and bool(self.candidates)
 
     def start(self) -> None:
         if self.election is not None:

@@ -11,8 +11,9 @@ rules keep an overloaded coordinator from harming the job:
   whose summaries stop arriving is silent after the longer of the timeout and a
   few of its sync intervals (:func:`node_silent`).  While the coordinator itself
   shows overload (:func:`overload`): its own loop ran late (it was paused or
-  starved), its process is saturating a core, or summaries arrive late against
-  each node's best, no node is called silent, and for a grace period after it,
+  starved), its process is saturating a core, summaries arrive late against
+  each node's best, it refused calls for lack of capacity, or it heard under half
+  the summaries due while busy, no node is called silent, and for a grace period after it,
   so every node gets a fair chance to be heard.  Positive evidence (a node that
   reports its ranks dead, a hang's culprit, a fatal GPU fault) still acts.
 """
@@ -64,6 +65,10 @@ class Load:
     """How much later than planned its evaluation loop last ran (seconds)."""
     sync_delay: float
     """Median over recent summaries of (arrival - sending) minus that node's smallest."""
+    refused: int = 0
+    """Calls the agent refused for lack of capacity in the window (its own caps)."""
+    heard: float = 1.0
+    """Summaries received over those the nodes were told to send in the window."""
 
 
 def overload(load: Load, cfg: LoadConfig) -> str | None:
@@ -74,6 +79,10 @@ def overload(load: Load, cfg: LoadConfig) -> str | None:
         return f"it uses {load.cores:.2f} cores (saturated)"
     if load.sync_delay >= cfg.delay_seconds:
         return f"summaries arrive {load.sync_delay:.2f}s late (median)"
+    if load.refused > 0:
+        return f"it refused {load.refused} calls for lack of capacity"
+    if load.heard < 0.5 and load.cores >= cfg.target_cores:
+        return f"it heard {load.heard:.0%} of the summaries due while busy ({load.cores:.2f} cores)"
     return None
 
 

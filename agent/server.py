@@ -144,7 +144,8 @@ class Agent:
         self.coordinator = Coordinator(config.node_id, incidents=self.incidents, decisions=self.decision_log,
                                        hang=config.hang,
                                        straggler=config.straggler, policy=config.policy,
-                                       on_incident=self._own_job_incident)
+                                       on_incident=self._own_job_incident,
+                                       refusals=lambda: self.gate.capacity_refusals())
         self.commands = CommandHub()
         self.link = JobLink(self, config.coordinators, config.sync_interval, elected=config.election is not None)
         self.progress = goodput.StepProgress()

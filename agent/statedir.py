@@ -4,7 +4,7 @@ An agent keeps three things there:
 
 * ``incidents.jsonl``: every incident and each later change (:mod:`incidents`);
 * ``decisions.jsonl``: the coordinator decisions it made or applied;
-* ``status.json``: its last ``status`` view (ranks, goodput, ...), rewritten every
+* ``last-status.json``: its last ``status`` view (ranks, goodput, ...), rewritten every
   second or so and when it stops, with the job's run id and when it was written.
 
 Beside a unix socket it serves, the agent leaves ``<socket>.state-dir``, naming the
@@ -31,7 +31,7 @@ __all__ = ["STATE_DIR_ENV", "LeftBehind", "Snapshots", "default_state_dir", "loc
 log = logging.getLogger(__name__)
 
 STATE_DIR_ENV = "RANKWATCH_STATE_DIR"
-SNAPSHOT = "status.json"
+SNAPSHOT = "last-status.json"
 
 
 def default_state_dir(node: str) -> Path:
@@ -75,7 +75,7 @@ def locate(addr: Address, node: str, explicit: Path | None = None) -> Path:
 
 
 def write_snapshot(state_dir: Path, status: dict[str, Any], run_id: str, now: float) -> None:
-    """Replace ``status.json`` at once (a reader never sees half of it).
+    """Replace ``last-status.json`` at once (a reader never sees half of it).
 
     Raises:
         OSError: the directory cannot be written.
@@ -179,7 +179,7 @@ def _empty_status(node: str) -> dict[str, Any]:
 
 
 class Snapshots:
-    """Writes an agent's ``status.json`` at most every ``every`` seconds, and once more at stop.
+    """Writes an agent's ``last-status.json`` at most every ``every`` seconds, and once more at stop.
 
     Args:
         state_dir: where (None: nowhere).

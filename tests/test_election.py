@@ -122,6 +122,31 @@ def test_agents_elect_one_coordinator_and_replace_a_killed_one(tmp_path, etcd):
             a.stop()
 
 
+def test_a_paused_coordinator_steps_down_when_it_runs_again(tmp_path, etcd):
+    """SIGSTOP the coordinator's agent past its lease; another takes over; SIGCONT the old one:
+    it must not act as coordinator again (two never act at once)."""
+    args = ("--election", f"etcd://{etcd.endpoints[0]}", "--job-id", "job2", "--listen", "127.0.0.1:0")
+    agents = [AgentProcess(tmp_path / f"n{i}.sock", node=f"n{i}", extra=args).start() for i in range(2)]
+    try:
+        first = wait_for(lambda: (c := _coordinator(agents)) and len(c) == 1 and c, 15,
+                         what="one coordinator")[0]
+        old = next(a for a in agents if a.node == first)
+        new = next(a for a in agents if a is not old)
+        old.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: new.status()["coordinator"], 15, what="the other agent taking over")
+        finally:
+            old.proc.send_signal(signal.SIGCONT)
+        # From the moment it runs again, at every look: one coordinator, and not the old one.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            assert _coordinator(agents) == [new.node]
+        assert old.status()["coordinator_node"] == new.node
+    finally:
+        for a in agents:
+            a.stop()
+
+
 def test_the_election_survives_a_dead_etcd_member(tmp_path):
     cluster = EtcdCluster(tmp_path, members=3)
     try:

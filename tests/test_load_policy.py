@@ -22,6 +22,11 @@ def test_overload_has_three_kinds_of_evidence():
     assert "late" in overload(Load(cores=0.1, loop_lag=4.8, sync_delay=0.0), CFG)
     assert "cores" in overload(Load(cores=0.95, loop_lag=0.0, sync_delay=0.0), CFG)
     assert "arrive" in overload(Load(cores=0.1, loop_lag=0.0, sync_delay=0.8), CFG)
+    assert "refused 3 calls" in overload(Load(cores=0.1, loop_lag=0.0, sync_delay=0.0, refused=3), CFG)
+    # Hearing from few nodes is evidence against the coordinator only while it is busy itself:
+    # an idle coordinator that hears from few nodes has lost nodes.
+    assert "heard 30%" in overload(Load(cores=0.75, loop_lag=0.0, sync_delay=0.0, heard=0.3), CFG)
+    assert overload(Load(cores=0.2, loop_lag=0.0, sync_delay=0.0, heard=0.3), CFG) is None
 
 
 def test_nodes_slow_down_under_load_and_speed_up_again():
