@@ -41,7 +41,7 @@ from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, Snapshot, Verdicts, e
 from rankwatch.agent.hang import HangConfig, RankProgress, hang_possible
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.load_policy import LoadConfig
-from rankwatch.agent.state import parse_flight_recorder
+from rankwatch.agent.state import Rejected, parse_flight_recorder
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector
 from rankwatch.proto import pb
 
@@ -70,6 +70,8 @@ class PolicyConfig:
     restart_quiet_seconds: float = 120.0
     """After an exclusion, no new hang is called for this long or until every node trains
     again: the restart itself stops every rank (its time counts as ``restart`` in goodput)."""
+    max_nodes: int = 65536
+    """The most node ids the coordinator keeps (a bound on what Sync callers can make it hold)."""
     crashed_grace_seconds: float = 15.0
     """A node whose agent is alive but whose ranks all died is dead only if no rank has come
     back for this long: torchrun restarts workers itself, and every restart (ours included)
@@ -166,6 +168,9 @@ class Coordinator:
         validate.check_summary(summary)  # raises Rejected (a ValueError): nothing of it is kept
         with self.lock:
             prev = self.nodes.get(summary.node_id)
+            if prev is None and len(self.nodes) >= self.policy.max_nodes:
+                raise Rejected("too_many_nodes", f"{summary.node_id!r}: the coordinator keeps "
+                                                 f"{self.policy.max_nodes} nodes already")
             # A lower seq with a later clock is the node's agent restarted, not a replay.
             if (prev is not None and summary.seq <= prev.summary.seq
                     and summary.sent_at <= prev.summary.sent_at):

@@ -49,7 +49,7 @@ MAX_WINDOW = 1024
 REASONS = (
     "undecodable", "no_hello", "invalid_hello", "unknown_rank", "duplicate_rank", "too_many_ranks",
     "duplicate_batch", "stale_stream", "oversized", "malformed", "invalid_value", "unauthenticated",
-    "pid_not_peer", "uid_not_agent", "other",
+    "pid_not_peer", "uid_not_agent", "too_many_nodes", "other",
 )
 """Every ``reason`` label of ``rankwatch_messages_rejected_total``."""
 

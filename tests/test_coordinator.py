@@ -111,6 +111,18 @@ def test_checkpoint_step_is_ahead_of_the_fastest_rank_and_duplicates_merge():
     assert c.request_checkpoint("again") is d
 
 
+def test_the_coordinator_keeps_a_bounded_number_of_nodes():
+    from rankwatch.agent.state import Rejected
+
+    c, _ = make(policy=PolicyConfig(max_nodes=2))
+    c.sync(summary("a", 1, 1.0, []))
+    c.sync(summary("b", 1, 1.0, []))
+    with pytest.raises(Rejected, match="too_many_nodes"):
+        c.sync(summary("c", 1, 1.0, []))
+    c.sync(summary("a", 2, 1.5, []))   # a known node is still heard
+    assert sorted(c.nodes) == ["a", "b"]
+
+
 def test_stale_or_anonymous_summaries_are_refused():
     c, clock = make()
     c.sync(summary("n0", 5, clock.t, []))
