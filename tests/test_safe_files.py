@@ -176,7 +176,7 @@ def test_a_torn_line_never_makes_the_file_unreadable(tmp_path):
         agent.stop()
     replayed = IncidentLog.replay(path)
     assert [i.step for i in replayed] == [5, 7] and replayed.skipped == 1
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "diagnose", "--state-dir", str(state)],
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "diagnose", "--json", "--state-dir", str(state)],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and json.loads(out.stdout)["step"] == 7, out.stderr
 
