@@ -1,31 +1,30 @@
-"""The node agent's servers: gRPC (Unix socket, optional TCP) and HTTP /metrics.
+"""The node agent: its lifecycle, its parts, and the loop that sequences its detectors.
 
-The gRPC handlers are registered by hand, not through the generated
-``add_AgentServicer_to_server``, so that a message that fails to decode is
-counted and logged by the agent before gRPC refuses it.
+An :class:`Agent` owns the node's state (:class:`NodeState`), its detectors
+(:class:`NodeWatch`), its link to the job (:class:`JobLink`, and the
+:class:`Coordinator` it runs when it is the coordinator), its logs, and its
+servers: gRPC (Unix socket, optional TCP; the RPCs are :mod:`.servicer`'s, what
+they show :mod:`.views`') and HTTP /metrics (the collectors of :mod:`.export`).
+It decides nothing itself: each decision lives in the module named for it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
 from concurrent import futures
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
-import numpy as np
 from prometheus_client import CollectorRegistry, start_http_server
 
 from rankwatch.agent import checkpoint_policy
 from rankwatch.agent.export import otel
 from rankwatch.address import Address
-from rankwatch.agent.auth import authorized
 from rankwatch.agent.gate import Gate, StreamLimits
 from rankwatch.agent.identity import RankStreams
 from rankwatch.peercred import CredListener, PeerCred
@@ -35,22 +34,22 @@ from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hang import HangConfig
 from rankwatch.agent.export.host import HostCollector
-from rankwatch.agent import bounds, goodput, oplatency
+from rankwatch.agent import bounds, goodput, views
 from rankwatch.agent.export import storemetrics
 from rankwatch.agent.restarting import shown_state
 from rankwatch.agent.statedir import Snapshots, write_pointer
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.export.jobmetrics import JobCollector
-from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint, summary_incidents
+from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint
 from rankwatch.agent.export.metrics import NodeCollector
 from rankwatch.agent.election import Election, parse_endpoints
-from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS
-from rankwatch.agent.nodewatch import NodeWatch, process_state
+from rankwatch.agent.nodewatch import NodeWatch
 from rankwatch.agent.rankexit import ExitConfig
+from rankwatch.agent.servicer import Servicer
+from rankwatch.agent.validate import clean_text
 from rankwatch.agent.state import NodeState, RankState, Rejected
 from rankwatch.agent.straggler import StragglerConfig
-from rankwatch.agent.validate import clean_text
 from rankwatch.proto import pb
 from rankwatch.status import status_dict
 
@@ -58,10 +57,8 @@ __all__ = ["Agent", "AgentConfig"]
 
 log = logging.getLogger(__name__)
 
-_SERVICE = "rankwatch.v1.Agent"
 _MAX_MESSAGE = 16 << 20
 _MAX_RPCS = 512
-_DECISIONS_SENT = 64   # the newest decisions a node's summary carries to its coordinator
 
 
 class AgentConfig:
@@ -174,7 +171,7 @@ class Agent:
         self._stopped = threading.Event()
         self._owns_sockets = False
         self._otel: otel.OtelExport | None = None
-        self._snapshots = Snapshots(config.state_dir, lambda: status_dict(self._status(pb.StatusRequest(), None)),
+        self._snapshots = Snapshots(config.state_dir, lambda: status_dict(views.status_response(self)),
                                     lambda: self.incidents.run_id)
 
     # -- lifecycle ----------------------------------------------------------
@@ -211,7 +208,7 @@ class Agent:
             options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
                      ("grpc.max_send_message_length", _MAX_MESSAGE),
                      ("grpc.so_reuseport", 0)])
-        server.add_generic_rpc_handlers((self._handlers(),))
+        server.add_generic_rpc_handlers((Servicer(self).handlers(),))
         for addr in self.config.listen:
             if addr.is_unix:
                 _prepare_socket_path(addr.path)  # type: ignore[arg-type]
@@ -241,7 +238,7 @@ class Agent:
         self.decision_log.sink = election.decisions.append
         return election
 
-    def _peer_cred(self, nonce: bytes) -> PeerCred | None:
+    def peer_cred(self, nonce: bytes) -> PeerCred | None:
         """Who presented ``nonce`` on a credentials socket (rankwatch/peercred.py)."""
         for listener in self._creds:
             cred = listener.take(nonce)
@@ -278,148 +275,6 @@ class Agent:
     def wait(self, timeout: timedelta | None = None) -> bool:
         return self._stopped.wait(timeout.total_seconds() if timeout else None)
 
-    # -- handlers -----------------------------------------------------------
-    def _handlers(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(_SERVICE, {
-            "Report": grpc.stream_unary_rpc_method_handler(
-                self._report, request_deserializer=self._decoder(pb.ReportMessage),
-                response_serializer=pb.ReportSummary.SerializeToString),
-            "Status": grpc.unary_unary_rpc_method_handler(
-                self._status, request_deserializer=self._decoder(pb.StatusRequest),
-                response_serializer=pb.StatusResponse.SerializeToString),
-            "Commands": grpc.unary_stream_rpc_method_handler(
-                self._commands, request_deserializer=self._decoder(pb.CommandRequest),
-                response_serializer=pb.Command.SerializeToString),
-            "Sync": grpc.unary_unary_rpc_method_handler(
-                self._sync, request_deserializer=self._decoder(pb.NodeSummary),
-                response_serializer=pb.SyncReply.SerializeToString),
-            "RequestCheckpoint": grpc.unary_unary_rpc_method_handler(
-                self._request_checkpoint, request_deserializer=self._decoder(pb.CheckpointRequest),
-                response_serializer=pb.CheckpointReply.SerializeToString),
-        })
-
-    def _decoder(self, cls: Any) -> Callable[[bytes], Any]:
-        def decode(data: bytes) -> Any:
-            try:
-                return cls.FromString(data)
-            except Exception as exc:
-                self.state.note_rejected(Rejected("undecodable", f"{cls.__name__}: {exc}"))
-                raise
-        return decode
-
-    def _report(self, requests: Iterator[pb.ReportMessage], context: grpc.ServicerContext) -> pb.ReportSummary:
-        st = self.state
-        rank = None
-        accepted = rejected = 0
-        said_goodbye = False
-        error = "closed"   # how a stream without a goodbye ended (gRPC reports a dead peer either way)
-        try:
-            for msg in requests:
-                body = msg.WhichOneof("body")
-                if rank is None:
-                    if body != "hello":
-                        self._refuse(context, Rejected("no_hello", f"stream opened with {body!r}"))
-                    try:
-                        rank = self.rank_streams.admit(st, msg.hello, context, self._peer_cred)
-                    except Rejected as exc:
-                        self._refuse(context, exc)
-                    if rank.job_id:  # the job's run id, on every incident and decision
-                        self.incidents.run_id = self.decision_log.run_id = rank.job_id
-                    continue
-                if body == "goodbye":
-                    said_goodbye = True
-                    continue
-                try:
-                    if body != "batch":
-                        raise Rejected("malformed", f"rank {rank.rank} sent {body!r} mid-stream")
-                    st.ingest(rank, msg.batch)
-                    accepted += 1
-                    if msg.batch.checkpoints:
-                        self._on_checkpoints(rank, msg.batch.checkpoints)
-                except Rejected as exc:
-                    st.note_rejected(exc)
-                    rejected += 1
-        except grpc.RpcError:  # the rank went away; goodbye() below records how
-            error = "cancelled" if not context.is_active() else "broken"
-        finally:
-            # Only a rank's goodbye makes its end clean: a rank whose process died can end
-            # the stream as a close does (the iteration just stops), not only as an error.
-            if rank is not None:
-                self.rank_streams.release(rank.rank, context)
-                st.goodbye(rank, said_goodbye)
-                if not said_goodbye:
-                    self.watch.stream_broke(rank, error)
-        return pb.ReportSummary(batches_accepted=accepted, batches_rejected=rejected)
-
-    def _refuse(self, context: grpc.ServicerContext, exc: Rejected) -> NoReturn:
-        self.state.note_rejected(exc)
-        code = {"duplicate_rank": grpc.StatusCode.ALREADY_EXISTS, "pid_not_peer": grpc.StatusCode.PERMISSION_DENIED,
-                "uid_not_agent": grpc.StatusCode.PERMISSION_DENIED}.get(exc.reason, grpc.StatusCode.INVALID_ARGUMENT)
-        context.abort(code, str(exc))
-        raise AssertionError("context.abort raises")  # for the type checker: abort never returns
-
-    def _status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        st = self.state
-        resp = pb.StatusResponse(node_id=st.node_id, started_at=st.started_at,
-                                 metrics_port=self.metrics_port or 0,
-                                 records_received=sum(st.records.values()),
-                                 messages_rejected=sum(st.rejected.values()),
-                                 tokens_per_second=st.tokens_per_second())
-        mfu = st.mfu()
-        if mfu is not None:
-            resp.mfu = mfu
-        link = self.link
-        resp.coordinator = self.is_coordinator()
-        resp.coordinator_node = link.coordinator_node
-        resp.decisions.extend(d.to_pb() for d in self.decisions())
-        job = resp.coordinator
-        now = st.clock()
-        breakdown = self.goodput(now)
-        if breakdown is not None:
-            resp.goodput = breakdown["productive"] / breakdown["elapsed"]
-            resp.time_seconds.update(breakdown)
-        if job:
-            resp.nodes.extend(sorted(self.coordinator.nodes))
-            resp.excluded_nodes.extend(sorted(self.coordinator.excluded))
-        for r in st.snapshot():
-            resp.ranks.append(pb.RankStatus(
-                rank=r.rank, node=r.node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
-                state=r.state, restarting=self._restarting(r.state, r.last_seen, now),
-                phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
-                backend=r.backend, collectives=int(r.collective_counts.sum()),
-                last_collective_seq=r.last_collective_seq, dropped=r.dropped,
-                last_seen=r.last_seen, connected=r.connected,
-                tokens_per_second=r.tokens_per_second, slowdown=r.slowdown,
-                own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds,
-                collective_source=r.collective_source, device_uuid=r.device_uuid,
-                op_latency=oplatency.to_pb(r.op_latency)))
-        if job:
-            for node, r, excluded in self.coordinator.rank_summaries():
-                if node != st.node_id:
-                    resp.ranks.append(pb.RankStatus(
-                        rank=r.rank, node=node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
-                        state="excluded" if excluded else r.state,
-                        restarting=not excluded and self._restarting(r.state, r.last_seen, now),
-                        connected=r.connected,
-                        last_seen=r.last_seen, tokens_per_second=r.tokens_per_second,
-                        phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords, op_latency=r.op_latency,
-                        backend=r.backend, collectives=r.collectives,
-                        own_work_seconds=_median(r.own_work), collective_wait_seconds=_median(r.comm_wait)))
-        with st.lock:
-            incidents = list(st.incidents)
-        if job:
-            # Other nodes' own incidents; a checkpoint shows once per step however many nodes saved it.
-            saved = {i.step for i in incidents if i.kind == "checkpoint"}
-            for i in sorted(self.coordinator.job_incidents(), key=lambda i: i.detected_at):
-                if i.node == st.node_id or (i.kind == "checkpoint" and i.step in saved):
-                    continue
-                if i.kind == "checkpoint":
-                    saved.add(i.step)
-                incidents.append(i)
-        resp.incidents.extend(inc.to_pb() for inc in incidents)
-        storemetrics.fill_status(resp, self)
-        return bounds.cap_status(resp)
-
     # -- detection ------------------------------------------------------------
     def _detect_loop(self) -> None:
         while not self._stopped.wait(0.25):
@@ -449,39 +304,8 @@ class Agent:
         return any(str(addr) == str(mine) for mine in self.config.listen)
 
     def summary(self, seq: int) -> pb.NodeSummary:
-        """This node's compact summary for the coordinator."""
-        st = self.state
-        now = st.clock()
-        out = pb.NodeSummary(node_id=st.node_id, seq=seq, sent_at=now)
-        with st.lock:
-            ranks = list(st.ranks.values())
-            rows = [(r, dict(r.group_seqs), r.inflight, list(r.own_work), list(r.data_wait),
-                     list(r.comm_wait)) for r in ranks]
-            incidents = summary_incidents(list(st.incidents), st.node_id)
-        for r, seqs, inflight, own, data, wait in rows:
-            alive, stopped = process_state(r.pid)
-            recent = now - r.stacks_at < STACKS_FRESH_SECONDS
-            fresh = r.stacks if r.stacks and recent else ""
-            fr = r.flight_recorder if r.flight_recorder and recent else None
-            rs = pb.RankSummary(
-                rank=r.rank, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
-                steps_completed=r.steps_completed, activity=r.activity, progress_at=r.progress_at,
-                last_seen=r.last_seen, connected=r.connected, exited_cleanly=r.exited_cleanly,
-                group_seqs=seqs, stacks=fresh, stacks_at=r.stacks_at, alive=alive, stopped=stopped,
-                own_work=own, data_wait=data, comm_wait=wait, state=r.state,
-                local_rank=r.local_rank, tokens_per_second=r.tokens_per_second,
-                flight_recorder=json.dumps(fr) if fr else "",
-                phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
-                op_latency=oplatency.to_pb(r.op_latency), backend=r.backend,
-                collectives=int(r.collective_counts.sum()))
-            if inflight:
-                rs.inflight.CopyFrom(pb.InFlight(op=inflight["op"], group=inflight["group"],
-                                                 seq=inflight["seq"], since=inflight["since"]))
-            out.ranks.append(rs)
-        out.incidents.extend(i.to_pb() for i in incidents)
-        out.decisions.extend(d.to_pb() for d in self.decision_log.items[-_DECISIONS_SENT:])
-        out.run_id = self.incidents.run_id
-        return bounds.cap_summary(out)
+        """This node's compact summary for the coordinator (:func:`views.node_summary`)."""
+        return views.node_summary(self, seq)
 
     def _observe_progress(self, now: float) -> None:
         ranks = self.state.snapshot()
@@ -493,7 +317,7 @@ class Agent:
         return goodput.breakdown(now, incidents=self.incident_view(), decisions=self.decisions(),
                                  progress=self.progress.snapshot())
 
-    def _restarting(self, state: str, last_seen: float, now: float) -> bool:
+    def restarting(self, state: str, last_seen: float, now: float) -> bool:
         """Whether a dead rank's worker was stopped by a restart (:mod:`restarting`)."""
         return shown_state(state, last_seen=last_seen, now=now,
                            restarts=[d.decided_at for d in self.decisions() if d.kind == "exclude"]) == "restarting"
@@ -513,7 +337,7 @@ class Agent:
             items += [i for i in self.coordinator.job_incidents() if i.node != self.state.node_id]
         return items
 
-    def _on_checkpoints(self, rank: RankState, records: Any) -> None:
+    def on_checkpoints(self, rank: RankState, records: Any) -> None:
         """A rank finished (or failed) a save: one ``checkpoint`` incident per step and node."""
         for rec in records:
             if rec.request_id:
@@ -567,24 +391,6 @@ class Agent:
         else:
             self.watch.mark(incident)
 
-    def _commands(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> Iterator[pb.Command]:
-        def step() -> int:
-            r = self.state.ranks.get(request.rank)
-            return r.step if r is not None else -1
-        yield from self.commands.stream(request.rank, context, step)
-
-    def _sync(self, request: pb.NodeSummary, context: grpc.ServicerContext) -> pb.SyncReply:
-        self._authorize(context, "Sync")
-        if not self.is_coordinator():
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"{self.config.node_id} is not the job's coordinator")
-        try:
-            return self.coordinator.sync(request)
-        except ValueError as exc:
-            self.state.note_rejected(exc if isinstance(exc, Rejected) else Rejected("malformed", f"summary: {exc}"))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise  # context.abort raised already
-
     def _on_gpu_event(self, event: Any) -> None:
         """A GPU risk (rising ECC, a pending row remap, throttling): checkpoint while it is cheap.
 
@@ -622,16 +428,6 @@ class Agent:
         return pb.CheckpointReply(accepted=True, step=d.step, id=d.id,
                                   message=f"every rank saves after step {d.step}")
 
-    def _request_checkpoint(self, request: pb.CheckpointRequest,
-                            context: grpc.ServicerContext) -> pb.CheckpointReply:
-        self._authorize(context, "RequestCheckpoint")
-        return self.checkpoint(clean_text(request.reason, 256) or "operator")
-
-    def _authorize(self, context: grpc.ServicerContext, what: str) -> None:
-        if not authorized(context, self.config.token):
-            self.state.note_rejected(Rejected("unauthenticated", f"{what} from {context.peer()}"))
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{what} needs the job's token")
-
     def gpu_throttle_for_rank(self, rank: int) -> list[str]:
         """Slowdown reasons active on the GPU this node's ``rank`` uses; [] if none or no GPU."""
         r = self.state.ranks.get(rank)
@@ -668,7 +464,3 @@ def _prepare_socket_path(path: str) -> None:
             raise RuntimeError(f"an agent is already listening on {path}")
         finally:
             probe.close()
-
-
-def _median(values: Any) -> float:
-    return float(np.median(values)) if len(values) else 0.0

@@ -1,0 +1,131 @@
+"""What an agent shows: its ``Status`` answer and the summary it sends its coordinator.
+
+Readers only: they take what the agent's state, detectors and logs hold, and change
+nothing (the summary used to prune old ranks as a side effect; the detector loop
+does that now).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rankwatch.agent import bounds, oplatency
+from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS
+from rankwatch.agent.export import storemetrics
+from rankwatch.agent.jobsync import summary_incidents
+from rankwatch.agent.nodewatch import process_state
+from rankwatch.proto import pb
+
+if TYPE_CHECKING:
+    from rankwatch.agent.server import Agent
+
+__all__ = ["node_summary", "status_response"]
+
+DECISIONS_SENT = 64   # the newest decisions a node's summary carries to its coordinator
+
+
+def status_response(agent: Agent) -> pb.StatusResponse:
+    """The agent's ``Status`` answer: its ranks, and on the coordinator the whole job's."""
+    st = agent.state
+    resp = pb.StatusResponse(node_id=st.node_id, started_at=st.started_at,
+                             metrics_port=agent.metrics_port or 0,
+                             records_received=sum(st.records.values()),
+                             messages_rejected=sum(st.rejected.values()),
+                             tokens_per_second=st.tokens_per_second())
+    mfu = st.mfu()
+    if mfu is not None:
+        resp.mfu = mfu
+    link = agent.link
+    resp.coordinator = agent.is_coordinator()
+    resp.coordinator_node = link.coordinator_node
+    resp.decisions.extend(d.to_pb() for d in agent.decisions())
+    job = resp.coordinator
+    now = st.clock()
+    breakdown = agent.goodput(now)
+    if breakdown is not None:
+        resp.goodput = breakdown["productive"] / breakdown["elapsed"]
+        resp.time_seconds.update(breakdown)
+    if job:
+        resp.nodes.extend(sorted(agent.coordinator.nodes))
+        resp.excluded_nodes.extend(sorted(agent.coordinator.excluded))
+    for r in st.snapshot():
+        resp.ranks.append(pb.RankStatus(
+            rank=r.rank, node=r.node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
+            state=r.state, restarting=agent.restarting(r.state, r.last_seen, now),
+            phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
+            backend=r.backend, collectives=int(r.collective_counts.sum()),
+            last_collective_seq=r.last_collective_seq, dropped=r.dropped,
+            last_seen=r.last_seen, connected=r.connected,
+            tokens_per_second=r.tokens_per_second, slowdown=r.slowdown,
+            own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds,
+            collective_source=r.collective_source, device_uuid=r.device_uuid,
+            op_latency=oplatency.to_pb(r.op_latency)))
+    if job:
+        for node, r, excluded in agent.coordinator.rank_summaries():
+            if node != st.node_id:
+                resp.ranks.append(pb.RankStatus(
+                    rank=r.rank, node=node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
+                    state="excluded" if excluded else r.state,
+                    restarting=not excluded and agent.restarting(r.state, r.last_seen, now),
+                    connected=r.connected,
+                    last_seen=r.last_seen, tokens_per_second=r.tokens_per_second,
+                    phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords, op_latency=r.op_latency,
+                    backend=r.backend, collectives=r.collectives,
+                    own_work_seconds=_median(r.own_work), collective_wait_seconds=_median(r.comm_wait)))
+    with st.lock:
+        incidents = list(st.incidents)
+    if job:
+        # Other nodes' own incidents; a checkpoint shows once per step however many nodes saved it.
+        saved = {i.step for i in incidents if i.kind == "checkpoint"}
+        for i in sorted(agent.coordinator.job_incidents(), key=lambda i: i.detected_at):
+            if i.node == st.node_id or (i.kind == "checkpoint" and i.step in saved):
+                continue
+            if i.kind == "checkpoint":
+                saved.add(i.step)
+            incidents.append(i)
+    resp.incidents.extend(inc.to_pb() for inc in incidents)
+    storemetrics.fill_status(resp, agent)
+    return bounds.cap_status(resp)
+
+
+def node_summary(agent: Agent, seq: int) -> pb.NodeSummary:
+    """This node's compact summary for the coordinator (capped well below the message limit)."""
+    st = agent.state
+    now = st.clock()
+    out = pb.NodeSummary(node_id=st.node_id, seq=seq, sent_at=now)
+    with st.lock:
+        ranks = list(st.ranks.values())
+        rows = [(r, dict(r.group_seqs), r.inflight, list(r.own_work), list(r.data_wait),
+                 list(r.comm_wait)) for r in ranks]
+        incidents = summary_incidents(list(st.incidents), st.node_id)
+    for r, seqs, inflight, own, data, wait in rows:
+        alive, stopped = process_state(r.pid)
+        recent = now - r.stacks_at < STACKS_FRESH_SECONDS
+        fresh = r.stacks if r.stacks and recent else ""
+        fr = r.flight_recorder if r.flight_recorder and recent else None
+        rs = pb.RankSummary(
+            rank=r.rank, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
+            steps_completed=r.steps_completed, activity=r.activity, progress_at=r.progress_at,
+            last_seen=r.last_seen, connected=r.connected, exited_cleanly=r.exited_cleanly,
+            group_seqs=seqs, stacks=fresh, stacks_at=r.stacks_at, alive=alive, stopped=stopped,
+            own_work=own, data_wait=data, comm_wait=wait, state=r.state,
+            local_rank=r.local_rank, tokens_per_second=r.tokens_per_second,
+            flight_recorder=json.dumps(fr) if fr else "",
+            phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
+            op_latency=oplatency.to_pb(r.op_latency), backend=r.backend,
+            collectives=int(r.collective_counts.sum()))
+        if inflight:
+            rs.inflight.CopyFrom(pb.InFlight(op=inflight["op"], group=inflight["group"],
+                                             seq=inflight["seq"], since=inflight["since"]))
+        out.ranks.append(rs)
+    out.incidents.extend(i.to_pb() for i in incidents)
+    out.decisions.extend(d.to_pb() for d in agent.decision_log.items[-DECISIONS_SENT:])
+    out.run_id = agent.incidents.run_id
+    return bounds.cap_summary(out)
+
+
+def _median(values: Any) -> float:
+    return float(np.median(values)) if len(values) else 0.0
