@@ -153,16 +153,16 @@ class Gate(grpc.ServerInterceptor):
 
     def _wrap_unary(self, method: str, inner: Callable) -> Callable:
         def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            self._check(method, context)
-            return inner(self._request(method, requests, context), context)
+            trusted = self._check(method, context)
+            return inner(self._request(method, requests, context, capped=not trusted), context)
         return call
 
     def _wrap_unary_stream(self, method: str, inner: Callable, stream: bool) -> Callable:
         def gen(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-            self._check(method, context)
+            trusted = self._check(method, context)
             key = self._acquire(method, context) if stream else None
             try:
-                yield from inner(self._request(method, requests, context), context)
+                yield from inner(self._request(method, requests, context, capped=not trusted), context)
             finally:
                 if key is not None:
                     self._release(key)
@@ -201,14 +201,19 @@ class Gate(grpc.ServerInterceptor):
         return commands
 
     # -- checks -----------------------------------------------------------------
-    def _check(self, method: str, context: grpc.ServicerContext) -> None:
+    def _check(self, method: str, context: grpc.ServicerContext) -> bool:
+        """Refuse a TCP call without the token; True if the caller holds the job's credentials
+        (the token, or the socket), False if none is configured."""
         peer = context.peer()
-        if is_local_peer(peer) or authorized(context, self.token):
-            return
+        if is_local_peer(peer):
+            return True
+        if authorized(context, self.token):
+            return self.token is not None
         self._refuse("unauthenticated", f"{method} from {peer} without the job's token")
         self._on_unauthenticated(method, peer)
         context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} needs the job's token "
                       "(authorization: Bearer; --token-file or $RANKWATCH_TOKEN)")
+        raise AssertionError("context.abort raises")  # for the type checker: abort never returns
 
     def _acquire(self, method: str, context: grpc.ServicerContext) -> str:
         key = peer_host(context.peer())
@@ -227,13 +232,15 @@ class Gate(grpc.ServerInterceptor):
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} refused: {why}")
         raise AssertionError("context.abort raises")
 
-    def _request(self, method: str, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        """The call's one request message, waited for under the caps and the deadline."""
+    def _request(self, method: str, requests: Iterator[Any], context: grpc.ServicerContext,
+                 capped: bool = True) -> Any:
+        """The call's one request message, waited for under the deadline, and under the caps for a
+        caller without the job's credentials (a coordinator's thousands of nodes hold them)."""
         key = peer_host(context.peer())
         lim = self.limits
         with self._lock:
             held = self._waiting.get(key, 0)
-            full = self._waiting_all >= lim.waiting_total or held >= lim.waiting_per_peer
+            full = capped and (self._waiting_all >= lim.waiting_total or held >= lim.waiting_per_peer)
             if not full:
                 self._waiting_all += 1
                 self._waiting[key] = held + 1

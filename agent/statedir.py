@@ -181,6 +181,9 @@ def _empty_status(node: str) -> dict[str, Any]:
 class Snapshots:
     """Writes an agent's ``last-status.json`` at most every ``every`` seconds, and once more at stop.
 
+    A big job's view is costly to build and write (a coordinator of thousands of ranks):
+    the interval stretches so that writing takes at most ``share`` of the agent's time.
+
     Args:
         state_dir: where (None: nowhere).
         view: the agent's status, in the ``status --json`` form.
@@ -188,12 +191,14 @@ class Snapshots:
     """
 
     def __init__(self, state_dir: Path | None, view: Callable[[], dict[str, Any]],
-                 run_id: Callable[[], str], every: float = 1.0) -> None:
+                 run_id: Callable[[], str], every: float = 1.0, share: float = 0.02) -> None:
         self.state_dir, self.view, self.run_id, self.every = state_dir, view, run_id, every
+        self.share = share
         self._last = float("-inf")
+        self._took = 0.0   # seconds the last write took
 
     def maybe_write(self, now: float) -> None:
-        if now - self._last >= self.every:
+        if now - self._last >= max(self.every, self._took / self.share):
             self.write(now)
 
     def write(self, now: float | None = None) -> None:
@@ -202,7 +207,9 @@ class Snapshots:
             return
         now = time.time() if now is None else now
         self._last = now
+        started = time.perf_counter()
         try:
             write_snapshot(self.state_dir, self.view(), self.run_id(), now)
+            self._took = time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001 - a post-mortem aid never stops the agent
             log.warning("could not write %s: %s", self.state_dir / SNAPSHOT, exc)

@@ -49,6 +49,7 @@ from rankwatch.proto import pb, pb_grpc
 WINDOW = 16      # own-work window per rank, as the node agent sends it
 STEP = 0.1       # simulated seconds per step
 RPC_TIMEOUT = 1.0
+TOKEN = "load-test-token"
 
 
 def _incidents(state: Path) -> list[Incident]:
@@ -120,7 +121,8 @@ async def _drive(node: SimNode, stubs: list, end: float, lat: list, fails: dict,
             t0 = time.perf_counter()
             try:
                 t_sent = time.time()
-                reply = await stubs[node.index % len(stubs)].Sync(node.summary(time.time()), timeout=RPC_TIMEOUT)
+                reply = await stubs[node.index % len(stubs)].Sync(node.summary(time.time()), timeout=RPC_TIMEOUT,
+                                                                  metadata=(("authorization", f"Bearer {TOKEN}"),))
                 lat.append((t_sent, time.perf_counter() - t0))
                 done[0] += 1
                 asked = getattr(reply, "sync_interval_seconds", 0.0)   # a coordinator before backpressure
@@ -134,16 +136,13 @@ async def _drive(node: SimNode, stubs: list, end: float, lat: list, fails: dict,
 
 def _start_coordinator(tmp: Path, port: int) -> subprocess.Popen:
     addr = f"127.0.0.1:{port}"
-    env = {**os.environ, "RANKWATCH_TOKEN": ""}
-    env.pop("RANKWATCH_TOKEN")
+    env = dict(os.environ)
     return subprocess.Popen(
         [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--node-id", "coord", "--listen", addr,
          "--listen", f"unix:{tmp / 'coord.sock'}", "--coordinator", addr, "--metrics-port", "0",
-         "--state-dir", str(tmp / "state"), "--gpu-source", "none",
-         # Every simulated node calls from this one host, where each real node is a host of
-         # its own: lift the per-host cap on calls waiting for their message (default 2).
-         "--max-waiting-per-peer", "1024"],
-        env=env, stdout=open(tmp / "coord.log", "w"), stderr=subprocess.STDOUT)
+         "--state-dir", str(tmp / "state"), "--gpu-source", "none"],
+        env={**env, "RANKWATCH_TOKEN": TOKEN},   # as a job runs it: every node holds the token
+        stdout=open(tmp / "coord.log", "w"), stderr=subprocess.STDOUT)
 
 
 def _wait_serving(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:

@@ -52,7 +52,7 @@ def gloo_rows() -> list[tuple[str, float]]:
     import torch
     import torch.distributed as dist
 
-    from rankwatch.hooks.collectives import CollectiveInstrumentation
+    from rankwatch.hooks.collectives import _PAYLOAD, CollectiveInstrumentation, _payload_reader
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29611")
@@ -63,9 +63,9 @@ def gloo_rows() -> list[tuple[str, float]]:
     rec = Recorder(capacity=4096)
     instr = CollectiveInstrumentation(rec)
     bare = dist.all_reduce
-    timed = instr._dist_wrapper(bare, 0, dist.distributed_c10d)
+    timed = instr._dist_wrapper(bare, 0, dist.distributed_c10d, _payload_reader(bare, _PAYLOAD["all_reduce"]))
     noop = lambda tensor, op=None, group=None, async_op=False: None  # noqa: E731
-    wrapped_noop = instr._dist_wrapper(noop, 0, dist.distributed_c10d)
+    wrapped_noop = instr._dist_wrapper(noop, 0, dist.distributed_c10d, _payload_reader(noop, _PAYLOAD["all_reduce"]))
     instr._wrap_work_wait(dist.Work)  # the async path's completion timer
     g = {"bare": bare, "timed": timed, "t": t, "noop": noop, "wrapped_noop": wrapped_noop}
     stmts = {
