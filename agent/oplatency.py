@@ -38,7 +38,9 @@ class OpLatency:
     def __init__(self, ops: Sequence[str], window: int = 512) -> None:
         self.ops = tuple(ops)
         self.window = window
-        self._ring = np.zeros((len(self.ops), window), dtype=np.float64)
+        # One ring per op the rank has called, made on its first call: a rank uses a few of
+        # the ops, and an agent keeps hundreds of ranks (and sees thousands come and go).
+        self._ring: dict[int, np.ndarray] = {}
         self._count = np.zeros(len(self.ops), dtype=np.int64)
 
     def observe(self, ops: np.ndarray, durations: np.ndarray) -> None:
@@ -47,7 +49,10 @@ class OpLatency:
             values = durations[ops == op][-self.window:]
             start = int(self._count[op]) % self.window
             idx = (start + np.arange(values.size)) % self.window
-            self._ring[op, idx] = values
+            ring = self._ring.get(int(op))
+            if ring is None:
+                ring = self._ring[int(op)] = np.zeros(self.window, dtype=np.float64)
+            ring[idx] = values
             self._count[op] += int(np.count_nonzero(ops == op))
 
     def summary(self) -> dict[str, OpSummary]:
@@ -55,7 +60,7 @@ class OpLatency:
         out = {}
         for i in np.flatnonzero(self._count):
             n = int(min(self._count[i], self.window))
-            p50, p99 = np.quantile(self._ring[i, :n], (0.5, 0.99))
+            p50, p99 = np.quantile(self._ring[int(i)][:n], (0.5, 0.99))
             out[self.ops[i]] = OpSummary(count=int(self._count[i]), p50=float(p50), p99=float(p99), window=n)
         return out
 
