@@ -25,7 +25,7 @@ from typing import Any
 from rankwatch.address import Address, default_address, default_dir
 from rankwatch.agent.incidents import Incident, IncidentLog
 
-__all__ = ["STATE_DIR_ENV", "LeftBehind", "Snapshots", "default_state_dir", "locate", "read", "write_pointer",
+__all__ = ["STATE_DIR_ENV", "LeftBehind", "Snapshots", "default_state_dir", "locate", "read", "read_decisions", "write_pointer",
            "write_snapshot"]
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def read(state_dir: Path) -> LeftBehind:
     mine = _of_run(incidents, run_id)
     status = dict(snap.get("status") or _empty_status(state_dir.name))
     status["incidents"] = [i.to_json() for i in mine]
-    status["decisions"] = _decisions(state_dir / "decisions.jsonl", run_id) or status.get("decisions", [])
+    status["decisions"] = read_decisions(state_dir / "decisions.jsonl", run_id) or status.get("decisions", [])
     return LeftBehind(status, snap.get("written_at"), run_id, [i.to_json() for i in incidents])
 
 
@@ -156,7 +156,8 @@ def _of_run(incidents: list[Incident], run_id: str) -> list[Incident]:
     return [i for i in incidents[start:] if i.run_id in (run_id, "")]
 
 
-def _decisions(path: Path, run_id: str) -> list[dict[str, Any]]:
+def read_decisions(path: Path, run_id: str = "") -> list[dict[str, Any]]:
+    """The decisions a ``decisions.jsonl`` holds (of ``run_id``, if given); a torn line is skipped."""
     if not path.is_file():
         return []
     out = []

@@ -44,6 +44,7 @@ import grpc
 import psutil
 
 from rankwatch.agent.incidents import Incident, IncidentLog
+from rankwatch.agent.statedir import read_decisions
 from rankwatch.proto import pb, pb_grpc
 
 WINDOW = 16      # own-work window per rank, as the node agent sends it
@@ -59,18 +60,7 @@ def _incidents(state: Path) -> list[Incident]:
 
 def _exclusions(state: Path) -> list[dict]:
     """The coordinator's ``exclude`` decisions, from its ``decisions.jsonl``."""
-    path = state / "decisions.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue   # a line being written
-        if d.get("kind") == "exclude":
-            out.append(d)
-    return out
+    return [d for d in read_decisions(state / "decisions.jsonl") if d["kind"] == "exclude"]
 
 
 def _free_port() -> int:
