@@ -22,14 +22,11 @@ import multiprocessing as mp
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import AgentProcess, parse_metrics, wait_for  # noqa: E402
-from ingest import BATCH, CLIENTS, REPORT, body  # noqa: E402  (benchmarks/ is on sys.path)
+from ingest import CLIENTS, REPORT, measure, paced_batches  # noqa: E402  (benchmarks/ is on sys.path)
 from multinode import free_port  # noqa: E402
 from test_starvation import StatusProbe, _busy_streams, _idle_streams  # noqa: E402
 from tlscerts import CertAuthority  # noqa: E402
@@ -67,49 +64,16 @@ def starvation(tmp: Path) -> dict:
 
 
 def _client(addr: str, creds: ClientCredentials, rank: int, rate: float, stop_at: float) -> None:
-    from rankwatch.hooks.recorder import OPS
-    from rankwatch.proto import pb
-
-    hello = pb.ReportMessage(hello=pb.Hello(rank=rank, world_size=CLIENTS, pid=mp.current_process().pid,
-                                            op_names=list(OPS))).SerializeToString()
-    payload = body()
-
-    def messages():
-        yield hello
-        seq, t0 = 0, time.monotonic()
-        while time.monotonic() < stop_at:
-            seq += 1
-            yield pb.ReportMessage(batch=pb.Batch(seq=seq)).SerializeToString() + payload
-            if rate:
-                delay = t0 + seq * BATCH / rate - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-
     with open_channel(Address.parse(addr), creds) as ch:
-        ch.stream_unary(REPORT)(messages())
-
-
-def _cpu(p: psutil.Process) -> float:
-    t = p.cpu_times()
-    return t.user + t.system
+        ch.stream_unary(REPORT)(paced_batches(rank, rate, stop_at))
 
 
 def phase(agent: AgentProcess, tcp: Address, creds: ClientCredentials, seconds: float,
           rate_per_client: float) -> tuple[float, float]:
     """(records/s at the agent, agent CPU as a fraction of one core)."""
-    proc = psutil.Process(agent.proc.pid)
-    stop_at = time.monotonic() + seconds + 1.0
-    procs = [mp.Process(target=_client, args=(str(tcp), creds, r, rate_per_client, stop_at))
-             for r in range(CLIENTS)]
-    for p in procs:
-        p.start()
-    time.sleep(1.0)
-    n0, c0, t0 = agent.status()["records_received"], _cpu(proc), time.monotonic()
-    time.sleep(seconds - 0.5)
-    n1, c1, t1 = agent.status()["records_received"], _cpu(proc), time.monotonic()
-    for p in procs:
-        p.join()
-    return (n1 - n0) / (t1 - t0), (c1 - c0) / (t1 - t0)
+    return measure(agent, lambda r, stop_at: mp.Process(target=_client, args=(str(tcp), creds, r,
+                                                                             rate_per_client, stop_at)),
+                   seconds)
 
 
 def ingestion(tmp: Path, seconds: float, rounds: int) -> dict:

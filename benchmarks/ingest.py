@@ -16,6 +16,7 @@ import multiprocessing as mp
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -41,48 +42,57 @@ def body() -> bytes:
     return pb.ReportMessage(batch=pb.Batch(collectives=cols)).SerializeToString()
 
 
-def client(addr: str, rank: int, rate: float, stop_at: float) -> None:
-    import grpc
-
+def paced_batches(rank: int, rate: float, stop_at: float) -> Iterator[bytes]:
+    """One client's stream, serialised: its hello, then the shared body as fast as it goes, or
+    at ``rate`` records/s, until ``stop_at`` (monotonic)."""
     from rankwatch.hooks.recorder import OPS
     from rankwatch.proto import pb
 
-    hello = pb.ReportMessage(hello=pb.Hello(rank=rank, world_size=CLIENTS, pid=mp.current_process().pid,
-                                            op_names=list(OPS))).SerializeToString()
+    yield pb.ReportMessage(hello=pb.Hello(rank=rank, world_size=CLIENTS, pid=mp.current_process().pid,
+                                          op_names=list(OPS))).SerializeToString()
     payload = body()
+    seq = 0
+    t0 = time.monotonic()
+    while time.monotonic() < stop_at:
+        seq += 1
+        # Concatenated encodings merge: this sets batch.seq on the shared body.
+        yield pb.ReportMessage(batch=pb.Batch(seq=seq)).SerializeToString() + payload
+        if rate:
+            delay = t0 + seq * BATCH / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
 
-    def messages():
-        yield hello
-        seq = 0
-        t0 = time.monotonic()
-        while time.monotonic() < stop_at:
-            seq += 1
-            # Concatenated encodings merge: this sets batch.seq on the shared body.
-            yield pb.ReportMessage(batch=pb.Batch(seq=seq)).SerializeToString() + payload
-            if rate:
-                delay = t0 + seq * BATCH / rate - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
+
+def client(addr: str, rank: int, rate: float, stop_at: float) -> None:
+    import grpc
 
     with grpc.insecure_channel(addr) as ch:
-        ch.stream_unary(REPORT)(messages())
+        ch.stream_unary(REPORT)(paced_batches(rank, rate, stop_at))
 
 
-def phase(agent: AgentProcess, seconds: float, rate_per_client: float) -> tuple[float, float]:
-    """Run the clients; return (records/s at the agent, agent CPU as a fraction of one core)."""
+def measure(agent: AgentProcess, client_process: Callable[[int, float], mp.Process], seconds: float,
+            warmup: float = 1.0) -> tuple[float, float]:
+    """Run ``CLIENTS`` client processes (``client_process(rank, stop_at)``); return (records/s at
+    the agent, agent CPU as a fraction of one core) over ``seconds`` after ``warmup``."""
     proc = psutil.Process(agent.proc.pid)
-    stop_at = time.monotonic() + seconds + 1.0
-    procs = [mp.Process(target=client, args=(agent.addr.grpc_target(), r, rate_per_client, stop_at))
-             for r in range(CLIENTS)]
+    stop_at = time.monotonic() + seconds + warmup
+    procs = [client_process(r, stop_at) for r in range(CLIENTS)]
     for p in procs:
         p.start()
-    time.sleep(1.0)  # connect and warm up
+    time.sleep(warmup)  # connect and warm up
     n0, c0, t0 = agent.status()["records_received"], _cpu(proc), time.monotonic()
     time.sleep(seconds - 0.5)
     n1, c1, t1 = agent.status()["records_received"], _cpu(proc), time.monotonic()
     for p in procs:
         p.join()
     return (n1 - n0) / (t1 - t0), (c1 - c0) / (t1 - t0)
+
+
+def phase(agent: AgentProcess, seconds: float, rate_per_client: float) -> tuple[float, float]:
+    """Run the clients; return (records/s at the agent, agent CPU as a fraction of one core)."""
+    target = agent.addr.grpc_target()
+    return measure(agent, lambda r, stop_at: mp.Process(target=client, args=(target, r, rate_per_client, stop_at)),
+                   seconds)
 
 
 def _cpu(p: psutil.Process) -> float:
