@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,8 @@ from rankwatch.agent.coordinator import PolicyConfig
 from rankwatch.agent.demoscreen import DemoNotes, screen, versus_torchrun
 from rankwatch.agent.gpu import GpuConfig, load_script
 from rankwatch.agent.gpu.script import ScriptedSource
-from rankwatch.agent.run import DEFAULT_METRICS_PORT, _port_free
+from rankwatch.agent.ports import free_port, port_free
+from rankwatch.agent.run import DEFAULT_METRICS_PORT
 from rankwatch.agent.safedir import UnsafeDirectory, check_default
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.agent.straggler import StragglerConfig
@@ -65,12 +65,6 @@ _RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5
 _GPU_SCRIPT = {"gpus": {"count": 1, "name": "NVIDIA H100 80GB HBM3 (scripted)"},
                "events": [{"at": 15, "gpu": 0, "throttle": ["hw_thermal_slowdown"]},
                           {"at": 30, "gpu": 0, "ecc": {"corrected": 6}}]}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) -> int:
@@ -90,11 +84,11 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
     logs = _agent_logs_to(workdir / "agents.log") if live else None
     script = workdir / "gpu-n1.json"
     script.write_text(json.dumps(_GPU_SCRIPT))
-    coord = Address.parse(f"127.0.0.1:{_free_port()}")
+    coord = Address.parse(f"127.0.0.1:{free_port()}")
     agents = []
     for i, node in enumerate(_NODES):
         listen = [addr, coord] if i == 0 else [Address(path=str(workdir / f"{node}.sock"))]
-        port = (DEFAULT_METRICS_PORT if _port_free(DEFAULT_METRICS_PORT) else 0) if i == 0 else 0
+        port = (DEFAULT_METRICS_PORT if port_free(DEFAULT_METRICS_PORT) else 0) if i == 0 else 0
         gpu = GpuConfig(source="script", script=load_script(script)) if i == 1 else GpuConfig(source="none")
         agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=port,
                                   # A short job: score ranks after 30 steps, not the default warm-up.
@@ -115,7 +109,7 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
                   "logs ECC errors; demo-n2 is stuck in forward at step 70; once the spare "
                   "demo-n3 trains, demo-n1's GPU raises XID 79")
     console.print("try [bold]rankwatch status[/] in another terminal")
-    rdzv_port = _free_port()
+    rdzv_port = free_port()
     started = time.time()
     notes = DemoNotes(nodes=_NODES, spare=_NODES[_SPARE], hung=_NODES[2], xid=_NODES[1], steps=steps,
                       started=started)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
+from rankwatch.agent.ports import port_free
 from rankwatch.status import AgentUnreachable, fetch_status, reachable
 
 __all__ = ["DEFAULT_METRICS_PORT", "metrics_port_line", "run_torchrun", "start_local_agent"]
@@ -30,15 +30,6 @@ DEFAULT_METRICS_PORT = 9478
 _AGENT_START = timedelta(seconds=15)
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
 def start_local_agent(addr: Address, node: str, metrics_port: int | None = None) -> subprocess.Popen:
     """Start ``rankwatch agent`` at ``addr`` and wait until it answers.
 
@@ -46,7 +37,7 @@ def start_local_agent(addr: Address, node: str, metrics_port: int | None = None)
         RuntimeError: it did not come up in time (its stderr is in the message).
     """
     if metrics_port is None:
-        metrics_port = DEFAULT_METRICS_PORT if _port_free(DEFAULT_METRICS_PORT) else 0
+        metrics_port = DEFAULT_METRICS_PORT if port_free(DEFAULT_METRICS_PORT) else 0
     cmd = [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--listen", str(addr),
            "--node-id", node, "--metrics-port", str(metrics_port)]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,9 @@ from pathlib import Path
 import pytest
 
 from conftest import AgentProcess, wait_for
+from rankwatch.agent.ports import free_port
+
+__all__ = ["Cluster", "check_buckets", "free_port", "seconds_per_step"]
 
 
 def seconds_per_step(status_of, steps: int = 10, timeout: float = 60.0) -> float:
@@ -44,12 +46,6 @@ def check_buckets(status: dict, seconds_per_step: float, lost: tuple[str, ...],
     assert status["goodput"] == pytest.approx(t["productive"] / t["elapsed"], rel=1e-3), (status["goodput"], t)
     trained = max(r["step"] for r in status["ranks"]) * seconds_per_step
     assert trained / 3 <= t["productive"] <= trained * 3, (t, trained)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:

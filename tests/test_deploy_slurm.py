@@ -31,6 +31,7 @@ import pytest
 from conftest import wait_for
 from rankwatch.address import Address
 from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.ports import free_port
 from rankwatch.status import fetch_status
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,12 +49,6 @@ def _require(*tools: str, root: bool = True) -> None:
                     f".ci/apt-packages (slurmctld slurmd slurm-client munge shellcheck)")
     if root and os.geteuid() != 0:
         pytest.fail("the prolog and epilog run as root under slurmd; run this test as root")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_settings(path: Path, root: Path, agent_args: str = "--hang-floor 2",
@@ -177,7 +172,7 @@ def test_prolog_failure_is_logged_and_never_fails_the_job(tmp_path):
 
 def test_coordinator_port_and_token_key_give_the_job_a_token_its_agents_require(tmp_path):
     _require("setpriv", "setsid", "scontrol", "sha256sum")
-    port = _free_port()
+    port = free_port()
     paths = _write_settings(tmp_path / "settings", tmp_path, coordinator_port=port)
     key = tmp_path / "token.key"
     key.write_bytes(os.urandom(32))
@@ -222,7 +217,7 @@ def test_ca_key_gives_the_job_per_node_certificates_for_mutual_tls(tmp_path):
     from tlscerts import CertAuthority
 
     _require("setpriv", "setsid", "scontrol", "sha256sum", "openssl")
-    port = _free_port()
+    port = free_port()
     paths = _write_settings(tmp_path / "settings", tmp_path, coordinator_port=port)
     key = tmp_path / "token.key"
     key.write_bytes(os.urandom(32))
@@ -293,8 +288,8 @@ class SlurmCluster:
         self.conf.write_text(f"""\
 ClusterName=rankwatch-test
 SlurmctldHost={self.node}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -391,7 +386,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 @pytest.mark.timeout(150)
 def test_real_slurm_job_gets_an_agent_from_the_prolog_and_the_epilog_keeps_its_incidents(tmp_path):
     _require("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "munged", "mungekey", "setpriv")
-    paths = _write_settings(tmp_path / "settings", tmp_path, coordinator_port=_free_port())
+    paths = _write_settings(tmp_path / "settings", tmp_path, coordinator_port=free_port())
     cluster = SlurmCluster(tmp_path, tmp_path / "settings")
     try:
         cluster.start()
@@ -399,7 +394,7 @@ def test_real_slurm_job_gets_an_agent_from_the_prolog_and_the_epilog_keeps_its_i
         # step 6, which the prolog's agent (hang floor 2 s) must report as a hang.
         env = {**cluster.env, "PATH": f"{RANKWATCH.parent}:{os.environ['PATH']}",
                "OMP_NUM_THREADS": "1", "RANKWATCH_RUN_DIR": str(paths["run"]),
-               "RDZV_PORT": str(_free_port()), "CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+               "RDZV_PORT": str(free_port()), "CHECKPOINT_DIR": str(tmp_path / "ckpt")}
         r = subprocess.run(["sbatch", "--parsable", "--nodes", "1", "--time", "3",
                             "--chdir", str(tmp_path), "--output", str(tmp_path / "job.out"),
                             str(SBATCH), "--steps", "12", "--fault", "sleep_forward:0:6:8"],

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ import pytest
 import yaml
 
 from conftest import AgentProcess, parse_metrics, torchrun, wait_for
+from rankwatch.agent.ports import free_port
 from test_dashboards import (
     DASHBOARDS,
     HISTOGRAM_SUFFIXES,
@@ -90,12 +90,6 @@ STRAGGLER_JOB = ("--steps", "120", *PACE,
                  "--fault", "slow_compute:1:20:0.5")  # rank 1's forward slower from step 20
 SCRAPE = "1s"
 RATE_INTERVAL = "5s"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:
