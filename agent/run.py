@@ -1,10 +1,9 @@
 """``rankwatch run``: torchrun with the agent wired in.
 
-Everything after ``--`` goes to torchrun unchanged but for one thing: a
-``c10d`` rendezvous backend becomes ``rankwatch``, which is the same c10d
-dynamic rendezvous plus the coordinator's exclusions and restart generations
-(``RANKWATCH_RDZV=0`` keeps plain c10d).  If no agent answers at the
-address, a local one is started for the job's lifetime.
+Everything after ``--`` goes to torchrun, changed only as ``torchrun_args.plan``
+decides (rankwatch's rendezvous backend, fast rendezvous timings and restarts for a
+multi-node job, each printed).  If no agent answers at the address, a local one is
+started for the job's lifetime.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from datetime import timedelta
 
 from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
 from rankwatch.agent.ports import port_free
+from rankwatch.agent.torchrun_args import plan
 from rankwatch.status import AgentUnreachable, fetch_status, reachable
 
 __all__ = ["DEFAULT_METRICS_PORT", "metrics_port_line", "run_torchrun", "start_local_agent"]
@@ -77,24 +77,6 @@ def stop_process(proc: subprocess.Popen, timeout: timedelta = timedelta(seconds=
 RDZV_ENV = "RANKWATCH_RDZV"
 
 
-# torchrun's dynamic rendezvous backends -> rankwatch's exclusion-aware wrapper of each.
-_RDZV_WRAPPERS = {"c10d": "rankwatch", "etcd-v2": "rankwatch-etcd"}
-
-
-def with_rankwatch_rendezvous(args: Sequence[str]) -> list[str]:
-    """torchrun's arguments with a c10d or etcd-v2 rendezvous backend replaced by rankwatch's."""
-    out = list(args)
-    for i, a in enumerate(out):
-        if a in ("--", "-m", "--module") or a.endswith(".py"):
-            break  # the training script and its own arguments follow
-        if a in ("--rdzv-backend", "--rdzv_backend") and i + 1 < len(out) and out[i + 1] in _RDZV_WRAPPERS:
-            out[i + 1] = _RDZV_WRAPPERS[out[i + 1]]
-        elif "=" in a and a.split("=", 1)[0] in ("--rdzv-backend", "--rdzv_backend"):
-            flag, value = a.split("=", 1)
-            out[i] = f"{flag}={_RDZV_WRAPPERS.get(value, value)}"
-    return out
-
-
 def excluded_reason(addr: Address, node: str) -> str | None:
     """Why the coordinator excluded ``node``, as this node's agent knows it; None if not."""
     from rankwatch.status import AgentUnreachable, fetch_status
@@ -123,14 +105,11 @@ def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
     env[AGENT_ENV] = str(addr)
     env[NODE_ID_ENV] = node
     env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-    args = list(torchrun_args)
-    if env.get(RDZV_ENV, "1") != "0":
-        args = with_rankwatch_rendezvous(args)
-        if args != list(torchrun_args):
-            # torchrun's worker store shared across rounds keeps the old round's keys,
-            # and a restarted round then fails to connect (gloo connectFullMesh).
-            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", *args]
+    launch = plan(torchrun_args, env, wrap=env.get(RDZV_ENV, "1") != "0")
+    env.update(launch.env)
+    for note in launch.notes:
+        print(f"rankwatch run: {note}", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch.args]
     proc = subprocess.Popen(cmd, env=env)
     forwarded = {}
 

@@ -114,17 +114,3 @@ def test_run_trains_when_no_agent_can_start(tmp_path):
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "training goes on without one" in r.stdout + r.stderr
-
-
-@pytest.mark.parametrize("given,expected", [
-    (["--rdzv-backend", "c10d", "-m", "m", "--rdzv-backend", "c10d"],
-     ["--rdzv-backend", "rankwatch", "-m", "m", "--rdzv-backend", "c10d"]),  # the script's own args stay
-    (["--rdzv-backend", "etcd-v2", "train.py"], ["--rdzv-backend", "rankwatch-etcd", "train.py"]),
-    (["--rdzv_backend=etcd-v2", "train.py"], ["--rdzv_backend=rankwatch-etcd", "train.py"]),
-    (["--rdzv-backend=c10d", "train.py"], ["--rdzv-backend=rankwatch", "train.py"]),
-    (["--rdzv-backend", "static", "train.py"], ["--rdzv-backend", "static", "train.py"]),
-])
-def test_run_maps_dynamic_rendezvous_backends_to_rankwatchs(given, expected):
-    from rankwatch.agent.run import with_rankwatch_rendezvous
-
-    assert with_rankwatch_rendezvous(given) == expected
