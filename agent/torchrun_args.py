@@ -5,7 +5,10 @@ script or ``-m module``) may change in three ways, and everything else is passed
 
 * **The rendezvous backend.** ``c10d`` becomes ``rankwatch`` and ``etcd-v2`` becomes
   ``rankwatch-etcd``: the same dynamic rendezvous plus the coordinator's exclusions and
-  restart generations (``wrap=False``, from ``RANKWATCH_RDZV=0``, keeps torch's own).
+  restart generations (``wrap=False``, from ``RANKWATCH_RDZV=0``, keeps torch's own).  A
+  multi-node job that names no backend (``--nnodes 2:3 --rdzv-endpoint H:P``, as DESIGN.md's
+  command is) gets ``rankwatch`` too: torchrun's default, ``static``, needs a fixed world and
+  ``--node-rank`` on every node, and never restarts around a lost node.
 * **Rendezvous timings.** torch's defaults (keep-alive every 5 s, a node dead after 3
   missed, a 30 s last call) make a multi-node job take about 47 s to train again after a
   node's loss.  Unless the user set them, a dynamic rendezvous gets :func:`fast_timings`.
@@ -14,8 +17,8 @@ script or ``-m module``) may change in three ways, and everything else is passed
   gets :data:`DEFAULT_MAX_RESTARTS`: with torchrun's 0, the survivors of a node's loss exit
   instead of training on.
 
-Single-node jobs (``--standalone``, or the ``static`` backend torchrun defaults to) are
-left alone.  Every change is listed in :attr:`Launch.notes`, which ``rankwatch run``
+Single-node jobs (``--standalone``) and static ones (``--rdzv-backend static``, or
+``--node-rank``/``--master-addr`` with no backend) are left alone.  Every change is listed in :attr:`Launch.notes`, which ``rankwatch run``
 prints, so the user sees what ran.
 """
 
@@ -44,6 +47,9 @@ own fails after this many tries."""
 _NODES_PER_KEEP_ALIVE_SECOND = 64
 _TORCH_KEEP_ALIVE_INTERVAL = 5      # torch's own default: the slowest this module ever asks for
 _JOIN_TIMEOUT = 600                 # torch's own default, kept: see fast_timings
+_STATIC_ONLY = ((("--node-rank", "--node_rank"), "PET_NODE_RANK"),
+                (("--master-addr", "--master_addr"), "PET_MASTER_ADDR"),
+                (("--master-port", "--master_port"), "PET_MASTER_PORT"))
 _TORCH_TIMINGS = {"keep_alive_interval": "5", "keep_alive_max_attempt": "3", "last_call_timeout": "30",
                   "join_timeout": "600"}
 
@@ -150,8 +156,19 @@ def plan(torchrun_args: Sequence[str], environ: Mapping[str, str], wrap: bool = 
         return found[1] if found is not None else environ.get(pet)
 
     standalone = _find(args, end, "--standalone") is not None or environ.get("PET_STANDALONE", "0") not in ("", "0")
-    backend = given("--rdzv-backend", "--rdzv_backend", pet="PET_RDZV_BACKEND") or "static"
-    if standalone or backend not in DYNAMIC_BACKENDS:
+    if standalone:
+        return Launch(args)
+    max_nodes = _max_nodes(given("--nnodes", pet="PET_NNODES") or "1")
+    backend = given("--rdzv-backend", "--rdzv_backend", pet="PET_RDZV_BACKEND")
+    if backend is None:
+        static_setup = any(given(*names, pet=pet) is not None for names, pet in _STATIC_ONLY)
+        if static_setup or not given("--rdzv-endpoint", "--rdzv_endpoint", pet="PET_RDZV_ENDPOINT"):
+            return Launch(args)
+        backend = "c10d"
+        args, end = _set(args, end, ("--rdzv-backend", "--rdzv_backend"), backend)
+        notes.append("no --rdzv-backend: c10d (torchrun's default, static, needs a fixed world and "
+                     "--node-rank on every node)")
+    if backend not in DYNAMIC_BACKENDS:
         return Launch(args)
 
     if wrap and backend in WRAPPERS:
@@ -162,7 +179,6 @@ def plan(torchrun_args: Sequence[str], environ: Mapping[str, str], wrap: bool = 
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
 
     conf = _parse_conf(given("--rdzv-conf", "--rdzv_conf", pet="PET_RDZV_CONF") or "")
-    max_nodes = _max_nodes(given("--nnodes", pet="PET_NNODES") or "1")
     added = {k: v for k, v in fast_timings(max_nodes).items() if k not in conf}
     if added:
         merged = ",".join(f"{k}={v}" if v else k for k, v in {**conf, **added}.items())

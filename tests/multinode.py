@@ -18,6 +18,7 @@ import pytest
 
 from conftest import AgentProcess, wait_for
 from rankwatch.agent.ports import free_port
+from rankwatch.status import AgentUnreachable
 
 __all__ = ["Cluster", "check_buckets", "free_port", "seconds_per_step"]
 
@@ -49,17 +50,25 @@ def check_buckets(status: dict, seconds_per_step: float, lost: tuple[str, ...],
 
 
 class Cluster:
+    """``nodes`` agents, each with a Unix socket ``n<i>.sock``.  By default node n0's agent
+    listens on TCP and is every agent's ``--coordinator``; given an etcd endpoint in
+    ``election``, every agent listens on TCP and campaigns for the job's coordinator seat
+    there (``--election``) instead."""
+
     def __init__(self, tmp: Path, nodes: int, agent_args: tuple[str, ...] = (),
-                 node_args: dict[int, tuple[str, ...]] | None = None) -> None:
+                 node_args: dict[int, tuple[str, ...]] | None = None, election: str | None = None) -> None:
         self.tmp = tmp
         self.coord = f"127.0.0.1:{free_port()}"
         self.rdzv_port = free_port()
+        self.election = election
         self.agents: list[AgentProcess] = []
         self.jobs: list[subprocess.Popen] = []
         for i in range(nodes):
-            extra = (["--listen", self.coord] if i == 0 else []) + ["--coordinator", self.coord,
-                                                                    *agent_args,
-                                                                    *(node_args or {}).get(i, ())]
+            if election:
+                seat = ["--election", f"etcd://{election}", "--job-id", "job", "--listen", "127.0.0.1:0"]
+            else:
+                seat = (["--listen", self.coord] if i == 0 else []) + ["--coordinator", self.coord]
+            extra = [*seat, *agent_args, *(node_args or {}).get(i, ())]
             self.agents.append(AgentProcess(tmp / f"n{i}.sock", node=f"n{i}", extra=tuple(extra)))
 
     def __enter__(self) -> Cluster:
@@ -128,4 +137,18 @@ class Cluster:
 
     @property
     def coordinator(self) -> AgentProcess:
-        return self.agents[0]
+        """The coordinating agent: n0's, or with an election the live agent that holds the seat."""
+        if not self.election:
+            return self.agents[0]
+
+        def holder() -> AgentProcess | None:
+            for a in self.agents:
+                if a.proc.poll() is None:
+                    try:
+                        if a.status()["coordinator"]:
+                            return a
+                    except AgentUnreachable:  # a SIGSTOPped agent
+                        continue
+            return None
+
+        return wait_for(holder, 15, what="an agent holding the coordinator seat")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -82,3 +84,64 @@ def test_the_first_nodes_loss_leaves_the_job_training(tmp_path, etcd):
         assert {"torch.rendezvous.job.0/rankwatch/member/n0",
                 "torch.rendezvous.job.0/rankwatch/member/n1"} <= keys, keys
         print(f"node n1 trained again {recovered:.1f} s after node n0 was killed")
+
+
+def _own(c: Cluster, i: int) -> list[dict]:
+    """Node i's own connected ranks, from its own agent."""
+    return [r for r in c.agents[i].status()["ranks"] if r["node"] == f"n{i}" and r["connected"]]
+
+
+def test_a_new_coordinator_names_and_excludes_a_later_fault(tmp_path, etcd):
+    """Only the coordinator's agent is killed: another agent takes the seat, the job trains on
+    (its workers keep training without their agent), and a worker SIGSTOPped on a third node
+    later is named and its node excluded by the new coordinator.  Decision ids never repeat and
+    the generation only grows."""
+    ckpt = tmp_path / "ckpt"
+    with Cluster(tmp_path, 3, ("--min-nodes", "2"), election=etcd) as c:
+        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0", "--step-sleep", "0.02",
+                           "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "20",
+                           launcher="rankwatch", etcd=etcd, launcher_args=("--monitor-interval", "0.1"))
+                for i in range(3)]
+        wait_for(lambda: all(len(_own(c, i)) == 1 and _own(c, i)[0]["step"] >= 30 for i in range(3)), 180,
+                 what="three nodes past step 30")
+        old = c.coordinator
+        old.kill()
+        alive = [a for a in c.agents if a is not old]
+        new = wait_for(lambda: next((a for a in alive if a.status()["coordinator"]), None), 15,
+                       what="another agent taking the coordinator seat")
+        (victim,) = [a for a in alive if a is not new]
+        v = int(victim.node[1:])
+        wait_for(lambda: victim.node in new.status()["nodes"] and new.status()["coordinator_node"] == new.node, 10,
+                 what="the new coordinator hearing the victim's node")
+        before = {r["node"]: r["step"] for r in new.status()["ranks"]}
+        # The job trains on under the new coordinator, the dead agent's node with it.
+        wait_for(lambda: min(r["step"] for r in _own(c, v)) >= before[victim.node] + 10, 60,
+                 what="the job training on after the coordinator's agent died")
+        (worker,) = _own(c, v)
+        s = int(new.node[1:])
+        (healthy,) = _own(c, s)
+        os.kill(worker["pid"], signal.SIGSTOP)
+        try:
+            status = wait_for(lambda: (s := new.status()) and victim.node in s["excluded_nodes"] and s, 60,
+                              what="the new coordinator excluding the stopped worker's node")
+        finally:
+            try:
+                os.kill(worker["pid"], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        hangs = [i for i in status["incidents"] if i["kind"] == "hang"]
+        assert hangs and hangs[-1]["node"] == victim.node, hangs
+        decisions = status["decisions"]
+        excluded = [d["node"] for d in decisions if d["kind"] == "exclude"]
+        assert excluded == [victim.node], decisions   # not the node whose agent died
+        ids = [d["id"] for d in decisions]
+        assert len(set(ids)) == len(ids), ids
+        gens = [d["generation"] for d in decisions]
+        assert gens == sorted(gens) and len(set(gens)) == len(gens), gens
+        # The other two nodes train again without the excluded one: the new coordinator's node
+        # with a new worker (the restart), in a world of two.
+        wait_for(lambda: (r := _own(c, s)) and r[0]["pid"] != healthy["pid"] and r[0]["step"] > 0
+                 and r[0]["world_size"] == 2, 120, what="the survivors training again")
+        for job in jobs:
+            if job.poll() is None:
+                job.terminate()

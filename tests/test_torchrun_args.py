@@ -101,3 +101,24 @@ def test_keep_alive_slows_with_the_jobs_size_up_to_torchs(nodes, interval):
     assert t["keep_alive_max_attempt"] == "3" and t["join_timeout"] == "600"
     launch = plan(["--nnodes", f"1:{nodes}", "--rdzv-backend", "c10d", "t.py"], {})
     assert f"keep_alive_interval={interval}" in launch.args[launch.args.index("--rdzv-conf") + 1]
+
+
+def test_designs_multi_node_command_gets_the_rankwatch_rendezvous():
+    # DESIGN.md's command names no backend: torchrun's static one would refuse --nnodes 2:3.
+    given = ["--nnodes", "2:3", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:29400",
+             "--rdzv-id", "job1", "-m", "rankwatch.hooks.train", "--steps", "500"]
+    launch = plan(given, {})
+    assert launch.args == ["--max-restarts", str(DEFAULT_MAX_RESTARTS), "--rdzv-conf", FAST3,
+                           "--rdzv-backend", "rankwatch", *given]
+    assert launch.notes[0].startswith("no --rdzv-backend: c10d")
+    assert plan(given, {}, wrap=False).args[4:6] == ["--rdzv-backend", "c10d"]
+
+
+@pytest.mark.parametrize("given", [
+    ["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", "t.py"],
+    ["--nnodes", "2", "--node_rank=0", "--rdzv-endpoint", "h:1", "t.py"],
+    ["--nproc-per-node", "2", "t.py"],
+])
+def test_a_static_job_without_a_backend_is_left_alone(given):
+    assert plan(given, {}) == torchrun_args.Launch(given)
+    assert plan(given[:-1] + ["t.py"], {"PET_MASTER_ADDR": "h", "PET_RDZV_ENDPOINT": "h:1"}).args == given
