@@ -41,6 +41,7 @@ from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, Snapshot, Verdicts, e
 from rankwatch.agent.hang import HangConfig, RankProgress, hang_possible
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.load_policy import LoadConfig
+from rankwatch.agent.membership import agentless_nodes
 from rankwatch.agent.state import Rejected, parse_flight_recorder
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector
 from rankwatch.proto import pb
@@ -258,12 +259,17 @@ class Coordinator:
             excluded = self.excluded
             if node in excluded:
                 return None
-            remaining = [n for n in self.nodes if n not in excluded and n != node]
-            if len(remaining) < self.policy.min_nodes:
+            remaining = len([n for n in self.nodes if n not in excluded and n != node])
+            remaining += agentless_nodes(
+                ((name, r.rank, r.world_size) for name, n in self.nodes.items() for r in n.summary.ranks
+                 if r.connected),
+                rankless_nodes=sum(1 for name, n in self.nodes.items() if name not in excluded and name != node
+                                   and not any(r.connected for r in n.summary.ranks)))
+            if remaining < self.policy.min_nodes:
                 if node not in self._refused:  # said once per node, not on every evaluation
                     self._refused.add(node)
                     log.warning("not excluding node %s (%s): %d node(s) would remain, below the "
-                                "minimum of %d", node, reason, len(remaining), self.policy.min_nodes)
+                                "minimum of %d", node, reason, remaining, self.policy.min_nodes)
                 return None
             d = self._decide("exclude", node=node, reason=reason)
             steps = {n: max((r.step for r in v.summary.ranks), default=-1)

@@ -41,7 +41,7 @@ PHASES = ("data", "forward", "backward", "optimizer", "other")
 STATES = ("ok", "straggler", "hung", "dead", "excluded")
 
 MAX_RECORDS_PER_BATCH = 65536
-MAX_WORLD_SIZE = 1 << 20
+MAX_WORLD_SIZE = validate.MAX_WORLD_SIZE
 MAX_OP_NAMES = 64
 MAX_LABEL_LEN = 128
 STEP_WINDOW = 32

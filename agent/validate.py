@@ -41,6 +41,7 @@ MAX_TEXT = 1024
 MAX_CHECKPOINTS_PER_BATCH = 64
 MAX_STACKS = 256 << 10
 MAX_SUMMARY_RANKS = 4096
+MAX_WORLD_SIZE = 1 << 20
 MAX_SUMMARY_INCIDENTS = 1024
 MAX_SUMMARY_DECISIONS = 1024
 MAX_DETAIL_JSON = 64 << 10
@@ -261,6 +262,8 @@ def _check_rank_summary(r: pb.RankSummary, now: float) -> None:
     check_count(r.step, "step", lo=-1)
     check_count(r.steps_completed, "steps_completed")
     check_count(r.local_rank, "local_rank")
+    if not 0 <= r.world_size <= MAX_WORLD_SIZE:
+        raise _reject("invalid_value", f"world_size {r.world_size} out of range")
     check_duration(r.step_seconds, "step_seconds")
     for t, what in ((r.progress_at, "progress_at"), (r.last_seen, "last_seen"), (r.stacks_at, "stacks_at")):
         check_timestamp(t, what, now)

@@ -114,7 +114,7 @@ def node_summary(agent: Agent, seq: int) -> pb.NodeSummary:
             flight_recorder=json.dumps(fr) if fr else "",
             phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
             op_latency=oplatency.to_pb(r.op_latency), backend=r.backend,
-            collectives=int(r.collective_counts.sum()))
+            collectives=int(r.collective_counts.sum()), world_size=r.world_size)
         if inflight:
             rs.inflight.CopyFrom(pb.InFlight(op=inflight["op"], group=inflight["group"],
                                              seq=inflight["seq"], since=inflight["since"]))

@@ -24,11 +24,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import wait_for
+from etcdcluster import EtcdCluster
 from rankwatch.address import Address
 from rankwatch.agent.incidents import IncidentLog
 from rankwatch.agent.ports import free_port
@@ -431,3 +433,29 @@ def test_real_slurm_job_gets_an_agent_from_the_prolog_and_the_epilog_keeps_its_i
     finally:
         cluster.stop()
         _stop_leftover_agents(paths["run"])
+
+
+def test_etcd_endpoints_make_the_jobs_agents_elect_their_coordinator_in_etcd(tmp_path):
+    _require("setpriv", "setsid", "scontrol")
+    etcd = EtcdCluster(tmp_path)
+    port = free_port()
+    paths = _write_settings(tmp_path / "settings", tmp_path, coordinator_port=port)
+    with open(tmp_path / "settings", "a") as f:
+        f.write(f"ETCD_ENDPOINTS={etcd.endpoints[0]}\nTOKEN_KEY_FILE=/nonexistent\nTLS_CA_KEY=/nonexistent\n")
+    job_env = {"SLURMD_NODENAME": "localhost", "SLURM_NODELIST": "localhost,n2"}
+    try:
+        _run_script(PROLOG, 48, tmp_path / "settings", **job_env)
+        agent = Address(path=str(paths["run"] / "48" / "agent.sock"))
+        wait_for(lambda: fetch_status(agent)["coordinator"], 15, what="the agent to win the seat in etcd")
+        assert "any node, elected in etcd" in paths["log"].read_text()
+        with urllib.request.urlopen(f"{etcd.urls[0]}/v2/keys/rankwatch/48/coordinator", timeout=5) as r:
+            assert json.load(r)["node"]["value"] == f"localhost:{port}"
+        # A value that is not host:port[,...] is refused, and no agent starts.
+        with open(tmp_path / "settings", "a") as f:
+            f.write("ETCD_ENDPOINTS='h:1;touch /tmp/x'\n")
+        _run_script(PROLOG, 49, tmp_path / "settings", **job_env)
+        assert "ETCD_ENDPOINTS must be host:port" in paths["log"].read_text()
+        assert not (paths["run"] / "49.pid").exists()
+    finally:
+        _stop_leftover_agents(paths["run"])
+        etcd.stop()

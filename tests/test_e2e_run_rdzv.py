@@ -19,6 +19,7 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from multinode import Cluster, free_port
 from rankwatch.hooks.rendezvous import create_handler
 
 pytestmark = pytest.mark.e2e
@@ -69,3 +70,24 @@ def test_rdzv_0_keeps_the_stock_c10d_rendezvous(agent_proc, tmp_path, store):
     for rank in (0, 1):
         assert len(json.loads((out / f"rank{rank}.json").read_text())["step_times"]) == 3
     assert sorted((x["rank"], x["step"]) for x in agent_proc.status()["ranks"]) == [(0, 3), (1, 3)]
+
+
+def test_designs_multi_node_command_trains_on_a_rendezvous_it_was_not_told(tmp_path):
+    """DESIGN.md's command names no rendezvous backend; ``rankwatch run`` gives it c10d with
+    rankwatch's exclusions (torchrun's static default would refuse ``--nnodes 2:3``), prints
+    what it chose, and both nodes train to the end."""
+    port = free_port()
+    with Cluster(tmp_path, 2) as c:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(a.addr), "--node-id", a.node, "--",
+             "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", "job1", "-m", "rankwatch.hooks.train", "--steps", "20", "--log-every", "0"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for a in c.agents]
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+        for out in outs:
+            assert "rankwatch run: no --rdzv-backend: c10d" in out, out[-3000:]
+            assert "rankwatch run: rendezvous: keep_alive_interval=1" in out, out[-3000:]
+        ranks = c.coordinator.status()["ranks"]
+        assert sorted((r["node"], r["step"]) for r in ranks) == [("n0", 20), ("n1", 20)], ranks

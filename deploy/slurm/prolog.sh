@@ -11,7 +11,9 @@
 # Its pid goes to $RUN_DIR/<job id>.pid (root's), its incidents and log to
 #     $STATE_DIR/<job id>/<node>/           (kept after the job by the epilog)
 # and one line per action to $LOG_FILE.  With COORDINATOR_PORT set, the agents of
-# a multi-node job elect a coordinator among the job's first nodes (below).
+# a multi-node job elect a coordinator among the job's first nodes, or, with
+# ETCD_ENDPOINTS too, through etcd, so that no node's loss leaves the job without one
+# (below).
 #
 # Safe to run twice: an agent already up for the job is left alone.  It never
 # fails the job: whatever goes wrong is logged and the prolog exits 0 (a failing
@@ -33,6 +35,7 @@ METRICS_PORT=9478                      # 0 on nodes shared by several jobs (a fr
 AGENT_ARGS=""                          # more `rankwatch agent` flags, e.g. "--hang-floor 10"
 COORDINATOR_PORT=""                    # set (e.g. 9479) to coordinate the job across its nodes
 COORDINATOR_CANDIDATES=2               # the job's first N nodes may coordinate, in that order
+ETCD_ENDPOINTS=""                      # host:port[,host:port...]: elect the coordinator in etcd
 TOKEN_KEY_FILE=/etc/rankwatch/slurm-token.key  # root's, 0600, the same on every node: per-job tokens
 TLS_CA_CERT=/etc/rankwatch/slurm-ca.crt  # with its key: per-job certificates for mutual TLS
 TLS_CA_KEY=/etc/rankwatch/slurm-ca.key   # root's, 0600, the same on every node
@@ -93,13 +96,22 @@ if [ -n "$COORDINATOR_PORT" ]; then
     case "$COORDINATOR_PORT$COORDINATOR_CANDIDATES" in
         *[!0-9]*) log "error: COORDINATOR_PORT/COORDINATOR_CANDIDATES must be numbers"; exit 0 ;;
     esac
-    mapfile -t candidates < <(scontrol show hostnames "${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-$node}}" \
-        2>/dev/null | head -n "$COORDINATOR_CANDIDATES")
-    [ "${#candidates[@]}" -gt 0 ] || { log "warning: cannot list the job's nodes; coordinating this node alone"; candidates=("$node"); }
-    for candidate in "${candidates[@]}"; do
-        coordination+=(--coordinator "$candidate:$COORDINATOR_PORT")
-        [ "$candidate" = "$node" ] && coordination+=(--listen "$candidate:$COORDINATOR_PORT")
-    done
+    if [ -n "$ETCD_ENDPOINTS" ]; then
+        # Every node may coordinate: the seat is an etcd key with a TTL (rankwatch agent --election).
+        case "$ETCD_ENDPOINTS" in
+            *[!A-Za-z0-9.:,_-]*) log "error: ETCD_ENDPOINTS must be host:port[,host:port...]"; exit 0 ;;
+        esac
+        candidates=("any node, elected in etcd $ETCD_ENDPOINTS")
+        coordination+=(--election "etcd://$ETCD_ENDPOINTS" --job-id "$job" --listen "$node:$COORDINATOR_PORT")
+    else
+        mapfile -t candidates < <(scontrol show hostnames "${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-$node}}" \
+            2>/dev/null | head -n "$COORDINATOR_CANDIDATES")
+        [ "${#candidates[@]}" -gt 0 ] || { log "warning: cannot list the job's nodes; coordinating this node alone"; candidates=("$node"); }
+        for candidate in "${candidates[@]}"; do
+            coordination+=(--coordinator "$candidate:$COORDINATOR_PORT")
+            [ "$candidate" = "$node" ] && coordination+=(--listen "$candidate:$COORDINATOR_PORT")
+        done
+    fi
     if [ ! -e "$TOKEN_KEY_FILE" ]; then
         log "warning: no $TOKEN_KEY_FILE: port $COORDINATOR_PORT takes unauthenticated calls"
     elif [ ! -s "$TOKEN_KEY_FILE" ] || [ "$(stat -c %u "$TOKEN_KEY_FILE")" != 0 ] \
