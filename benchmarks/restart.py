@@ -14,11 +14,17 @@ Measured from the fault:
 * ``back``: nodes 0 and 1 train again (a rank of theirs completes steps with a
   new pid), or never within ``--timeout``.
 
+``--victim 0`` fails the first node instead (with c10d it hosts the store), and
+``--rdzv etcd`` runs the rendezvous on a real etcd (one member on loopback) with the
+agents electing their coordinator there (``--election``).
+
 Launchers:
 
 * ``rankwatch``: ``rankwatch run`` (the rankwatch rendezvous backend, c10d tuned:
   last_call_timeout=1, keep_alive 1 s x 2, ``--monitor-interval 0.1``,
   ``--max-restarts`` 0 for a hang, 1 for a kill);
+* ``rankwatch-default``: the user's own command from the README: ``rankwatch run``
+  with no ``--rdzv-conf``, ``--max-restarts`` or ``--monitor-interval`` (its defaults);
 * ``torchrun``: plain torchrun, c10d tuned the same way, with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without it tuned restarts fail),
   ``--max-restarts 3``;
@@ -28,6 +34,7 @@ Launchers:
 The same agents watch every launcher.
 
     python benchmarks/restart.py --fault kill --runs 10 --launchers rankwatch
+    python benchmarks/restart.py --fault kill --runs 10 --launchers rankwatch-default --rdzv etcd --victim 0
 """
 
 from __future__ import annotations
@@ -43,15 +50,24 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from etcdcluster import EtcdCluster  # noqa: E402  (real etcd members on loopback)
 from multinode import Cluster  # noqa: E402  (the tests' multi-node launcher)
+
+from rankwatch.status import AgentUnreachable  # noqa: E402
 
 _RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
 
 
-def once(launcher: str, fault: str, timeout: float) -> dict:
+def once(launcher: str, fault: str, timeout: float, victim: int = 2, rdzv: str = "c10d") -> dict:
     os.environ["RANKWATCH_BENCH_TAG"] = tag = uuid.uuid4().hex
     try:
-        return _once(launcher, fault, timeout)
+        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+            etcd = EtcdCluster(Path(tmp)) if rdzv == "etcd" else None
+            try:
+                return _once(Path(tmp), launcher, fault, timeout, victim, etcd.endpoints[0] if etcd else None)
+            finally:
+                if etcd is not None:
+                    etcd.stop()
     finally:
         _kill_tagged(tag)
 
@@ -69,51 +85,63 @@ def _kill_tagged(tag: str) -> None:
             pass
 
 
-def _once(launcher: str, fault: str, timeout: float) -> dict:
-    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp, \
-            Cluster(Path(tmp), 3, ("--min-nodes", "2")) as c:
-        if launcher == "rankwatch":
-            restarts = "0" if fault == "hang" else "1"
-        else:
-            restarts = "3"
+def _launch_args(launcher: str, fault: str) -> tuple[str, tuple[str, ...]]:
+    """(--rdzv-conf, more launcher flags) for ``launcher``."""
+    if launcher == "rankwatch-default":
+        return "", ()
+    restarts = ("0" if fault == "hang" else "1") if launcher == "rankwatch" else "3"
+    return ("" if launcher == "torchrun-default" else _RDZV), ("--max-restarts", restarts, "--monitor-interval", "0.1")
+
+
+def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etcd: str | None) -> dict:
+    with Cluster(tmp, 3, ("--min-nodes", "2"), election=etcd) as c:
+        rdzv_conf, flags = _launch_args(launcher, fault)
         jobs = []
         for i in range(3):
             jobs.append(c.torchrun(
                 i, "2:3", 1, "--steps", "100000", "--log-every", "0",
                 "--checkpoint-dir", f"{tmp}/ck", "--checkpoint-interval", "20",
-                launcher="rankwatch" if launcher == "rankwatch" else "torchrun",
-                rdzv_conf="" if launcher == "torchrun-default" else _RDZV,
+                launcher="torchrun" if launcher.startswith("torchrun") else "rankwatch",
+                rdzv_conf=rdzv_conf, etcd=etcd,
                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun" else None,
-                launcher_args=("--max-restarts", restarts, "--monitor-interval", "0.1")))
+                launcher_args=flags))
         deadline = time.monotonic() + 180
         while True:
-            ranks = c.coordinator.status()["ranks"]
+            ranks = [r for a in c.agents for r in a.status()["ranks"] if r["node"] == a.node]
             if len(ranks) == 3 and min(r["step"] for r in ranks) >= 25:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError("the job did not start")
             time.sleep(0.2)
-        victim = next(r for r in ranks if r["node"] == "n2")
+        name = f"n{victim}"
+        survivors = [a for a in c.agents if a.node != name]
+        victim_rank = next(r for r in ranks if r["node"] == name)
         old = {r["pid"] for r in ranks}
         if fault == "hang":
-            os.kill(victim["pid"], signal.SIGSTOP)
+            os.kill(victim_rank["pid"], signal.SIGSTOP)
         else:
-            c.kill_node(2, jobs[2], [victim["pid"]])
+            c.kill_node(victim, jobs[victim], [victim_rank["pid"]])
         t0 = time.monotonic()
         named = back = None
         while time.monotonic() - t0 < timeout and back is None:
-            s = c.coordinator.status()
-            if named is None and (any(i["kind"] == "hang" and i["node"] == "n2" for i in s["incidents"])
-                                  or "n2" in s["excluded_nodes"]):
-                named = time.monotonic() - t0
-            fresh = [r for r in s["ranks"] if r["node"] in ("n0", "n1") and r["connected"]
-                     and r["pid"] not in old and r["step"] > 0]
-            moving = {r["node"] for r in fresh}
-            if moving == {"n0", "n1"}:
+            moving = set()
+            for a in survivors:
+                try:
+                    s = a.status()
+                except AgentUnreachable:
+                    continue
+                if named is None and s["coordinator"] and (
+                        any(i["kind"] == "hang" and i["node"] == name for i in s["incidents"])
+                        or name in s["excluded_nodes"]):
+                    named = time.monotonic() - t0
+                if any(r["node"] == a.node and r["connected"] and r["pid"] not in old and r["step"] > 0
+                       for r in s["ranks"]):
+                    moving.add(a.node)
+            if len(moving) == len(survivors):
                 back = time.monotonic() - t0
             time.sleep(0.2)
         try:
-            os.kill(victim["pid"], signal.SIGCONT)
+            os.kill(victim_rank["pid"], signal.SIGCONT)
         except ProcessLookupError:
             pass
         return {"named": named, "back": back}
@@ -125,18 +153,21 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=90.0)
     p.add_argument("--launchers", default="rankwatch,torchrun,torchrun-default")
     p.add_argument("--fault", choices=("hang", "kill"), default="hang")
+    p.add_argument("--victim", type=int, choices=(0, 1, 2), default=2, help="the node that fails")
+    p.add_argument("--rdzv", choices=("c10d", "etcd"), default="c10d")
     args = p.parse_args()
     for launcher in args.launchers.split(","):
-        results = [once(launcher, args.fault, args.timeout) for _ in range(args.runs)]
-        for r in results:
-            print(f"{launcher}: named {r['named']}, back {r['back']}", flush=True)
+        results = []
+        for _ in range(args.runs):
+            results.append(once(launcher, args.fault, args.timeout, args.victim, args.rdzv))
+            print(f"{launcher}: named {results[-1]['named']}, back {results[-1]['back']}", flush=True)
         named = [r["named"] for r in results if r["named"] is not None]
         back = [r["back"] for r in results if r["back"] is not None]
         print(f"{launcher}: hang named in {len(named)}/{len(results)} "
               f"(median {statistics.median(named):.1f} s)" if named else f"{launcher}: never named",
               flush=True)
         print(f"{launcher}: training again in {len(back)}/{len(results)} within {args.timeout:.0f} s"
-              + (f" (median {statistics.median(back):.1f} s)" if back else ""), flush=True)
+              + (f" (median {statistics.median(back):.1f} s, max {max(back):.1f} s)" if back else ""), flush=True)
     return 0
 
 

@@ -78,6 +78,7 @@ MEMBER_PREFIX = "rankwatch/member/"  # in a round's own store: one key per membe
 _LEAVE_TIMEOUT = timedelta(seconds=10)
 _KILL_GRACE = 1.0
 _SPARE_POLL = 0.5
+_STORE_TROUBLE_LOG_EVERY = 10.0   # seconds between warnings that the store does not answer
 
 
 def handler_factory():
@@ -133,6 +134,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._joined_generation = 0
         self._round_store: Store | None = None
         self._excluded: str | None = None
+        self._store_trouble_logged = float("-inf")
         self._relay = _Relay(self, agent, relay_interval) if agent is not None else None
 
     # -- the store ------------------------------------------------------------------
@@ -196,6 +198,24 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         return info
 
     def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join, as torchrun's agent asks between its worker checks.
+
+        A store that does not answer now (etcd electing a new leader after a member died, a
+        store under load) counts as no node waiting: torchrun asks again at its next
+        monitor interval, and its workers train on.  An exception here would end torchrun,
+        and the job with it.
+        """
+        try:
+            return self._num_nodes_waiting()
+        except Exception as exc:  # noqa: BLE001 - the store's errors vary by backend
+            now = time.monotonic()
+            if now - self._store_trouble_logged >= _STORE_TROUBLE_LOG_EVERY:
+                self._store_trouble_logged = now
+                log.warning("rankwatch: the rendezvous store did not answer (%s: %s); training goes "
+                            "on, asking again", type(exc).__name__, exc)
+            return 0
+
+    def _num_nodes_waiting(self) -> int:
         if self.excluded() is not None or self._restart_needed():
             return max(1, self._inner.num_nodes_waiting())
         waiting = self._inner.num_nodes_waiting()  # syncs the state _job_full reads

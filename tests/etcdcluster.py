@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import urllib.request
@@ -49,6 +50,27 @@ class EtcdCluster:
         except BaseException:
             self.stop()
             raise
+
+    def _v3(self, member: int, call: str, body: dict | None = None) -> dict:
+        """One call of etcd's v3 JSON gateway on ``member``."""
+        req = urllib.request.Request(f"{self.urls[member]}/v3/{call}", data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.load(r)
+
+    def leader(self) -> int:
+        """The member that leads the cluster now (asked of the first live member)."""
+        live = next(i for i, p in enumerate(self.procs) if p.poll() is None)
+        lead = self._v3(live, "maintenance/status")["leader"]
+        return next(i for i, m in self._members().items() if m == lead)
+
+    def _members(self) -> dict[int, str]:
+        live = next(i for i, p in enumerate(self.procs) if p.poll() is None)
+        return {int(m["name"][1:]): m["ID"] for m in self._v3(live, "cluster/member/list")["members"]}
+
+    def move_leader(self, to: int) -> None:
+        """Hand the leadership to member ``to`` (asked of the current leader)."""
+        self._v3(self.leader(), "maintenance/transfer-leadership", {"targetID": self._members()[to]})
 
     def kill(self, member: int) -> None:
         self.procs[member].kill()

@@ -112,3 +112,16 @@ def test_a_spare_waits_without_restarting_the_job_then_takes_an_excluded_nodes_p
     finally:
         for h in (spare, b, a):
             h.shutdown()
+
+
+def test_a_store_that_stops_answering_is_no_node_waiting_not_an_error(monkeypatch, caplog):
+    # torchrun's agent asks num_nodes_waiting() between its worker checks; an exception there
+    # ends torchrun and the job (an etcd member's loss did that while etcd elected a leader).
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    a, b = _handlers(["n0", "n1"], monkeypatch, store.port)
+    _join([a, b])
+    a.write_decision(_decision("n1", 1))
+    assert a.num_nodes_waiting() > 0   # the store answers: a member was excluded
+    del store                          # the store's server goes away
+    assert a.num_nodes_waiting() == 0
+    assert "the rendezvous store did not answer" in caplog.text
