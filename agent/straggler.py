@@ -218,6 +218,20 @@ def _effective(w: _Window) -> np.ndarray:
     return w.own + np.maximum(lag, 0.0)
 
 
+def _log_ratios(w: _Window, clip: float) -> np.ndarray:
+    """Per step, each rank's effective work over the median of the others' effective work
+    (log, clipped to ``±clip``; NaN where unknown): the CUSUM's and the onset's terms.
+
+    Both sides carry the late start.  Steps need not start together: with TP and FSDP no
+    collective spans the step boundary (each rank runs its optimizer alone after its last
+    reduce-scatter), so every rank starts a millisecond or so after some others, now and
+    then.  Added to one side only, that jitter made every rank look 5-20 % slower than the
+    others on millisecond steps, above the CUSUM's drift, and any burst was confirmed."""
+    eff = _effective(w)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.clip(np.log(eff / _loo_median(eff)), -clip, clip)
+
+
 def _tail_medians(x: np.ndarray, spans: np.ndarray) -> np.ndarray:
     """Per row, the median of its last ``spans[row]`` finite values (NaN if none)."""
     out = np.full(x.shape[0], np.nan)
@@ -367,10 +381,7 @@ class StragglerDetector:
         return events
 
     def _accumulate(self, full: list[RankWork], last: int, new: int) -> None:
-        w = _window(full, last, new)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            x = np.clip(np.log(_effective(w) / _loo_median(w.own)), -self.cfg.clip, self.cfg.clip)
-        x = np.nan_to_num(x, nan=0.0) - self.cfg.drift
+        x = np.nan_to_num(_log_ratios(_window(full, last, new), self.cfg.clip), nan=0.0) - self.cfg.drift
         live = {r.rank for r in full}
         for gone in set(self._cusum) - live:
             del self._cusum[gone]
@@ -386,9 +397,7 @@ class StragglerDetector:
         The onset is where the sum of the newest steps' log ratios, each less
         ``log(1 + threshold)``, peaks: steps before a slowdown pull the sum down.
         """
-        w = _window(full, last, self.cfg.window)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            x = np.clip(np.log(_effective(w) / _loo_median(w.own)), -self.cfg.clip, self.cfg.clip)
+        x = _log_ratios(_window(full, last, self.cfg.window), self.cfg.clip)
         tail = np.cumsum(np.nan_to_num(x, nan=0.0)[:, ::-1] - math.log1p(self.cfg.threshold), axis=1)
         best = np.argmax(tail[:, 2:], axis=1) + 3
         return {r.rank: int(best[i]) for i, r in enumerate(full) if self._cusum.get(r.rank)}
@@ -428,13 +437,15 @@ class StragglerDetector:
         cfg = self.cfg
         slow = {rank for rank, s in scores.items()
                 if s.slowdown >= 1 + cfg.threshold and s.excess_seconds >= cfg.min_excess_seconds}
+        # Confirmed: slow, with the evidence its cause needs now.  A rank confirmed as compute
+        # whose slowdown turns out to be host (its run delay) waits for host_evidence again.
+        confirmed = {rank for rank in slow - set(self.flagged) if self._cusum.get(rank, 0.0)
+                     >= (cfg.host_evidence if scores[rank].cause == "host" else cfg.evidence)}
         for rank in list(self._ready):
-            if rank not in slow or rank in self.flagged:
+            if rank not in confirmed:
                 del self._ready[rank]
-        for rank in slow - set(self.flagged):
-            need = cfg.host_evidence if scores[rank].cause == "host" else cfg.evidence
-            if self._cusum.get(rank, 0.0) >= need:
-                self._ready.setdefault(rank, last)
+        for rank in confirmed:
+            self._ready.setdefault(rank, last)
         if not self._ready:
             return []
         nodes: dict[str, list[int]] = {}

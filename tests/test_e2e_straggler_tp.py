@@ -1,10 +1,12 @@
-"""Stragglers on a tensor-parallel job (dp1 x tp2): a user's own script (tests/data/user_fsdp.py,
-TP through DTensor's functional collectives) under ``rankwatch run``.
+"""Stragglers on tensor-parallel jobs, dp1 x tp2 and dp2 x tp2: a user's own script
+(tests/data/user_fsdp.py: ``init_device_mesh`` on a (dp, tp) mesh, TP through DTensor's
+functional collectives, FSDP2 over dp) under ``rankwatch run``.
 
 A clean run flags no one; a loader made slow on one rank, fetched outside the step scope (the
 older ``for n, batch in enumerate(loader): with mon.step(n):`` loop), is a ``data`` straggler:
 its steps start late as if it left its collectives late, but the late start is its own time
-between steps.
+between steps.  On dp2 x tp2 the slow rank's tp peer waits for it in every layer and its dp
+peer in FSDP's collectives; the others wait in turn, and none of them is flagged.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).parent / "data" / "user_fsdp.py"
 
+# (ranks, tp degree); dp is ranks // tp.
+SHAPES = {"dp1xtp2": (2, 2), "dp2xtp2": (4, 2)}
 
-def _run(agent: AgentProcess, *script_args: str) -> None:
+
+def _run(agent: AgentProcess, nproc: int, tp: int, *script_args: str) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr), "--node-id", "n0",
-         "--", "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--tp", "2", *script_args],
+         "--", "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT), "--tp", str(tp), *script_args],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
@@ -35,31 +40,48 @@ def _stragglers(agent: AgentProcess) -> list[dict]:
     return [i for i in agent.status()["incidents"] if i["kind"] == "straggler"]
 
 
+def _mesh(ranks: list[dict]) -> dict[int, tuple[int, int]]:
+    return {r["rank"]: (r["mesh"]["dp"], r["mesh"]["tp"]) for r in ranks}
+
+
 @pytest.mark.parametrize("run", range(3))
-def test_a_clean_tp_run_flags_no_one(tmp_path, run):
-    # The agent's defaults (an 8 % threshold), 300 steps, 3 runs: the issue saw 2 of 2 such runs
-    # flagged (communication, from ~1 ms late starts of a few-ms step: scheduling noise).
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_clean_tp_run_flags_no_one(tmp_path, shape, run):
+    # The agent's defaults (an 8 % threshold), 300 steps, 3 runs a shape: the issue saw 2 of 2
+    # dp1 x tp2 runs flagged (communication, from ~1 ms late starts of a few-ms step: scheduling
+    # noise).
+    nproc, tp = SHAPES[shape]
     agent = AgentProcess(tmp_path / "agent.sock").start()
     try:
-        _run(agent, "--steps", "300")
+        _run(agent, nproc, tp, "--steps", "300")
         ranks = agent.status()["ranks"]
-        assert sorted(r["step"] for r in ranks) == [300, 300]
+        # the script's mesh is (dp, tp), row-major: rank = dp * tp + tp_rank
+        assert _mesh(ranks) == {r: divmod(r, tp) for r in range(nproc)}, ranks
+        assert sorted(r["step"] for r in ranks) == [300] * nproc
         assert _stragglers(agent) == [], _stragglers(agent)
         assert {r["state"] for r in ranks} == {"ok"}, ranks
     finally:
         agent.stop()
 
 
-def test_a_slow_loader_outside_the_step_scope_is_data(tmp_path):
-    # 30 ms more per batch on rank 1 from step 60 (a step here takes a few ms).
+@pytest.mark.parametrize("shape,slow", [("dp1xtp2", 1), ("dp2xtp2", 2)])
+def test_a_slow_loader_outside_the_step_scope_is_data(tmp_path, shape, slow):
+    # 30 ms more per batch on one rank from step 60 (a step here takes a few ms); on dp2 x tp2
+    # rank 2 (dp 1, tp 0): neither rank 0's tp group nor its dp group.
+    nproc, tp = SHAPES[shape]
     agent = AgentProcess(tmp_path / "agent.sock").start()
     try:
-        _run(agent, "--steps", "160", "--fetch-outside", "--slow-loader", "1:60:0.03")
+        _run(agent, nproc, tp, "--steps", "160", "--fetch-outside", "--slow-loader", f"{slow}:60:0.03")
         flags = _stragglers(agent)
         print([(i["rank"], i["step"], i["detail"]["cause"], i["detail"]["slowdown"]) for i in flags])
         assert flags, "the slow rank is flagged"
-        assert all(i["rank"] == 1 and i["step"] >= 60 for i in flags), flags
+        assert all(i["rank"] == slow and i["step"] >= 60 for i in flags), flags
+        assert all(i["detail"]["ranks"] == [slow] for i in flags), flags
         assert flags[0]["detail"]["cause"] == "data", flags[0]["detail"]
         assert flags[0]["detail"]["slowdown"] > 1.5, flags[0]["detail"]
+        ranks = agent.status()["ranks"]
+        assert sorted(r["step"] for r in ranks) == [160] * nproc
+        assert {r["rank"]: r["state"] for r in ranks} == {
+            r: "straggler" if r == slow else "ok" for r in range(nproc)}, ranks
     finally:
         agent.stop()
