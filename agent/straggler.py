@@ -291,10 +291,21 @@ def score(ranks: list[RankWork], cfg: StragglerConfig, gpu_throttle: GpuThrottle
         ratio = float(slowdown[i])
         if lag_i > 0 and cause in ("communication", "data"):
             ratio = (float(own[i]) + lag_i) / float(base_k[i])
-        step = r.step_seconds or float(own[i])
-        out.append(Score(rank=r.rank, node=r.node, slowdown=ratio, cause=cause,
-                         excess_seconds=extra, speedup=step / max(step - max(extra, 0.0), 1e-9)))
+        out.append(Score(rank=r.rank, node=r.node, slowdown=ratio, cause=cause, excess_seconds=extra,
+                         speedup=_speedup(r.step_seconds or float(own[i]), extra, float(base_k[i]))))
     return out
+
+
+def _speedup(step: float, extra: float, base: float) -> float:
+    """How much faster the job would step without a rank's ``extra`` seconds a step.
+
+    ``step`` is the rank's step time inside its step scope, which misses excess spent
+    outside it (a loader fetched between steps).  The job's step without the excess is at
+    least the others' own work (``base``), and with it at least that plus the excess.
+    """
+    extra = max(extra, 0.0)
+    without = max(step - extra, base, 1e-9)
+    return max(step, without + extra) / without
 
 
 def _cause(excess: float, lag: float, data: float, delay: float, throttles: list[str],

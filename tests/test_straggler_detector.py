@@ -68,7 +68,8 @@ def test_leave_one_out_median_matches_brute_force():
 def test_two_ranks_compared_leave_one_out():
     s = {x.rank: x for x in score([work(0, [0.1] * 16), work(1, [0.125] * 16)], CFG)}
     assert s[1].slowdown == pytest.approx(1.25) and s[0].slowdown == pytest.approx(0.8)
-    assert s[1].cause == "compute" and s[1].speedup == pytest.approx(0.1 / (0.1 - 0.025))
+    # The job steps at rank 1's 0.125 s; without its 25 ms, at the other's 0.1 s.
+    assert s[1].cause == "compute" and s[1].speedup == pytest.approx(0.125 / 0.1)
     assert s[1].node == "n0" and s[1].excess_seconds == pytest.approx(0.025)
 
 
@@ -377,3 +378,14 @@ def test_a_host_slowdown_first_read_as_compute_still_needs_host_evidence():
     assert [(ev.kind, ev.ranks, ev.score.cause) for _, ev in events] == [("flagged", [1], "host")]
     t, ev = events[0]
     assert ev.score.evidence >= cfg.host_evidence, (t, ev.score)
+
+
+def test_the_cost_of_excess_outside_the_step_scope_stays_finite():
+    # A loader fetched between step scopes adds 300 ms to 100 ms steps: the excess is larger
+    # than the step time the scope measured, and the job would step about 4x faster without it
+    # (it read 10^7 when the step time alone was the yardstick).
+    starts = [[t * 0.4 + (0.3 if r == 2 else 0.0) for t in range(16)] for r in range(3)]
+    gaps = [[0.002 + (0.3 if r == 2 else 0.0)] * 16 for r in range(3)]
+    s = {x.rank: x for x in score([work(r, [0.1] * 16, start=starts[r], gap=gaps[r]) for r in range(3)], CFG)}
+    assert s[2].cause == "data"
+    assert s[2].speedup == pytest.approx((0.1 + 0.3) / 0.1, rel=0.05)
