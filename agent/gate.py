@@ -364,7 +364,7 @@ class _Watchdog:
 
     def after(self, seconds: float, callback: Callable[[], None]) -> list[Any]:
         """Run ``callback`` in ``seconds`` unless :meth:`cancel` is given the returned handle first."""
-        entry = [time.monotonic() + seconds, next(self._order), callback]
+        entry: list[Any] = [time.monotonic() + seconds, next(self._order), callback]
         with self._cond:
             heapq.heappush(self._heap, entry)
             if entry[0] < self._wake_at:   # the thread would sleep past it: wake it
