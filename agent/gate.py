@@ -45,6 +45,7 @@ from typing import Any
 
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
 from rankwatch.agent.auth import authorized
 
 __all__ = ["Gate", "StreamLimits", "is_local_peer", "peer_host"]

@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import grpc
 import pytest
+
 from rankwatch.agent.gate import Gate, StreamLimits, _Watchdog
 from rankwatch.proto import pb
 
