@@ -13,16 +13,25 @@ Medians over repeats, in µs per call, single-threaded, no network:
 - decoding the summary from its bytes.
 
 ``--profile`` prints the top of a cProfile of the gate and of ``Coordinator.sync``.
+
+``--served N``: also a real gRPC server in this process, the gate in front of a ``Sync``
+that answers at once, and N calls from a client process (64 at a time, with the token):
+this process's CPU per call (server threads, the gate's deadline thread, gRPC's poller),
+the part of a Sync's cost that is not the coordinator's own work; and the same without the
+gate, for reference.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
+import subprocess
 import sys
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -89,9 +98,58 @@ def _coordinator(nodes: int):
     return coord, sims
 
 
+_CLIENT = """
+import asyncio, sys, grpc
+from rankwatch.proto import pb, pb_grpc
+async def main(port, n, token):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub, md = pb_grpc.AgentStub(ch), (("authorization", f"Bearer {token}"),)
+        msg = pb.NodeSummary(node_id="n1", seq=1)
+        await stub.Sync(msg, metadata=md)
+        sem = asyncio.Semaphore(64)
+        async def one():
+            async with sem:
+                await stub.Sync(msg, metadata=md, timeout=10)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        await asyncio.gather(*(one() for _ in range(n)))
+asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))
+"""
+
+
+def served(n: int, gated: bool = True) -> tuple[float, float]:
+    """(server CPU µs per call, calls per second) for ``n`` Syncs through a real gRPC server
+    (``gated``: with the gate in front, as the agent serves; else bare, for reference)."""
+    gate = Gate(TOKEN)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=gate.limits.threads),
+                         interceptors=(gate,) if gated else ())
+    handler = grpc.unary_unary_rpc_method_handler(
+        lambda req, ctx: pb.SyncReply(coordinator="c"), request_deserializer=pb.NodeSummary.FromString,
+        response_serializer=pb.SyncReply.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("rankwatch.v1.Agent", {"Sync": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = subprocess.Popen([sys.executable, "-c", _CLIENT, str(port), str(n), TOKEN],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout is not None and client.stdin is not None
+        client.stdout.readline()   # connected, one call made
+        t0, c0 = time.perf_counter(), os.times()
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        client.wait(300)
+        t1, c1 = time.perf_counter(), os.times()
+    finally:
+        client.kill()
+        server.stop(0)
+    cpu = (c1.user - c0.user) + (c1.system - c0.system)
+    return cpu / n * 1e6, n / (t1 - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--served", type=int, default=0, metavar="N")
     args = ap.parse_args()
 
     gate = Gate(TOKEN)
@@ -119,6 +177,10 @@ def main() -> None:
         ("Coordinator.sync (2,048 nodes), less making the summary", per_call(sync, 2_000) - per_call(make, 2_000)),
         ("decode the summary", per_call(lambda: pb.NodeSummary.FromString(data), 20_000)),
     ]
+    if args.served:
+        for gated in (True, False):
+            us, rate = served(args.served, gated)
+            rows.append((f"served{'' if gated else ', no gate'}: server CPU per call ({rate:,.0f} calls/s)", us))
     width = max(len(name) for name, _ in rows)
     for name, us in rows:
         print(f"{name:<{width}}  {us:8.1f} µs")
