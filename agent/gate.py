@@ -353,7 +353,8 @@ class _Watchdog:
     in order, as one timeout per kind of wait makes them), the thread is notified only when
     the new deadline is earlier than the one it sleeps towards, and a cancel just clears the
     entry's callback (no lock).  The thread drops cleared entries as they reach the head, so
-    it wakes about once per timeout, not once per call.
+    it wakes about once per timeout, not once per call, and the heap holds about the
+    deadlines armed within the longest timeout (a few thousand entries at a busy coordinator).
     """
 
     def __init__(self) -> None:
