@@ -25,15 +25,17 @@ One ``grpc.ServerInterceptor`` wraps every handler, so no RPC can forget a check
   its request message has arrived, on a pool thread that waits for it with no
   limit: calls that never send it would take every thread.  So every such method
   is served as a client-streaming one (the same on the wire): the credentials are
-  checked on the headers, before any message, and the wait for the message is
-  capped (``waiting_per_peer``, and half the reserve in all) and cancelled after
-  ``request_timeout``.
+  checked on the headers, before any message; every wait for the message is
+  cancelled after ``request_timeout``, and callers without the job's credentials are
+  also capped in how many may wait (``waiting_per_peer``, and half the reserve in all).
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -124,6 +126,7 @@ class Gate(grpc.ServerInterceptor):
         self._by_peer: dict[str, int] = {}
         self._open = 0
         self._watchdog = _Watchdog()
+        self._request_seconds = self.limits.request_timeout.total_seconds()
         self._waiting: dict[str, int] = {}   # calls waiting for their request message, by peer
         self._waiting_all = 0
         self.refused: dict[str, int] = {}
@@ -235,12 +238,15 @@ class Gate(grpc.ServerInterceptor):
     def _request(self, method: str, requests: Iterator[Any], context: grpc.ServicerContext,
                  capped: bool = True) -> Any:
         """The call's one request message, waited for under the deadline, and under the caps for a
-        caller without the job's credentials (a coordinator's thousands of nodes hold them)."""
+        caller without the job's credentials (a coordinator's thousands of nodes hold them, and
+        are not counted: the caps keep threads from the others, the deadline bounds everyone)."""
+        if not capped:
+            return self._await_request(method, requests, context)
         key = peer_host(context.peer())
         lim = self.limits
         with self._lock:
             held = self._waiting.get(key, 0)
-            full = capped and (self._waiting_all >= lim.waiting_total or held >= lim.waiting_per_peer)
+            full = self._waiting_all >= lim.waiting_total or held >= lim.waiting_per_peer
             if not full:
                 self._waiting_all += 1
                 self._waiting[key] = held + 1
@@ -248,12 +254,9 @@ class Gate(grpc.ServerInterceptor):
             self._refuse("waiting", f"{method} from {context.peer()}: too many calls wait for their request")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{method} refused: too many calls from {key} wait for their request")
-        timer = self._watchdog.after(lim.request_timeout.total_seconds(),
-                                     lambda: self._overdue(method, context, "request"))
         try:
-            request = next(requests, None)
+            return self._await_request(method, requests, context)
         finally:
-            self._watchdog.cancel(timer)
             with self._lock:
                 self._waiting_all -= 1
                 left = self._waiting[key] - 1
@@ -261,6 +264,14 @@ class Gate(grpc.ServerInterceptor):
                     self._waiting[key] = left
                 else:
                     del self._waiting[key]
+
+    def _await_request(self, method: str, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        """The one request message; the call is cancelled if it has not come by ``request_timeout``."""
+        timer = self._watchdog.after(self._request_seconds, lambda: self._overdue(method, context, "request"))
+        try:
+            request = next(requests, None)
+        finally:
+            self._watchdog.cancel(timer)
         if request is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method} needs one request message")
         return request
@@ -281,7 +292,7 @@ class Gate(grpc.ServerInterceptor):
 
     def _hello_due(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         """``requests``, cancelled if the first message is not there in time."""
-        timer: int | None = self._watchdog.after(self.limits.hello_timeout.total_seconds(),
+        timer: list[Any] | None = self._watchdog.after(self.limits.hello_timeout.total_seconds(),
                                                  lambda: self._overdue("Report", context, "hello"))
         try:
             for msg in requests:
@@ -335,39 +346,61 @@ class Gate(grpc.ServerInterceptor):
 
 
 class _Watchdog:
-    """One thread that runs callbacks at their deadlines (cancelled ones are skipped)."""
+    """One thread that runs callbacks at their deadlines; arming and disarming are cheap.
+
+    Every unary call arms one deadline and disarms it a few milliseconds later, so neither
+    may cost a wake-up of the thread: an entry is pushed on a heap (O(1) when deadlines come
+    in order, as one timeout per kind of wait makes them), the thread is notified only when
+    the new deadline is earlier than the one it sleeps towards, and a cancel just clears the
+    entry's callback (no lock).  The thread drops cleared entries as they reach the head, so
+    it wakes about once per timeout, not once per call, and the heap holds about the
+    deadlines armed within the longest timeout (a few thousand entries at a busy coordinator).
+    """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._live: set[int] = set()   # scheduled and not cancelled
-        self._next = 0
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list[list[Any]] = []   # [deadline, order, callback or None when cancelled]
+        self._order = itertools.count()
+        self._wake_at = math.inf           # the deadline the thread sleeps towards
         self._thread: threading.Thread | None = None
 
-    def after(self, seconds: float, callback: Callable[[], None]) -> int:
+    def after(self, seconds: float, callback: Callable[[], None]) -> list[Any]:
+        """Run ``callback`` in ``seconds`` unless :meth:`cancel` is given the returned handle first."""
+        entry: list[Any] = [time.monotonic() + seconds, next(self._order), callback]
         with self._cond:
-            self._next += 1
-            heapq.heappush(self._heap, (time.monotonic() + seconds, self._next, callback))
-            self._live.add(self._next)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="rankwatch-deadlines", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-            return self._next
+            heapq.heappush(self._heap, entry)
+            if entry[0] < self._wake_at:   # the thread would sleep past it: wake it
+                self._wake_at = entry[0]
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="rankwatch-deadlines", daemon=True)
+                    self._thread.start()
+                self._cond.notify()
+        return entry
 
-    def cancel(self, handle: int) -> None:
+    @staticmethod
+    def cancel(handle: list[Any]) -> None:
+        handle[2] = None
+
+    def pending(self) -> int:
+        """Entries held, cancelled ones not yet dropped included (for tests)."""
         with self._cond:
-            self._live.discard(handle)
+            return len(self._heap)
 
     def _run(self) -> None:
+        heap = self._heap
         while True:
             with self._cond:
-                while not self._heap or self._heap[0][0] > time.monotonic():
-                    self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
-                _, handle, callback = heapq.heappop(self._heap)
-                if handle not in self._live:
-                    continue
-                self._live.discard(handle)
+                while True:
+                    while heap and heap[0][2] is None:
+                        heapq.heappop(heap)   # cancelled
+                    now = time.monotonic()
+                    if heap and heap[0][0] <= now:
+                        break
+                    self._wake_at = heap[0][0] if heap else math.inf
+                    self._cond.wait(self._wake_at - now if heap else None)
+                entry = heapq.heappop(heap)
+                callback, entry[2] = entry[2], None
+                self._wake_at = -math.inf   # busy: arming needs no notify until it sleeps again
             try:
                 callback()
             except Exception:  # noqa: BLE001 - a deadline never kills the watchdog

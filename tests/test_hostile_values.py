@@ -252,3 +252,23 @@ def test_views_escape_every_wire_string():
         assert s in text, s
     assert "\x1b" not in text and "\x07" not in text
     assert "y" * 1100 not in text
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -1e-9, validate.MAX_DURATION * 1.01, 1e300])
+@pytest.mark.parametrize("where", ["own_work", "data_wait", "comm_wait"])
+def test_every_value_of_a_summary_window_is_checked(bad, where):
+    """The windows are checked a few values at a time in C: a bad value anywhere in any window
+    (a NaN hidden between good ones too) is refused and named as before."""
+    good = [0.5] * 16
+    windows = {"own_work": list(good), "data_wait": list(good), "comm_wait": list(good)}
+    windows[where][7] = bad
+    validate.check_summary(summary(1, **{k: good for k in windows}))
+    with pytest.raises(ValueError, match="invalid_value: a per-step time"):
+        validate.check_summary(summary(2, **windows))
+
+
+@pytest.mark.parametrize("label", ["a\nb", "a\tb", "a\x00b", "a\x7fb", "a\x9fb", "x" * (validate.MAX_LABEL + 1)])
+def test_labels_with_control_characters_or_too_long_are_refused(label):
+    validate.check_label("ok label é", "name")
+    with pytest.raises(ValueError, match="name is too long or has control characters"):
+        validate.check_label(label, "name")
