@@ -94,6 +94,7 @@ class _Node:
     interval: float = 0.25  # how often the node was last told to sync
     best_offset: float = float("inf")   # its smallest offset: clock skew plus the fastest transit
     latest_progress: float = float("-inf")   # its ranks' latest progress, on the coordinator's clock
+    syncs: int = 1          # summaries this coordinator heard from it
 
 
 @dataclass
@@ -185,7 +186,8 @@ class Coordinator:
             latest = max((r.progress_at for r in summary.ranks if not r.exited_cleanly), default=float("-inf"))
             self.nodes[summary.node_id] = _Node(summary, now, offset, prev.ranks_dead_since if prev else None,
                                                 interval=self._interval(), best_offset=best,
-                                                latest_progress=latest + offset)
+                                                latest_progress=latest + offset,
+                                                syncs=prev.syncs + 1 if prev else 1)
             if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
                 self.dead.discard(summary.node_id)
         if summary.run_id:
@@ -364,7 +366,7 @@ class Coordinator:
 
     def _silent(self, n: _Node, now: float) -> bool:
         return load_policy.node_silent(now, n.received_at, max(n.interval, self.interval),
-                                       self.policy.node_timeout_seconds, self._quiet, self.load_cfg)
+                                       self.policy.node_timeout_seconds, self._quiet, self.load_cfg, n.syncs)
 
     def _live_nodes(self) -> list[_Node]:
         excluded = self.excluded

@@ -16,6 +16,12 @@ rules keep an overloaded coordinator from harming the job:
   the summaries due while busy, no node is called silent, and for a grace period after it,
   so every node gets a fair chance to be heard.  Positive evidence (a node that
   reports its ranks dead, a hang's culprit, a fatal GPU fault) still acts.
+* **Only a node heard steadily can fall silent.**  A node is called silent only after
+  this coordinator heard ``min_syncs`` of its summaries.  When thousands of nodes
+  join at once (a job's start, a new coordinator taking over), syncs fail at the door
+  before the load window has measured the overload; a node heard once and then
+  refused was not silent, and excluding it would restart a healthy job.  A node that
+  dies that early leaves the rendezvous round all the same.
 """
 
 from __future__ import annotations
@@ -47,12 +53,14 @@ class LoadConfig:
     big job's first seconds (every node joining at once) do not swamp the coordinator."""
     silent_intervals: float = 3.0
     """A node is silent after this many of its sync intervals (or the node timeout, if longer)."""
+    min_syncs: int = 3
+    """A node is called silent only once this coordinator heard this many of its summaries."""
 
     def __post_init__(self) -> None:
         if not 0 < self.base_interval <= self.max_interval:
             raise ValueError("LoadConfig needs 0 < base_interval <= max_interval")
         require_positive(self, "target_cores", "busy_cores", "lag_seconds", "delay_seconds",
-                         "max_syncs_per_second", "silent_intervals")
+                         "max_syncs_per_second", "silent_intervals", "min_syncs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,9 +100,10 @@ def quiet_until(now: float, interval: float, node_timeout: float, cfg: LoadConfi
 
 
 def node_silent(now: float, received_at: float, interval: float, node_timeout: float,
-                quiet: float, cfg: LoadConfig) -> bool:
-    """Whether a node whose last summary arrived at ``received_at`` has gone silent."""
-    if now < quiet:
+                quiet: float, cfg: LoadConfig, syncs: int | None = None) -> bool:
+    """Whether a node whose last summary arrived at ``received_at`` has gone silent
+    (``syncs``: how many of its summaries this coordinator heard; None: enough)."""
+    if now < quiet or (syncs is not None and syncs < cfg.min_syncs):
         return False
     return now - received_at > max(node_timeout, cfg.silent_intervals * interval)
 

@@ -62,11 +62,13 @@ def test_names_the_culprit_on_another_node_and_excludes_it():
 
 def test_never_below_min_nodes_and_a_silent_node_is_dead():
     c, clock = make(PolicyConfig(min_nodes=2, node_timeout_seconds=3))
-    t = clock.t
-    for n in ("n0", "n1"):
-        c.sync(summary(n, 1, t, [dict(rank=int(n[1]), step=5, progress_at=t, last_seen=t)]))
+    for seq in (1, 2, 3):   # heard steadily: only such a node can fall silent
+        clock.t += 0.25
+        t = clock.t
+        for n in ("n0", "n1"):
+            c.sync(summary(n, seq, t, [dict(rank=int(n[1]), step=5, progress_at=t, last_seen=t)]))
     clock.t += 4
-    c.sync(summary("n0", 2, clock.t, [dict(rank=0, step=9, progress_at=clock.t, last_seen=clock.t)]))
+    c.sync(summary("n0", 4, clock.t, [dict(rank=0, step=9, progress_at=clock.t, last_seen=clock.t)]))
     c.evaluate()
     assert c.node_states() == {"n0": "ok", "n1": "dead"}
     assert c.excluded == {}, "one node would remain, below --min-nodes 2"

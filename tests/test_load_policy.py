@@ -78,3 +78,13 @@ def test_a_paused_coordinator_excludes_no_healthy_node():
     r = _load_args(pause=5.0, seconds=13.0)
     assert r["failed_by_code"].get("DEADLINE_EXCEEDED", 0) > 0, "the pause must have cost syncs"
     assert r["healthy_excluded"] == []
+
+
+def test_a_node_heard_only_a_few_times_is_never_silent():
+    # The join rush: heard once, then its syncs refused at the door before the load window
+    # showed the overload; it is not silent, however long ago its one summary came.
+    assert not node_silent(100.0, received_at=0.0, interval=0.25, node_timeout=3.0, quiet=0.0, cfg=CFG, syncs=1)
+    assert not node_silent(100.0, received_at=0.0, interval=0.25, node_timeout=3.0, quiet=0.0, cfg=CFG,
+                           syncs=CFG.min_syncs - 1)
+    assert node_silent(100.0, received_at=0.0, interval=0.25, node_timeout=3.0, quiet=0.0, cfg=CFG,
+                       syncs=CFG.min_syncs)
