@@ -42,7 +42,7 @@ from rankwatch.agent.hang import HangConfig, RankProgress, hang_possible
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.load_policy import LoadConfig
 from rankwatch.agent.membership import agentless_nodes
-from rankwatch.agent.state import Rejected, parse_flight_recorder
+from rankwatch.agent.validate import Rejected, parse_flight_recorder
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector
 from rankwatch.proto import pb
 

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 

@@ -8,9 +8,7 @@ stream and every other rank go on.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -21,6 +19,7 @@ import numpy as np
 
 from rankwatch.agent.histogram import COLLECTIVE_BUCKETS, STEP_BUCKETS, HistogramSet
 from rankwatch.agent import bounds, validate
+from rankwatch.agent.validate import Rejected, parse_flight_recorder
 from rankwatch.agent.oplatency import OpLatency
 from rankwatch.agent.incidents import Incident
 from rankwatch.agent.rankstate import INITIAL, next_state
@@ -40,22 +39,9 @@ _OP_INDEX = {name: i for i, name in enumerate(OPS)}
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 STATES = ("ok", "straggler", "hung", "dead", "excluded")
 
-MAX_RECORDS_PER_BATCH = 65536
-MAX_WORLD_SIZE = validate.MAX_WORLD_SIZE
-MAX_OP_NAMES = 64
-MAX_LABEL_LEN = 128
 STEP_WINDOW = 32
 WORK_WINDOW = 64
-MAX_STACKS = 256 << 10
 _ACTIVITY = {1: "train", 2: "eval", 3: "checkpoint", 4: "idle"}
-
-
-class Rejected(ValueError):
-    """A message the agent refuses; ``reason`` is a short metric label."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
 
 
 @dataclass
@@ -181,7 +167,6 @@ class NodeState:
         Raises:
             Rejected: invalid identity, or the rank is already live on another stream.
         """
-        _check_hello(msg)
         validate.check_hello(msg)
         with self.lock:
             old = self.ranks.get(msg.rank)
@@ -230,10 +215,10 @@ class NodeState:
         Raises:
             Rejected: the batch is malformed; nothing of it is applied.
         """
-        coll = _check_collectives(batch.collectives, len(rank.op_map)) if batch.HasField("collectives") else None
-        steps = _check_steps(batch.steps) if batch.HasField("steps") else None
+        coll = validate.decode_collectives(batch.collectives, len(rank.op_map)) if batch.HasField("collectives") else None
+        steps = validate.check_step_shapes(batch.steps) if batch.HasField("steps") else None
         if batch.HasField("progress"):
-            _check_progress(batch.progress)
+            validate.check_progress_shape(batch.progress)
         validate.check_batch(batch, coll)
         with self.lock:
             if batch.seq <= rank.last_batch_seq:
@@ -352,141 +337,6 @@ class NodeState:
         if not ranks or peak <= 0 or any(r.peak_flops <= 0 for r in ranks):
             return None
         return sum(r.flops_per_second for r in ranks) / peak
-
-
-# -- validation (pure functions, no state) -----------------------------------
-
-def _check_label(value: str, what: str) -> None:
-    if len(value) > MAX_LABEL_LEN or any(ord(c) < 32 for c in value):
-        raise Rejected("invalid_hello", f"{what} is too long or has control characters")
-
-
-def _check_hello(msg: pb.Hello) -> None:
-    if not 0 < msg.world_size <= MAX_WORLD_SIZE:
-        raise Rejected("invalid_hello", f"world_size {msg.world_size} out of range")
-    if not 0 <= msg.rank < msg.world_size:
-        raise Rejected("unknown_rank", f"rank {msg.rank} not in [0, {msg.world_size})")
-    if msg.local_rank < 0 or msg.pid <= 0:
-        raise Rejected("invalid_hello", f"local_rank {msg.local_rank} / pid {msg.pid} invalid")
-    if len(msg.op_names) > MAX_OP_NAMES or len(msg.mesh_coords) > 16 or len(msg.mesh_shape) > 16:
-        raise Rejected("invalid_hello", "too many op names or mesh dimensions")
-    if not math.isfinite(msg.peak_flops) or msg.peak_flops < 0:
-        raise Rejected("invalid_hello", f"peak_flops {msg.peak_flops} invalid")
-    for value, what in ((msg.node_id, "node_id"), (msg.backend, "backend"),
-                        (msg.device, "device"), (msg.device_uuid, "device_uuid"),
-                        (msg.collective_source, "collective_source"),
-                        (msg.job_id, "job_id")):
-        _check_label(value, what)
-    for name in list(msg.op_names) + list(msg.mesh_coords) + list(msg.mesh_shape):
-        _check_label(name, "a name")
-
-
-_COLUMNS = (("op", "<u1"), ("pg", "<u2"), ("seq", "<i8"), ("start", "<f8"),
-            ("duration", "<f8"), ("nbytes", "<i8"))
-
-
-def _check_collectives(c: pb.CollectiveColumns, n_ops: int) -> dict[str, np.ndarray]:
-    n = len(c.op)
-    if n > MAX_RECORDS_PER_BATCH:
-        raise Rejected("oversized", f"{n} collective records in one batch")
-    cols = {}
-    for name, dtype in _COLUMNS:
-        raw = getattr(c, name)
-        if len(raw) != n * np.dtype(dtype).itemsize:
-            raise Rejected("malformed", f"collective column {name} has {len(raw)} bytes for {n} records")
-        cols[name] = np.frombuffer(raw, dtype=dtype)
-    if n and int(cols["op"].max()) >= n_ops:
-        raise Rejected("malformed", "collective op code outside the rank's op names")
-    d = cols["duration"]
-    if not np.all(np.isfinite(d)) or (d < 0).any() or not np.all(np.isfinite(cols["start"])):
-        raise Rejected("invalid_value", "collective duration or start is NaN, infinite or negative")
-    if (cols["nbytes"] < 0).any():
-        raise Rejected("invalid_value", "negative collective size")
-    return cols
-
-
-def _check_steps(s: pb.StepColumns) -> pb.StepColumns:
-    n = len(s.step)
-    if n > MAX_RECORDS_PER_BATCH:
-        raise Rejected("oversized", f"{n} step records in one batch")
-    fields = (s.start, s.duration, s.data, s.forward, s.backward, s.optimizer, s.tokens, s.flops)
-    if any(len(f) != n for f in fields) or len(s.wait) not in (0, n):
-        raise Rejected("malformed", "step columns of different lengths")
-    if s.wait and (not all(math.isfinite(w) and w >= 0 for w in s.wait)):
-        raise Rejected("invalid_value", "step wait is NaN, infinite or negative")
-    if n == 0:
-        raise Rejected("malformed", "empty step columns")
-    arr = np.array(fields, dtype=np.float64)
-    if not np.all(np.isfinite(arr)) or (arr[1:] < 0).any() or min(s.step) < 0:
-        raise Rejected("invalid_value", "step value is NaN, infinite or negative")
-    return s
-
-
-def parse_flight_recorder(text: str) -> dict | None:
-    """A rank's Flight Recorder extract (``Progress.flight_recorder``), checked field by field.
-
-    Returns ``{"pending": [{group, desc, seq, op, state, since}], "completed": {group: seq},
-    "enqueued": {group: seq}}``, None for an empty string; raises ValueError for anything else.
-    """
-    if not text:
-        return None
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise ValueError("not a JSON object")
-    pending = doc.get("pending", [])
-    if not isinstance(pending, list) or len(pending) > 256:
-        raise ValueError("'pending' must be a list (at most 256)")
-    out: dict = {"pending": [], "completed": {}, "enqueued": {}}
-    for e in pending:
-        if not isinstance(e, dict):
-            raise ValueError("a pending entry is not an object")
-        try:
-            labels = {k: str(e[k]) if k in ("group", "op") else str(e.get(k, ""))
-                      for k in ("group", "desc", "op", "state")}
-            seq, since = int(e["seq"]), float(e["since"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"bad pending entry ({exc!r})") from None
-        for label in labels.values():
-            _fr_label(label)
-        if not math.isfinite(since):
-            raise ValueError("pending entry time is NaN or infinite")
-        out["pending"].append({"group": labels["group"], "desc": labels["desc"], "seq": seq,
-                               "op": labels["op"], "state": labels["state"], "since": since})
-    for key in ("completed", "enqueued"):
-        seqs = doc.get(key, {})
-        if not isinstance(seqs, dict) or len(seqs) > 256:
-            raise ValueError(f"'{key}' must be an object (at most 256 groups)")
-        for group, seq in seqs.items():
-            _fr_label(group)
-            if not isinstance(seq, int) or isinstance(seq, bool):
-                raise ValueError(f"'{key}' sequence numbers must be integers")
-            out[key][group] = seq
-    return out
-
-
-def _fr_label(value: str) -> None:
-    if len(value) > MAX_LABEL_LEN or any(ord(c) < 32 for c in value):
-        raise ValueError("a group or op name is too long or has control characters")
-
-
-def _check_progress(p: pb.Progress) -> None:
-    if not (math.isfinite(p.step_started_at) and math.isfinite(p.sampled_at)
-            and math.isfinite(p.inflight.since)):
-        raise Rejected("invalid_value", "progress time is NaN or infinite")
-    if len(p.group_seqs) > 256 or len(p.stacks) > MAX_STACKS or len(p.flight_recorder) > MAX_STACKS:
-        raise Rejected("oversized", "too many groups, too long stacks or Flight Recorder in progress")
-    if p.flight_recorder:
-        try:
-            parse_flight_recorder(p.flight_recorder)
-        except ValueError as exc:
-            raise Rejected("malformed", f"flight_recorder: {exc}") from None
-    for name in list(p.group_seqs) + [p.inflight.op, p.inflight.group]:
-        _check_label(name, "a group or op name")
-    if p.step_started_at < 0 or p.step < -1:
-        raise Rejected("invalid_value", "negative progress")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -6,7 +6,7 @@ day; timestamps are finite, not negative, and not more than a day ahead of this 
 clock.  Strings are length-capped; labels may not hold control characters, and free text
 (a checkpoint's path or error) is cut and stripped of them.
 
-Each check raises :class:`~rankwatch.agent.state.Rejected` (a ``ValueError``) with one of
+Each check raises :class:`Rejected` (a ``ValueError``) with one of
 :data:`REASONS` as its metric label, so ``rankwatch_messages_rejected_total`` stays a
 bounded set of series whatever arrives.
 """
@@ -42,6 +42,8 @@ MAX_CHECKPOINTS_PER_BATCH = 64
 MAX_STACKS = 256 << 10
 MAX_SUMMARY_RANKS = 4096
 MAX_WORLD_SIZE = 1 << 20
+MAX_RECORDS_PER_BATCH = 65536
+MAX_OP_NAMES = 64
 MAX_SUMMARY_INCIDENTS = 1024
 MAX_SUMMARY_DECISIONS = 1024
 MAX_DETAIL_JSON = 64 << 10
@@ -63,9 +65,15 @@ def reason_label(reason: str) -> str:
     return reason if reason in REASONS else "other"
 
 
-def _reject(reason: str, detail: str) -> Exception:
-    from rankwatch.agent.state import Rejected
+class Rejected(ValueError):
+    """A message the agent refuses; ``reason`` is a short metric label."""
 
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def _reject(reason: str, detail: str) -> Rejected:
     return Rejected(reason, detail)
 
 
@@ -109,8 +117,131 @@ def check_durations(values: Sequence[float], what: str) -> None:
 
 # -- rank streams ---------------------------------------------------------------
 
+_COLUMNS = (("op", "<u1"), ("pg", "<u2"), ("seq", "<i8"), ("start", "<f8"),
+            ("duration", "<f8"), ("nbytes", "<i8"))
+
+
+def decode_collectives(c: pb.CollectiveColumns, n_ops: int) -> dict[str, np.ndarray]:
+    """A batch's collective columns as arrays, refused unless every column holds the batch's
+    records, op codes name the rank's ops, and times and sizes are finite and not negative."""
+    n = len(c.op)
+    if n > MAX_RECORDS_PER_BATCH:
+        raise _reject("oversized", f"{n} collective records in one batch")
+    cols = {}
+    for name, dtype in _COLUMNS:
+        raw = getattr(c, name)
+        if len(raw) != n * np.dtype(dtype).itemsize:
+            raise _reject("malformed", f"collective column {name} has {len(raw)} bytes for {n} records")
+        cols[name] = np.frombuffer(raw, dtype=dtype)
+    if n and int(cols["op"].max()) >= n_ops:
+        raise _reject("malformed", "collective op code outside the rank's op names")
+    d = cols["duration"]
+    if not np.all(np.isfinite(d)) or (d < 0).any() or not np.all(np.isfinite(cols["start"])):
+        raise _reject("invalid_value", "collective duration or start is NaN, infinite or negative")
+    if (cols["nbytes"] < 0).any():
+        raise _reject("invalid_value", "negative collective size")
+    return cols
+
+
+def check_step_shapes(s: pb.StepColumns) -> pb.StepColumns:
+    """Step columns of one length, finite and not negative (their ranges: :func:`check_step_columns`)."""
+    n = len(s.step)
+    if n > MAX_RECORDS_PER_BATCH:
+        raise _reject("oversized", f"{n} step records in one batch")
+    fields = (s.start, s.duration, s.data, s.forward, s.backward, s.optimizer, s.tokens, s.flops)
+    if any(len(f) != n for f in fields) or len(s.wait) not in (0, n):
+        raise _reject("malformed", "step columns of different lengths")
+    if s.wait and (not all(math.isfinite(w) and w >= 0 for w in s.wait)):
+        raise _reject("invalid_value", "step wait is NaN, infinite or negative")
+    if n == 0:
+        raise _reject("malformed", "empty step columns")
+    arr = np.array(fields, dtype=np.float64)
+    if not np.all(np.isfinite(arr)) or (arr[1:] < 0).any() or min(s.step) < 0:
+        raise _reject("invalid_value", "step value is NaN, infinite or negative")
+    return s
+
+
+def parse_flight_recorder(text: str) -> dict | None:
+    """A rank's Flight Recorder extract (``Progress.flight_recorder``), checked field by field.
+
+    Returns ``{"pending": [{group, desc, seq, op, state, since}], "completed": {group: seq},
+    "enqueued": {group: seq}}``, None for an empty string; raises ValueError for anything else.
+    """
+    if not text:
+        return None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    pending = doc.get("pending", [])
+    if not isinstance(pending, list) or len(pending) > 256:
+        raise ValueError("'pending' must be a list (at most 256)")
+    out: dict = {"pending": [], "completed": {}, "enqueued": {}}
+    for e in pending:
+        if not isinstance(e, dict):
+            raise ValueError("a pending entry is not an object")
+        try:
+            labels = {k: str(e[k]) if k in ("group", "op") else str(e.get(k, ""))
+                      for k in ("group", "desc", "op", "state")}
+            seq, since = int(e["seq"]), float(e["since"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad pending entry ({exc!r})") from None
+        for label in labels.values():
+            _fr_label(label)
+        if not math.isfinite(since):
+            raise ValueError("pending entry time is NaN or infinite")
+        out["pending"].append({"group": labels["group"], "desc": labels["desc"], "seq": seq,
+                               "op": labels["op"], "state": labels["state"], "since": since})
+    for key in ("completed", "enqueued"):
+        seqs = doc.get(key, {})
+        if not isinstance(seqs, dict) or len(seqs) > 256:
+            raise ValueError(f"'{key}' must be an object (at most 256 groups)")
+        for group, seq in seqs.items():
+            _fr_label(group)
+            if not isinstance(seq, int) or isinstance(seq, bool):
+                raise ValueError(f"'{key}' sequence numbers must be integers")
+            out[key][group] = seq
+    return out
+
+
+def _fr_label(value: str) -> None:
+    if len(value) > MAX_LABEL or any(ord(c) < 32 for c in value):
+        raise ValueError("a group or op name is too long or has control characters")
+
+
+def check_progress_shape(p: pb.Progress) -> None:
+    """A progress record's times finite, its sizes capped, its Flight Recorder extract parsed."""
+    if not (math.isfinite(p.step_started_at) and math.isfinite(p.sampled_at)
+            and math.isfinite(p.inflight.since)):
+        raise _reject("invalid_value", "progress time is NaN or infinite")
+    if len(p.group_seqs) > 256 or len(p.stacks) > MAX_STACKS or len(p.flight_recorder) > MAX_STACKS:
+        raise _reject("oversized", "too many groups, too long stacks or Flight Recorder in progress")
+    if p.flight_recorder:
+        try:
+            parse_flight_recorder(p.flight_recorder)
+        except ValueError as exc:
+            raise _reject("malformed", f"flight_recorder: {exc}") from None
+    for name in list(p.group_seqs) + [p.inflight.op, p.inflight.group]:
+        check_label(name, "a group or op name", "invalid_hello")
+    if p.step_started_at < 0 or p.step < -1:
+        raise _reject("invalid_value", "negative progress")
+
+
+
 def check_hello(msg: pb.Hello) -> None:
-    """What :func:`state._check_hello` leaves open: the pid's and mesh's ranges."""
+    """A rank's hello: its world, rank, pid, names and mesh."""
+    if not 0 < msg.world_size <= MAX_WORLD_SIZE:
+        raise _reject("invalid_hello", f"world_size {msg.world_size} out of range")
+    if not 0 <= msg.rank < msg.world_size:
+        raise _reject("unknown_rank", f"rank {msg.rank} not in [0, {msg.world_size})")
+    if msg.local_rank < 0 or msg.pid <= 0:
+        raise _reject("invalid_hello", f"local_rank {msg.local_rank} / pid {msg.pid} invalid")
+    if len(msg.op_names) > MAX_OP_NAMES or len(msg.mesh_coords) > 16 or len(msg.mesh_shape) > 16:
+        raise _reject("invalid_hello", "too many op names or mesh dimensions")
+    if not math.isfinite(msg.peak_flops) or msg.peak_flops < 0:
+        raise _reject("invalid_hello", f"peak_flops {msg.peak_flops} invalid")
     for value in (msg.node_id, msg.backend, msg.device, msg.device_uuid, msg.collective_source,
                   msg.job_id, *msg.op_names, *msg.mesh_coords, *msg.mesh_shape):
         check_label(value, "a name in the hello", "invalid_hello")
@@ -136,8 +267,6 @@ def check_batch(batch: pb.Batch, collectives: dict[str, np.ndarray] | None = Non
     if batch.HasField("progress"):
         check_progress(batch.progress, now)
         if batch.progress.flight_recorder:
-            from rankwatch.agent.state import parse_flight_recorder
-
             try:
                 doc = parse_flight_recorder(batch.progress.flight_recorder)
                 if doc is not None:
@@ -298,8 +427,6 @@ def _check_rank_summary(r: pb.RankSummary, now: float) -> None:
     if len(r.stacks) > MAX_STACKS or len(r.flight_recorder) > MAX_STACKS:
         raise _reject("oversized", "rank summary stacks or Flight Recorder too long")
     if r.flight_recorder:
-        from rankwatch.agent.state import parse_flight_recorder
-
         try:
             doc = parse_flight_recorder(r.flight_recorder)
             if doc is not None:
