@@ -14,6 +14,7 @@ from datetime import timedelta
 import grpc
 import pytest
 
+from conftest import wait_for
 from rankwatch.agent.gate import Gate, StreamLimits, _Watchdog
 from rankwatch.proto import pb
 
@@ -142,7 +143,7 @@ def test_callers_without_credentials_are_capped_while_they_wait(served):
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         try:
             first = _silent_call(ch, hold)
-            time.sleep(0.2)   # the first one waits for its message now
+            wait_for(lambda: gate._waiting_all == 1, 10, what="the first call waiting for its message")
             second = _silent_call(ch, hold)
             with pytest.raises(grpc.RpcError) as err:
                 second.result(timeout=10)
