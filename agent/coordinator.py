@@ -29,11 +29,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-from rankwatch.agent import checkpoint_policy, load_policy, validate
+from rankwatch.agent import checkpoint_policy, validate
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hangend import hang_end, steps_at
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
@@ -41,6 +40,7 @@ from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, Snapshot, Verdicts, e
 from rankwatch.agent.hang import HangConfig, RankProgress, hang_possible
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.load_policy import LoadConfig
+from rankwatch.agent.loadmeter import LoadMeter
 from rankwatch.agent.membership import agentless_nodes
 from rankwatch.agent.validate import Rejected, parse_flight_recorder
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector
@@ -122,8 +122,6 @@ class Coordinator:
                  tick_seconds: float = 0.25, refusals: Callable[[], int] | None = None) -> None:
         self.node_id = node_id
         self.tick_seconds = tick_seconds
-        self._refusals = refusals or (lambda: 0)
-        """Calls this agent refused for lack of capacity so far (a counter): overload evidence."""
         """How often the agent calls :meth:`evaluate`."""
         self.incidents = incidents
         self.hang = hang or HangConfig()
@@ -144,19 +142,9 @@ class Coordinator:
         self._hang_steps: dict[tuple[str, int], int] = {}   # each rank's completed steps at the verdict
         self._restart: _Restart | None = None
         self._flagged: set[tuple[str, int]] = set()
-        self.load_cfg = load or LoadConfig()
-        self.interval = self.load_cfg.base_interval
-        """How often nodes are told to sync (:func:`load_policy.sync_interval`)."""
-        self.overloaded: str | None = None
-        """Why the coordinator is itself a bottleneck now (None: it is not)."""
-        self.overloads = 0
-        """Times the coordinator found itself overloaded (a counter)."""
-        self._quiet = 0.0                   # no node is called silent before this (coordinator clock)
-        self._delays: deque[float] = deque(maxlen=512)
-        self._synced = 0
-        self._count = 0   # nodes known (read without the lock for the reply's interval)
-        self._tick = (time.monotonic(), time.process_time(), 0, 0)   # (wall, cpu, syncs, refused) then
-        self._last_eval: float | None = None   # time.monotonic() of the last evaluate()
+        self.load = LoadMeter(load or LoadConfig(), tick_seconds, self.policy.node_timeout_seconds,
+                              refusals or (lambda: 0))
+        """Its own load, the interval nodes sync at, and when silence is no evidence."""
         self._encoded: tuple[int, list[pb.Decision]] = (0, [])
         self._stragglers_at = float("-inf")   # when the straggler detector last ran
         self._hang_checked = float("-inf")   # when an open hang was last checked for its end
@@ -180,12 +168,10 @@ class Coordinator:
                                  f"(have {prev.summary.seq})")
             offset = now - summary.sent_at
             best = min(offset, prev.best_offset if prev else offset)
-            self._delays.append(offset - best)
-            self._synced += 1
-            self._count = len(self.nodes) + (summary.node_id not in self.nodes)
+            self.load.heard(offset - best, len(self.nodes) + (summary.node_id not in self.nodes))
             latest = max((r.progress_at for r in summary.ranks if not r.exited_cleanly), default=float("-inf"))
             self.nodes[summary.node_id] = _Node(summary, now, offset, prev.ranks_dead_since if prev else None,
-                                                interval=self._interval(), best_offset=best,
+                                                interval=self.load.reply_interval(), best_offset=best,
                                                 latest_progress=latest + offset,
                                                 syncs=prev.syncs + 1 if prev else 1)
             if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
@@ -193,7 +179,7 @@ class Coordinator:
         if summary.run_id:
             self.incidents.run_id = self.log.run_id = summary.run_id
         self._adopt(summary)
-        reply = pb.SyncReply(coordinator=self.node_id, sync_interval_seconds=self._interval())
+        reply = pb.SyncReply(coordinator=self.node_id, sync_interval_seconds=self.load.reply_interval())
         reply.decisions.extend(self._decisions_pb())
         reply.incidents.extend(inc.to_pb() for inc in self.incidents.items_for(node=summary.node_id))
         return reply
@@ -294,20 +280,20 @@ class Coordinator:
     def evaluate(self) -> None:
         """Run the job-wide detectors and the policy once."""
         now = self.clock()
-        self._check_load(now)
+        self.load.measure(now, self.lock, lambda: [n.interval for n in self.nodes.values()])
         self._check_dead(now)
         self._check_gpu(now)
         # Snapshotting every rank is the costly part at thousands of ranks: only while a hang
         # is possible at all, or the straggler detector is due (once per sync interval).
         # An open hang is checked for its end once per interval; a new one only when possible.
-        every = max(1.0, self.interval)
+        every = max(1.0, self.load.interval)
         if self._open_hang is None:
             hang_due = hang_possible(now, self._latest_progress(), self.hang)
         else:
             hang_due = now - self._hang_checked >= every
         stragglers_due = now - self._stragglers_at >= every
         verdicts = evaluate(now, self.snapshot(now), self.hang) if hang_due or stragglers_due else None
-        if verdicts is not None and hang_due and now >= self._quiet:
+        if verdicts is not None and hang_due and now >= self.load.quiet:
             # (stale summaries after the coordinator's own stall are no evidence)
             self._hang_checked = now
             self._check_hang(now, verdicts)
@@ -317,56 +303,14 @@ class Coordinator:
         self._check_evictions()
         self._check_recovered(now)
 
-    def _check_load(self, now: float) -> None:
-        """Measure this coordinator's own load; set the sync interval; hold off silence verdicts."""
-        wall, cpu = time.monotonic(), time.process_time()
-        lag = 0.0 if self._last_eval is None else max(0.0, wall - self._last_eval - self.tick_seconds)
-        self._last_eval = wall
-        w0, c0, s0, r0 = self._tick
-        with self.lock:
-            synced, nodes = self._synced, len(self.nodes)
-            delays = sorted(self._delays)
-            due = sum((wall - w0) / max(n.interval, self.interval) for n in self.nodes.values())
-        if wall - w0 < 2.0 and lag < self.load_cfg.lag_seconds:
-            return   # measure over windows of two seconds (a late loop is news at once)
-        refused = self._refusals()
-        self._tick = (wall, cpu, synced, refused)
-        cores = (cpu - c0) / (wall - w0)
-        load = load_policy.Load(cores=cores, loop_lag=lag,
-                                sync_delay=delays[len(delays) // 2] if delays else 0.0,
-                                refused=refused - r0, heard=min(1.0, (synced - s0) / due) if due > 0 else 1.0)
-        with self.lock:
-            self._delays.clear()
-        interval = max(load_policy.sync_interval(self.interval, load, self.load_cfg),
-                       load_policy.interval_floor(nodes, self.load_cfg))
-        if interval != self.interval:
-            log.info("nodes now sync every %.2fs (%d nodes, %.0f syncs/s, %.2f cores)", interval, nodes,
-                     (synced - s0) / (wall - w0), cores)
-            self.interval = interval
-        why = load_policy.overload(load, self.load_cfg)
-        if why is not None:
-            if self.overloaded is None:
-                log.warning("coordinator overloaded: %s; no node is called silent until it recovers", why)
-            self.overloads += 1
-            self._quiet = load_policy.quiet_until(now, self.interval, self.policy.node_timeout_seconds,
-                                                  self.load_cfg)
-        elif self.overloaded is not None:
-            log.info("coordinator load back to normal")
-        self.overloaded = why
-
     def _latest_progress(self) -> float:
         """The latest progress of any included rank, on this clock (-inf: none yet)."""
         with self.lock:
             return max((n.latest_progress for name, n in self.nodes.items() if name not in self.excluded),
                        default=float("-inf"))
 
-    def _interval(self) -> float:
-        """The interval to ask of a node now: never below the floor for the nodes known."""
-        return max(self.interval, load_policy.interval_floor(self._count, self.load_cfg))
-
     def _silent(self, n: _Node, now: float) -> bool:
-        return load_policy.node_silent(now, n.received_at, max(n.interval, self.interval),
-                                       self.policy.node_timeout_seconds, self._quiet, self.load_cfg, n.syncs)
+        return self.load.silent(now, n.received_at, n.interval, n.syncs)
 
     def _live_nodes(self) -> list[_Node]:
         excluded = self.excluded

@@ -1,0 +1,111 @@
+"""The coordinator's measure of its own load, and what follows from it.
+
+The rules are :mod:`load_policy`'s (pure functions); this keeps the counters they read.
+Each summary is counted with its delay (arrival minus sending, less its node's best).
+Each evaluation measures, over windows of two seconds (at once when the loop itself ran
+late), the process's CPU, its loop's lag, the median delay, the calls refused for lack
+of capacity and the share of due summaries heard.  From that follow the interval nodes
+are told to sync at, whether the coordinator is overloaded, and until when no node may
+be called silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from rankwatch.agent import load_policy
+from rankwatch.agent.load_policy import LoadConfig
+
+__all__ = ["LoadMeter"]
+
+log = logging.getLogger(__name__)
+
+_WINDOW = 2.0   # seconds a measurement spans
+
+
+class LoadMeter:
+    """Args:
+        cfg: the load rules' settings.
+        tick_seconds: how often the coordinator evaluates (its loop's lag is measured against it).
+        node_timeout: a node is never silent before this (``PolicyConfig.node_timeout_seconds``).
+        refusals: calls the agent refused for lack of capacity so far (a counter).
+    """
+
+    def __init__(self, cfg: LoadConfig, tick_seconds: float, node_timeout: float,
+                 refusals: Callable[[], int]) -> None:
+        self.cfg = cfg
+        self.tick_seconds = tick_seconds
+        self.node_timeout = node_timeout
+        self._refusals = refusals
+        self.interval = cfg.base_interval
+        """How often nodes are told to sync (:func:`load_policy.sync_interval`)."""
+        self.overloaded: str | None = None
+        """Why the coordinator is itself a bottleneck now (None: it is not)."""
+        self.overloads = 0
+        """Times the coordinator found itself overloaded (a counter)."""
+        self.quiet = 0.0
+        """No node is called silent before this (the coordinator's clock)."""
+        self._delays: deque[float] = deque(maxlen=512)
+        self._synced = 0
+        self._count = 0   # nodes known (read without the lock for a reply's interval)
+        self._tick = (time.monotonic(), time.process_time(), 0, 0)   # (wall, cpu, syncs, refused) then
+        self._last_eval: float | None = None   # time.monotonic() of the last measure()
+
+    def heard(self, delay: float, nodes: int) -> None:
+        """A summary arrived ``delay`` s later than its node's best; ``nodes`` are known now.
+        (Called under the coordinator's lock, as :meth:`measure` reads these there.)"""
+        self._delays.append(delay)
+        self._synced += 1
+        self._count = nodes
+
+    def reply_interval(self) -> float:
+        """The interval to ask of a node now: never below the floor for the nodes known."""
+        return max(self.interval, load_policy.interval_floor(self._count, self.cfg))
+
+    def silent(self, now: float, received_at: float, node_interval: float, syncs: int) -> bool:
+        """Whether a node last heard at ``received_at`` (told to sync every ``node_interval``
+        s, heard ``syncs`` times) has gone silent, as far as this coordinator can tell."""
+        return load_policy.node_silent(now, received_at, max(node_interval, self.interval), self.node_timeout,
+                                       self.quiet, self.cfg, syncs)
+
+    def measure(self, now: float, lock: threading.Lock, node_intervals: Callable[[], list[float]]) -> None:
+        """Measure the load once a window is full; set the interval; hold off silence verdicts
+        while overloaded.  ``node_intervals()`` (read under ``lock``) gives each known node's
+        last interval."""
+        wall, cpu = time.monotonic(), time.process_time()
+        lag = 0.0 if self._last_eval is None else max(0.0, wall - self._last_eval - self.tick_seconds)
+        self._last_eval = wall
+        w0, c0, s0, r0 = self._tick
+        if wall - w0 < _WINDOW and lag < self.cfg.lag_seconds:
+            return   # a late loop is news at once
+        with lock:
+            synced = self._synced
+            intervals = node_intervals()
+            delays = sorted(self._delays)
+            self._delays.clear()
+        due = sum((wall - w0) / max(i, self.interval) for i in intervals)
+        refused = self._refusals()
+        self._tick = (wall, cpu, synced, refused)
+        cores = (cpu - c0) / (wall - w0)
+        load = load_policy.Load(cores=cores, loop_lag=lag,
+                                sync_delay=delays[len(delays) // 2] if delays else 0.0,
+                                refused=refused - r0, heard=min(1.0, (synced - s0) / due) if due > 0 else 1.0)
+        interval = max(load_policy.sync_interval(self.interval, load, self.cfg),
+                       load_policy.interval_floor(len(intervals), self.cfg))
+        if interval != self.interval:
+            log.info("nodes now sync every %.2fs (%d nodes, %.0f syncs/s, %.2f cores)", interval,
+                     len(intervals), (synced - s0) / (wall - w0), cores)
+            self.interval = interval
+        why = load_policy.overload(load, self.cfg)
+        if why is not None:
+            if self.overloaded is None:
+                log.warning("coordinator overloaded: %s; no node is called silent until it recovers", why)
+            self.overloads += 1
+            self.quiet = load_policy.quiet_until(now, self.interval, self.node_timeout, self.cfg)
+        elif self.overloaded is not None:
+            log.info("coordinator load back to normal")
+        self.overloaded = why
