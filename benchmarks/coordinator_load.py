@@ -33,7 +33,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ import grpc
 import psutil
 
 from rankwatch.agent.incidents import Incident, IncidentLog
+from rankwatch.agent.ports import free_port
 from rankwatch.agent.statedir import read_decisions
 from rankwatch.proto import pb, pb_grpc
 
@@ -61,12 +61,6 @@ def _incidents(state: Path) -> list[Incident]:
 def _exclusions(state: Path) -> list[dict]:
     """The coordinator's ``exclude`` decisions, from its ``decisions.jsonl``."""
     return [d for d in read_decisions(state / "decisions.jsonl") if d["kind"] == "exclude"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SimNode:
@@ -232,7 +226,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="rw-load-") as d:
         tmp = Path(args.keep) if args.keep else Path(d)
         tmp.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
+        port = free_port()
         coord = _start_coordinator(tmp, port)
         try:
             _wait_serving(port, coord)

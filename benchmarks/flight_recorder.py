@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
+
+from rankwatch.agent.ports import free_port
 
 
 def main() -> None:
@@ -26,10 +27,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=31)
     args = ap.parse_args()
     os.environ["TORCH_FR_BUFFER_SIZE"] = str(args.entries)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
 
     import torch
     import torch.distributed as dist
