@@ -24,9 +24,10 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 FROM ${PYTHON_BASE} AS agent
 ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 # The wheel comes in through a bind mount, so no layer keeps a copy of it. The [otlp]
-# extra lets the agent export spans when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+# extra lets the agent export spans when OTEL_EXPORTER_OTLP_ENDPOINT is set; [etcd] lets
+# it elect a job's coordinator in etcd (--election).
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir "$(echo /wheels/rankwatch-*.whl)[otlp]" \
+    pip install --no-cache-dir "$(echo /wheels/rankwatch-*.whl)[otlp,etcd]" \
     && groupadd --system --gid 10001 rankwatch \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin rankwatch
@@ -45,7 +46,7 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
         if [ -n "${TORCH_INDEX}" ]; then export PIP_INDEX_URL="${TORCH_INDEX}"; fi; \
         pip install --no-cache-dir "torch==${TORCH_VERSION}" ); \
     fi \
-    && pip install --no-cache-dir /wheels/*.whl \
+    && pip install --no-cache-dir "$(echo /wheels/rankwatch-*.whl)[etcd]" \
     && groupadd --gid 10001 rankwatch \
     && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/rankwatch rankwatch
 USER 10001

@@ -328,3 +328,54 @@ def test_training_job_example_reaches_the_agent_and_its_command_parses():
                                                str(svc["spec"]["ports"][0]["port"])]
     mounts = {m["mountPath"] for m in train["volumeMounts"]}
     assert str(harness.checkpoint_dir) in mounts
+
+
+ETCD_EXAMPLE = K8S / "examples" / "training-job-etcd.yaml"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_etcd_example_passes_strict_schema_validation(version):
+    for d in _docs(ETCD_EXAMPLE):
+        try:
+            kubernetes_validate.validate(d, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{d['kind']}/{d['metadata']['name']} on Kubernetes {version}: "
+                        f"{exc.message} at {'.'.join(map(str, exc.path))}")
+
+
+def test_etcd_example_wires_a_per_job_agent_elected_in_etcd_to_the_training_container():
+    from torch.distributed.run import get_args_parser
+
+    from rankwatch.agent.election import parse_endpoints
+    from rankwatch.agent.torchrun_args import plan
+
+    pod = _one(_docs(ETCD_EXAMPLE), "Job")["spec"]["template"]["spec"]
+    sidecar, train = _container(pod, "job-agent", "initContainers"), _container(pod, "train")
+    assert sidecar["restartPolicy"] == "Always", "a native sidecar: it stops with the pod, the Job completes"
+
+    def expand(args: list[str]) -> list[str]:
+        return [a.replace("$(POD_NAME)", "rankwatch-train-etcd-0-abcde").replace("$(POD_IP)", "10.1.2.3")
+                for a in args]
+
+    agent = build_parser().parse_args(expand(sidecar["args"]))
+    run = build_parser().parse_args(expand(train["args"]))
+    tr = get_args_parser().parse_args(run.torchrun_args[1:] if run.torchrun_args[0] == "--" else run.torchrun_args)
+
+    # The ranks reach the sidecar's socket through a volume both containers mount.
+    (sock,) = [a.path for a in agent.listen if a.path is not None]
+    env = {e["name"]: e for e in train["env"]}
+    assert env["RANKWATCH_AGENT"]["value"] == sock
+    mounts = [{m["mountPath"]: m["name"] for m in c["volumeMounts"]} for c in (sidecar, train)]
+    sock_dir = str(Path(sock).parent)
+    assert mounts[0][sock_dir] == mounts[1][sock_dir]
+    assert agent.state_dir is not None and str(agent.state_dir).startswith(sock_dir), \
+        "the state directory must be on a writable volume (the root file system is read-only)"
+    # One node id for the agent and for rankwatch run; one etcd and one id for seat and rendezvous.
+    assert agent.node_id == run.node_id
+    host, port = tr.rdzv_endpoint.split(":")
+    assert parse_endpoints(agent.election) == [(host, int(port))]
+    assert agent.job_id == tr.rdzv_id
+    assert tr.rdzv_backend == "etcd-v2" and tr.module and tr.training_script == "rankwatch.hooks.train"
+    launched = plan(run.torchrun_args[1:], {}).args
+    assert launched[launched.index("--rdzv-backend") + 1] == "rankwatch-etcd"
+    assert int(tr.nnodes.split(":")[0]) == agent.min_nodes

@@ -58,7 +58,10 @@ def test_targets_agent_without_torch_and_train_with_it_both_non_root():
         users = [i.split()[1] for i in stages[name] if i.startswith("USER ")]
         assert users and users[-1].isdigit() and users[-1] != "0", f"{name} must end as a numeric non-root user"
     assert not any("torch" in i for i in stages["agent"] if i.startswith("RUN")), "torch in the agent image"
-    assert any(".whl)[otlp]" in i for i in stages["agent"] if i.startswith("RUN")), "the agent exports OTLP"
+    assert any(".whl)[otlp,etcd]" in i for i in stages["agent"] if i.startswith("RUN")), \
+        "the agent exports OTLP and elects coordinators in etcd"
+    assert any(".whl)[etcd]" in i for i in stages["train"] if i.startswith("RUN")), \
+        "torchrun's etcd-v2 rendezvous imports python-etcd"
     assert any("torch==" in i for i in stages["train"] if i.startswith("RUN"))
 
 
