@@ -355,8 +355,6 @@ class CollectiveInstrumentation:
     def _wrap_funcol(self) -> None:
         import torch.distributed._functional_collectives as funcol
 
-        rec = self._rec
-        clock = time.perf_counter_ns
         act_cls = funcol.AsyncCollectiveTensor
         for fname, op in _FUNCOL_OPS.items():
             fn = getattr(funcol, fname, None)
