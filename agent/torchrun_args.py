@@ -18,8 +18,8 @@ script or ``-m module``) may change in three ways, and everything else is passed
   instead of training on.
 
 Single-node jobs (``--standalone``) and static ones (``--rdzv-backend static``, or
-``--node-rank``/``--master-addr`` with no backend) are left alone.  Every change is listed in :attr:`Launch.notes`, which ``rankwatch run``
-prints, so the user sees what ran.
+``--node-rank``/``--master-addr`` with no backend) are left alone.  Every change is
+listed in :attr:`Launch.notes`, which ``rankwatch run`` prints, so the user sees what ran.
 """
 
 from __future__ import annotations
@@ -89,31 +89,25 @@ class Launch:
     """What was changed and why, one line each, for the user."""
 
 
-def _launcher_end(args: Sequence[str]) -> int:
-    """The index of the training script (or module) in torchrun's arguments."""
+def _options(args: Sequence[str]) -> list[tuple[int, str, str]]:
+    """torchrun's launcher options, up to the training script (or module): (index, flag, value)
+    each, the value in the next token for ``--flag value``, in the same for ``--flag=value``."""
+    out = []
     i = 0
-    while i < len(args):
-        a = args[i]
-        if a == "--":
-            return i
-        if not a.startswith("-"):
-            return i
-        i += 1 if (a in _NO_VALUE or "=" in a) else 2
-    return len(args)
+    while i < len(args) and args[i] != "--" and args[i].startswith("-"):
+        flag, eq, value = args[i].partition("=")
+        if eq or args[i] in _NO_VALUE:
+            out.append((i, flag, value))
+            i += 1
+        else:
+            out.append((i, flag, args[i + 1] if i + 1 < len(args) else ""))
+            i += 2
+    return out
 
 
-def _find(args: Sequence[str], end: int, *names: str) -> tuple[int, str] | None:
-    """(index, value) of the last of ``names`` among the launcher options; its value at index+1
-    for ``--flag value``, in the same token for ``--flag=value``."""
-    found = None
-    i = 0
-    while i < end:
-        a = args[i]
-        flag, eq, value = a.partition("=")
-        if flag in names:
-            found = (i, value) if eq else (i, args[i + 1] if i + 1 < end else "")
-        i += 1 if (a in _NO_VALUE or eq) else 2
-    return found
+def _find(args: Sequence[str], *names: str) -> tuple[int, str] | None:
+    """(index, value) of the last of ``names`` among the launcher options, or None."""
+    return next(((i, v) for i, flag, v in reversed(_options(args)) if flag in names), None)
 
 
 def _parse_conf(text: str) -> dict[str, str]:
@@ -132,30 +126,29 @@ def _max_nodes(nnodes: str) -> int:
         return 1
 
 
-def _set(args: list[str], end: int, names: tuple[str, ...], value: str) -> tuple[list[str], int]:
+def _set(args: list[str], names: tuple[str, ...], value: str) -> list[str]:
     """``args`` with the launcher option ``names[0]`` set to ``value``: replaced where it is, or
     put first (torchrun's options may come in any order; ``-m`` must stay before the module)."""
-    found = _find(args, end, *names)
+    found = _find(args, *names)
     if found is None:
-        return [names[0], value, *args], end + 2
+        return [names[0], value, *args]
     i, _ = found
     if "=" in args[i]:
-        return [*args[:i], f"{args[i].partition('=')[0]}={value}", *args[i + 1:]], end
-    return [*args[:i + 1], value, *args[i + 2:]], end
+        return [*args[:i], f"{args[i].partition('=')[0]}={value}", *args[i + 1:]]
+    return [*args[:i + 1], value, *args[i + 2:]]
 
 
 def plan(torchrun_args: Sequence[str], environ: Mapping[str, str], wrap: bool = True) -> Launch:
     """What ``rankwatch run`` runs for ``torchrun_args`` (``environ``: torchrun's environment)."""
     args = list(torchrun_args)
-    end = _launcher_end(args)
     env: dict[str, str] = {}
     notes: list[str] = []
 
     def given(*names: str, pet: str) -> str | None:
-        found = _find(args, end, *names)
+        found = _find(args, *names)
         return found[1] if found is not None else environ.get(pet)
 
-    standalone = _find(args, end, "--standalone") is not None or environ.get("PET_STANDALONE", "0") not in ("", "0")
+    standalone = _find(args, "--standalone") is not None or environ.get("PET_STANDALONE", "0") not in ("", "0")
     if standalone:
         return Launch(args)
     max_nodes = _max_nodes(given("--nnodes", pet="PET_NNODES") or "1")
@@ -165,14 +158,14 @@ def plan(torchrun_args: Sequence[str], environ: Mapping[str, str], wrap: bool = 
         if static_setup or not given("--rdzv-endpoint", "--rdzv_endpoint", pet="PET_RDZV_ENDPOINT"):
             return Launch(args)
         backend = "c10d"
-        args, end = _set(args, end, ("--rdzv-backend", "--rdzv_backend"), backend)
+        args = _set(args, ("--rdzv-backend", "--rdzv_backend"), backend)
         notes.append("no --rdzv-backend: c10d (torchrun's default, static, needs a fixed world and "
                      "--node-rank on every node)")
     if backend not in DYNAMIC_BACKENDS:
         return Launch(args)
 
     if wrap and backend in WRAPPERS:
-        args, end = _set(args, end, ("--rdzv-backend", "--rdzv_backend"), WRAPPERS[backend])
+        args = _set(args, ("--rdzv-backend", "--rdzv_backend"), WRAPPERS[backend])
         # torchrun's worker store shared across rounds keeps the old round's keys, and a
         # restarted round then fails to connect (gloo's connectFullMesh).
         if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:
@@ -182,12 +175,12 @@ def plan(torchrun_args: Sequence[str], environ: Mapping[str, str], wrap: bool = 
     added = {k: v for k, v in fast_timings(max_nodes).items() if k not in conf}
     if added:
         merged = ",".join(f"{k}={v}" if v else k for k, v in {**conf, **added}.items())
-        args, end = _set(args, end, ("--rdzv-conf", "--rdzv_conf"), merged)
+        args = _set(args, ("--rdzv-conf", "--rdzv_conf"), merged)
         notes.append("rendezvous: " + ", ".join(f"{k}={v} (torch's {_TORCH_TIMINGS[k]})" for k, v in added.items())
                      + "; set any in --rdzv-conf to choose it")
 
     if max_nodes > 1 and given("--max-restarts", "--max_restarts", pet="PET_MAX_RESTARTS") is None:
-        args, end = _set(args, end, ("--max-restarts", "--max_restarts"), str(DEFAULT_MAX_RESTARTS))
+        args = _set(args, ("--max-restarts", "--max_restarts"), str(DEFAULT_MAX_RESTARTS))
         notes.append(f"--max-restarts {DEFAULT_MAX_RESTARTS} (torchrun's 0 ends the job at a node's loss; "
                      "give --max-restarts to choose)")
     return Launch(args, env, notes)
