@@ -238,3 +238,17 @@ def test_a_job_straggler_is_resolved_when_the_node_recovers():
     (sent,) = [i for i in sync(0.1).incidents if i.kind == "straggler"]
     assert json.loads(sent.detail_json)["resolved_at"] == inc.detail["resolved_at"]
     assert len([i for i in c.incidents.items if i.kind == "straggler"]) == 1
+
+
+def test_a_node_heard_once_then_refused_is_not_called_dead():
+    # Thousands of nodes joining at once: n1 was heard once, then its syncs failed at the door.
+    c, clock = make(PolicyConfig(min_nodes=1, node_timeout_seconds=3))
+    for seq in (1, 2, 3):
+        clock.t += 0.25
+        c.sync(summary("n0", seq, clock.t, [dict(rank=0, step=5, progress_at=clock.t, last_seen=clock.t)]))
+        if seq == 1:
+            c.sync(summary("n1", 1, clock.t, [dict(rank=1, step=5, progress_at=clock.t, last_seen=clock.t)]))
+    clock.t += 10
+    c.sync(summary("n0", 4, clock.t, [dict(rank=0, step=9, progress_at=clock.t, last_seen=clock.t)]))
+    c.evaluate()
+    assert c.node_states()["n1"] != "dead" and c.excluded == {}
