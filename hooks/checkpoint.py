@@ -101,6 +101,17 @@ class Checkpointer:
         if self.asynchronous and self._group is None:
             self._group = dist.new_group(backend="gloo")
 
+    def regroup(self) -> None:
+        """After an in-process recovery (collective over the new world): forget a save that was
+        in flight on the failed groups (it never completes: its marker is never written) and
+        create the background saves' group anew."""
+        if self._pending is not None:
+            log.warning("rankwatch: the save of step %d was cut short by the failure; it is not "
+                        "marked complete", self._pending[0].step)
+            self._pending = None
+        self._group = None
+        self.setup()
+
     def due(self, step: int) -> bool:
         return self.interval > 0 and step > 0 and step % self.interval == 0
 

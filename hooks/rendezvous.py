@@ -63,6 +63,14 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
+from rankwatch.hooks.recovery_store import (
+    REGROUPED_COUNT,
+    REGROUPED_LIST,
+    ROUND_ENV,
+    STORE_ENV,
+    regrouped_key,
+    round_key,
+)
 
 __all__ = ["BACKEND", "ETCD_BACKEND", "ExcludingRendezvousHandler", "create_etcd_handler", "create_handler",
            "etcd_handler_factory", "handler_factory"]
@@ -133,6 +141,11 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._node = node
         self._joined_generation = 0
         self._round_store: Store | None = None
+        self._raw_store = store
+        self._round_nodes = 0
+        self._checked_in: set[str] = set()
+        self._round_prefix: str | None = None  # this round's keys in the raw store, as the workers see them
+        self._endpoint = _tcp_endpoint(store)
         self._excluded: str | None = None
         self._store_trouble_logged = float("-inf")
         self._relay = _Relay(self, agent, relay_interval) if agent is not None else None
@@ -190,12 +203,36 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                             "waits on as a hot spare", self._node)
         self._joined_generation = generation
         self._round_store = info.store  # this round's own (prefixed) store
+        self._round_nodes = info.world_size
+        self._checked_in: set[str] = set()
+        self._export_recovery_store()
         try:
             self._round_store.set(MEMBER_PREFIX + self._node, "1")
         except Exception as exc:  # noqa: BLE001 - without it every exclusion restarts this round
             log.warning("rankwatch: could not record this node in the round (%s)", exc)
             self._round_store = None
         return info
+
+    def _export_recovery_store(self) -> None:
+        """Name the rendezvous store and this round to the round's workers (they inherit this
+        process's environment): their in-process recovery agrees there."""
+        try:
+            round_ = int(self._inner._state_holder.state.round)
+        except Exception:  # noqa: BLE001 - private API: the workers fall back to their own store
+            round_ = None
+        if self._endpoint is None or round_ is None:
+            self._round_prefix = None
+            os.environ.pop(STORE_ENV, None)
+            os.environ.pop(ROUND_ENV, None)
+            return
+        self._round_prefix = f"rankwatch/{self.get_run_id()}/{round_key(round_)}"
+        os.environ[STORE_ENV] = self._endpoint
+        os.environ[ROUND_ENV] = self._round_prefix
+
+    def _regrouped(self, node: str) -> bool:
+        """The round's workers left ``node`` out themselves (an in-process recovery)."""
+        return (self._round_prefix is not None
+                and self._raw_store.check([self._round_prefix + regrouped_key(node)]))
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join, as torchrun's agent asks between its worker checks.
@@ -215,7 +252,32 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                             "on, asking again", type(exc).__name__, exc)
             return 0
 
+    def _check_in_regrouped(self) -> None:
+        """Stand in, at torchrun's exit barrier, for each node the workers left out in process.
+
+        torchrun's agents wait at the end of a round until every node of the round checked
+        in there (up to 300 s); a node whose workers were left out in process is gone and
+        never does.  One survivor checks in for it (whichever gets there first)."""
+        if self._round_prefix is None or self._round_store is None:
+            return
+        count = int(self._raw_store.add(self._round_prefix + REGROUPED_COUNT, 0))
+        if count <= len(self._checked_in):
+            return
+        from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+        from torch.distributed.elastic.utils.store import _barrier_nonblocking
+
+        listed = self._raw_store.get(self._round_prefix + REGROUPED_LIST).decode(errors="replace")
+        for node in filter(None, listed.split(",")):
+            if node in self._checked_in:
+                continue
+            self._checked_in.add(node)
+            if self._round_store.add(f"rankwatch/exit_check_in/{node}", 1) == 1:
+                _barrier_nonblocking(self._round_store, self._round_nodes, _TERMINAL_STATE_SYNC_ID)
+                log.warning("rankwatch: node %s was left out in process; checked in for it at "
+                            "torchrun's exit barrier", node)
+
     def _num_nodes_waiting(self) -> int:
+        self._check_in_regrouped()
         if self.excluded() is not None or self._restart_needed():
             return max(1, self._inner.num_nodes_waiting())
         waiting = self._inner.num_nodes_waiting()  # syncs the state _job_full reads
@@ -258,10 +320,10 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             node = self._excluded_by(g)
             if node is None or self._round_store is None:
                 return True  # unknown: restart, as is always safe
-            if self._round_store.check([MEMBER_PREFIX + node]):
+            if self._round_store.check([MEMBER_PREFIX + node]) and not self._regrouped(node):
                 return True
             log.warning("rankwatch: node %s was excluded (generation %d) but is not in this "
-                        "round; no restart needed", node, g)
+                        "round (or its workers already left it out); no restart needed", node, g)
         self._joined_generation = current
         return False
 
@@ -358,6 +420,18 @@ class _Relay:
                 except ProcessLookupError:
                     pass
                 self._killed.add(pid)
+
+
+def _tcp_endpoint(store: Store) -> str | None:
+    """``HOST:PORT`` of a TCPStore (the c10d backend's), else None."""
+    from torch.distributed import TCPStore
+
+    if not isinstance(store, TCPStore):
+        return None
+    try:
+        return f"{store.host}:{store.port}"
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _child_of(pid: int, parent: int) -> bool:

@@ -30,7 +30,8 @@ from rankwatch.hooks.checkpoint import Checkpointer  # noqa: E402
 from rankwatch.hooks.data import SyntheticTokens, build_loader  # noqa: E402
 from rankwatch.hooks.flops import transformer_flops_per_token  # noqa: E402
 from rankwatch.hooks.model import ModelConfig, Transformer  # noqa: E402
-from rankwatch.hooks.parallel import ParallelDims, build_mesh, device_type, parallelize  # noqa: E402
+from rankwatch.hooks.parallel import ParallelDims, build_mesh, device_type, dp_mesh, parallelize  # noqa: E402
+from rankwatch.hooks.recovery import InProcessRecovery, Job, Membership  # noqa: E402
 
 log = logging.getLogger("rankwatch.train")
 
@@ -40,6 +41,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100, help="train until this step (total, across restarts)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world / tp)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--replicate", type=int, default=1,
+                   help="HSDP: the dp ranks form this many replicas, each sharded over dp/replicate "
+                        "ranks (put one replica per node, so that a lost node takes whole replicas)")
+    p.add_argument("--in-process-recovery", action="store_true",
+                   help="when a node is lost, the surviving workers regroup and train on in process "
+                        "(needs --replicate > 1); what cannot be recovered so falls back to torchrun")
+    p.add_argument("--recovery-settle", type=float, default=0.25,
+                   help="seconds the survivors wait for each other before leaving the silent ones out")
+    p.add_argument("--collective-timeout", type=float, default=1800.0,
+                   help="seconds a collective waits for a hung peer before it fails")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save and resume here")
     p.add_argument("--checkpoint-interval", type=int, default=0, help="save every N steps (0: never)")
     p.add_argument("--keep-checkpoints", type=int, default=3)
@@ -118,109 +129,162 @@ def main(argv: list[str] | None = None) -> int:
     backend = "nccl" if dev == "cuda" else "gloo"
     if dev == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        dims = ParallelDims.from_flags(args.dp, args.tp, world)
-    except ValueError as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        dist.destroy_process_group()
-        return 2
-    mesh = build_mesh(dims, dev)
-    # Before parallelising, so the collectives that shard the weights are timed too.
-    mon = _monitor.NullMonitor() if args.no_rankwatch else _monitor.init(
-        mesh=mesh, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None)
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
     cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers,
                       n_heads=args.heads, hidden_dim=args.hidden_dim, seq_len=args.seq_len)
-    model = Transformer(cfg)
-    n_params = model.num_params()
-    model = parallelize(model.to(dev), mesh, dims)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
-
     ckpt = Checkpointer(root=args.checkpoint_dir, interval=args.checkpoint_interval,
                         keep=args.keep_checkpoints, asynchronous=not args.checkpoint_sync
                         ) if args.checkpoint_dir else None
-    if ckpt:
-        ckpt.setup()
-    start, extra = ckpt.load(model, opt) if ckpt else (0, {})
+    monitors: list = []  # the one Monitor, made with the first generation's mesh
 
-    dp_rank = mesh["dp"].get_local_rank()
-    global_batch, accum = _global_batch(extra.get("global_batch"), args.batch_size, dims.dp, rank)
-    ds = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
-    batches = iter(build_loader(ds, args.batch_size, dp_rank, dims.dp, start * global_batch))
-    # Each rank's share of the job's tokens and FLOPs (TP ranks split a batch).
-    tokens = accum * args.batch_size * cfg.seq_len / dims.tp
-    flops = tokens * transformer_flops_per_token(n_params, cfg.n_layers, cfg.dim, cfg.seq_len)
+    def make(m: Membership) -> Job:
+        """The job for a membership: at the start, and again after an in-process recovery."""
+        world = dist.get_world_size()
+        if m.generation == 0:
+            dims = ParallelDims.from_flags(args.dp, args.tp, world, args.replicate)
+        else:  # whole replicas survived; each keeps its layout
+            dims = ParallelDims.from_flags(None, args.tp, world, world // replica_size[0])
+        mesh = build_mesh(dims, dev)
+        if not monitors:  # before parallelising, so the collectives that shard the weights are timed too
+            monitors.append(_monitor.NullMonitor() if args.no_rankwatch else _monitor.init(
+                mesh=mesh, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None))
+        if m.generation == 0:
+            torch.manual_seed(args.seed)  # identical initial weights on every rank
+            model = parallelize(Transformer(cfg).to(dev), mesh, dims)
+        else:  # the weights come from this rank's own shards in memory: allocate, don't initialise
+            with torch.device("meta"):
+                model = Transformer(cfg)
+            model = parallelize(model, mesh, dims).to_empty(device=dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
+        if ckpt:
+            ckpt.regroup() if m.generation else ckpt.setup()
+        return Job(model=model, optimizer=opt, replica_size=dims.replica_size,
+                   extra={"mesh": mesh, "dims": dims})
 
-    ckpt_extra = {"world_size": world, "dp": dims.dp, "global_batch": global_batch}
-    step_times, losses, arms, dp_means, saves = [], [], [], [], []
+    replica_size: list[int] = []
+    tier = InProcessRecovery(make, backend=backend, settle=args.recovery_settle,
+                             timeout=datetime.timedelta(seconds=args.collective_timeout)
+                             ) if args.in_process_recovery else None
+    try:
+        if tier is not None:
+            job = tier.start()
+        else:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.collective_timeout))
+            job = make(Membership(generation=0, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                  members=tuple(range(dist.get_world_size()))))
+    except ValueError as exc:
+        if dist.get_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    replica_size.append(job.replica_size)
+    mon = monitors[0]
+    if tier is not None:
+        tier.set_monitor(mon)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first_rank = rank  # this worker's rank at the start: its metrics file keeps it
+    n_params = sum(p.numel() for p in job.model.parameters())
+    start, extra = ckpt.load(job.model, job.optimizer) if ckpt else (0, {})
+    global_batch = extra.get("global_batch")
+
+    def feed(job: Job, done: int) -> tuple:
+        """The data and the per-step accounting for the job's current world, from step ``done`` on."""
+        dims, mesh = job.extra["dims"], job.extra["mesh"]
+        gb, accum = _global_batch(global_batch, args.batch_size, dims.dp, dist.get_rank())
+        ds = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
+        batches = iter(build_loader(ds, args.batch_size, dp_mesh(mesh).get_local_rank(), dims.dp, done * gb))
+        # Each rank's share of the job's tokens and FLOPs (TP ranks split a batch).
+        tokens = accum * args.batch_size * cfg.seq_len / dims.tp
+        flops = tokens * transformer_flops_per_token(n_params, cfg.n_layers, cfg.dim, cfg.seq_len)
+        return gb, accum, batches, tokens, flops
+
+    global_batch, accum, batches, tokens, flops = feed(job, start)
+    ckpt_extra = {"world_size": world, "dp": job.extra["dims"].dp, "global_batch": global_batch}
+    step_times, losses, arms, dp_means, saves, recoveries = [], [], [], [], [], []
     ab = _ABSwitch(mon, args.ab_block)
-    for step in range(start, args.steps):
+    done = start  # optimizer steps applied
+    while done < args.steps:
+        step = done
+        model, opt, mesh, dims = job.model, job.optimizer, job.extra["mesh"], job.extra["dims"]
+        rank = dist.get_rank()
         m = ab.monitor_for(step - start)
         t0 = time.perf_counter()
-        with m.step(step + 1, tokens=tokens, flops=flops):
-            micro = [next(batches).to(dev) for _ in range(accum)]
-            if slow := _slowdown_from(args.fault, "slow_data", rank, step + 1):
-                time.sleep(slow * _usual(step_times))
-            m.mark("data")
-            if stuck := _faults_at(args.fault, "sleep_forward", rank, step + 1):
-                _injected_sleep_in_forward(stuck)
-            if slow := _slowdown_from(args.fault, "slow_compute", rank, step + 1):
-                time.sleep(slow * _usual(step_times))
-            # Gradient accumulation keeps the global batch when the job shrank; with more
-            # than one micro-batch, "forward" is the first one's and "backward" the rest.
-            for i, batch in enumerate(micro):
-                logits = model(batch[:, :-1])
-                part = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1))
-                loss = part.detach() if i == 0 else loss + part.detach()
-                if i == 0:
-                    m.mark("forward")
-                (part / accum if accum > 1 else part).backward()
-            loss = loss / accum
-            m.mark("backward")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            m.mark("optimizer")
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
-        step_times.append(time.perf_counter() - t0)
-        arms.append(ab.on)
-        losses.append(loss.item())
-        # The dp-mean loss for the log: one small all-reduce per step on the dp group.
-        mean_loss = torch.tensor([losses[-1]], device=dev)
-        if skip := _faults_at(args.fault, "skip_collective", rank, step + 1):
-            time.sleep(skip)  # this rank never issues the all-reduce the others wait in
-        else:
-            dist.all_reduce(mean_loss, group=mesh["dp"].get_group())
-        dp_means.append(mean_loss.item() / dims.dp)
-        if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
-            log.info("step %d loss %.4f (dp mean %.4f) step_time %.4fs", step + 1, losses[-1],
-                     mean_loss.item() / dims.dp, step_times[-1])
-        if slow := _faults_at(args.fault, "slow_checkpoint", rank, step + 1):
-            with mon.activity("checkpoint"):
-                time.sleep(slow)
-                dist.barrier()
-        saved = False
-        if ckpt and ckpt.due(step + 1):
-            saved = _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
-        if mon.checkpoint_due(step + 1) and not saved:  # the agent asked; every rank agrees
-            if ckpt is None:
-                log.warning("checkpoint requested at step %d, but no --checkpoint-dir", step + 1)
-                mon.checkpoint_saved(step + 1, started_at=time.time(), duration=0.0, ok=False,
-                                     error="the job runs without --checkpoint-dir")
+        try:
+            with m.step(step + 1, tokens=tokens, flops=flops):
+                micro = [next(batches).to(dev) for _ in range(accum)]
+                if slow := _slowdown_from(args.fault, "slow_data", rank, step + 1):
+                    time.sleep(slow * _usual(step_times))
+                m.mark("data")
+                if stuck := _faults_at(args.fault, "sleep_forward", rank, step + 1):
+                    _injected_sleep_in_forward(stuck)
+                if slow := _slowdown_from(args.fault, "slow_compute", rank, step + 1):
+                    time.sleep(slow * _usual(step_times))
+                # Gradient accumulation keeps the global batch when the job shrank; with more
+                # than one micro-batch, "forward" is the first one's and "backward" the rest.
+                for i, batch in enumerate(micro):
+                    logits = model(batch[:, :-1])
+                    part = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1))
+                    loss = part.detach() if i == 0 else loss + part.detach()
+                    if i == 0:
+                        m.mark("forward")
+                    (part / accum if accum > 1 else part).backward()
+                del logits, part
+                loss = loss / accum
+                m.mark("backward")
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                done = step + 1
+                m.mark("optimizer")
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+            step_times.append(time.perf_counter() - t0)
+            arms.append(ab.on)
+            losses.append(loss.item())
+            # The dp-mean loss for the log: one small all-reduce per step on the dp group.
+            mean_loss = torch.tensor([losses[-1]], device=dev)
+            if skip := _faults_at(args.fault, "skip_collective", rank, step + 1):
+                time.sleep(skip)  # this rank never issues the all-reduce the others wait in
             else:
-                _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
-        if ckpt:
-            _report(mon, ckpt.finished(), saves)
+                dist.all_reduce(mean_loss, group=dp_mesh(mesh).get_group())
+            dp_means.append(mean_loss.item() / dims.dp)
+            if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
+                log.info("step %d loss %.4f (dp mean %.4f) step_time %.4fs", step + 1, losses[-1],
+                         mean_loss.item() / dims.dp, step_times[-1])
+            if slow := _faults_at(args.fault, "slow_checkpoint", rank, step + 1):
+                with mon.activity("checkpoint"):
+                    time.sleep(slow)
+                    dist.barrier()
+            saved = False
+            if ckpt and ckpt.due(step + 1):
+                saved = _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
+            if mon.checkpoint_due(step + 1) and not saved:  # the agent asked; every rank agrees
+                if ckpt is None:
+                    log.warning("checkpoint requested at step %d, but no --checkpoint-dir", step + 1)
+                    mon.checkpoint_saved(step + 1, started_at=time.time(), duration=0.0, ok=False,
+                                         error="the job runs without --checkpoint-dir")
+                else:
+                    _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
+            if ckpt:
+                _report(mon, ckpt.finished(), saves)
+        except Exception as exc:
+            if tier is None:
+                raise
+            del model, opt, mesh, dims
+            job, done = tier.recover(exc, job, completed=done)  # or raises: torchrun restarts
+            del exc
+            recoveries.append({"step": done, "world_size": dist.get_world_size(), "rank": dist.get_rank(),
+                               "phases": tier.last_phases})
+            global_batch, accum, batches, tokens, flops = feed(job, done)
+            continue
+        if tier is not None and (phases := tier.stepped(done)) is not None:
+            recoveries[-1]["phases"] = phases  # the recovery's first step is done
 
     if ckpt:  # the last save in flight is written before the job ends
         with mon.activity("checkpoint"):
             ckpt.wait()
         _report(mon, ckpt.finished(), saves)
     if args.metrics_out:
-        _write_metrics(args.metrics_out, rank, start, step_times, losses, arms, dp_means, saves)
+        _write_metrics(args.metrics_out, first_rank, start, step_times, losses, arms, dp_means, saves,
+                       recoveries, dist.get_rank(), dist.get_world_size())
     mon.close()
     dist.barrier()
     dist.destroy_process_group()
@@ -306,7 +370,7 @@ class _ABSwitch:
 
 def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
                    losses: list[float], arms: list[bool], dp_means: list[float],
-                   saves: list[dict]) -> None:
+                   saves: list[dict], recoveries: list[dict], rank_now: int, world_now: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fr = {}
     try:
@@ -316,7 +380,8 @@ def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
     with open(out / f"rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "pid": os.getpid(), "start": start, "step_times": step_times,
                    "losses": losses, "dp_mean_losses": dp_means, "rankwatch_on": arms,
-                   "checkpoints": saves,
+                   "checkpoints": saves, "recoveries": recoveries, "rank_now": rank_now,
+                   "world_size_now": world_now,
                    "flight_recorder": fr.get("entries", [])}, f)
 
 

@@ -1,0 +1,72 @@
+"""Where the in-process recovery tier agrees on membership: a store that outlives any worker.
+
+The contract between the two processes that touch it:
+
+* the rankwatch rendezvous handler (in each node's torchrun) exports, before it starts a
+  round's workers, :data:`STORE_ENV` (``HOST:PORT`` of the rendezvous TCPStore, which lives
+  as long as the rendezvous does, not in any worker) and :data:`ROUND_ENV` (this round's key
+  prefix in it); the workers inherit both;
+* the workers of a round agree there (:mod:`rankwatch.hooks.recovery`), and mark each node
+  they left out in :func:`regrouped_key`, so that the handler does not restart the round
+  when the coordinator later excludes that node: the round already goes on without it.
+
+Without the handler (plain ``c10d``, a static launch), the workers fall back to torchrun's
+worker store (``MASTER_ADDR:MASTER_PORT``), which the first node's torchrun hosts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["REGROUPED_COUNT", "REGROUPED_LIST", "ROUND_ENV", "STORE_ENV", "connect", "mark_regrouped",
+           "regrouped_key", "round_key"]
+
+STORE_ENV = "RANKWATCH_RECOVERY_STORE"
+ROUND_ENV = "RANKWATCH_RECOVERY_ROUND"
+REGROUPED_COUNT = "regrouped_count"  # under a round's prefix: nodes left out in process so far
+REGROUPED_LIST = "regrouped_nodes"   # ",n2,n5": which
+_CONNECT_TIMEOUT = timedelta(seconds=10)
+
+
+def round_key(round_: int) -> str:
+    """A round's keys, under the handler's ``rankwatch/<run_id>/`` in the rendezvous store."""
+    return f"round/{round_}/"
+
+
+def regrouped_key(node: str) -> str:
+    """Under a round's prefix: ``node`` was left out of the round by its surviving workers."""
+    return f"regrouped/{node}"
+
+
+def mark_regrouped(store: Any, prefix: str, node: str, generation: int) -> None:
+    """Record that the round's workers left ``node`` out (the handler reads it)."""
+    store.set(prefix + regrouped_key(node), str(generation))
+    store.append(prefix + REGROUPED_LIST, "," + node)
+    store.add(prefix + REGROUPED_COUNT, 1)  # last: a reader that sees the count finds the list
+
+
+def connect(env: Mapping[str, str] = os.environ, timeout: timedelta = _CONNECT_TIMEOUT) -> tuple[Any, str]:
+    """A client of the recovery store and this round's prefix in it.
+
+    Raises:
+        RuntimeError: no store is named in ``env``.
+    """
+    from torch.distributed import TCPStore
+
+    where = env.get(STORE_ENV)
+    if where:
+        host, _, port = where.rpartition(":")
+        prefix = env.get(ROUND_ENV) or "rankwatch/round/"
+    elif env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        host, port = env["MASTER_ADDR"], env["MASTER_PORT"]
+        # Every node of a round runs the same restart attempt (torch's own worker store
+        # prefix relies on it too).
+        prefix = (f"rankwatch/{env.get('TORCHELASTIC_RUN_ID', 'none')}/attempt/"
+                  f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+    else:
+        raise RuntimeError(f"no recovery store: neither {STORE_ENV} nor MASTER_ADDR/MASTER_PORT is set")
+    store = TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+    return store, prefix
