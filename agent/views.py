@@ -115,6 +115,8 @@ def node_summary(agent: Agent, seq: int) -> pb.NodeSummary:
             phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
             op_latency=oplatency.to_pb(r.op_latency), backend=r.backend,
             collectives=int(r.collective_counts.sum()), world_size=r.world_size)
+        if r.world_rank is not None:
+            rs.world_rank = r.world_rank
         if inflight:
             rs.inflight.CopyFrom(pb.InFlight(op=inflight["op"], group=inflight["group"],
                                              seq=inflight["seq"], since=inflight["since"]))
