@@ -516,6 +516,12 @@ def check_incident(i: pb.Incident, now: float | None = None) -> None:
     for key in _DETAIL_TIMES:
         if isinstance(detail.get(key), (int, float)) and not isinstance(detail[key], bool):
             check_timestamp(float(detail[key]), f"incident {key}", now)
+    if "phases" in detail:   # an in-process recovery's, which goodput reads
+        phases = detail["phases"]
+        if not (isinstance(phases, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 for v in phases.values())):
+            raise _reject("malformed", "incident phases are not an object of seconds")
+        _check_recovery_phases(phases)
 
 
 _DETAIL_DURATIONS = ("seconds", "complete_seconds", "stalled_seconds", "recovered_after_seconds",
