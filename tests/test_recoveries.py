@@ -216,3 +216,18 @@ def test_reports_of_one_recovery_match_by_step_worlds_outcome_and_time():
     assert recoveries.span(inc(100.0, phases={"left_step": 1.0, "agreed": 2.0})) == (100.0, 102.0)
     assert recoveries.span(inc(100.0, phases={"agreed": 2.0, "first_step": 5.0})) == (100.0, 105.0)
     assert recoveries.span(inc(100.0)) == (100.0, 100.0)
+
+
+def test_the_timeline_and_the_demo_feed_tell_a_recovery_in_one_line():
+    from rankwatch.agent.demoscreen import DemoNotes, feed
+    from rankwatch.agent.view import brief
+
+    detail = {"tier": "in_process", "ok": False, "step": 7, "old_world_size": 4, "new_world_size": 3,
+              "dropped_nodes": ["n2"], "phases": {"left_step": 0.25}, "error": "peer gone", "started_at": 5.0}
+    line = brief(detail)
+    assert line == ("in-process recovery after step 7 FAILED after 0.25s (world 4 -> 3 without n2): "
+                    "peer gone (left_step 0.25s)")
+    status = {"incidents": [{"id": "restart-1", "kind": "restart", "node": "n0", "rank": 1, "step": 7,
+                             "detected_at": 5.0, "detail": detail}]}
+    ((_, _, text),) = feed(status, DemoNotes())
+    assert text.endswith(line)
