@@ -229,5 +229,5 @@ def test_the_timeline_and_the_demo_feed_tell_a_recovery_in_one_line():
                     "peer gone (left_step 0.25s)")
     status = {"incidents": [{"id": "restart-1", "kind": "restart", "node": "n0", "rank": 1, "step": 7,
                              "detected_at": 5.0, "detail": detail}]}
-    ((_, _, text),) = feed(status, DemoNotes())
+    ((_, _, text),) = feed(status, DemoNotes(nodes=("n0",), spare="", hung="", xid="", steps=10))
     assert text.endswith(line)
