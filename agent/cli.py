@@ -376,12 +376,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from rankwatch.agent.view import latency_table, rank_table
+        from rankwatch.agent.view import latency_table, rank_table, recovery_table
 
         console = Console(width=None if sys.stdout.isatty() else 140)
         console.print(rank_table(status))
         if any(r.get("op_latency") for r in status["ranks"]):
             console.print(latency_table(status))
+        recoveries = recovery_table(status)
+        if recoveries is not None:
+            console.print(recoveries)
     return 0
 
 

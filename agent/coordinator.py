@@ -249,8 +249,8 @@ class Coordinator:
                 return None
             remaining = len([n for n in self.nodes if n not in excluded and n != node])
             remaining += agentless_nodes(
-                ((name, r.rank, r.world_size) for name, n in self.nodes.items() for r in n.summary.ranks
-                 if r.connected),
+                ((name, r.world_rank if r.HasField("world_rank") else r.rank, r.world_size)
+                 for name, n in self.nodes.items() for r in n.summary.ranks if r.connected),
                 rankless_nodes=sum(1 for name, n in self.nodes.items() if name not in excluded and name != node
                                    and not any(r.connected for r in n.summary.ranks)))
             if remaining < self.policy.min_nodes:

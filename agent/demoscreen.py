@@ -25,6 +25,7 @@ from rich.text import Text
 
 from rankwatch.agent.view import shown
 
+from rankwatch.agent.story import recovery_line
 from rankwatch.agent.view import brief
 
 __all__ = ["DemoNotes", "GLOO_TIMEOUT_SECONDS", "feed", "next_line", "screen", "versus_torchrun"]
@@ -78,6 +79,8 @@ def _says(incident: dict[str, Any]) -> str:
         c = d.get("collective") or {}
         where = f"others wait in {c['op']} seq {c['seq']}" if c else "no collective"
         return f"{where}; {'stopped' if d.get('stopped') else 'alive' if d.get('alive') else 'gone'}"
+    if kind == "restart" and d.get("tier") == "in_process":
+        return recovery_line(d)
     if kind == "restart":
         back = d.get("recovered_after_seconds")
         return f"without {d.get('excluded')}" + (f", training again after {back:.1f}s" if back else "")

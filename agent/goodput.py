@@ -7,7 +7,11 @@ What was lost is split into
 * ``hang``: from the last progress before a hang to its end (the restart
   decision, or progress resuming);
 * ``restart``: from a restart decision until every remaining node trains again,
-  or until the next restart decision if that came first (it supersedes it);
+  or until the next restart decision if that came first (it supersedes it); and each
+  in-process recovery, from the failure's catch until its first step (or the last phase
+  a failed attempt reached).  Time covered by several restarts (the nodes' reports of
+  one recovery, a failed attempt and the torchrun restart that took over) counts once;
+* a hang's time that an in-process recovery covers is the recovery's, not the hang's;
 * ``recompute``: steps trained again after resuming from an older checkpoint (the
   steps retrained so far, up to the high-water mark before the resume, times the
   step time);
@@ -26,6 +30,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from rankwatch.agent import recoveries
 from rankwatch.agent.decisions import Decision
 from rankwatch.agent.incidents import Incident
 
@@ -99,38 +104,56 @@ def breakdown(now: float, *, incidents: Iterable[Incident], decisions: Iterable[
         return None
     elapsed = max(now - progress.first_step_at, 1e-9)
     incidents = list(incidents)
-    lost = {"hang": _hang(incidents), "restart": _restart(now, incidents, decisions),
+    in_process = _union([recoveries.span(i) for i in incidents if recoveries.is_in_process(i)])
+    lost = {"hang": _hang(incidents, in_process), "restart": _restart(now, incidents, decisions),
             "recompute": _recompute(progress.resumes), "checkpoint": _checkpoint(incidents)}
     total_lost = min(sum(lost.values()), elapsed)
     return {"productive": elapsed - total_lost, **lost, "elapsed": elapsed}
 
 
-def _hang(incidents: list[Incident]) -> float:
-    """Each hang once (a node's copy of the coordinator's is ``<coordinator>/<id>``)."""
+def _hang(incidents: list[Incident], in_process: list[tuple[float, float]]) -> float:
+    """Each hang once (a node's copy of the coordinator's is ``<coordinator>/<id>``), from its
+    last progress to its end, less what in-process recoveries (``in_process``, disjoint) cover."""
     out, seen = 0.0, set()
     for inc in incidents:
         key = inc.id.split("/")[-1]
         if inc.kind != "hang" or key in seen:
             continue
         seen.add(key)
-        end = inc.resolved_at or inc.detected_at
-        out += max(0.0, end - inc.detected_at) + float(inc.detail.get("stalled_seconds") or 0.0)
+        start = inc.detected_at - float(inc.detail.get("stalled_seconds") or 0.0)
+        end = max(inc.resolved_at or inc.detected_at, inc.detected_at)
+        out += (end - start) - sum(max(0.0, min(end, b) - max(start, a)) for a, b in in_process)
     return out
 
 
 def _restart(now: float, incidents: list[Incident], decisions: Iterable[Decision]) -> float:
-    """Each restart until it recovered, else until the next restart decision, else until now."""
+    """Time under any restart, each counted once: a torchrun restart until it recovered, else
+    until the next restart decision, else until now; an in-process one over its span."""
     starts = sorted(d.decided_at for d in decisions if d.kind == "exclude")
-    out = 0.0
+    spans = []
     for inc in incidents:
         if inc.kind != "restart":
+            continue
+        if recoveries.is_in_process(inc):
+            spans.append(recoveries.span(inc))
             continue
         started = float(inc.detail.get("started_at") or inc.detected_at)
         recovered = inc.detail.get("recovered_after_seconds")
         if recovered is None:
             end = next((t for t in starts if t > started), now)
             recovered = max(0.0, end - started)
-        out += float(recovered)
+        spans.append((started, started + float(recovered)))
+    return sum(b - a for a, b in _union(spans))
+
+
+def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals merged where they overlap: disjoint, in order."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, max(a, b)))
     return out
 
 

@@ -28,6 +28,7 @@ from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.agent.decisions import Decision
 from rankwatch.agent.load_policy import LoadConfig
 from rankwatch.agent.incidents import Incident
+from rankwatch.agent.recoveries import is_in_process
 from rankwatch.proto import pb, pb_grpc
 
 if TYPE_CHECKING:
@@ -268,6 +269,6 @@ def forward_checkpoint(addr: Address, reason: str,
 
 def summary_incidents(items: list[Incident], node: str) -> list[Incident]:
     """This node's own incidents a coordinator needs (newest first, bounded)."""
-    own = [i for i in items if i.node == node and i.kind in ("gpu_fault", "checkpoint", "rank_exit")
-           and "/" not in i.id]
+    own = [i for i in items if i.node == node and "/" not in i.id
+           and (i.kind in ("gpu_fault", "checkpoint", "rank_exit") or is_in_process(i))]
     return own[-_INCIDENTS_SENT:]

@@ -24,6 +24,9 @@ def agentless_nodes(ranks: Iterable[tuple[str, int, int]], rankless_nodes: int =
     Args:
         ranks: ``(node, rank, world_size)`` of every connected rank that the coordinator's
             nodes report (excluded and silent nodes included: their ranks are accounted for).
+            After an in-process recovery that shrank the world, a survivor's rank and world
+            size are those of the new world (``RankSummary.world_rank``): its old rank id may
+            lie beyond the new world's size.
         rankless_nodes: known nodes that report no connected rank (starting, or restarting):
             the missing ranks may be theirs, so they are taken off.
 

@@ -44,6 +44,7 @@ from rankwatch.agent.export.jobmetrics import JobCollector
 from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint
 from rankwatch.agent.export.metrics import NodeCollector
 from rankwatch.agent.election import Election, parse_endpoints
+from rankwatch.agent.recoveries import RecoveryLog
 from rankwatch.agent.nodewatch import NodeWatch
 from rankwatch.agent.rankexit import ExitConfig
 from rankwatch.agent.servicer import Servicer
@@ -147,6 +148,7 @@ class Agent:
         self.link = JobLink(self, config.coordinators, config.sync_interval, elected=config.election is not None)
         self.progress = goodput.StepProgress()
         self._checkpoint_steps = bounds.RecentSet(4096)   # (step, ok) keys already recorded
+        self.recoveries = RecoveryLog(config.node_id, self.incidents)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(self.state, lambda: self.watch.straggler_view, config.rank_grace))
         self.registry.register(JobCollector(self))
@@ -361,6 +363,17 @@ class Agent:
             (log.info if rec.ok else log.warning)(
                 "checkpoint at step %d %s (training thread %.3fs, complete after %.2fs, %s)", rec.step,
                 "saved" if rec.ok else "FAILED", rec.duration, complete_after, reason)
+
+    def on_recoveries(self, rank: RankState, records: Any) -> None:
+        """A rank reports in-process recoveries: each valid one moves the rank into its new
+        world and is recorded once per recovery and node (:mod:`.recoveries`)."""
+        for rec in self.state.take_recoveries(rank, records):
+            inc = self.recoveries.record(rank.rank, rec)
+            if inc is not None:
+                (log.warning if rec.ok else log.error)(
+                    "in-process recovery after step %d %s: world %d -> %d%s", rec.step,
+                    "done" if rec.ok else "FAILED", rec.old_world_size, rec.new_world_size,
+                    f" ({clean_text(rec.error, 200)})" if rec.error else "")
 
     def on_exclusion(self, decision: Decision) -> None:
         """A coordinator decision: mark this node's ranks excluded, or forget old-generation ranks."""

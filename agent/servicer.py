@@ -95,6 +95,8 @@ class Servicer:
                     accepted += 1
                     if msg.batch.checkpoints:
                         agent.on_checkpoints(rank, msg.batch.checkpoints)
+                    if msg.batch.recoveries:
+                        agent.on_recoveries(rank, msg.batch.recoveries)
                 except Rejected as exc:
                     st.note_rejected(exc)
                     rejected += 1

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,6 +91,9 @@ class RankState:
     stacks_at: float = 0.0
     flight_recorder: dict | None = None   # taken with the stacks (see parse_flight_recorder)
     slowdown: float = 1.0                   # own work over the other ranks' median
+    # The rank's rank in its world once an in-process recovery renumbered it (world_size is
+    # that world's size then); None: as its hello said.
+    world_rank: int | None = None
 
     @property
     def step_seconds(self) -> float:
@@ -300,6 +303,29 @@ class NodeState:
         self.flops_total += float(sum(s.flops))
         self.records["step"] += n
         return n
+
+    def take_recoveries(self, rank: RankState, records: Iterable[pb.RecoveryRecord]) -> list[pb.RecoveryRecord]:
+        """The valid ones of a batch's in-process recovery records (the batch was taken).
+
+        A bad record is refused alone (counted and logged as a rejected message); the rest
+        of its batch stands.  A successful recovery moves the rank into its new world: its
+        world size and rank there, which the coordinator counts the job's nodes by.
+        """
+        now = self.clock()
+        valid = []
+        for rec in records:
+            try:
+                validate.check_recovery(rec, now)
+            except Rejected as exc:
+                detail = str(exc).removeprefix(f"{exc.reason}: ")
+                self.note_rejected(Rejected(exc.reason, f"rank {rank.rank}'s recovery record: {detail}"))
+                continue
+            valid.append(rec)
+            if rec.ok:
+                with self.lock:
+                    if self.ranks.get(rank.rank) is rank:
+                        rank.world_size, rank.world_rank = rec.new_world_size, rec.rank_after
+        return valid
 
     # -- rejects ----------------------------------------------------------
     @staticmethod

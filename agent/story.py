@@ -14,7 +14,7 @@ import re
 import time
 from typing import Any
 
-__all__ = ["split_stacks", "tell"]
+__all__ = ["recovery_line", "split_stacks", "tell"]
 
 _SOURCES = {"hooks": "rankwatch's hooks", "flight_recorder": "Flight Recorder"}
 _THREAD = re.compile(r"^Thread (?P<name>.*) \((?P<ident>\d+)\):$")
@@ -24,6 +24,8 @@ def tell(incident: dict[str, Any]) -> str:
     """The incident (``status --json`` form) as text for a terminal."""
     if incident["kind"] == "hang":
         return _hang(incident)
+    if incident["kind"] == "restart" and incident["detail"].get("tier") == "in_process":
+        return _recovery(incident)
     return _generic(incident)
 
 
@@ -100,6 +102,54 @@ def _outcome(inc: dict[str, Any]) -> str:
     if d.get("superseded_by"):
         return f"handed to {d['superseded_by']} ({after})"
     return f"over ({after}; a restart or the coordinator took it over)"
+
+
+# The phases of an in-process recovery, in order (agent/validate.py RECOVERY_PHASES), as read.
+_RECOVERY_PHASES = (("left_step", "left the failed step"), ("agreed", "agreed on the new membership"),
+                    ("reinitialised", "process groups and mesh rebuilt"), ("restored", "state restored"),
+                    ("first_step", "first step done"))
+
+
+def _recovery_phases(d: dict[str, Any]) -> dict[str, float]:
+    phases = d.get("phases")
+    return {k: float(v) for k, v in phases.items() if isinstance(v, (int, float))} if isinstance(phases, dict) else {}
+
+
+def recovery_line(d: dict[str, Any]) -> str:
+    """An in-process recovery's detail in one line (the timeline's and ``status``' form)."""
+    phases = _recovery_phases(d)
+    took = phases.get("first_step", max(phases.values(), default=0.0))
+    dropped = d.get("dropped_nodes") or []
+    left_out = f" without {', '.join(map(str, dropped))}" if dropped else ""
+    world = f"world {d.get('old_world_size', '?')} -> {d.get('new_world_size', '?')}{left_out}"
+    steps = ", ".join(f"{k} {phases[k]:.2f}s" for k, _ in _RECOVERY_PHASES if k in phases)
+    if d.get("ok"):
+        head = f"in-process recovery after step {d.get('step', '?')}: {world}, training again after {took:.2f}s"
+    else:
+        head = (f"in-process recovery after step {d.get('step', '?')} FAILED after {took:.2f}s "
+                f"({world}): {d.get('error') or 'no error given'}")
+    return head + (f" ({steps})" if steps else "")
+
+
+def _recovery(inc: dict[str, Any]) -> str:
+    d = inc["detail"]
+    phases = _recovery_phases(d)
+    outcome = "recovered" if d.get("ok") else "FAILED"
+    out = [f"{inc['id']}: in-process recovery on node {inc['node']} after step {inc['step']}: {outcome} "
+           f"(failure caught {_when(d.get('started_at', inc['detected_at']))})", ""]
+    dropped = d.get("dropped_nodes") or []
+    out.append(f"  world:    {d.get('old_world_size', '?')} ranks -> {d.get('new_world_size', '?')} ranks"
+               + (f"; nodes left out: {', '.join(map(str, dropped))}" if dropped else "; no node left out"))
+    out.append("  phases (seconds after the failure was caught):")
+    for key, what in _RECOVERY_PHASES:
+        out.append(f"    {key:<14}{phases[key]:8.2f} s  {what}" if key in phases else
+                   f"    {key:<14}{'-':>8}    not reached")
+    if d.get("ok"):
+        out.append(f"  outcome:  training went on in the new world; reported first by rank {inc['rank']}")
+    else:
+        out.append(f"  outcome:  the attempt failed: {d.get('error') or 'no error given'}")
+        out.append("            torchrun's elastic restart (the fallback tier) takes over")
+    return "\n".join(out)
 
 
 def _fr_line(view: dict[str, Any]) -> str:

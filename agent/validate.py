@@ -25,8 +25,8 @@ import numpy as np
 from rankwatch.proto import pb
 
 __all__ = [
-    "MAX_DURATION", "MAX_STEP", "MAX_TEXT", "REASONS", "check_checkpoints", "check_summary",
-    "check_timestamp", "clean_text", "reason_label",
+    "MAX_DURATION", "MAX_RECOVERY_SECONDS", "MAX_STEP", "MAX_TEXT", "RECOVERY_PHASES", "REASONS",
+    "check_checkpoints", "check_recovery", "check_summary", "check_timestamp", "clean_text", "reason_label",
 ]
 
 MAX_STEP = 1 << 53
@@ -39,6 +39,8 @@ MAX_LABEL = 128
 MAX_TEXT = 1024
 """Free text (a checkpoint's error or path) is cut to this many characters."""
 MAX_CHECKPOINTS_PER_BATCH = 64
+MAX_RECOVERIES_PER_BATCH = 16
+MAX_DROPPED_NODES = 1024
 MAX_STACKS = 256 << 10
 MAX_SUMMARY_RANKS = 4096
 MAX_WORLD_SIZE = 1 << 20
@@ -48,6 +50,10 @@ MAX_SUMMARY_INCIDENTS = 1024
 MAX_SUMMARY_DECISIONS = 1024
 MAX_DETAIL_JSON = 64 << 10
 MAX_WINDOW = 1024
+MAX_RECOVERY_SECONDS = 3600.0
+"""An in-process recovery that took longer than an hour is no fast tier: its phases are refused."""
+RECOVERY_PHASES = ("left_step", "agreed", "reinitialised", "restored", "first_step")
+"""The phases of an in-process recovery, in order; each is seconds since the failure was caught."""
 
 REASONS = (
     "undecodable", "no_hello", "invalid_hello", "unknown_rank", "duplicate_rank", "too_many_ranks",
@@ -274,6 +280,8 @@ def check_batch(batch: pb.Batch, collectives: dict[str, np.ndarray] | None = Non
             except ValueError as exc:
                 raise _reject("malformed", f"flight_recorder: {exc}") from None
     check_checkpoints(batch.checkpoints, now)
+    if len(batch.recoveries) > MAX_RECOVERIES_PER_BATCH:
+        raise _reject("oversized", f"{len(batch.recoveries)} recovery records in one batch")
 
 
 def check_step_columns(s: pb.StepColumns, now: float | None = None) -> None:
@@ -358,6 +366,53 @@ def check_checkpoints(records: Iterable[pb.CheckpointRecord], now: float | None 
             raise _reject("invalid_value", "checkpoint request_id too long")
 
 
+def check_recovery(rec: pb.RecoveryRecord, now: float | None = None) -> None:
+    """One in-process recovery record: its time, step, worlds, dropped nodes and phases.
+
+    Checked one record at a time (:meth:`NodeState.take_recoveries`): a bad record is refused
+    alone, the batch that carried it is kept.  Its error text is not refused but cut and
+    cleaned where it is kept (:func:`clean_text`), as a checkpoint's is.
+    """
+    check_timestamp(rec.started_at, "recovery started_at", now)
+    if rec.started_at <= 0:
+        raise _reject("invalid_value", "recovery started_at is unset")
+    check_count(rec.step, "recovery step", lo=-1)
+    if not 0 < rec.old_world_size <= MAX_WORLD_SIZE:
+        raise _reject("invalid_value", f"recovery old_world_size {rec.old_world_size} out of range")
+    lowest = 1 if rec.ok else 0   # a failed attempt may end before the new world is known
+    if not lowest <= rec.new_world_size <= MAX_WORLD_SIZE:
+        raise _reject("invalid_value", f"recovery new_world_size {rec.new_world_size} out of range")
+    if rec.ok and not 0 <= rec.rank_after < rec.new_world_size:
+        raise _reject("invalid_value", f"recovery rank_after {rec.rank_after} not in [0, {rec.new_world_size})")
+    if not rec.ok and not -1 <= rec.rank_after < max(rec.new_world_size, 1):
+        raise _reject("invalid_value", f"failed recovery rank_after {rec.rank_after} out of range")
+    if len(rec.dropped_nodes) > MAX_DROPPED_NODES:
+        raise _reject("oversized", f"{len(rec.dropped_nodes)} dropped nodes in one recovery")
+    for node in rec.dropped_nodes:
+        check_label(node, "a recovery's dropped node")
+    _check_recovery_phases(rec.phases)
+
+
+def _check_recovery_phases(phases: Any) -> None:
+    """Known phase names only; each finite, in [0, MAX_RECOVERY_SECONDS], and none before
+    an earlier phase (they are cumulative)."""
+    unknown = set(phases) - set(RECOVERY_PHASES)
+    if unknown:
+        raise _reject("invalid_value", f"unknown recovery phase {clean_text(sorted(unknown)[0], 64)!r}")
+    last, last_name = 0.0, "started_at"
+    for name in RECOVERY_PHASES:
+        if name not in phases:
+            continue
+        value = phases[name]
+        if not (math.isfinite(value) and 0.0 <= value <= MAX_RECOVERY_SECONDS):
+            raise _reject("invalid_value", f"recovery phase {name} {value!r} is not in "
+                                           f"[0, {MAX_RECOVERY_SECONDS:.0f}] s")
+        if value < last:
+            raise _reject("invalid_value", f"recovery phase {name} ({value:.6g} s) ends before "
+                                           f"{last_name} ({last:.6g} s)")
+        last, last_name = value, name
+
+
 # -- node summaries (Sync) -------------------------------------------------------
 
 def check_summary(s: pb.NodeSummary, now: float | None = None) -> None:
@@ -403,6 +458,8 @@ def _check_rank_summary(r: pb.RankSummary, now: float) -> None:
     check_count(r.local_rank, "local_rank")
     if not 0 <= r.world_size <= MAX_WORLD_SIZE:
         raise _reject("invalid_value", f"world_size {r.world_size} out of range")
+    if r.HasField("world_rank") and not 0 <= r.world_rank < MAX_WORLD_SIZE:
+        raise _reject("invalid_value", f"world_rank {r.world_rank} out of range")
     check_duration(r.step_seconds, "step_seconds")
     for t, what in ((r.progress_at, "progress_at"), (r.last_seen, "last_seen"), (r.stacks_at, "stacks_at")):
         check_timestamp(t, what, now)
@@ -459,6 +516,12 @@ def check_incident(i: pb.Incident, now: float | None = None) -> None:
     for key in _DETAIL_TIMES:
         if isinstance(detail.get(key), (int, float)) and not isinstance(detail[key], bool):
             check_timestamp(float(detail[key]), f"incident {key}", now)
+    if "phases" in detail:   # an in-process recovery's, which goodput reads
+        phases = detail["phases"]
+        if not (isinstance(phases, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 for v in phases.values())):
+            raise _reject("malformed", "incident phases are not an object of seconds")
+        _check_recovery_phases(phases)
 
 
 _DETAIL_DURATIONS = ("seconds", "complete_seconds", "stalled_seconds", "recovered_after_seconds",

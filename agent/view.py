@@ -14,9 +14,10 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
+from rankwatch.agent.story import recovery_line
 from rankwatch.agent.validate import clean_text
 
-__all__ = ["brief", "goodput_line", "latency_table", "rank_table", "timeline"]
+__all__ = ["brief", "goodput_line", "latency_table", "rank_table", "recovery_table", "timeline"]
 
 
 def shown(value: Any, limit: int = 128) -> str:
@@ -64,6 +65,22 @@ def latency_table(status: dict[str, Any]) -> Table:
     return t
 
 
+def recovery_table(status: dict[str, Any], last: int = 8) -> Table | None:
+    """The ``last`` in-process recoveries among the status' incidents; None if there are none."""
+    found = [i for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
+    if not found:
+        return None
+    t = Table(title=f"in-process recoveries ({len(found)})", title_justify="left", box=box.SIMPLE_HEAD,
+              pad_edge=False)
+    for col in ("caught", "id", "node", "recovery"):
+        t.add_column(col, no_wrap=col != "recovery")
+    for inc in sorted(found, key=lambda i: i["detected_at"])[-last:]:
+        line = shown(recovery_line(inc["detail"]), 1024)
+        t.add_row(time.strftime("%H:%M:%S", time.localtime(inc["detected_at"])), shown(inc["id"]),
+                  shown(inc["node"]), line if inc["detail"].get("ok") else f"[red]{line}[/]")
+    return t
+
+
 def timeline(status: dict[str, Any], started_at: float) -> Table:
     t = Table(title="timeline", title_justify="left")
     for col in ("t+s", "kind", "node", "rank", "step", "detail"):
@@ -99,4 +116,6 @@ def brief(detail: dict[str, Any]) -> str:
         if isinstance(v, dict):
             return "{" + ", ".join(f"{k}: {fmt(x)}" for k, x in v.items()) + "}"
         return str(v)
+    if detail.get("tier") == "in_process":
+        return recovery_line(detail)
     return ", ".join(f"{k}={fmt(v)}" for k, v in detail.items() if k not in _LONG and v is not None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from rankwatch.agent import bounds, oplatency
+from rankwatch.agent import bounds, oplatency, recoveries
 from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS
 from rankwatch.agent.export import storemetrics
 from rankwatch.agent.jobsync import summary_incidents
@@ -76,11 +76,17 @@ def status_response(agent: Agent) -> pb.StatusResponse:
     with st.lock:
         incidents = list(st.incidents)
     if job:
-        # Other nodes' own incidents; a checkpoint shows once per step however many nodes saved it.
+        # Other nodes' own incidents; a checkpoint shows once per step however many nodes saved
+        # it, an in-process recovery once however many nodes went through it (recoveries.same).
         saved = {i.step for i in incidents if i.kind == "checkpoint"}
+        recovered = [i for i in incidents if recoveries.is_in_process(i)]
         for i in sorted(agent.coordinator.job_incidents(), key=lambda i: i.detected_at):
             if i.node == st.node_id or (i.kind == "checkpoint" and i.step in saved):
                 continue
+            if recoveries.is_in_process(i):
+                if any(recoveries.same(i, known) for known in recovered):
+                    continue
+                recovered.append(i)
             if i.kind == "checkpoint":
                 saved.add(i.step)
             incidents.append(i)
@@ -115,6 +121,8 @@ def node_summary(agent: Agent, seq: int) -> pb.NodeSummary:
             phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
             op_latency=oplatency.to_pb(r.op_latency), backend=r.backend,
             collectives=int(r.collective_counts.sum()), world_size=r.world_size)
+        if r.world_rank is not None:
+            rs.world_rank = r.world_rank
         if inflight:
             rs.inflight.CopyFrom(pb.InFlight(op=inflight["op"], group=inflight["group"],
                                              seq=inflight["seq"], since=inflight["since"]))

@@ -100,6 +100,7 @@ class AgentClient:
         self._requests_pending: dict[str, tuple[int, str]] = {}   # command id -> (step, reason)
         self._requests_seen: set[str] = set()
         self._checkpoints: deque[pb.CheckpointRecord] = deque(maxlen=64)
+        self._recoveries: deque[pb.RecoveryRecord] = deque(maxlen=16)
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
@@ -143,7 +144,8 @@ class AgentClient:
                 last = now
 
     def _has_records(self) -> bool:
-        return bool(self._rec.collectives) or bool(self._rec.steps) or bool(self._checkpoints)
+        return (bool(self._rec.collectives) or bool(self._rec.steps) or bool(self._checkpoints)
+                or bool(self._recoveries))
 
     def _flush_once(self, force: bool = False) -> None:
         try:
@@ -179,6 +181,10 @@ class AgentClient:
             batch.steps.CopyFrom(self._step_columns(steps))
         while self._checkpoints:
             batch.checkpoints.append(self._checkpoints.popleft())
+        while self._recoveries:
+            batch.recoveries.append(self._recoveries.popleft())
+        # Counted, so that a batch holding only them is sent (not discarded as empty).
+        n += len(batch.checkpoints) + len(batch.recoveries)
         batch.progress.CopyFrom(self._progress())
         batch.dropped_total = self.dropped_total
         return batch, n
@@ -299,6 +305,10 @@ class AgentClient:
         """Report a finished save (or a failed one)."""
         self.serve_requests(record.step)
         self._checkpoints.append(record)
+
+    def recovered(self, record: pb.RecoveryRecord) -> None:
+        """Report an in-process recovery (or a failed attempt); sent with the next batch."""
+        self._recoveries.append(record)
 
     def _command_loop(self) -> None:
         delay = _RECONNECT_MIN.total_seconds()

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from rankwatch.address import Address, node_id, resolve
@@ -152,6 +152,31 @@ class Monitor:
             ok=ok, error=error[:2000], completed_after=max(completed_after, duration),
             asynchronous=asynchronous))
 
+    def recovered(self, *, started_at: float, step: int, old_world_size: int, new_world_size: int,
+                  dropped_nodes: Iterable[str], phases: Mapping[str, float], ok: bool, error: str = "",
+                  rank_after: int) -> None:
+        """Report an in-process recovery this rank took part in, or a failed attempt at one.
+
+        Every surviving rank reports it; the agent keeps one incident per recovery and node.
+        ``started_at`` is when this rank caught the failure (Unix seconds), ``step`` the last
+        step every survivor completed, ``phases`` the seconds since ``started_at`` at the end
+        of each phase reached (``left_step``, ``agreed``, ``reinitialised``, ``restored``,
+        ``first_step``), ``rank_after`` this rank's rank in the new world.  The record waits
+        in a bounded buffer for the sender thread.  Never raises: the recovery tier calls it
+        on its way back to training, and a report must not stop that.
+        """
+        if self._client is None:
+            return
+        try:
+            record = pb.RecoveryRecord(
+                started_at=started_at, step=step, old_world_size=old_world_size,
+                new_world_size=new_world_size, dropped_nodes=[str(n) for n in dropped_nodes],
+                ok=ok, error=str(error)[:2000], phases={str(k): float(v) for k, v in phases.items()},
+                rank_after=rank_after)
+            self._client.recovered(record)
+        except Exception:  # noqa: BLE001 - reporting never fails the recovery
+            log.exception("rankwatch: recovery at step %s not reported", step)
+
     def close(self) -> None:
         """Flush what is buffered (bounded wait) and remove the collective timers."""
         if self._client is not None:
@@ -190,6 +215,9 @@ class NullMonitor:
         pass
 
     def checkpoint_saved(self, step: int, **_: Any) -> None:
+        pass
+
+    def recovered(self, **_: Any) -> None:
         pass
 
     def close(self) -> None:

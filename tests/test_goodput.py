@@ -76,6 +76,51 @@ def test_a_superseded_restart_is_closed_at_the_next_ones_decision():
     assert b["restart"] == pytest.approx(10.0 + 5.0)
 
 
+def recovery(at: float, n: int = 1, node: str = "n0", ok: bool = True, **phases: float) -> Incident:
+    """An in-process recovery's incident as the node agent records it (agent/recoveries.py)."""
+    return incident("restart", at, n=n, step=50, node=node, tier="in_process", ok=ok, old_world_size=8,
+                    new_world_size=6, dropped_nodes=["n3"], phases=phases, error="" if ok else "store timeout",
+                    started_at=at)
+
+
+def test_an_in_process_recovery_counts_as_restart_until_its_first_step():
+    done = recovery(T0 + 40, left_step=0.5, agreed=1.5, reinitialised=3.0, restored=4.0, first_step=6.0)
+    b = lost(T0 + 99, incidents=[done])
+    assert b["restart"] == pytest.approx(6.0) and b["hang"] == 0.0
+    # Every node reports the same recovery (a second node's, a moment later on the coordinator's
+    # clock, and a node's phases a little longer): the time under them counts once.
+    other = recovery(T0 + 40.3, n=2, node="n1", left_step=0.2, agreed=1.4, first_step=6.1)
+    assert lost(T0 + 99, incidents=[done, other])["restart"] == pytest.approx(6.4)
+    # A recovery without its first step yet lasts until the last phase it reached.
+    assert lost(T0 + 99, incidents=[recovery(T0 + 40, left_step=0.5, agreed=2.5)])["restart"] == pytest.approx(2.5)
+
+
+def test_a_hang_overlapping_an_in_process_recovery_is_not_counted_twice():
+    # No progress from T0 + 30; the hang is called at T0 + 36 and ends when steps resume at
+    # T0 + 45; the ranks caught the failure at T0 + 38 and trained again 6 s later.
+    hang = incident("hang", T0 + 36, stalled_seconds=6.0, resolved_at=T0 + 45)
+    done = recovery(T0 + 38, left_step=1.0, agreed=2.0, first_step=6.0)
+    b = lost(T0 + 99, incidents=[hang, done])
+    assert b["restart"] == pytest.approx(6.0)
+    assert b["hang"] == pytest.approx(15.0 - 6.0)
+    assert b["productive"] == pytest.approx(b["elapsed"] - 15.0)
+
+
+def test_a_failed_attempt_then_a_torchrun_restart_is_not_counted_twice():
+    # The attempt caught the failure at T0 + 40 and gave up 4 s later; the coordinator had
+    # decided a torchrun restart at T0 + 42, which recovered 20 s after its decision.
+    failed = recovery(T0 + 40, ok=False, left_step=1.0, agreed=4.0)
+    fallback = incident("restart", T0 + 42, n=2, started_at=T0 + 42, recovered_after_seconds=20.0)
+    b = lost(T0 + 99, incidents=[failed, fallback], decisions=[exclude(T0 + 42, 1)])
+    assert b["restart"] == pytest.approx(22.0)
+    # Decided only after the attempt gave up: both count, nothing twice.
+    late = incident("restart", T0 + 50, n=2, started_at=T0 + 50, recovered_after_seconds=20.0)
+    b = lost(T0 + 99, incidents=[failed, late], decisions=[exclude(T0 + 50, 1)])
+    assert b["restart"] == pytest.approx(24.0)
+    # A failed attempt never runs on until now or the next decision, as an open torchrun restart does.
+    assert lost(T0 + 99, incidents=[failed])["restart"] == pytest.approx(4.0)
+
+
 def test_recompute_counts_the_steps_trained_again_after_resuming_from_an_older_checkpoint():
     p = started(step_seconds=0.5)
     for step in range(2, 61):

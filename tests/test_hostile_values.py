@@ -272,3 +272,95 @@ def test_labels_with_control_characters_or_too_long_are_refused(label):
     validate.check_label("ok label é", "name")
     with pytest.raises(ValueError, match="name is too long or has control characters"):
         validate.check_label(label, "name")
+
+
+# -- in-process recovery records ------------------------------------------------------
+
+def recovery(**over) -> pb.RecoveryRecord:
+    fields = dict(started_at=time.time(), step=120, old_world_size=8, new_world_size=6, dropped_nodes=["n1"],
+                  ok=True, rank_after=3, phases={"left_step": 0.5, "agreed": 1.0, "reinitialised": 2.0,
+                                                 "restored": 2.5, "first_step": 4.0})
+    fields.update(over)
+    return pb.RecoveryRecord(**fields)
+
+
+HOSTILE_RECOVERIES = {
+    "started_at NaN": dict(started_at=math.nan), "started_at inf": dict(started_at=math.inf),
+    "started_at negative": dict(started_at=-1.0), "started_at unset": dict(started_at=0.0),
+    "started_at far ahead": dict(started_at=1e300),
+    "step negative": dict(step=-5), "step huge": dict(step=2**60),
+    "old world 0": dict(old_world_size=0), "old world negative": dict(old_world_size=-8),
+    "old world huge": dict(old_world_size=2**30), "new world huge": dict(new_world_size=2**30),
+    "ok with new world 0": dict(new_world_size=0), "new world negative": dict(ok=False, new_world_size=-1),
+    "rank_after beyond the new world": dict(rank_after=6), "rank_after negative": dict(rank_after=-1),
+    "failed rank_after below -1": dict(ok=False, rank_after=-2),
+    "phase NaN": dict(phases={"agreed": math.nan}), "phase inf": dict(phases={"agreed": math.inf}),
+    "phase negative": dict(phases={"left_step": -0.1}), "phase huge": dict(phases={"first_step": 1e300}),
+    "phase over an hour": dict(phases={"first_step": validate.MAX_RECOVERY_SECONDS + 1}),
+    "unknown phase": dict(phases={"left_step": 0.5, "warmup": 1.0}),
+    "phases decreasing": dict(phases={"left_step": 0.5, "agreed": 3.0, "reinitialised": 2.0}),
+    "10k dropped nodes": dict(dropped_nodes=[f"n{i}" for i in range(10_000)]),
+    "dropped node with a newline": dict(dropped_nodes=["n1\nn2"]),
+    "dropped node too long": dict(dropped_nodes=["n" * (validate.MAX_LABEL + 1)]),
+}
+
+
+@pytest.mark.parametrize("over", list(HOSTILE_RECOVERIES.values()), ids=list(HOSTILE_RECOVERIES))
+def test_recovery_records_out_of_range_are_refused(over):
+    validate.check_recovery(recovery())
+    with pytest.raises(validate.Rejected) as err:
+        validate.check_recovery(recovery(**over))
+    assert err.value.reason in ("invalid_value", "oversized")
+    assert "recovery" in str(err.value)
+
+
+def test_recovery_records_in_range_are_taken():
+    validate.check_recovery(recovery(phases={}))                      # reported before any phase ended
+    validate.check_recovery(recovery(phases={"left_step": 1.0, "first_step": 1.0}))   # equal is not decreasing
+    validate.check_recovery(recovery(ok=False, new_world_size=0, rank_after=-1, phases={"left_step": 0.2},
+                                     error="x" * (1 << 20)))          # a failed attempt, its error cut when kept
+    validate.check_recovery(recovery(step=-1, dropped_nodes=[]))       # before the first step; nobody named
+
+
+def test_recovery_records_out_of_range_are_refused_alone_and_counted(agent, channel):
+    before = rejected(agent, "invalid_value") + rejected(agent, "oversized")
+    s = Stream(channel, hello(8))
+    now = time.time()
+    bad = [recovery(started_at=now - 600 + n, **over) for n, over in enumerate(HOSTILE_RECOVERIES.values())
+           if "started_at" not in over]
+    # Every bad record rides with a step of the rank: the steps are all taken.
+    for n, rec in enumerate(bad):
+        s.batch(recoveries=[rec], steps=pb.StepColumns(step=[n + 1], start=[now], duration=[0.1], data=[0],
+                                                       forward=[0], backward=[0], optimizer=[0], tokens=[0],
+                                                       flops=[0]))
+    # A 1 MB error string is kept cut, without its control characters.
+    s.batch(recoveries=[recovery(started_at=now, ok=False, new_world_size=0, rank_after=-1, phases={"left_step": 0.3},
+                                 error="\x1b[31mstore\x00 timeout " + "x" * (1 << 20))])
+    # More records in one batch than a rank ever buffers: that batch is refused whole.
+    s.batch(recoveries=[recovery(started_at=now - 3000 + 20 * n) for n in range(validate.MAX_RECOVERIES_PER_BATCH + 1)])
+    summary_ = s.close()
+    assert (summary_.batches_accepted, summary_.batches_rejected) == (len(bad) + 1, 1)
+    after = rejected(agent, "invalid_value") + rejected(agent, "oversized")
+    assert after - before == len(bad) + 1
+    assert rank_of(agent, 8)["step"] == len(bad)
+    incidents = [i for i in agent.status()["incidents"] if i["kind"] == "restart" and i["rank"] == 8]
+    (inc,) = incidents
+    assert inc["detail"]["tier"] == "in_process" and inc["detail"]["ok"] is False
+    error = inc["detail"]["error"]
+    assert error.startswith("[31mstore timeout x") and len(error) <= validate.MAX_TEXT + 1
+    assert not any(ord(c) < 32 for c in error)
+
+
+@pytest.mark.parametrize("phases", ['{"agreed": NaN}', '{"agreed": 1e299}', '{"agreed": "soon"}', '[1, 2]',
+                                    '{"left_step": 2.0, "agreed": 1.0}', '{"warmup": 1.0}'])
+def test_a_nodes_recovery_incident_with_hostile_phases_is_refused(phases):
+    # A node's summary carries its recovery incidents to the coordinator, whose goodput reads the phases.
+    now = time.time()
+    detail = '{"tier": "in_process", "ok": true, "phases": %s, "started_at": %r}' % (phases, now)
+    good = detail.replace(phases, '{"left_step": 0.5, "first_step": 4.0}')
+    msg = pb.NodeSummary(node_id="n5", seq=1, sent_at=now, incidents=[pb.Incident(
+        id="restart-1", kind="restart", node="n5", detected_at=now, detail_json=good)])
+    validate.check_summary(msg)
+    msg.incidents[0].detail_json = detail
+    with pytest.raises(validate.Rejected):
+        validate.check_summary(msg)

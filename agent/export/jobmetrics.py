@@ -1,4 +1,5 @@
-"""Prometheus export of the job side: goodput, restarts, exclusions, checkpoints, coordinator.
+"""Prometheus export of the job side: goodput, restarts (torchrun's and in-process), exclusions,
+checkpoints, coordinator.
 
 On the coordinator these are the job's figures; on a node agent, what it
 has seen of the job through its coordinator.
@@ -68,6 +69,13 @@ class JobCollector:
             exclusions.add_metric([node, reason], n)
         yield restarts
         yield exclusions
+        c = CounterMetricFamily("rankwatch_in_process_recoveries",
+                                "In-process recoveries this node's ranks went through, by outcome "
+                                "(ok, failed): one per recovery, however many of its ranks reported it.",
+                                labels=["node", "outcome"])
+        for outcome, n in a.recoveries.counts.items():
+            c.add_metric([node, outcome], n)
+        yield c
         g = GaugeMetricFamily("rankwatch_restart_generation", "The job's restart generation.",
                               labels=["node"])
         g.add_metric(lbl, max((d.generation for d in decisions), default=0))

@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from rankwatch import __version__
+from rankwatch.agent import recoveries
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider
@@ -401,6 +402,8 @@ class SpanExport:
         end = float(incident.detected_at)
         started = detail.get("started_at")
         start = float(started) if _is_number(started) and 0 < started <= end else end
+        if recoveries.is_in_process(incident):   # caught at detected_at, over at its first step
+            start, end = recoveries.span(incident)
         rank, step = incident.rank, incident.step
         local = self.state.ranks.get(rank) if incident.node == self.state.node_id else None
         attrs = {**(rank_attributes(local) if local is not None else {}),

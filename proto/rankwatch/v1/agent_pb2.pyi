@@ -171,21 +171,52 @@ class CheckpointRecord(_message.Message):
     asynchronous: bool
     def __init__(self, step: _Optional[int] = ..., started_at: _Optional[float] = ..., duration: _Optional[float] = ..., path: _Optional[str] = ..., request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., completed_after: _Optional[float] = ..., asynchronous: _Optional[bool] = ...) -> None: ...
 
+class RecoveryRecord(_message.Message):
+    __slots__ = ("started_at", "step", "old_world_size", "new_world_size", "dropped_nodes", "ok", "error", "phases", "rank_after")
+    class PhasesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OLD_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NEW_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_NODES_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    RANK_AFTER_FIELD_NUMBER: _ClassVar[int]
+    started_at: float
+    step: int
+    old_world_size: int
+    new_world_size: int
+    dropped_nodes: _containers.RepeatedScalarFieldContainer[str]
+    ok: bool
+    error: str
+    phases: _containers.ScalarMap[str, float]
+    rank_after: int
+    def __init__(self, started_at: _Optional[float] = ..., step: _Optional[int] = ..., old_world_size: _Optional[int] = ..., new_world_size: _Optional[int] = ..., dropped_nodes: _Optional[_Iterable[str]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ..., rank_after: _Optional[int] = ...) -> None: ...
+
 class Batch(_message.Message):
-    __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives", "checkpoints")
+    __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives", "checkpoints", "recoveries")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     seq: int
     dropped_total: int
     progress: Progress
     steps: StepColumns
     collectives: CollectiveColumns
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointRecord]
-    def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ...) -> None: ...
+    recoveries: _containers.RepeatedCompositeFieldContainer[RecoveryRecord]
+    def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ...) -> None: ...
 
 class ReportMessage(_message.Message):
     __slots__ = ("hello", "batch", "goodbye")
@@ -409,7 +440,7 @@ class Command(_message.Message):
     def __init__(self, id: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointCommand, _Mapping]] = ...) -> None: ...
 
 class RankSummary(_message.Message):
-    __slots__ = ("rank", "pid", "step", "step_seconds", "steps_completed", "activity", "progress_at", "last_seen", "connected", "exited_cleanly", "group_seqs", "inflight", "stacks", "alive", "stopped", "own_work", "data_wait", "comm_wait", "state", "local_rank", "tokens_per_second", "stacks_at", "flight_recorder", "phase_seconds", "mesh_coords", "op_latency", "backend", "collectives", "world_size")
+    __slots__ = ("rank", "pid", "step", "step_seconds", "steps_completed", "activity", "progress_at", "last_seen", "connected", "exited_cleanly", "group_seqs", "inflight", "stacks", "alive", "stopped", "own_work", "data_wait", "comm_wait", "state", "local_rank", "tokens_per_second", "stacks_at", "flight_recorder", "phase_seconds", "mesh_coords", "op_latency", "backend", "collectives", "world_size", "world_rank")
     class GroupSeqsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -467,6 +498,7 @@ class RankSummary(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_RANK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     step: int
@@ -496,7 +528,8 @@ class RankSummary(_message.Message):
     backend: str
     collectives: int
     world_size: int
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., op_latency: _Optional[_Mapping[str, OpLatency]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    world_rank: int
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., op_latency: _Optional[_Mapping[str, OpLatency]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., world_size: _Optional[int] = ..., world_rank: _Optional[int] = ...) -> None: ...
 
 class NodeSummary(_message.Message):
     __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "decisions", "run_id")
