@@ -25,6 +25,10 @@ Launchers:
   ``--max-restarts`` 0 for a hang, 1 for a kill);
 * ``rankwatch-default``: the user's own command from the README: ``rankwatch run``
   with no ``--rdzv-conf``, ``--max-restarts`` or ``--monitor-interval`` (its defaults);
+* ``rankwatch-inprocess``: the user's command (as ``rankwatch-default``) on the harness with
+  ``--replicate 3 --in-process-recovery``: the survivors regroup in their own processes.
+  ``back`` is then exact: the recovery incident's first step after the failure, from the
+  workers' own clocks, minus the kill's wall time;
 * ``torchrun``: plain torchrun, c10d tuned the same way, with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without it tuned restarts fail),
   ``--max-restarts 3``;
@@ -87,7 +91,7 @@ def _kill_tagged(tag: str) -> None:
 
 def _launch_args(launcher: str, fault: str) -> tuple[str, tuple[str, ...]]:
     """(--rdzv-conf, more launcher flags) for ``launcher``."""
-    if launcher == "rankwatch-default":
+    if launcher in ("rankwatch-default", "rankwatch-inprocess"):
         return "", ()
     restarts = ("0" if fault == "hang" else "1") if launcher == "rankwatch" else "3"
     return ("" if launcher == "torchrun-default" else _RDZV), ("--max-restarts", restarts, "--monitor-interval", "0.1")
@@ -96,10 +100,11 @@ def _launch_args(launcher: str, fault: str) -> tuple[str, tuple[str, ...]]:
 def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etcd: str | None) -> dict:
     with Cluster(tmp, 3, ("--min-nodes", "2"), election=etcd) as c:
         rdzv_conf, flags = _launch_args(launcher, fault)
+        inprocess = ("--replicate", "3", "--in-process-recovery") if launcher == "rankwatch-inprocess" else ()
         jobs = []
         for i in range(3):
             jobs.append(c.torchrun(
-                i, "2:3", 1, "--steps", "100000", "--log-every", "0",
+                i, "2:3", 1, "--steps", "100000", "--log-every", "0", *inprocess,
                 "--checkpoint-dir", f"{tmp}/ck", "--checkpoint-interval", "20",
                 launcher="torchrun" if launcher.startswith("torchrun") else "rankwatch",
                 rdzv_conf=rdzv_conf, etcd=etcd,
@@ -121,9 +126,13 @@ def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etc
             os.kill(victim_rank["pid"], signal.SIGSTOP)
         else:
             c.kill_node(victim, jobs[victim], [victim_rank["pid"]])
-        t0 = time.monotonic()
+        t0, killed_at = time.monotonic(), time.time()
         named = back = None
         while time.monotonic() - t0 < timeout and back is None:
+            if inprocess and (rec := _in_process(c, name)):
+                # named: the survivors caught the failure (their collective broke).
+                named, back = rec[0] - killed_at, rec[1] - killed_at
+                break
             moving = set()
             for a in survivors:
                 try:
@@ -145,6 +154,26 @@ def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etc
         except ProcessLookupError:
             pass
         return {"named": named, "back": back}
+
+
+def _in_process(c: Cluster, victim: str) -> tuple[float, float] | None:
+    """Wall times (failure caught, first step after the in-process recovery), once the
+    coordinator has the recovery's incident with its first step."""
+    for a in c.agents:
+        if a.node == victim:
+            continue
+        try:
+            s = a.status()
+        except AgentUnreachable:
+            continue
+        if not s["coordinator"]:
+            continue
+        for i in s["incidents"]:
+            d = i["detail"]
+            if i["kind"] == "restart" and d.get("tier") == "in_process" and d.get("ok") and \
+                    "first_step" in d.get("phases", {}):
+                return d["started_at"], d["started_at"] + d["phases"]["first_step"]
+    return None
 
 
 def main() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         _report(mon, ckpt.finished(), saves)
     if args.metrics_out:
         _write_metrics(args.metrics_out, first_rank, start, step_times, losses, arms, dp_means, saves,
-                       recoveries, dist.get_rank(), dist.get_world_size())
+                       recoveries, dist.get_rank(), dist.get_world_size(), _digest(job.model))
     mon.close()
     dist.barrier()
     dist.destroy_process_group()
@@ -368,9 +369,20 @@ class _ABSwitch:
         return self._mon if on else self._null
 
 
+def _digest(model: torch.nn.Module) -> str:
+    """SHA-256 of this rank's parameter shards, in name order (replicas compare bit for bit)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        local = p.to_local() if hasattr(p, "to_local") else p
+        h.update(name.encode())
+        h.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
                    losses: list[float], arms: list[bool], dp_means: list[float],
-                   saves: list[dict], recoveries: list[dict], rank_now: int, world_now: int) -> None:
+                   saves: list[dict], recoveries: list[dict], rank_now: int, world_now: int,
+                   digest: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fr = {}
     try:
@@ -381,7 +393,7 @@ def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
         json.dump({"rank": rank, "pid": os.getpid(), "start": start, "step_times": step_times,
                    "losses": losses, "dp_mean_losses": dp_means, "rankwatch_on": arms,
                    "checkpoints": saves, "recoveries": recoveries, "rank_now": rank_now,
-                   "world_size_now": world_now,
+                   "world_size_now": world_now, "param_digest": digest,
                    "flight_recorder": fr.get("entries", [])}, f)
 
 

@@ -1,0 +1,123 @@
+"""In-process recovery: a node's whole process tree is SIGKILLed, and the other nodes' workers
+train on in the same processes, without a torchrun restart (``--in-process-recovery``).
+
+Real torchrun "nodes" on c10d through ``rankwatch run``, each with its own agent; node n0's
+torchrun hosts the rendezvous store and its agent coordinates.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import wait_for
+from multinode import Cluster
+
+pytestmark = pytest.mark.e2e
+
+_PHASES = ("left_step", "agreed", "reinitialised", "restored", "first_step")
+
+
+def _training(cluster: Cluster, nodes: int, ranks: int, min_step: int):
+    rs = cluster.coordinator.status()["ranks"]
+    return len(rs) == ranks and len({r["node"] for r in rs}) == nodes and min(r["step"] for r in rs) >= min_step and rs
+
+
+def _metrics(out, names):
+    return {n: json.loads((out / n).read_text()) for n in names}
+
+
+def _kill_and_finish(c: Cluster, jobs, victim: int, nodes: int, ranks: int) -> dict[str, int]:
+    """Once all train, SIGKILL node ``victim``; wait for the others' torchruns to end. Returns
+    the survivors' worker pids as the agents saw them before the kill."""
+    rs = wait_for(lambda: _training(c, nodes, ranks, 15), 180, what=f"{nodes} nodes training")
+    c.kill_node(victim, jobs[victim], [r["pid"] for r in rs if r["node"] == f"n{victim}"])
+    for i, job in enumerate(jobs):
+        if i != victim:
+            assert job.wait(240) == 0, f"node n{i}'s torchrun failed"
+    return {r["pid"]: r["rank"] for r in rs if r["node"] != f"n{victim}"}
+
+
+def test_node_kill_survivors_regroup_in_process(tmp_path):
+    """Four nodes, one replica each (HSDP, --replicate 4): the replicate group's ring has ranks
+    that are not the dead one's neighbours, so this also needs the survivors to break each
+    other out of the failed all-reduce."""
+    out = tmp_path / "metrics"
+    steps = 120
+    with Cluster(tmp_path, 4) as c:
+        jobs = [c.torchrun(i, "2:4", 1, "--steps", str(steps), "--log-every", "0", "--replicate", "4",
+                           "--in-process-recovery", "--metrics-out", str(out), launcher="rankwatch")
+                for i in range(4)]
+        before = _kill_and_finish(c, jobs, victim=2, nodes=4, ranks=4)
+        status = c.coordinator.status()
+    m = _metrics(out, [f"rank{r}.json" for r in sorted(before.values())])
+    # The same processes trained to the end: no torchrun restart, no step lost or trained twice.
+    assert sorted(d["pid"] for d in m.values()) == sorted(before), (before, [d["pid"] for d in m.values()])
+    for d in m.values():
+        assert d["start"] == 0 and len(d["losses"]) == steps, (d["start"], len(d["losses"]))
+        assert d["world_size_now"] == 3
+        (rec,) = d["recoveries"]
+        assert rec["world_size"] == 3 and 15 <= rec["step"] < steps, rec
+        assert list(rec["phases"]) == list(_PHASES), rec
+        times = [rec["phases"][k] for k in _PHASES]
+        assert times == sorted(times) and times[0] >= 0, rec
+    # The survivors recovered at the same step, and their replicas are equal bit for bit.
+    assert len({d["recoveries"][0]["step"] for d in m.values()}) == 1
+    assert len({d["param_digest"] for d in m.values()}) == 1
+    # The agents saw one in-process restart, without n2; the coordinator excluded the dead node
+    # and that exclusion restarted nothing.
+    recs = [i for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
+    assert len(recs) == 1, status["incidents"]
+    d = recs[0]["detail"]
+    assert d["ok"] is True and d["dropped_nodes"] == ["n2"] and (d["old_world_size"], d["new_world_size"]) == (4, 3), d
+    assert "n2" in status["excluded_nodes"]
+    assert status["time_seconds"]["restart"] > 0
+
+
+def test_loss_continues_as_an_uninterrupted_run(tmp_path):
+    """Two nodes of two ranks (HSDP: a replica per node, sharded over its two ranks).  After
+    n1 is lost, n0's two ranks keep the global batch by accumulating two micro-batches, so
+    the loss goes on as a run that never lost a node does."""
+    steps = 80
+    common = ("--steps", str(steps), "--log-every", "0", "--replicate", "2", "--batch-size", "4",
+              "--in-process-recovery")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with Cluster(tmp_path / "a", 2) as c:
+        jobs = [c.torchrun(i, "1:2", 2, *common, "--metrics-out", str(tmp_path / "a" / "m"), launcher="rankwatch")
+                for i in range(2)]
+        before = _kill_and_finish(c, jobs, victim=1, nodes=2, ranks=4)
+    with Cluster(tmp_path / "b", 1) as c:
+        ref = c.torchrun(0, "1", 4, *common, "--metrics-out", str(tmp_path / "b" / "m"), launcher="rankwatch")
+        assert ref.wait(240) == 0
+    got = _metrics(tmp_path / "a" / "m", [f"rank{r}.json" for r in sorted(before.values())])
+    want = json.loads((tmp_path / "b" / "m" / "rank0.json").read_text())["dp_mean_losses"]
+    for d in got.values():
+        (rec,) = d["recoveries"]
+        at = rec["step"]
+        assert d["world_size_now"] == 2 and len(d["losses"]) == steps
+        # Steps before the loss were the same run; after it, the same global batch on half the ranks.
+        assert d["dp_mean_losses"][:at] == pytest.approx(want[:at], rel=1e-5)
+        assert d["dp_mean_losses"][at:] == pytest.approx(want[at:], rel=1e-3), (at, d["dp_mean_losses"][at:at + 5],
+                                                                                 want[at:at + 5])
+
+
+def test_in_process_failure_falls_back_to_torchrun(tmp_path):
+    """Without replicas (--replicate 1: plain FSDP2 over the three nodes) the dead node's shards
+    exist nowhere else: the survivors agree that they cannot go on in process, report it,
+    exit, and torchrun's restart resumes the job from its checkpoint."""
+    out, ckpt = tmp_path / "metrics", tmp_path / "ckpt"
+    with Cluster(tmp_path, 3) as c:
+        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100", "--log-every", "0", "--in-process-recovery",
+                           "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "10",
+                           "--metrics-out", str(out), launcher="rankwatch")
+                for i in range(3)]
+        before = _kill_and_finish(c, jobs, victim=2, nodes=3, ranks=3)
+        status = c.coordinator.status()
+    m = _metrics(out, ["rank0.json", "rank1.json"])
+    assert not set(before) & {d["pid"] for d in m.values()}, "torchrun restarted the workers"
+    assert all(d["start"] > 0 and d["recoveries"] == [] for d in m.values())  # resumed from a checkpoint
+    failed = [i for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
+    assert len(failed) == 1 and failed[0]["detail"]["ok"] is False, failed
+    assert "replica" in failed[0]["detail"]["error"], failed[0]["detail"]
