@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankwatch.address import NODE_ID_ENV
-from rankwatch.hooks.recovery_store import connect, mark_regrouped
+from rankwatch.hooks.recovery_store import CAPABLE_KEY, connect, mark_regrouped
 
 __all__ = ["Decision", "InProcessRecovery", "Job", "Membership", "RecoveryFailed", "decide", "is_peer_failure"]
 
@@ -216,6 +216,7 @@ class InProcessRecovery:
         self.membership = Membership(generation=0, rank=rank, world_size=world, members=tuple(range(world)))
         if self._store is not None:
             self._store.set(self._key(f"node/{rank}"), self._node())
+            self._store.set(self._prefix + CAPABLE_KEY, "1")  # the handler defers its restarts to us
         return self._make(self.membership)
 
     # -- the hot path ---------------------------------------------------------------

@@ -21,13 +21,14 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["REGROUPED_COUNT", "REGROUPED_LIST", "ROUND_ENV", "STORE_ENV", "connect", "mark_regrouped",
+__all__ = ["CAPABLE_KEY", "REGROUPED_COUNT", "REGROUPED_LIST", "ROUND_ENV", "STORE_ENV", "connect", "mark_regrouped",
            "regrouped_key", "round_key"]
 
 STORE_ENV = "RANKWATCH_RECOVERY_STORE"
 ROUND_ENV = "RANKWATCH_RECOVERY_ROUND"
 REGROUPED_COUNT = "regrouped_count"  # under a round's prefix: nodes left out in process so far
 REGROUPED_LIST = "regrouped_nodes"   # ",n2,n5": which
+CAPABLE_KEY = "inproc/capable"       # under a round's prefix: its workers recover in process
 _CONNECT_TIMEOUT = timedelta(seconds=10)
 
 

@@ -64,6 +64,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
 from rankwatch.hooks.recovery_store import (
+    CAPABLE_KEY,
     REGROUPED_COUNT,
     REGROUPED_LIST,
     ROUND_ENV,
@@ -85,6 +86,10 @@ EXCLUSION_PREFIX = "exclusion/"  # exclusion/<generation> -> the node that gener
 MEMBER_PREFIX = "rankwatch/member/"  # in a round's own store: one key per member node
 _LEAVE_TIMEOUT = timedelta(seconds=10)
 _KILL_GRACE = 1.0
+# A round whose workers recover in process: how long an exclusion waits for them to leave the
+# excluded node out (its relay kills its workers at once, which breaks their collectives)
+# before the handler restarts the round through torchrun after all.
+_IN_PROCESS_WAIT = 5.0
 _SPARE_POLL = 0.5
 _STORE_TROUBLE_LOG_EVERY = 10.0   # seconds between warnings that the store does not answer
 
@@ -144,6 +149,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._raw_store = store
         self._round_nodes = 0
         self._checked_in: set[str] = set()
+        self._deferred: dict[int, float] = {}  # generation -> when a restart for it was first held
         self._round_prefix: str | None = None  # this round's keys in the raw store, as the workers see them
         self._endpoint = _tcp_endpoint(store)
         self._excluded: str | None = None
@@ -321,10 +327,28 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             if node is None or self._round_store is None:
                 return True  # unknown: restart, as is always safe
             if self._round_store.check([MEMBER_PREFIX + node]) and not self._regrouped(node):
-                return True
+                if not self._awaiting_in_process(g):
+                    return True
+                return False  # asked again at torchrun's next check
             log.warning("rankwatch: node %s was excluded (generation %d) but is not in this "
                         "round (or its workers already left it out); no restart needed", node, g)
         self._joined_generation = current
+        return False
+
+    def in_process(self) -> bool:
+        """This round's workers recover in process (they said so in the store)."""
+        return self._round_prefix is not None and self._raw_store.check([self._round_prefix + CAPABLE_KEY])
+
+    def _awaiting_in_process(self, generation: int) -> bool:
+        """Hold the restart for ``generation``'s exclusion while the workers may still leave the
+        excluded node out in process (then no restart is needed); give up after a while."""
+        if not self.in_process():
+            return False
+        first = self._deferred.setdefault(generation, time.monotonic())
+        if time.monotonic() - first < _IN_PROCESS_WAIT:
+            return True
+        log.warning("rankwatch: the workers did not leave the excluded node out in process within "
+                    "%.0f s; restarting the round", _IN_PROCESS_WAIT)
         return False
 
     def _excluded_by(self, generation: int) -> str | None:
@@ -407,7 +431,9 @@ class _Relay:
         # A grace period first, so the healthy nodes restart their workers on the new
         # generation before this node's dying workers break their collectives.
         self._excluded_at = self._excluded_at or time.monotonic()
-        if time.monotonic() - self._excluded_at < _KILL_GRACE:
+        # The others restart on the new generation first, unless they recover in process, which
+        # needs these workers gone: that breaks the collectives the others wait in.
+        if time.monotonic() - self._excluded_at < _KILL_GRACE and not h.in_process():
             return
         mine = os.getpid()
         for r in status["ranks"]:

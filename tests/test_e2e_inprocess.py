@@ -121,3 +121,36 @@ def test_in_process_failure_falls_back_to_torchrun(tmp_path):
     failed = [i for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
     assert len(failed) == 1 and failed[0]["detail"]["ok"] is False, failed
     assert "replica" in failed[0]["detail"]["error"], failed[0]["detail"]
+
+
+def test_hung_node_excluded_then_left_out_in_process(tmp_path):
+    """n2's worker is SIGSTOPped: the others wait in a collective that never fails.  The
+    coordinator names the hang and excludes n2; n2's relay kills its worker at once, which
+    breaks the survivors' collective, and they regroup in process instead of restarting."""
+    import os
+    import signal
+
+    out = tmp_path / "metrics"
+    steps = 150
+    with Cluster(tmp_path, 3, ("--min-nodes", "2")) as c:
+        jobs = [c.torchrun(i, "2:3", 1, "--steps", str(steps), "--log-every", "0", "--replicate", "3",
+                           "--in-process-recovery", "--metrics-out", str(out), launcher="rankwatch")
+                for i in range(3)]
+        rs = wait_for(lambda: _training(c, 3, 3, 15), 180, what="3 nodes training")
+        victim = next(r for r in rs if r["node"] == "n2")
+        os.kill(victim["pid"], signal.SIGSTOP)
+        for job in jobs[:2]:
+            assert job.wait(240) == 0
+        status = c.coordinator.status()
+    survivors = {r["pid"]: r["rank"] for r in rs if r["node"] != "n2"}
+    m = _metrics(out, [f"rank{r}.json" for r in sorted(survivors.values())])
+    assert sorted(d["pid"] for d in m.values()) == sorted(survivors)  # no torchrun restart
+    for d in m.values():
+        assert len(d["losses"]) == steps and d["world_size_now"] == 2
+        (rec,) = d["recoveries"]
+        assert list(rec["phases"]) == list(_PHASES)
+    kinds = [(i["kind"], i["node"]) for i in status["incidents"]]
+    assert ("hang", "n2") in kinds, kinds
+    assert "n2" in status["excluded_nodes"]
+    (rec,) = [i for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
+    assert rec["detail"]["ok"] is True and rec["detail"]["dropped_nodes"] == ["n2"], rec
