@@ -153,6 +153,15 @@ def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etc
             os.kill(victim_rank["pid"], signal.SIGCONT)
         except ProcessLookupError:
             pass
+        keep = os.environ.get("RANKWATCH_BENCH_KEEP_LOGS")
+        if keep and inprocess and (back is None or not _in_process(c, name)):
+            import shutil
+
+            dest = Path(keep) / uuid.uuid4().hex[:8]
+            dest.mkdir(parents=True)
+            for log in tmp.glob("*.log"):
+                shutil.copy(log, dest / log.name)
+            print(f"in-process recovery did not happen: logs in {dest}", flush=True)
         return {"named": named, "back": back}
 
 

@@ -12,8 +12,9 @@ disk.  This tier keeps the survivors' processes and their state in memory:
    nothing: the groups' timeout bounds that wait.)
 2. **Agree** on the new membership in the recovery store (:mod:`recovery_store`), under a
    fresh prefix per generation: the first survivor to arrive decides, once every member
-   arrived or ``settle`` seconds passed (a dead node never arrives).  The decision is
-   :func:`decide`, a pure function.
+   arrived or is proven gone (its liveness port refuses connections), or after ``settle``
+   seconds (a host that is down proves nothing).  The decision is :func:`decide`, a pure
+   function.
 3. **Re-initialise** the default process group among the survivors and call the user's
    ``make(membership)``, which builds the mesh, the model and the optimizer for the new
    world, exactly as it did at the start.
@@ -174,13 +175,14 @@ class InProcessRecovery:
             exists, by every member, with the same arguments.
         backend: the process groups' backend (``gloo``, ``nccl``).
         monitor: a rankwatch Monitor (its ``recovered`` reports each attempt), or None.
-        settle: seconds the agreement waits for survivors after the first one arrived.
+        settle: seconds the agreement waits for a member that neither arrived nor is proven
+            gone (a hung process, a host that is down).
         timeout: the process groups' timeout: how long a collective waits for a hung peer.
         max_recoveries: in-process recoveries before the tier leaves it to torchrun.
     """
 
     def __init__(self, make: Callable[[Membership], Job], *, backend: str = "gloo", monitor: Any = None,
-                 settle: float = 0.25, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+                 settle: float = 1.0, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
                  max_recoveries: int = 8, env: Mapping[str, str] = os.environ) -> None:
         self._make = make
         self._backend = backend
@@ -195,6 +197,7 @@ class InProcessRecovery:
         self._excluded_endpoints: set[tuple[str, int]] = set()
         self.membership: Membership | None = None
         self._report: dict[str, Any] | None = None
+        self._liveness: _Liveness | None = None
 
     # -- the start ------------------------------------------------------------------
     def start(self) -> Job:
@@ -216,6 +219,8 @@ class InProcessRecovery:
         self.membership = Membership(generation=0, rank=rank, world_size=world, members=tuple(range(world)))
         if self._store is not None:
             self._store.set(self._key(f"node/{rank}"), self._node())
+            self._liveness = _Liveness()
+            self._store.set(self._key(f"live/{rank}"), self._liveness.address)
             self._store.set(self._prefix + CAPABLE_KEY, "1")  # the handler defers its restarts to us
         return self._make(self.membership)
 
@@ -306,12 +311,9 @@ class InProcessRecovery:
         store = self._store
         store.set(self._key(f"{gen}alive/{me}"), str(completed))
         if store.add(self._key(f"{gen}arrived"), 1) == 1:
-            keys = [self._key(f"{gen}alive/{r}") for r in old.members]
-            try:
-                store.wait(keys, datetime.timedelta(seconds=self._settle))
-            except Exception:  # noqa: BLE001 - the window closed with ranks missing: the lost ones
-                pass
-            arrived = {r: int(store.get(k)) for r, k in zip(old.members, keys) if store.check([k])}
+            keys = {r: self._key(f"{gen}alive/{r}") for r in old.members}
+            self._await_survivors(keys, self._key(f"{gen}arrived"))
+            arrived = {r: int(store.get(k)) for r, k in keys.items() if store.check([k])}
             node_of = {r: store.get(self._key(f"node/{r}")).decode(errors="replace") for r in old.members}
             decision = decide(old.members, arrived, node_of, replica_size)
             if decision.ok:
@@ -321,6 +323,26 @@ class InProcessRecovery:
             return decision
         store.wait([self._key(f"{gen}decision")], datetime.timedelta(seconds=self._settle + 30))
         return Decision.from_json(store.get(self._key(f"{gen}decision")).decode())
+
+    def _await_survivors(self, keys: dict[int, str], arrived_key: str) -> None:
+        """Until every member arrived, or every one missing is proven dead (its liveness
+        port refuses connections: the process is gone), or ``settle`` seconds passed."""
+        store, deadline = self._store, time.monotonic() + self._settle
+        dead: set[int] = set()
+        while True:
+            count = int(store.add(arrived_key, 0))
+            if count == len(keys) or time.monotonic() >= deadline:
+                return
+            for r, k in keys.items():
+                if r not in dead and not store.check([k]) and _refused(self._live_address(r)):
+                    dead.add(r)
+            if count + len(dead) >= len(keys) and int(store.add(arrived_key, 0)) == count:
+                return  # all that are alive arrived; the rest are gone
+            time.sleep(0.005)
+
+    def _live_address(self, rank: int) -> str:
+        key = self._key(f"live/{rank}")
+        return self._store.get(key).decode() if self._store.check([key]) else ""
 
     def _init_group(self, new: Membership) -> None:
         import torch.distributed as dist
@@ -355,6 +377,34 @@ class InProcessRecovery:
     def last_phases(self) -> dict[str, float] | None:
         """The phases of the recovery whose first step is still to come (for tests, logs)."""
         return dict(self._report["phases"]) if self._report else None
+
+
+# -- liveness ------------------------------------------------------------------------------
+class _Liveness:
+    """A listening socket that lives exactly as long as this process: a peer's connection to
+    it is refused once the process is gone, even when the node lives on.  Never accepted
+    from: the kernel's backlog answers while the process lives (even SIGSTOPped)."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("0.0.0.0", 0))
+        self._sock.listen(1)
+        self.address = f"{socket.gethostname()}:{self._sock.getsockname()[1]}"
+
+
+def _refused(address: str, timeout: float = 0.05) -> bool:
+    """True when ``address`` refuses a connection: proof that its process is gone.  A timeout
+    (a host down, a partition) proves nothing."""
+    host, _, port = address.rpartition(":")
+    if not host:
+        return False
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
 
 
 # -- the failed groups' connections -------------------------------------------------------

@@ -21,15 +21,34 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["CAPABLE_KEY", "REGROUPED_COUNT", "REGROUPED_LIST", "ROUND_ENV", "STORE_ENV", "connect", "mark_regrouped",
+__all__ = ["CAPABLE_KEY", "REGROUPED_COUNT", "REGROUPED_NODE", "ROUND_ENV", "STORE_ENV", "connect", "mark_regrouped",
            "regrouped_key", "round_key"]
 
 STORE_ENV = "RANKWATCH_RECOVERY_STORE"
 ROUND_ENV = "RANKWATCH_RECOVERY_ROUND"
 REGROUPED_COUNT = "regrouped_count"  # under a round's prefix: nodes left out in process so far
-REGROUPED_LIST = "regrouped_nodes"   # ",n2,n5": which
+REGROUPED_NODE = "regrouped_node/"   # regrouped_node/<i> -> the i-th node left out (from 1)
 CAPABLE_KEY = "inproc/capable"       # under a round's prefix: its workers recover in process
 _CONNECT_TIMEOUT = timedelta(seconds=10)
+
+
+def etcd_endpoint(store: Any) -> str | None:
+    """``etcd://HOST:PORT/PREFIX`` of torch's EtcdStore (the etcd-v2 backend's), else None."""
+    client, prefix = getattr(store, "client", None), getattr(store, "prefix", None)
+    host, port = getattr(client, "host", None), getattr(client, "port", None)
+    if not isinstance(host, str) or not isinstance(port, int) or not isinstance(prefix, str):
+        return None
+    return f"etcd://{host}:{port}{prefix if prefix.startswith('/') else '/' + prefix}"
+
+
+def _etcd(where: str, timeout: timedelta) -> Any:
+    import etcd  # python-etcd, as torch's etcd-v2 backend needs
+    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+    hostport, _, path = where[len("etcd://"):].partition("/")
+    host, _, port = hostport.rpartition(":")
+    client = etcd.Client(host=host, port=int(port), protocol="http", read_timeout=int(timeout.total_seconds()))
+    return EtcdStore(client, "/" + path, timeout)
 
 
 def round_key(round_: int) -> str:
@@ -45,8 +64,8 @@ def regrouped_key(node: str) -> str:
 def mark_regrouped(store: Any, prefix: str, node: str, generation: int) -> None:
     """Record that the round's workers left ``node`` out (the handler reads it)."""
     store.set(prefix + regrouped_key(node), str(generation))
-    store.append(prefix + REGROUPED_LIST, "," + node)
-    store.add(prefix + REGROUPED_COUNT, 1)  # last: a reader that sees the count finds the list
+    i = store.add(prefix + REGROUPED_COUNT, 1)
+    store.set(f"{prefix}{REGROUPED_NODE}{i}", node)  # a reader that sees i before this asks again
 
 
 def connect(env: Mapping[str, str] = os.environ, timeout: timedelta = _CONNECT_TIMEOUT) -> tuple[Any, str]:
@@ -58,6 +77,8 @@ def connect(env: Mapping[str, str] = os.environ, timeout: timedelta = _CONNECT_T
     from torch.distributed import TCPStore
 
     where = env.get(STORE_ENV)
+    if where and where.startswith("etcd://"):
+        return _etcd(where, timeout), env.get(ROUND_ENV) or "rankwatch/round/"
     if where:
         host, _, port = where.rpartition(":")
         prefix = env.get(ROUND_ENV) or "rankwatch/round/"

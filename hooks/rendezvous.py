@@ -66,10 +66,11 @@ from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
 from rankwatch.hooks.recovery_store import (
     CAPABLE_KEY,
     REGROUPED_COUNT,
-    REGROUPED_LIST,
+    REGROUPED_NODE,
     ROUND_ENV,
     STORE_ENV,
     regrouped_key,
+    etcd_endpoint,
     round_key,
 )
 
@@ -148,7 +149,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._round_store: Store | None = None
         self._raw_store = store
         self._round_nodes = 0
-        self._checked_in: set[str] = set()
+        self._checked_in = 0  # nodes left out in process that this handler has read
         self._deferred: dict[int, float] = {}  # generation -> when a restart for it was first held
         self._round_prefix: str | None = None  # this round's keys in the raw store, as the workers see them
         self._endpoint = _tcp_endpoint(store)
@@ -210,7 +211,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._joined_generation = generation
         self._round_store = info.store  # this round's own (prefixed) store
         self._round_nodes = info.world_size
-        self._checked_in: set[str] = set()
+        self._checked_in = 0
         self._export_recovery_store()
         try:
             self._round_store.set(MEMBER_PREFIX + self._node, "1")
@@ -267,16 +268,17 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         if self._round_prefix is None or self._round_store is None:
             return
         count = int(self._raw_store.add(self._round_prefix + REGROUPED_COUNT, 0))
-        if count <= len(self._checked_in):
+        if count <= self._checked_in:
             return
         from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
         from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
-        listed = self._raw_store.get(self._round_prefix + REGROUPED_LIST).decode(errors="replace")
-        for node in filter(None, listed.split(",")):
-            if node in self._checked_in:
-                continue
-            self._checked_in.add(node)
+        for i in range(self._checked_in + 1, count + 1):
+            key = f"{self._round_prefix}{REGROUPED_NODE}{i}"
+            if not self._raw_store.check([key]):
+                return  # being written: the next check reads it
+            node = self._raw_store.get(key).decode(errors="replace")
+            self._checked_in = i
             if self._round_store.add(f"rankwatch/exit_check_in/{node}", 1) == 1:
                 _barrier_nonblocking(self._round_store, self._round_nodes, _TERMINAL_STATE_SYNC_ID)
                 log.warning("rankwatch: node %s was left out in process; checked in for it at "
@@ -449,11 +451,12 @@ class _Relay:
 
 
 def _tcp_endpoint(store: Store) -> str | None:
-    """``HOST:PORT`` of a TCPStore (the c10d backend's), else None."""
+    """Where the workers reach the rendezvous store: ``HOST:PORT`` of a TCPStore (the c10d
+    backend's), ``etcd://HOST:PORT/PREFIX`` of an EtcdStore (etcd-v2's), else None."""
     from torch.distributed import TCPStore
 
     if not isinstance(store, TCPStore):
-        return None
+        return etcd_endpoint(store)
     try:
         return f"{store.host}:{store.port}"
     except Exception:  # noqa: BLE001

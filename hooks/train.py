@@ -48,8 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--in-process-recovery", action="store_true",
                    help="when a node is lost, the surviving workers regroup and train on in process "
                         "(needs --replicate > 1); what cannot be recovered so falls back to torchrun")
-    p.add_argument("--recovery-settle", type=float, default=0.25,
-                   help="seconds the survivors wait for each other before leaving the silent ones out")
+    p.add_argument("--recovery-settle", type=float, default=1.0,
+                   help="seconds the survivors wait for a silent member that is not proven dead "
+                        "(a process that is gone is left out at once)")
     p.add_argument("--collective-timeout", type=float, default=1800.0,
                    help="seconds a collective waits for a hung peer before it fails")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save and resume here")

@@ -154,3 +154,35 @@ def test_hung_node_excluded_then_left_out_in_process(tmp_path):
     assert "n2" in status["excluded_nodes"]
     (rec,) = [i for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
     assert rec["detail"]["ok"] is True and rec["detail"]["dropped_nodes"] == ["n2"], rec
+
+
+def test_first_node_lost_on_etcd_regroup_in_process(tmp_path):
+    """On etcd the store outlives every node: n0, whose torchrun would host the c10d store
+    and whose agent holds the coordinator's seat, is SIGKILLed whole, and n1 and n2 regroup
+    in process through the etcd store (the workers' own store died with n0's torchrun)."""
+    from etcdcluster import EtcdCluster
+
+    out = tmp_path / "metrics"
+    steps = 120
+    etcd = EtcdCluster(tmp_path)
+    try:
+        with Cluster(tmp_path, 3, ("--min-nodes", "2"), election=etcd.endpoints[0]) as c:
+            wait_for(lambda: c.agents[0].status()["coordinator"], 15, what="n0 holding the seat")
+            jobs = [c.torchrun(i, "2:3", 1, "--steps", str(steps), "--log-every", "0", "--replicate", "3",
+                               "--in-process-recovery", "--metrics-out", str(out), launcher="rankwatch",
+                               etcd=etcd.endpoints[0])
+                    for i in range(3)]
+            before = _kill_and_finish(c, jobs, victim=0, nodes=3, ranks=3)
+            status = c.coordinator.status()
+    finally:
+        etcd.stop()
+    m = _metrics(out, [f"rank{r}.json" for r in sorted(before.values())])
+    assert sorted(d["pid"] for d in m.values()) == sorted(before)  # the same processes
+    for d in m.values():
+        assert len(d["losses"]) == steps and d["world_size_now"] == 2
+        (rec,) = d["recoveries"]
+        assert list(rec["phases"]) == list(_PHASES)
+    assert len({d["param_digest"] for d in m.values()}) == 1
+    # The new coordinator heard of the recovery from the survivors' agents.
+    recs = [i for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
+    assert len(recs) == 1 and recs[0]["detail"]["dropped_nodes"] == ["n0"], recs

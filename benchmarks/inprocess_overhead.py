@@ -1,0 +1,60 @@
+"""Steady-state cost of the in-process recovery tier: the harness with and without it.
+
+The same job (three ranks under ``torchrun --standalone``, HSDP ``--replicate 3``, the
+harness's default model) runs in pairs, the two arms back to back in alternating order,
+so both see the same machine; each run's median step time (after 20 warm-up steps) is
+compared within its pair.  An A/A control labels two identical runs without the tier as
+the two arms, to show the noise floor.
+
+    python benchmarks/inprocess_overhead.py --pairs 6 --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def run(steps: int, tier: bool, tmp: Path) -> float:
+    out = tmp / ("on" if tier else "off")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           "-m", "rankwatch.hooks.train", "--steps", str(steps), "--log-every", "0", "--replicate", "3",
+           "--no-rankwatch", "--metrics-out", str(out), *(["--in-process-recovery"] if tier else [])]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    times = []
+    for rank in range(3):
+        times += json.loads((out / f"rank{rank}.json").read_text())["step_times"][20:]
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--steps", type=int, default=300)
+    args = p.parse_args()
+    ratios, controls = [], []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for i in range(args.pairs):
+            order = (True, False) if i % 2 == 0 else (False, True)
+            got = {arm: run(args.steps, arm, tmp) for arm in order}
+            ratios.append(got[True] / got[False])
+            a, b = run(args.steps, False, tmp), run(args.steps, False, tmp)
+            controls.append(a / b)
+            print(f"pair {i}: with {got[True] * 1e3:.2f} ms, without {got[False] * 1e3:.2f} ms, "
+                  f"ratio {ratios[-1]:.3f}; A/A {controls[-1]:.3f}", flush=True)
+    print(f"with/without: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
+          f"A/A control: median {statistics.median(controls):.3f} "
+          f"(range {min(controls):.3f}-{max(controls):.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
