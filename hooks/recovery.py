@@ -382,14 +382,33 @@ class InProcessRecovery:
 # -- liveness ------------------------------------------------------------------------------
 class _Liveness:
     """A listening socket that lives exactly as long as this process: a peer's connection to
-    it is refused once the process is gone, even when the node lives on.  Never accepted
-    from: the kernel's backlog answers while the process lives (even SIGSTOPped)."""
+    it is refused once the process is gone, even when the node lives on.  A daemon thread
+    accepts and closes probes, so the backlog never fills while the process runs."""
 
     def __init__(self) -> None:
+        import threading
+
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("0.0.0.0", 0))
-        self._sock.listen(1)
+        self._sock.listen(128)
         self.address = f"{socket.gethostname()}:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._drain, name="rankwatch-liveness", daemon=True).start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            conn.close()
+
+    def close(self) -> None:
+        """Stop answering (as the process's end does); wakes the accepting thread."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
 
 
 def _refused(address: str, timeout: float = 0.05) -> bool:
