@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-from rankwatch.agent import checkpoint_policy, validate
+from rankwatch.agent import checkpoint_policy, recoveries, validate
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hangend import hang_end, steps_at
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
@@ -105,6 +105,8 @@ class _Restart:
     steps_before: dict[str, int] = field(default_factory=dict)
     pids_before: set[int] = field(default_factory=set)
     """The workers connected at the decision: the restart replaces them."""
+    node: str = ""
+    """The excluded node."""
 
 
 class Coordinator:
@@ -270,7 +272,7 @@ class Coordinator:
                                          "started_at": d.decided_at})
         with self.lock:
             prev = self._restart
-            self._restart = _Restart(inc.id, d.decided_at, steps, pids)
+            self._restart = _Restart(inc.id, d.decided_at, steps, pids, node)
         if prev is not None:  # superseded before it recovered: it lasted until this one
             self.incidents.resolve(prev.incident, d.decided_at, superseded_by=d.id,
                                    recovered_after_seconds=round(d.decided_at - prev.started_at, 3))
@@ -479,6 +481,13 @@ class Coordinator:
         """
         r = self._restart
         if r is None:
+            return
+        in_process = recoveries.handled_at(r.node, r.started_at, self.job_incidents())
+        if in_process is not None:  # the survivors left the node out in their own processes
+            after = round(max(0.0, in_process - r.started_at), 3)
+            self.incidents.resolve(r.incident, now, recovered_after_seconds=after, answered_in_process=True)
+            log.info("job back to training %.1fs after %s, in process", after, r.incident)
+            self._restart = None
             return
         with self.lock:
             nodes = self._live_nodes()

@@ -131,6 +131,7 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
                "--max-restarts", "0", "--monitor-interval", "0.1",
                "-m", "rankwatch.hooks.train", "--steps", str(steps), "--log-every", "0",
                "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-interval", "40",
+               "--replicate", "3", "--in-process-recovery",
                *fault.get(i, [])]
         env = {**os.environ, AGENT_ENV: str(agent_addr), NODE_ID_ENV: node, "OMP_NUM_THREADS": "1"}
         log = open(workdir / f"{node}.log", "w")

@@ -50,6 +50,10 @@ class Resume:
     """The highest step trained since the resume."""
     step_seconds: float
     """The step time seen last since the resume."""
+    down_from: float | None = None
+    """When the job last advanced before it went back: the workers' downtime runs from here
+    to ``at``.  It counts as ``restart``, whether or not a decision caused it (a spare that
+    joins restarts every worker through torchrun, with no decision)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +62,10 @@ class Progress:
     high_water: int = -1
     last_top: int = -1
     """The fastest rank's step at the last sample."""
+    advanced_at: float | None = None
+    """When the fastest rank's step last went up."""
+    workers: frozenset[int] = frozenset()
+    """Worker pids seen stepping: a new one that started behind the high-water mark resumed."""
     resumes: tuple[Resume, ...] = ()
 
 
@@ -72,14 +80,28 @@ class StepProgress:
         with self._lock:
             return self._progress
 
-    def observe(self, now: float, steps: Sequence[int], step_seconds: float) -> None:
-        """The connected ranks' current steps and the job's step time."""
+    def observe(self, now: float, steps: Sequence[int], step_seconds: float,
+                workers: Sequence[tuple[int, int, int]] = ()) -> None:
+        """The connected ranks' current steps and the job's step time; ``workers`` are their
+        ``(pid, step, steps completed by this worker)``."""
         with self._lock:
-            self._progress = _advance(self._progress, now, steps, step_seconds)
+            self._progress = _advance(self._progress, now, steps, step_seconds, workers)
 
 
-def _advance(p: Progress, now: float, steps: Sequence[int], step_seconds: float) -> Progress:
-    """``p`` after one sample of the ranks' steps: the first step, a resume, retraining."""
+_MAX_WORKERS = 1 << 16
+
+
+def _advance(p: Progress, now: float, steps: Sequence[int], step_seconds: float,
+             workers: Sequence[tuple[int, int, int]] = ()) -> Progress:
+    """``p`` after one sample of the ranks' steps: the first step, a resume, retraining.
+
+    A resume is new workers that started behind the high-water mark: with ``workers``, a
+    pid not seen stepping before whose first step came after an older checkpoint; without,
+    the fastest rank's step going back (a sample can miss that dip when the new workers
+    pass the old top before it).  Workers that regroup in process keep their pids and go
+    on from where they were: no resume.
+    """
+    steps = [s for s in steps if s >= 0]  # a worker that has not stepped yet (-1) says nothing
     if not steps:
         return p
     top = max(steps)
@@ -90,11 +112,23 @@ def _advance(p: Progress, now: float, steps: Sequence[int], step_seconds: float)
     if resumes and resumes[-1].reached < resumes[-1].high_water:  # retraining after the last resume
         last = resumes[-1]
         resumes = resumes[:-1] + (replace(last, reached=max(last.reached, top), step_seconds=step_seconds),)
-    if 0 <= top < p.last_top and top < p.high_water:
+    stepped = [(pid, step, done) for pid, step, done in workers if done > 0 and step >= 0]
+    fresh = [(step, done) for pid, step, done in stepped if pid not in p.workers]
+    if workers:
+        back_to = min((step - done for step, done in fresh), default=p.high_water)
+        if p.workers and 0 <= back_to < p.high_water:
+            done = max(d for s, d in fresh if s - d == back_to)
+            resumes += (Resume(at=max(now - done * step_seconds, p.advanced_at or now), step=back_to,
+                               high_water=p.high_water, reached=top, step_seconds=step_seconds,
+                               down_from=p.advanced_at),)
+    elif 0 <= top < p.last_top and top < p.high_water:
         # Ranks restarted behind the high-water mark: what they train up to it is recomputed.
         resumes += (Resume(at=now, step=top, high_water=p.high_water, reached=top,
-                           step_seconds=step_seconds),)
-    return Progress(first_step_at=first, high_water=max(p.high_water, top), last_top=top, resumes=resumes)
+                           step_seconds=step_seconds, down_from=p.advanced_at),)
+    advanced = now if top > p.last_top else p.advanced_at
+    seen = p.workers | {pid for pid, _, _ in stepped} if len(p.workers) < _MAX_WORKERS else p.workers
+    return Progress(first_step_at=first, high_water=max(p.high_water, top), last_top=top,
+                    advanced_at=advanced, workers=seen, resumes=resumes)
 
 
 def breakdown(now: float, *, incidents: Iterable[Incident], decisions: Iterable[Decision],
@@ -105,32 +139,52 @@ def breakdown(now: float, *, incidents: Iterable[Incident], decisions: Iterable[
     elapsed = max(now - progress.first_step_at, 1e-9)
     incidents = list(incidents)
     in_process = _union([recoveries.span(i) for i in incidents if recoveries.is_in_process(i)])
-    lost = {"hang": _hang(incidents, in_process), "restart": _restart(now, incidents, decisions),
+    hangs = _hang_spans(incidents)
+    lost = {"hang": sum(b - a for a, b in _minus(hangs, in_process)),
+            "restart": _restart(now, incidents, decisions, progress.resumes, hangs),
             "recompute": _recompute(progress.resumes), "checkpoint": _checkpoint(incidents)}
     total_lost = min(sum(lost.values()), elapsed)
     return {"productive": elapsed - total_lost, **lost, "elapsed": elapsed}
 
 
-def _hang(incidents: list[Incident], in_process: list[tuple[float, float]]) -> float:
-    """Each hang once (a node's copy of the coordinator's is ``<coordinator>/<id>``), from its
-    last progress to its end, less what in-process recoveries (``in_process``, disjoint) cover."""
-    out, seen = 0.0, set()
+def _hang_spans(incidents: list[Incident]) -> list[tuple[float, float]]:
+    """Each hang's ``(last progress, end)``, merged."""
+    spans, seen = [], set()
     for inc in incidents:
         key = inc.id.split("/")[-1]
-        if inc.kind != "hang" or key in seen:
-            continue
-        seen.add(key)
-        start = inc.detected_at - float(inc.detail.get("stalled_seconds") or 0.0)
-        end = max(inc.resolved_at or inc.detected_at, inc.detected_at)
-        out += (end - start) - sum(max(0.0, min(end, b) - max(start, a)) for a, b in in_process)
+        if inc.kind == "hang" and key not in seen:
+            seen.add(key)
+            start = inc.detected_at - float(inc.detail.get("stalled_seconds") or 0.0)
+            spans.append((start, max(inc.resolved_at or inc.detected_at, inc.detected_at)))
+    return _union(spans)
+
+
+def _minus(spans: Iterable[tuple[float, float]], cuts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``spans`` without the parts that ``cuts`` (disjoint, in order) cover."""
+    out = []
+    for a, b in spans:
+        for c, d in cuts:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
     return out
 
 
-def _restart(now: float, incidents: list[Incident], decisions: Iterable[Decision]) -> float:
+def _restart(now: float, incidents: list[Incident], decisions: Iterable[Decision],
+             resumes: Iterable[Resume] = (), hangs: list[tuple[float, float]] | None = None) -> float:
     """Time under any restart, each counted once: a torchrun restart until it recovered, else
-    until the next restart decision, else until now; an in-process one over its span."""
+    until the next restart decision, else until now; an in-process one over its span; and the
+    workers' downtime before a resume behind the high-water mark, decided or not, less what a
+    hang (``hangs``) already counts."""
     starts = sorted(d.decided_at for d in decisions if d.kind == "exclude")
-    spans = []
+    spans = _minus([(r.down_from, r.at) for r in resumes if r.down_from is not None and r.down_from < r.at],
+                   hangs or [])
     for inc in incidents:
         if inc.kind != "restart":
             continue

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rankwatch.agent.incidents import Incident, IncidentLog
@@ -68,6 +68,21 @@ def span(inc: Incident) -> tuple[float, float]:
     failure's catch: the coordinator moves a node's incidents onto its own clock)."""
     phases = inc.detail.get("phases")
     return inc.detected_at, inc.detected_at + seconds(phases if isinstance(phases, Mapping) else {})
+
+
+HANDLED_WITHIN_SECONDS = 30.0
+"""An in-process recovery this long before an exclusion (a dead node's survivors regroup at
+once; the coordinator calls the node dead seconds later) or any time after it answers it."""
+
+
+def handled_at(node: str, decided_at: float, incidents: Iterable[Incident]) -> float | None:
+    """When the job trained again after excluding ``node`` at ``decided_at`` without a torchrun
+    restart: the end of an in-process recovery that left ``node`` out, else None."""
+    ends = [span(i)[1] for i in incidents
+            if is_in_process(i) and i.detail.get("ok") and node in (i.detail.get("dropped_nodes") or ())
+            and i.detected_at >= decided_at - HANDLED_WITHIN_SECONDS
+            and "first_step" in (i.detail.get("phases") or {})]
+    return min(ends) if ends else None
 
 
 class RecoveryLog:

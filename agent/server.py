@@ -311,8 +311,9 @@ class Agent:
 
     def _observe_progress(self, now: float) -> None:
         ranks = self.state.snapshot()
-        self.progress.observe(now, [r.step for r in ranks if r.connected],
-                              max((r.step_seconds for r in ranks), default=0.0))
+        live = [r for r in ranks if r.connected]
+        self.progress.observe(now, [r.step for r in live], max((r.step_seconds for r in ranks), default=0.0),
+                              [(r.pid, r.step, r.steps_completed) for r in live])
 
     def goodput(self, now: float) -> dict[str, float] | None:
         """Where the job's time went (:func:`goodput.breakdown` over this agent's view)."""

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankwatch.address import NODE_ID_ENV
-from rankwatch.hooks.recovery_store import CAPABLE_KEY, connect, mark_regrouped
+from rankwatch.hooks.recovery_store import CAPABLE_KEY, RESTARTING_KEY, connect, mark_regrouped
 
 __all__ = ["Decision", "InProcessRecovery", "Job", "Membership", "RecoveryFailed", "decide", "is_peer_failure"]
 
@@ -71,6 +71,11 @@ _MAX_MESSAGE = 400
 
 class RecoveryFailed(RuntimeError):
     """The in-process attempt cannot recover this failure; torchrun's restart must."""
+
+
+_RESTARTING = "torchrun is restarting the round"
+_RESTART_GRACE = 60.0
+"""Seconds a worker waits to be stopped when torchrun is already restarting the round."""
 
 
 @dataclass(frozen=True)
@@ -283,6 +288,11 @@ class InProcessRecovery:
             log.error("rankwatch: in-process recovery failed (%s); the worker exits for torchrun's restart",
                       error)
             self._send(caught, completed, old, old, phases, ok=False, error=error)
+            if _RESTARTING in error:
+                # torchrun stops this worker itself: exiting first would read as a failure of
+                # its own (and spend one of --max-restarts).
+                log.warning("rankwatch: waiting for torchrun to stop this worker")
+                time.sleep(_RESTART_GRACE)
             if isinstance(failure, RecoveryFailed):
                 raise
             raise RecoveryFailed(error) from failure
@@ -315,7 +325,11 @@ class InProcessRecovery:
             self._await_survivors(keys, self._key(f"{gen}arrived"))
             arrived = {r: int(store.get(k)) for r, k in keys.items() if store.check([k])}
             node_of = {r: store.get(self._key(f"node/{r}")).decode(errors="replace") for r in old.members}
-            decision = decide(old.members, arrived, node_of, replica_size)
+            if store.check([self._prefix + RESTARTING_KEY]):  # torchrun stops the workers itself
+                by = store.get(self._prefix + RESTARTING_KEY).decode(errors="replace")[:64]
+                decision = Decision(ok=False, error=f"{_RESTARTING}: node {by} restarts its workers")
+            else:
+                decision = decide(old.members, arrived, node_of, replica_size)
             if decision.ok:
                 for node in decision.dropped_nodes:  # the round goes on without it: no restart
                     mark_regrouped(store, self._prefix, node, old.generation + 1)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["CAPABLE_KEY", "REGROUPED_COUNT", "REGROUPED_NODE", "ROUND_ENV", "STORE_ENV", "connect", "mark_regrouped",
+__all__ = ["CAPABLE_KEY", "RESTARTING_KEY", "REGROUPED_COUNT", "REGROUPED_NODE", "ROUND_ENV", "STORE_ENV", "connect", "mark_regrouped",
            "regrouped_key", "round_key"]
 
 STORE_ENV = "RANKWATCH_RECOVERY_STORE"
@@ -29,6 +29,7 @@ ROUND_ENV = "RANKWATCH_RECOVERY_ROUND"
 REGROUPED_COUNT = "regrouped_count"  # under a round's prefix: nodes left out in process so far
 REGROUPED_NODE = "regrouped_node/"   # regrouped_node/<i> -> the i-th node left out (from 1)
 CAPABLE_KEY = "inproc/capable"       # under a round's prefix: its workers recover in process
+RESTARTING_KEY = "restarting"        # under a round's prefix: torchrun is restarting the round
 _CONNECT_TIMEOUT = timedelta(seconds=10)
 
 

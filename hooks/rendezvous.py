@@ -67,6 +67,7 @@ from rankwatch.hooks.recovery_store import (
     CAPABLE_KEY,
     REGROUPED_COUNT,
     REGROUPED_NODE,
+    RESTARTING_KEY,
     ROUND_ENV,
     STORE_ENV,
     regrouped_key,
@@ -285,6 +286,15 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                             "torchrun's exit barrier", node)
 
     def _num_nodes_waiting(self) -> int:
+        waiting = self._nodes_waiting()
+        if waiting and self._round_prefix is not None and self.excluded() is None:
+            # Before torchrun stops this node's workers: the others' workers, whose collectives
+            # that breaks, must not take it for a lost node and regroup without this one.  (An
+            # excluded node's restart is its leaving: the others do regroup without it.)
+            self._raw_store.set(self._round_prefix + RESTARTING_KEY, self._node)
+        return waiting
+
+    def _nodes_waiting(self) -> int:
         self._check_in_regrouped()
         if self.excluded() is not None or self._restart_needed():
             return max(1, self._inner.num_nodes_waiting())
@@ -372,7 +382,12 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         if self._relay is not None:
             self._relay.stop()
         if self._excluded is not None:
-            return True  # the stock shutdown would close the rendezvous for every node
+            # Leave now (a torchrun that gives up on its workers, --max-restarts 0, never asks
+            # for the next round, where an excluded node leaves), so that a spare finds room
+            # without waiting for this node's keep-alive to expire; and do not close the
+            # rendezvous for every node, as the stock shutdown would.
+            self._leave()
+            return True
         return self._inner.shutdown()
 
     def _leave(self) -> None:

@@ -171,3 +171,64 @@ def test_the_agent_exports_the_reader_and_summary_feeds_nothing(tmp_path):
                   frozenset({("node", "n0"), ("kind", "checkpoint")}))] == pytest.approx(4.0)
     finally:
         agent.stop(timedelta(0))
+
+
+def _trained_to(step: int, step_seconds: float = 1.0) -> StepProgress:
+    p = started(step_seconds)
+    for s in range(2, step + 1):
+        p.observe(T0 + s - 1, [s, s], step_seconds)  # step s completes at T0 + s - 1
+    return p
+
+
+def test_workers_restarted_without_a_decision_count_their_downtime_as_restart():
+    """A spare that joins restarts every worker through torchrun: no decision, no incident,
+    but the workers are down from the last step until they step again (from a checkpoint)."""
+    p = _trained_to(60)                  # step 60 at T0 + 59
+    p.observe(T0 + 69, [40, 40], 1.0)    # back from the checkpoint at step 40, 10 s later
+    b = lost(T0 + 99, progress=p.snapshot())
+    assert b["restart"] == pytest.approx(10.0)
+    assert b["hang"] == 0.0
+
+
+def test_a_hang_then_a_restart_counts_each_second_once():
+    """Stalled from step 60 (T0 + 59) until excluded at T0 + 65; the restart until T0 + 69,
+    when the workers step again from a checkpoint: 6 s of hang, 4 s of restart, not 10 + 4."""
+    p = _trained_to(60)
+    p.observe(T0 + 69, [40, 40], 1.0)
+    hang = incident("hang", T0 + 65, stalled_seconds=6.0, resolved_at=T0 + 65)
+    restart = incident("restart", T0 + 65, started_at=T0 + 65, recovered_after_seconds=4.0)
+    b = lost(T0 + 99, incidents=[hang, restart], decisions=[exclude(T0 + 65, 1)], progress=p.snapshot())
+    assert b["hang"] == pytest.approx(6.0)
+    assert b["restart"] == pytest.approx(4.0)
+
+
+def test_new_workers_that_have_not_stepped_yet_do_not_hide_a_resume():
+    """Between a restart and the new workers' first step, the connected ranks read -1."""
+    p = _trained_to(60)
+    p.observe(T0 + 65, [-1, -1], 1.0)    # the new workers connected, no step yet
+    p.observe(T0 + 69, [41, 41], 1.0)    # their first step, from the checkpoint at step 40
+    b = lost(T0 + 69, progress=p.snapshot())
+    assert [(r.step, r.high_water) for r in p.snapshot().resumes] == [(41, 60)]
+    assert b["restart"] == pytest.approx(10.0)
+
+
+def test_new_workers_resumed_behind_the_mark_even_when_no_sample_caught_the_dip():
+    """The new workers passed the old top before the first sample that saw them: their pids
+    and their own step count still show the resume from the checkpoint at step 80."""
+    p = StepProgress()
+    for s in range(1, 85):
+        p.observe(T0 + s - 1, [s, s], 1.0, [(100, s, s), (101, s, s)])   # step 84 at T0 + 83
+    p.observe(T0 + 95, [86, 86], 1.0, [(200, 86, 6), (201, 86, 6)])     # from step 80, 6 steps in
+    (r,) = p.snapshot().resumes
+    assert (r.step, r.high_water, r.at, r.down_from) == (80, 84, T0 + 89, T0 + 83)
+    b = lost(T0 + 95, progress=p.snapshot())
+    assert b["restart"] == pytest.approx(6.0)               # down from T0 + 83 to T0 + 89
+    assert b["recompute"] == pytest.approx(4.0)             # steps 81..84 again
+
+
+def test_workers_that_regrouped_in_process_did_not_resume():
+    p = StepProgress()
+    for s in range(1, 85):
+        p.observe(T0 + s - 1, [s, s, s], 1.0, [(100, s, s), (101, s, s), (102, s, s)])
+    p.observe(T0 + 90, [90, 90], 1.0, [(100, 90, 90), (101, 90, 90)])   # the same two, world 3 -> 2
+    assert p.snapshot().resumes == ()

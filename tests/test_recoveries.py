@@ -231,3 +231,23 @@ def test_the_timeline_and_the_demo_feed_tell_a_recovery_in_one_line():
                              "detected_at": 5.0, "detail": detail}]}
     ((_, _, text),) = feed(status, DemoNotes(nodes=("n0",), spare="", hung="", xid="", steps=10))
     assert text.endswith(line)
+
+
+def test_an_exclusion_is_answered_by_the_in_process_recovery_that_left_its_node_out():
+    from rankwatch.agent.incidents import Incident
+    from rankwatch.agent.recoveries import handled_at
+
+    def rec(at: float, dropped: list[str], ok: bool = True, first_step: float | None = 0.4) -> Incident:
+        phases = {"left_step": 0.01, "agreed": 0.05}
+        if first_step is not None:
+            phases["first_step"] = first_step
+        return Incident(id="r", kind="restart", node="n0", rank=0, step=10, detected_at=at,
+                        detail={"tier": "in_process", "ok": ok, "dropped_nodes": dropped, "phases": phases})
+
+    # A dead node: its survivors regrouped at once; the coordinator excluded it 3 s later.
+    assert handled_at("n2", 103.0, [rec(100.0, ["n2"])]) == pytest.approx(100.4)
+    # A hung node: excluded first; its workers killed, then the survivors regrouped.
+    assert handled_at("n2", 100.0, [rec(100.6, ["n2"])]) == pytest.approx(101.0)
+    # Not an answer: another node, a failed attempt, one not yet stepping, one long before.
+    assert handled_at("n2", 100.0, [rec(100.5, ["n1"]), rec(100.5, ["n2"], ok=False),
+                                    rec(100.5, ["n2"], first_step=None), rec(10.0, ["n2"])]) is None
