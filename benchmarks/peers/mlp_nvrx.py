@@ -26,6 +26,10 @@ model = make_model()
 optimizer = make_optimizer(model)
 progress = {"done": 0}  # outlives the wrapped function's restarts
 
+# The Wrapper adds NVML-based GPU, NVLink and NIC health checks to every restart when
+# LOCAL_RANK is set; on a machine without NVML they fail (NVMLError_LibraryNotFound ->
+# HealthCheckError) and no restart ever succeeds.  Hide LOCAL_RANK while it is built.
+local_rank = os.environ.pop("LOCAL_RANK", None)
 if TUNED:
     short = timedelta(seconds=0.2)
     wrapper = inprocess.Wrapper(
@@ -35,6 +39,8 @@ if TUNED:
     )
 else:
     wrapper = inprocess.Wrapper(store_kwargs={"port": int(os.environ["PEERS_NVRX_PORT"])}, enabled=FT)
+if local_rank is not None:
+    os.environ["LOCAL_RANK"] = local_rank
 
 
 @wrapper

@@ -3,7 +3,7 @@
 Each member is a replica group of one process, started by its own single-node torchrun;
 ``run.py`` starts the lighthouse.  torchft's DistributedDataParallel and Optimizer wrappers
 do the gradient all-reduce and the commit.  ``PEERS_TUNED=1`` sets 1 s timeouts on the
-group, the manager and the quorum (the lighthouse gets a 1 s heartbeat timeout).
+group and the manager, 3 s on the quorum (the lighthouse gets a 1 s heartbeat timeout).
 ``PEERS_FT=0`` runs the same model and data with torch's own DDP on one gloo group of a
 three-node torchrun (the steady-state control).
 """
@@ -40,7 +40,11 @@ def with_torchft(log: StepLog, member: int) -> None:
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         replica_id=f"member{member}",
-        **({"timeout": one, "quorum_timeout": one} if tuned else {}),
+        # A quorum timeout of 1 s, no longer than the heartbeat timeout, fails the first
+        # quorum after a loss (the lighthouse waits out the dead replica's heartbeat first):
+        # TimeoutError, and the worker exits.  Tuned therefore waits up to 3 s for a quorum.
+        **({"timeout": one, "quorum_timeout": timedelta(seconds=float(os.environ.get("PEERS_QUORUM_S", "3")))}
+           if tuned else {}),
     )
     ddp = DistributedDataParallel(manager, model)
     opt = Optimizer(manager, inner)

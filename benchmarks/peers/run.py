@@ -186,6 +186,7 @@ class Run:
 def kill_once(config: str, warm: int, limit: float, victim: int = 2) -> dict:
     run = Run(config)
     try:
+        t0 = time.time()
         run.start()
         if not run.wait_all(warm, MEMBERS, 240):
             return {"config": config, "ok": False, "error": "did not train in a world of 3", "log": run.tail()}
@@ -202,7 +203,7 @@ def kill_once(config: str, warm: int, limit: float, victim: int = 2) -> dict:
                         first[m] = after[0]
             time.sleep(0.05)
         ok = len(first) == len(survivors)
-        result = {"config": config, "ok": ok, "killed_processes": n,
+        result = {"config": config, "ok": ok, "killed_processes": n, "startup_s": killed_at - t0,
                   "recovery_s": max(first.values()) - killed_at if ok else None,
                   "first_step_after_kill_s": {m: t - killed_at for m, t in first.items()}}
         if ok:  # do they go on training?
