@@ -7,6 +7,7 @@ size it ran in, flushed at once, so that the driver can read the survivors' cloc
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 
@@ -59,7 +60,9 @@ def average_gradients(model: nn.Module, group=None) -> None:
 
 
 class StepLog:
-    """Appends ``time world_size`` per completed step to this member's file."""
+    """Appends ``time world_size`` per completed step to this member's file; with
+    ``PEERS_DIGEST_EVERY=N``, also ``# digest <step> <hash>`` of the parameters' bytes every N
+    steps (replicas that agree are equal bit for bit)."""
 
     def __init__(self) -> None:
         torch.set_num_threads(1)
@@ -67,7 +70,13 @@ class StepLog:
         member = os.environ.get("PEERS_MEMBER", os.environ.get("RANK", "0"))
         self._f = open(os.path.join(out, f"member{member}.steps"), "a", buffering=1)
         self._f.write(f"# pid {os.getpid()}\n")
+        self._every = int(os.environ.get("PEERS_DIGEST_EVERY", "0"))
 
-    def step(self, world_size: int) -> None:
+    def step(self, world_size: int, model: nn.Module | None = None, step: int | None = None) -> None:
         self._f.write(f"{time.time():.6f} {world_size}\n")
+        if self._every and model is not None and step is not None and step % self._every == 0:
+            h = hashlib.sha1()
+            for p in model.parameters():
+                h.update(p.detach().contiguous().numpy().tobytes())
+            self._f.write(f"# digest {step} {h.hexdigest()[:16]}\n")
         self._f.flush()

@@ -58,7 +58,7 @@ def train(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
         average_gradients(model)
         optimizer.step()
         progress["done"] += 1
-        log.step(dist.get_world_size())
+        log.step(dist.get_world_size(), model, progress["done"])
     dist.destroy_process_group()
 
 

@@ -40,7 +40,7 @@ def main() -> None:
             average_gradients(job.model)
             job.optimizer.step()
             done += 1
-            log.step(dist.get_world_size())
+            log.step(dist.get_world_size(), job.model, done)
             if tier is not None:
                 tier.stepped(done)
         except Exception as exc:  # noqa: BLE001 - the tier re-raises what it does not handle

@@ -56,7 +56,7 @@ def with_torchft(log: StepLog, member: int) -> None:
         opt.step()
         step += 1
         if manager.current_step() > before:  # committed: every participant applied it
-            log.step(manager.num_participants())
+            log.step(manager.num_participants(), model, manager.current_step())
     manager.shutdown()
 
 
@@ -69,7 +69,7 @@ def without(log: StepLog, member: int) -> None:
         opt.zero_grad()
         loss_of(ddp, step, member).backward()
         opt.step()
-        log.step(dist.get_world_size())
+        log.step(dist.get_world_size(), model, step + 1)
     dist.destroy_process_group()
 
 

@@ -134,6 +134,18 @@ class Run:
                 out.append((float(parts[0]), int(parts[1])))
         return out
 
+    def digests(self, member: int) -> dict[int, str]:
+        try:
+            text = (self.dir / f"member{member}.steps").read_text()
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("# digest "):
+                _, _, step, h = line.split()
+                out[int(step)] = h  # a step trained again after a recovery: the last one counts
+        return out
+
     def tagged(self, member: str | None = None) -> list[psutil.Process]:
         found = []
         for p in psutil.process_iter():
@@ -216,6 +228,12 @@ def kill_once(config: str, warm: int, limit: float, victim: int = 2) -> dict:
                                           for m in survivors)
             stale = [(t, w) for m in survivors for t, w in run.steps(m) if t > killed_at and w != MEMBERS - 1]
             result["steps_after_kill_in_other_worlds"] = len(stale)
+            if os.environ.get("PEERS_DIGEST_EVERY"):
+                a, b = (run.digests(m) for m in survivors)
+                common = sorted(set(a) & set(b))
+                differ = [s for s in common if a[s] != b[s]]
+                result["digests"] = {"compared": len(common), "last_step": common[-1] if common else None,
+                                     "differ": len(differ), "first_differing_step": differ[0] if differ else None}
         else:
             result["log"] = run.tail()
         return result
@@ -263,7 +281,12 @@ def main() -> int:
     p.add_argument("--warm", type=int, default=30, help="steps before the kill / the steady window")
     p.add_argument("--steps", type=int, default=150, help="the steady window")
     p.add_argument("--limit", type=float, default=60.0, help="seconds the survivors get to train again")
+    p.add_argument("--digest-every", type=int, default=0,
+                   help="kill: the members log a digest of their parameters every N steps, and the "
+                        "survivors' are compared (replicas that drifted apart differ)")
     args = p.parse_args()
+    if args.digest_every:
+        os.environ["PEERS_DIGEST_EVERY"] = str(args.digest_every)
     OUT.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict]] = {c: [] for c in args.configs}
     for i in range(args.runs):
