@@ -30,7 +30,10 @@ they started, found by an environment tag), and read the survivors' own step log
 recovery time is the later survivor's first step completed in a world of two minus the
 kill's wall time.  ``steady``: no fault; the mean step time over ``--steps`` steps after
 ``--warm``, configurations alternating run by run.  Each run appends a JSON line to
-``benchmarks/out/peers/<mode>-<config>.jsonl``; the summary is printed.
+``benchmarks/out/peers/<mode>-<config>.jsonl``; the summary is printed.  With
+``--digest-every N`` the members log a hash of their parameters every N steps and ``kill``
+compares the survivors'; ``--after S`` keeps watching them S seconds longer (still
+training, and in the same processes?).
 """
 
 from __future__ import annotations
@@ -134,6 +137,12 @@ class Run:
                 out.append((float(parts[0]), int(parts[1])))
         return out
 
+    def pids(self, member: int) -> int:
+        try:
+            return (self.dir / f"member{member}.steps").read_text().count("# pid ")
+        except FileNotFoundError:
+            return 0
+
     def digests(self, member: int) -> dict[int, str]:
         try:
             text = (self.dir / f"member{member}.steps").read_text()
@@ -195,7 +204,7 @@ class Run:
         return "\n".join(out)
 
 
-def kill_once(config: str, warm: int, limit: float, victim: int = 2) -> dict:
+def kill_once(config: str, warm: int, limit: float, victim: int = 2, watch: float = 0.0) -> dict:
     run = Run(config)
     try:
         t0 = time.time()
@@ -226,6 +235,12 @@ def kill_once(config: str, warm: int, limit: float, victim: int = 2) -> dict:
                 time.sleep(0.1)
             result["kept_training"] = all(len([1 for t, _ in run.steps(m) if t > killed_at]) >= target[m]
                                           for m in survivors)
+            if watch:  # a longer look: still training, in the same processes?
+                time.sleep(watch)
+                result["watched_s"] = watch
+                result["steps_in_last_second"] = {m: sum(1 for t, _ in run.steps(m) if t > time.time() - 1)
+                                                  for m in survivors}
+            result["worker_starts"] = {m: run.pids(m) for m in survivors}  # >1: the worker was restarted
             stale = [(t, w) for m in survivors for t, w in run.steps(m) if t > killed_at and w != MEMBERS - 1]
             result["steps_after_kill_in_other_worlds"] = len(stale)
             if os.environ.get("PEERS_DIGEST_EVERY"):
@@ -281,6 +296,8 @@ def main() -> int:
     p.add_argument("--warm", type=int, default=30, help="steps before the kill / the steady window")
     p.add_argument("--steps", type=int, default=150, help="the steady window")
     p.add_argument("--limit", type=float, default=60.0, help="seconds the survivors get to train again")
+    p.add_argument("--after", type=float, default=0.0,
+                   help="kill: seconds to keep watching the survivors after they trained again")
     p.add_argument("--digest-every", type=int, default=0,
                    help="kill: the members log a digest of their parameters every N steps, and the "
                         "survivors' are compared (replicas that drifted apart differ)")
@@ -291,7 +308,7 @@ def main() -> int:
     rows: dict[str, list[dict]] = {c: [] for c in args.configs}
     for i in range(args.runs):
         for config in args.configs:  # alternating: drifts in the machine's load hit all alike
-            r = kill_once(config, args.warm, args.limit) if args.mode == "kill" else \
+            r = kill_once(config, args.warm, args.limit, watch=args.after) if args.mode == "kill" else \
                 steady_once(config, args.warm, args.steps)
             r["run"] = i
             rows[config].append(r)
