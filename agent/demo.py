@@ -12,11 +12,13 @@ Injected, all from outside the code under test, in this order:
   scripted GPU throttles and then gathers corrected ECC errors (a risk: the
   coordinator asks for a checkpoint);
 * node 2's rank gets stuck in Python inside forward at step 70 (a hang): the
-  coordinator names it and excludes node 2; the others restart through
-  torchrun's own rendezvous, the spare (node 3) joins, and the world is three
-  ranks again, resumed from the newest complete checkpoint;
+  coordinator names it and excludes node 2, whose relay kills its worker; the
+  others regroup without it in their own processes (in-process recovery: the
+  harness runs HSDP, one replica per node), then the spare (node 3) joins
+  through a torchrun restart, and the world is three ranks again, resumed from
+  the newest complete checkpoint;
 * once the spare trains, node 1's scripted GPU raises XID 79 (fatal: reboot):
-  node 1 is excluded, and nodes 0 and 3 finish the job.
+  node 1 is excluded, and nodes 0 and 3 regroup in process and finish the job.
 
 In a terminal the demo shows one full-screen live view (:mod:`demoscreen`): the
 ranks and nodes, a running feed of incidents and decisions, goodput as it goes and

@@ -103,21 +103,22 @@ def next_line(status: dict[str, Any], notes: DemoNotes) -> str:
         return "the nodes start: torchrun on each, the rendezvous, FSDP2 wraps the model"
     if notes.xid in excluded:
         if not steps:
-            return f"{notes.xid} is out: the nodes left restart without it, then finish the job"
+            return f"{notes.xid} is out: the nodes left regroup without it in process, then finish the job"
         return (f"the nodes left finish the job at step {notes.steps}: the final view, the "
                 "timeline and the goodput breakdown follow")
     if notes.xid_fired:
         return (f"{notes.xid}'s GPU raised XID 79 (fatal: reset the GPU): the coordinator "
-                f"excludes {notes.xid} and the others restart without it")
+                f"excludes {notes.xid}, kills its worker, and the others regroup without it in process")
     if notes.hung in excluded:
         if not notes.spare_started:
-            return f"{notes.hung} is out: the others restart through torchrun's rendezvous"
-        return (f"{notes.hung} is out: the survivors and the spare {notes.spare} restart through "
-                "torchrun's rendezvous and resume from the newest checkpoint; then "
+            return (f"{notes.hung} is out: the others regrouped without it in their own processes "
+                    "(in-process recovery), in well under a second")
+        return (f"{notes.hung} is out and the others trained on in process; the spare {notes.spare} "
+                "joins through a torchrun restart (every worker, from the newest checkpoint); then "
                 f"{notes.xid}'s GPU raises XID 79")
     if "hang" in kinds:
         return (f"the coordinator named the hung rank (stacks, collective, alive): it excludes "
-                f"{notes.hung}, and torchrun restarts the rest")
+                f"{notes.hung} and kills its worker; the others regroup without it in process")
     if top < 20:
         return f"training; from step 20 {notes.xid} computes 50% slower (a straggler)"
     if "straggler" not in kinds:

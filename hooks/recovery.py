@@ -4,8 +4,9 @@ torchrun's answer to a lost node is to stop every worker and start new ones: new
 Python processes, torch imported again, the model wrapped again, the state read from
 disk.  This tier keeps the survivors' processes and their state in memory:
 
-1. **Leave the failed step.**  The survivor whose collective failed shuts down its own
-   connections of the failed process groups (:func:`_shut_group_sockets`).  Gloo cannot
+1. **Leave the failed step.**  On NCCL the survivor aborts its communicators.  On gloo,
+   the survivor whose collective failed shuts down its own connections of the failed
+   process groups (:func:`_shut_group_sockets`).  Gloo cannot
    cancel a pending collective, and only a dead peer's direct neighbours see its
    connections break; shutting ours breaks our neighbours' pending collectives in
    turn, so every survivor leaves the step within milliseconds.  (A hung peer breaks
@@ -251,9 +252,11 @@ class InProcessRecovery:
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         try:
+            if self._backend == "nccl":  # NCCL cancels its pending collectives itself
+                _abort_nccl()
             shut = _shut_group_sockets(self._baseline, self._excluded_endpoints)
         except Exception as err:  # noqa: BLE001 - the groups' timeout still bounds the others' wait
-            log.warning("rankwatch: could not shut the failed groups' connections: %s", err)
+            log.warning("rankwatch: could not abort the failed groups: %s", err)
             shut = 0
         assert self.membership is not None
         old = self.membership
@@ -499,6 +502,14 @@ def _shut_group_sockets(baseline: set[tuple], keep: set[tuple[str, int]]) -> int
         finally:
             s.detach()  # the fd stays the group's to close
     return shut
+
+
+def _abort_nccl() -> None:
+    """Abort every NCCL communicator: a collective stuck on a dead peer returns at once.
+    (Gloo has no such call: :func:`_shut_group_sockets` does its part.)"""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    _abort_process_group()
 
 
 def _destroy_groups() -> None:

@@ -287,6 +287,11 @@ class ExcludingRendezvousHandler(RendezvousHandler):
 
     def _num_nodes_waiting(self) -> int:
         waiting = self._nodes_waiting()
+        if not waiting and self._round_prefix is not None and self.excluded() is None \
+                and self._raw_store.check([self._round_prefix + RESTARTING_KEY]):
+            # Another node of the round restarts its workers (to admit a node): this one's
+            # workers wait to be stopped rather than regroup without it, so restart with it.
+            return 1
         if waiting and self._round_prefix is not None and self.excluded() is None:
             # Before torchrun stops this node's workers: the others' workers, whose collectives
             # that breaks, must not take it for a lost node and regroup without this one.  (An

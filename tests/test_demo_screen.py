@@ -67,7 +67,7 @@ def test_the_story_follows_the_faults():
     done = {**STATUS, "excluded_nodes": ["demo-n2", "demo-n1"]}
     assert "finish the job at step 160" in next_line(done, notes(xid_fired=True))
     between = {**done, "ranks": [rank(0, "demo-n0", 55, connected=False)]}
-    assert "restart without it" in next_line(between, notes(xid_fired=True))
+    assert "regroup without it in process" in next_line(between, notes(xid_fired=True))
 
 
 def test_the_comparison_with_plain_torchrun():
