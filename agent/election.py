@@ -58,10 +58,18 @@ def _client(endpoints: Sequence[tuple[str, int]], timeout: float) -> Any:
         import etcd  # python-etcd: the [etcd] extra
     except ImportError as exc:
         raise RuntimeError("--election etcd:// needs python-etcd: pip install 'rankwatch[etcd]'") from exc
+    import urllib3
+
     hosts = tuple(endpoints)
     if len(hosts) == 1:
-        return etcd.Client(host=hosts[0][0], port=hosts[0][1], read_timeout=timeout)
-    return etcd.Client(host=hosts, allow_reconnect=True, read_timeout=timeout)
+        client = etcd.Client(host=hosts[0][0], port=hosts[0][1], read_timeout=timeout)
+    else:
+        client = etcd.Client(host=hosts, allow_reconnect=True, read_timeout=timeout)
+    # One try per member and request: python-etcd moves to the next member on a failure, but
+    # urllib3's default 3 retries on the same member would spend 4 read timeouts there first,
+    # longer than a short TTL, and a leader would step down while two members still answer.
+    client.http = urllib3.PoolManager(num_pools=10, maxsize=10, timeout=timeout, retries=False)
+    return client
 
 
 class Election:
@@ -134,7 +142,16 @@ class Election:
                 self._client.write(self.key, self.me, ttl=self.ttl, prevExist=False)
         except etcd.EtcdAlreadyExist:
             self._follow()
-            return
+            if self.leader() != self.me:
+                return
+            # The key holds our address: our own earlier write landed though its answer was lost
+            # (a member died under it).  Refresh it now rather than leave the job leaderless
+            # until it expires.
+            try:
+                self._client.write(self.key, self.me, ttl=self.ttl, prevValue=self.me)
+            except etcd.EtcdException as exc:
+                log.debug("election round: refreshing our own key: %s", exc)
+                return
         except (etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound):
             log.warning("lost the coordinator key %s (it expired or another agent holds it)", self.key)
             self._step_down()

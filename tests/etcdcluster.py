@@ -58,11 +58,12 @@ class EtcdCluster:
         with urllib.request.urlopen(req, timeout=5) as r:
             return json.load(r)
 
-    def leader(self) -> int:
-        """The member that leads the cluster now (asked of the first live member)."""
+    def leader(self) -> int | None:
+        """The member that leads the cluster now, asked of the first live member (None: the
+        members are still electing one, or the one they name is not a member)."""
         live = next(i for i, p in enumerate(self.procs) if p.poll() is None)
-        lead = self._v3(live, "maintenance/status")["leader"]
-        return next(i for i, m in self._members().items() if m == lead)
+        lead = self._v3(live, "maintenance/status").get("leader")   # absent while electing
+        return next((i for i, m in self._members().items() if m == lead), None)
 
     def _members(self) -> dict[int, str]:
         live = next(i for i, p in enumerate(self.procs) if p.poll() is None)
@@ -70,7 +71,9 @@ class EtcdCluster:
 
     def move_leader(self, to: int) -> None:
         """Hand the leadership to member ``to`` (asked of the current leader)."""
-        self._v3(self.leader(), "maintenance/transfer-leadership", {"targetID": self._members()[to]})
+        now = wait_for(lambda: self.leader() is not None and [self.leader()], 10, what="an etcd leader")[0]
+        if now != to:
+            self._v3(now, "maintenance/transfer-leadership", {"targetID": self._members()[to]})
 
     def kill(self, member: int) -> None:
         self.procs[member].kill()
