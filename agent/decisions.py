@@ -124,6 +124,15 @@ class DecisionLog:
         with self._lock:
             return self._generation
 
+    @property
+    def excluded(self) -> dict[str, str]:
+        """Excluded node -> why (its first exclusion's reason)."""
+        out: dict[str, str] = {}
+        for d in self.items:
+            if d.kind == "exclude":
+                out.setdefault(d.node, d.reason)
+        return out
+
     def knows(self, decision_id: str) -> bool:
         return decision_id in self._ids
 

@@ -119,13 +119,30 @@ class Decision:
 
     def to_json(self) -> str:
         return json.dumps({"ok": self.ok, "members": list(self.members), "dropped_nodes": list(self.dropped_nodes),
-                           "step": self.step, "error": self.error})
+                           "step": self.step, "error": self.error[:_MAX_MESSAGE]})
 
     @classmethod
-    def from_json(cls, text: str) -> Decision:
+    def from_json(cls, text: str, within: Sequence[int]) -> Decision:
+        """A decision read from the store, for a world of the original ranks ``within``.
+
+        Raises:
+            ValueError: not a decision for that world: members that are not unique ranks of
+                it, more dropped nodes than lost ranks, a node name over 64 characters, or
+                a step out of range.
+        """
+        if len(text) > 64 * (len(within) + 16):
+            raise ValueError(f"decision of {len(text)} bytes for a world of {len(within)}")
         d = json.loads(text)
-        return cls(ok=bool(d["ok"]), members=tuple(int(r) for r in d["members"]),
-                   dropped_nodes=tuple(str(n) for n in d["dropped_nodes"]), step=int(d["step"]),
+        members = tuple(int(r) for r in d["members"])
+        dropped = tuple(str(n) for n in d["dropped_nodes"])
+        step = int(d["step"])
+        if len(set(members)) != len(members) or not set(members) <= set(within):
+            raise ValueError(f"decision members {members[:16]} are not unique ranks of the world")
+        if len(dropped) > len(within) - len(members) or any(len(n) > 64 for n in dropped):
+            raise ValueError(f"decision drops {len(dropped)} nodes of {len(within) - len(members)} lost ranks")
+        if not 0 <= step < 2**62:
+            raise ValueError(f"decision step {step} out of range")
+        return cls(ok=bool(d["ok"]), members=members, dropped_nodes=dropped, step=step,
                    error=str(d["error"])[:_MAX_MESSAGE])
 
 
@@ -339,7 +356,7 @@ class InProcessRecovery:
             store.set(self._key(f"{gen}decision"), decision.to_json())
             return decision
         store.wait([self._key(f"{gen}decision")], datetime.timedelta(seconds=self._settle + 30))
-        return Decision.from_json(store.get(self._key(f"{gen}decision")).decode())
+        return Decision.from_json(store.get(self._key(f"{gen}decision")).decode(errors="replace"), old.members)
 
     def _await_survivors(self, keys: dict[int, str], arrived_key: str) -> None:
         """Until every member arrived, or every one missing is proven dead (its liveness

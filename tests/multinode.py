@@ -110,9 +110,10 @@ class Cluster:
 
     def torchrun(self, node: int, nnodes: str, nproc: int, *train_args: str, launcher: str = "torchrun",
                  rdzv_conf: str = "", env: dict | None = None, launcher_args: tuple[str, ...] = (),
-                 etcd: str | None = None) -> subprocess.Popen:
-        """Start node ``node``'s torchrun (or ``rankwatch run``) of the harness: on c10d, whose
-        store node n0 hosts, or, given an ``etcd`` endpoint, on torch's etcd-v2 backend."""
+                 etcd: str | None = None, script: str | None = None) -> subprocess.Popen:
+        """Start node ``node``'s torchrun (or ``rankwatch run``) of the harness (or of a user's
+        ``script``): on c10d, whose store node n0 hosts, or, given an ``etcd`` endpoint, on
+        torch's etcd-v2 backend."""
         agent = self.agents[node]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKWATCH_AGENT": str(agent.addr),
                     "RANKWATCH_NODE_ID": agent.node, **(env or {})}
@@ -123,7 +124,7 @@ class Cluster:
               "--rdzv-endpoint", endpoint, "--rdzv-id", "job",
               "--rdzv-conf", ",".join(filter(None, [rdzv_conf, host])),
               *launcher_args,
-              "-m", "rankwatch.hooks.train", *train_args]
+              *([script] if script else ["-m", "rankwatch.hooks.train"]), *train_args]
         if launcher == "torchrun":
             cmd = [sys.executable, "-m", "torch.distributed.run", *tr]
         else:

@@ -75,6 +75,35 @@ def test_node_kill_survivors_regroup_in_process(tmp_path):
     assert status["time_seconds"]["restart"] > 0
 
 
+def test_a_users_own_hsdp_loop_regroups_in_process(tmp_path):
+    """tests/data/user_hsdp_recovery.py, a user's loop written as the README shows it (its own
+    model, mesh, HSDP and DataLoader): three nodes of two ranks, one replica per node.  n1 is
+    SIGKILLed whole; n0's and n2's workers train on in their processes to the last step, and
+    the two replicas left stay equal."""
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    steps = 100
+    script = str(Path(__file__).parent / "data" / "user_hsdp_recovery.py")
+    with Cluster(tmp_path, 3) as c:
+        jobs = [c.torchrun(i, "2:3", 2, "--steps", str(steps), "--out", str(out), launcher="rankwatch",
+                           script=script)
+                for i in range(3)]
+        before = _kill_and_finish(c, jobs, victim=1, nodes=3, ranks=6)
+        status = c.coordinator.status()
+    got = _metrics(out, [f"rank{r}.json" for r in sorted(before.values())])
+    assert sorted(d["pid"] for d in got.values()) == sorted(before)  # the same processes
+    for d in got.values():
+        assert d["applied"] == list(range(1, steps + 1))  # every step once, in order
+        assert d["world_size"] == 4
+        (rec,) = d["recoveries"]
+        assert rec["world_size"] == 4 and 15 <= rec["step"] < steps, rec
+        assert list(rec["phases"]) == list(_PHASES), rec
+    assert len({d["digest"] for d in got.values()}) == 1   # both replicas left, bit for bit
+    recs = [i for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
+    assert len(recs) == 1 and recs[0]["detail"]["dropped_nodes"] == ["n1"], recs
+
+
 def test_loss_continues_as_an_uninterrupted_run(tmp_path):
     """Two nodes of two ranks (HSDP: a replica per node, sharded over its two ranks).  After
     n1 is lost, n0's two ranks keep the global batch by accumulating two micro-batches, so

@@ -64,10 +64,29 @@ def test_a_replica_size_that_does_not_divide_the_world_is_refused():
 
 def test_a_decision_crosses_the_store_intact_and_bounded():
     d = Decision(ok=False, error="x" * 10_000)
-    back = Decision.from_json(d.to_json())
+    back = Decision.from_json(d.to_json(), MEMBERS)
     assert back.ok is False and len(back.error) <= 400
     ok = decide(MEMBERS, _arrived(4, 5), NODE_OF, replica_size=2)
-    assert Decision.from_json(ok.to_json()) == ok
+    assert Decision.from_json(ok.to_json(), MEMBERS) == ok
+
+
+@pytest.mark.parametrize("members, dropped, step, why", [
+    ([0, 1, 99], ["n2"], 5, "not unique ranks"),          # a rank not in the world
+    ([0, 0, 1], ["n2"], 5, "not unique ranks"),           # a rank twice
+    ([0, 1, 2, 3, 4, 5], ["n2", "n3", "n4"], 5, "drops"),  # more nodes dropped than ranks lost
+    ([0, 1], ["n" * 65], 5, "drops"),                     # a node name past its cap
+    ([0, 1], ["n2"], -1, "step"),
+    ([0, 1], ["n2"], 2**63, "step"),
+])
+def test_a_decision_that_does_not_fit_the_world_is_refused(members, dropped, step, why):
+    text = Decision(ok=True, members=tuple(members), dropped_nodes=tuple(dropped), step=step).to_json()
+    with pytest.raises(ValueError, match=why):
+        Decision.from_json(text, MEMBERS)
+
+
+def test_an_oversized_decision_is_refused_before_parsing():
+    with pytest.raises(ValueError, match="bytes"):
+        Decision.from_json('{"members": [' + "0," * 100_000 + '0]}', MEMBERS)
 
 
 @pytest.mark.parametrize("message", [

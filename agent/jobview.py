@@ -1,0 +1,196 @@
+"""The coordinator's view of the job: each node's latest summary, on the coordinator's clock.
+
+Node agents send summaries; :meth:`JobView.take` checks one and keeps it whole in
+place of the node's previous one (a summary is never changed after it arrived).  The
+readers below turn them into what the detectors and the surfaces need: the
+:class:`Snapshot` that :func:`~rankwatch.agent.evaluate.evaluate` reads, the incidents
+the nodes raised, each node's state.  Nothing here decides: the coordinator's policy
+(``coordinator.py``) reads this view and the decision log.
+
+Times in summaries are the sending node's clock; they are moved onto the coordinator's
+clock by the offset seen when the summary arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from rankwatch.agent import validate
+from rankwatch.agent.decisions import DecisionLog
+from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, Snapshot
+from rankwatch.agent.hang import RankProgress
+from rankwatch.agent.incidents import Incident
+from rankwatch.agent.loadmeter import LoadMeter
+from rankwatch.agent.membership import agentless_nodes
+from rankwatch.agent.validate import Rejected, parse_flight_recorder
+from rankwatch.proto import pb
+
+__all__ = ["JobView", "NodeView"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeView:
+    """One node's latest summary and what the coordinator saw of its arrival."""
+
+    summary: pb.NodeSummary
+    received_at: float
+    offset: float           # coordinator clock - node clock (plus transit)
+    ranks_dead_since: float | None = None
+    interval: float = 0.25  # how often the node was last told to sync
+    best_offset: float = float("inf")   # its smallest offset: clock skew plus the fastest transit
+    latest_progress: float = float("-inf")   # its ranks' latest progress, on the coordinator's clock
+    syncs: int = 1          # summaries this coordinator heard from it
+
+
+class JobView:
+    """Args:
+        log: the decision log (which nodes are excluded).
+        load: the coordinator's load meter (sync intervals; when silence is evidence).
+        max_nodes: the most node ids kept (a bound on what Sync callers can make it hold).
+    """
+
+    def __init__(self, log: DecisionLog, load: LoadMeter, max_nodes: int) -> None:
+        self.lock = threading.Lock()
+        self.nodes: dict[str, NodeView] = {}
+        self.dead: set[str] = set()
+        self.log = log
+        self.load = load
+        self.max_nodes = max_nodes
+
+    @property
+    def excluded(self) -> dict[str, str]:
+        return self.log.excluded
+
+    # -- intake -----------------------------------------------------------------
+    def take(self, summary: pb.NodeSummary, now: float) -> None:
+        """Keep ``summary`` as its node's latest.
+
+        Raises:
+            ValueError: no node id, a stale or replayed summary, or one out of range
+                (:class:`Rejected`, a ValueError): nothing of it is kept.
+        """
+        if not summary.node_id:
+            raise ValueError("summary without node_id")
+        validate.check_summary(summary)
+        with self.lock:
+            prev = self.nodes.get(summary.node_id)
+            if prev is None and len(self.nodes) >= self.max_nodes:
+                raise Rejected("too_many_nodes", f"{summary.node_id!r}: the coordinator keeps "
+                                                 f"{self.max_nodes} nodes already")
+            # A lower seq with a later clock is the node's agent restarted, not a replay.
+            if (prev is not None and summary.seq <= prev.summary.seq
+                    and summary.sent_at <= prev.summary.sent_at):
+                raise ValueError(f"stale summary {summary.seq} from {summary.node_id} "
+                                 f"(have {prev.summary.seq})")
+            offset = now - summary.sent_at
+            best = min(offset, prev.best_offset if prev else offset)
+            self.load.heard(offset - best, len(self.nodes) + (summary.node_id not in self.nodes))
+            latest = max((r.progress_at for r in summary.ranks if not r.exited_cleanly), default=float("-inf"))
+            self.nodes[summary.node_id] = NodeView(summary, now, offset, prev.ranks_dead_since if prev else None,
+                                                   interval=self.load.reply_interval(), best_offset=best,
+                                                   latest_progress=latest + offset,
+                                                   syncs=prev.syncs + 1 if prev else 1)
+            if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
+                self.dead.discard(summary.node_id)
+
+    # -- readers ------------------------------------------------------------------
+    def silent(self, n: NodeView, now: float) -> bool:
+        return self.load.silent(now, n.received_at, n.interval, n.syncs)
+
+    def live_nodes(self) -> list[NodeView]:
+        """The nodes not excluded (call with the lock held)."""
+        excluded = self.excluded
+        return [n for name, n in self.nodes.items() if name not in excluded]
+
+    def remaining_without(self, node: str) -> int:
+        """Nodes the job would keep without ``node`` and those already excluded, counting the
+        nodes that run ranks but no agent (call with the lock held)."""
+        excluded = self.excluded
+        gone = set(excluded) | {node}
+        remaining = len([n for n in self.nodes if n not in gone])
+        return remaining + agentless_nodes(
+            ((name, r.world_rank if r.HasField("world_rank") else r.rank, r.world_size)
+             for name, n in self.nodes.items() for r in n.summary.ranks if r.connected),
+            rankless_nodes=sum(1 for name, n in self.nodes.items() if name not in gone
+                               and not any(r.connected for r in n.summary.ranks)))
+
+    def latest_progress(self) -> float:
+        """The latest progress of any included rank, on this clock (-inf: none yet)."""
+        with self.lock:
+            return max((n.latest_progress for n in self.live_nodes()), default=float("-inf"))
+
+    def snapshot(self, now: float) -> Snapshot:
+        """Every included rank on the coordinator's clock, as :func:`evaluate` reads it.
+
+        Summaries are replaced whole on each sync, never changed, so the windows are
+        referenced here rather than copied, and the lock is held only to collect them.
+        """
+        with self.lock:
+            nodes = [(name, n, self.silent(n, now)) for name, n in self.nodes.items()
+                     if name not in self.excluded]
+            names = tuple(self.nodes)
+        out = []
+        for name, n, silent_node in nodes:
+            for r in n.summary.ranks:
+                fresh = now - (r.stacks_at + n.offset) < STACKS_FRESH_SECONDS
+                out.append(RankProgress(
+                    rank=r.rank, node=name, step=r.step, step_seconds=r.step_seconds,
+                    steps_completed=r.steps_completed, activity=r.activity or "train",
+                    progress_at=r.progress_at + n.offset,
+                    # A node's report is its ranks' state as of its sending: between syncs (slow
+                    # under backpressure), a rank it saw is not silent for the coordinator either.
+                    last_seen=min(r.last_seen + n.offset, n.received_at) if silent_node
+                    else r.last_seen + n.offset + (now - n.received_at),
+                    connected=r.connected and not silent_node, exited_cleanly=r.exited_cleanly,
+                    group_seqs=dict(r.group_seqs),
+                    inflight=({"op": r.inflight.op, "group": r.inflight.group,
+                               "seq": r.inflight.seq, "since": r.inflight.since + n.offset}
+                              if r.HasField("inflight") else None),
+                    stacks=r.stacks if r.stacks and fresh else None,
+                    flight_recorder=_flight_recorder(r), pid=r.pid, alive=r.alive, stopped=r.stopped,
+                    own=r.own_work, data=r.data_wait, wait=r.comm_wait))
+        return Snapshot(ranks=out, scope="job", nodes=names,
+                        silent_nodes=frozenset(name for name, _, silent in nodes if silent))
+
+    def job_incidents(self) -> list[Incident]:
+        """Incidents the nodes raised themselves (gpu_fault, checkpoint, rank_exit), on this clock.
+
+        A node speaks for itself only: an incident naming another node is left out, as is
+        one that does not parse (logged); a node's bad record never stops the coordinator.
+        """
+        with self.lock:
+            sent = [(i, n.offset) for name, n in self.nodes.items() for i in n.summary.incidents
+                    if i.node == name]
+        out = []
+        for i, offset in sent:
+            try:
+                out.append(Incident.from_pb(i, clock_offset=offset))
+            except ValueError as exc:
+                log.debug("node incident %s left out: %s", i.id, exc)
+        return out
+
+    def node_states(self) -> dict[str, str]:
+        with self.lock:
+            excluded = self.excluded
+            return {n: "excluded" if n in excluded else "dead" if n in self.dead else "ok"
+                    for n in self.nodes}
+
+    def rank_summaries(self) -> list[tuple[str, pb.RankSummary, bool]]:
+        """(node, rank summary, node excluded) for every rank the coordinator knows."""
+        with self.lock:
+            excluded = self.excluded
+            return [(name, r, name in excluded) for name, n in sorted(self.nodes.items())
+                    for r in n.summary.ranks]
+
+
+def _flight_recorder(r: pb.RankSummary) -> dict | None:
+    """A node's rank's Flight Recorder extract; a malformed one is left out of the evidence."""
+    try:
+        return parse_flight_recorder(r.flight_recorder)
+    except ValueError as exc:
+        log.debug("rank %d: flight_recorder left out: %s", r.rank, exc)
+        return None

@@ -1,0 +1,130 @@
+"""A user's own HSDP loop with rankwatch's in-process recovery, written as the README shows it.
+
+Its own model and dataset, ``init_device_mesh`` with a replicate dimension across nodes
+and a shard dimension within one, FSDP2's ``fully_shard`` (HSDP), its own DataLoader,
+and the README's pattern: ``make(membership)`` builds everything that holds a process
+group, the tier's ``start``/``recover``/``stepped`` around the loop, and the Monitor's
+``step``/``mark``.  The global batch is kept after a node's loss by accumulating more
+micro-batches on the ranks left.
+
+``--out DIR`` writes ``rank<R>.json`` per worker (R: its rank at the start): its pid, the
+steps it applied in order, the world it ended in, its recoveries, and a digest of its
+parameters' bytes (equal on every replica).
+"""
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+
+import rankwatch.hooks as rw
+from rankwatch.hooks.recovery import InProcessRecovery, Job, Membership
+
+MICRO = 8                  # samples per micro-batch
+DIM, CLASSES = 64, 10
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.down(F.gelu(self.up(x))))
+
+
+class Points(Dataset):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, DIM, generator=g)
+        self.y = torch.randint(0, CLASSES, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])   # one replica per node, sharded within it
+    first_world = int(os.environ["WORLD_SIZE"])
+    global_batch = MICRO * first_world
+
+    def make(membership: Membership) -> Job:
+        world = dist.get_world_size()
+        mesh = init_device_mesh("cpu", (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        with torch.device("meta") if membership.generation else contextlib.nullcontext():
+            model = Net()
+        fully_shard(model, mesh=mesh)
+        if membership.generation:
+            model.to_empty(device="cpu")   # the tier copies the weights back from memory
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return Job(model=model, optimizer=opt, replica_size=per_node, extra={"mesh": mesh})
+
+    data = Points(global_batch * args.steps)
+
+    def batches(done: int):
+        """This rank's micro-batches from global step ``done`` on, for the current world."""
+        rest = Subset(data, range(done * global_batch, len(data)))
+        sampler = DistributedSampler(rest, num_replicas=dist.get_world_size(), rank=dist.get_rank(),
+                                     shuffle=False)
+        return iter(DataLoader(rest, batch_size=MICRO, sampler=sampler))
+
+    tier = InProcessRecovery(make, backend="gloo")
+    job, done = tier.start(), 0
+    mon = rw.init(mesh=job.extra["mesh"])   # after start(): it made the process group
+    tier.set_monitor(mon)
+    first_rank = dist.get_rank()
+    applied, recoveries, loader = [], [], None
+    while done < args.steps:
+        try:
+            loader = loader or batches(done)
+            accum = global_batch // (MICRO * dist.get_world_size())
+            with mon.step(done + 1):
+                for _ in range(accum):
+                    x, y = next(loader)
+                    (F.cross_entropy(job.model(x), y) / accum).backward()
+                mon.mark("backward")
+                job.optimizer.step()
+                job.optimizer.zero_grad()
+                mon.mark("optimizer")
+            done += 1
+            applied.append(done)
+            if (phases := tier.stepped(done)) is not None:
+                recoveries[-1]["phases"] = phases
+        except Exception as exc:  # noqa: BLE001 - recover() re-raises what is not a lost peer
+            job, done = tier.recover(exc, job, completed=done)
+            recoveries.append({"step": done, "world_size": dist.get_world_size()})
+            loader = None
+    digest = hashlib.sha1()
+    for param in job.model.parameters():
+        digest.update(param.detach().full_tensor().numpy().tobytes())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{first_rank}.json").write_text(json.dumps({
+        "pid": os.getpid(), "applied": applied, "world_size": dist.get_world_size(),
+        "recoveries": recoveries, "digest": digest.hexdigest()}))
+    mon.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
