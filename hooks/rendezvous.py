@@ -65,6 +65,8 @@ from torch.distributed.elastic.rendezvous import (
 from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
 from rankwatch.hooks.recovery_store import (
     CAPABLE_KEY,
+    JOIN_ENV,
+    JOINED_COUNT,
     REGROUPED_COUNT,
     REGROUPED_NODE,
     RESTARTING_KEY,
@@ -157,6 +159,8 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._excluded: str | None = None
         self._store_trouble_logged = float("-inf")
         self._relay = _Relay(self, agent, relay_interval) if agent is not None else None
+        self._tried_join = False
+        self._joined_in_process: str | None = None  # the round's prefix, once joined in process
 
     # -- the store ------------------------------------------------------------------
     def generation(self) -> int:
@@ -200,7 +204,12 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             raise RendezvousGracefulExitError(f"node {self._node} is excluded from the job: {reason}")
         generation = self.generation()  # read before joining: a later exclusion is checked
         while True:
-            self._wait_as_spare()
+            joined = self._join_in_process()
+            if joined is not None:
+                self._joined_generation = generation
+                return joined
+            if self._wait_as_spare():
+                continue  # the round lost a node in process: join it the same way
             try:
                 info = self._inner.next_rendezvous()
                 break
@@ -236,6 +245,61 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._round_prefix = f"rankwatch/{self.get_run_id()}/{round_key(round_)}"
         os.environ[STORE_ENV] = self._endpoint
         os.environ[ROUND_ENV] = self._round_prefix
+        os.environ.pop(JOIN_ENV, None)
+
+    # -- joining a round in process -----------------------------------------------------
+    def _join_room(self) -> str | None:
+        """The current round's key prefix when this node can join it in process: its workers
+        recover in process, it lost more nodes that way than have joined since, and it is
+        not restarting.  None otherwise (and always after one try: a second call for the
+        next rendezvous means this node's workers could not join, so join the usual way)."""
+        if self._tried_join or self._endpoint is None:
+            return None
+        inner = self._inner
+        try:
+            with inner._heartbeat_lock:
+                inner._state_holder.sync()
+            state = inner._state_holder.state
+            if not state.complete or state.closed:
+                return None
+            prefix = f"rankwatch/{self.get_run_id()}/{round_key(int(state.round))}"
+            raw = self._raw_store
+            if not raw.check([prefix + CAPABLE_KEY]) or raw.check([prefix + RESTARTING_KEY]):
+                return None
+            lost, joined = int(raw.add(prefix + REGROUPED_COUNT, 0)), int(raw.add(prefix + JOINED_COUNT, 0))
+        except Exception as exc:  # noqa: BLE001 - private API or a store hiccup: join the usual way
+            log.debug("rankwatch: no in-process join: %s", exc)
+            return None
+        return prefix if lost > joined else None
+
+    def _join_in_process(self) -> RendezvousInfo | None:
+        """Send this node's workers to join the round's survivors in process (see
+        :mod:`rankwatch.hooks.recovery`); None: join through the rendezvous as usual.
+
+        The node does not enter the stock rendezvous, so no node restarts its workers for
+        it.  Its torchrun gets a round of its own (one node, a private store) to start the
+        workers in; they learn their place in the job from the survivors."""
+        prefix = self._join_room()
+        if prefix is None:
+            return None
+        raw = self._raw_store
+        if int(raw.add(prefix + JOINED_COUNT, 1)) > int(raw.add(prefix + REGROUPED_COUNT, 0)):
+            raw.add(prefix + JOINED_COUNT, -1)  # another node took the room meanwhile
+            return None
+        from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+        from torch.distributed.elastic.utils.distributed import get_free_port
+
+        assert self._endpoint is not None
+        self._tried_join = True
+        self._joined_in_process = prefix
+        self._round_prefix = prefix
+        os.environ[STORE_ENV] = self._endpoint
+        os.environ[ROUND_ENV] = prefix
+        os.environ[JOIN_ENV] = "1"
+        own = PrefixStore(f"rankwatch/{self.get_run_id()}/joining/{self._node}/{time.time_ns()}/", raw)
+        log.warning("rankwatch: node %s joins the running round in process (it lost a node that way); "
+                    "no node restarts its workers for it", self._node)
+        return RendezvousInfo(own, 0, 1, RendezvousStoreInfo(socket.getfqdn(), get_free_port()))
 
     def _regrouped(self, node: str) -> bool:
         """The round's workers left ``node`` out themselves (an in-process recovery)."""
@@ -286,6 +350,11 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                             "torchrun's exit barrier", node)
 
     def _num_nodes_waiting(self) -> int:
+        if self._joined_in_process is not None:
+            # Not in the stock round: nobody waits on this node.  It restarts only to leave
+            # (excluded) or with the round (torchrun restarts it to admit a node).
+            restarting = self._raw_store.check([self._joined_in_process + RESTARTING_KEY])
+            return 1 if self.excluded() is not None or restarting else 0
         waiting = self._nodes_waiting()
         if not waiting and self._round_prefix is not None and self.excluded() is None \
                 and self._raw_store.check([self._round_prefix + RESTARTING_KEY]):
@@ -323,16 +392,20 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         except Exception:  # noqa: BLE001 - private API: behave as the stock handler
             return False
 
-    def _wait_as_spare(self) -> None:
-        """Wait, outside the stock join loop, while the job is full."""
+    def _wait_as_spare(self) -> bool:
+        """Wait, outside the stock join loop, while the job is full.  True: the round lost a
+        node in process meanwhile, so this node can join it in process."""
         if not self._job_full():
-            return
+            return False
         log.warning("rankwatch: the job is full; node %s waits as a hot spare", self._node)
         while self._job_full():
             if self.excluded() is not None:
-                return  # next_rendezvous's caller refuses it on its next call
+                return False  # next_rendezvous's caller refuses it on its next call
+            if self._join_room() is not None:
+                return True
             time.sleep(_SPARE_POLL)
         log.warning("rankwatch: a round has room; hot spare %s joins", self._node)
+        return False
 
     def _restart_needed(self) -> bool:
         """True when an exclusion since this node joined concerns a member of its round."""
@@ -386,6 +459,8 @@ class ExcludingRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         if self._relay is not None:
             self._relay.stop()
+        if self._joined_in_process is not None:
+            return True  # never in the stock round: closing it would close it for the others
         if self._excluded is not None:
             # Leave now (a torchrun that gives up on its workers, --max-restarts 0, never asks
             # for the next round, where an excluded node leaves), so that a spare finds room

@@ -143,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         world = dist.get_world_size()
         if m.generation == 0:
             dims = ParallelDims.from_flags(args.dp, args.tp, world, args.replicate)
-        else:  # whole replicas survived; each keeps its layout
+        elif replica_size:  # whole replicas survived; each keeps its layout
             dims = ParallelDims.from_flags(None, args.tp, world, world // replica_size[0])
+        else:  # a worker joining in process: the job's layout, from the flags
+            dims = ParallelDims.from_flags(None, args.tp, world, args.replicate)
         mesh = build_mesh(dims, dev)
         if not monitors:  # before parallelising, so the collectives that shard the weights are timed too
             monitors.append(_monitor.NullMonitor() if args.no_rankwatch else _monitor.init(
@@ -183,9 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     if tier is not None:
         tier.set_monitor(mon)
     rank, world = dist.get_rank(), dist.get_world_size()
-    first_rank = rank  # this worker's rank at the start: its metrics file keeps it
+    # This worker's rank at the start (its metrics file keeps it); a joiner's id (no start rank).
+    first_rank = tier.membership.members[rank] if tier is not None and tier.membership is not None else rank
     n_params = sum(p.numel() for p in job.model.parameters())
-    start, extra = ckpt.load(job.model, job.optimizer) if ckpt else (0, {})
+    if tier is not None and tier.completed:  # joined in process: the state came from a live replica
+        start, extra = tier.completed, {}
+    else:
+        start, extra = ckpt.load(job.model, job.optimizer) if ckpt else (0, {})
     global_batch = extra.get("global_batch")
 
     def feed(job: Job, done: int) -> tuple:
@@ -271,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             if tier is None:
                 raise
             del model, opt, mesh, dims
+            if len(dp_means) < len(losses):  # the step applied; the failure cut its dp-mean all-reduce
+                dp_means.append(float("nan"))
             job, done = tier.recover(exc, job, completed=done)  # or raises: torchrun restarts
             del exc
             recoveries.append({"step": done, "world_size": dist.get_world_size(), "rank": dist.get_rank(),

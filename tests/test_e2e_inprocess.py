@@ -104,6 +104,43 @@ def test_a_users_own_hsdp_loop_regroups_in_process(tmp_path):
     assert len(recs) == 1 and recs[0]["detail"]["dropped_nodes"] == ["n1"], recs
 
 
+def test_a_spare_joins_in_process_and_the_world_grows_back(tmp_path):
+    """n2 is SIGKILLed and n0, n1 regroup in process; then a spare, n3, starts: it joins the
+    running round in process (no torchrun restarts anyone), takes its state from a live
+    replica (the job keeps no checkpoints), and the three train to the end together."""
+    out = tmp_path / "metrics"
+    steps = 400
+    args = ("--steps", str(steps), "--log-every", "0", "--replicate", "3", "--in-process-recovery",
+            "--step-sleep", "0.02", "--metrics-out", str(out))
+    with Cluster(tmp_path, 4) as c:
+        jobs = [c.torchrun(i, "2:3", 1, *args, launcher="rankwatch") for i in range(3)]
+        rs = wait_for(lambda: _training(c, 3, 3, 15), 180, what="3 nodes training")
+        c.kill_node(2, jobs[2], [r["pid"] for r in rs if r["node"] == "n2"])
+        wait_for(lambda: any(i["kind"] == "restart" and i["detail"].get("tier") == "in_process"
+                             for i in c.coordinator.status()["incidents"]), 60, what="the survivors regrouped")
+        spare = c.torchrun(3, "2:3", 1, *args, launcher="rankwatch")
+        for job in (jobs[0], jobs[1], spare):
+            assert job.wait(300) == 0
+        status = c.coordinator.status()
+    survivors = {r["pid"]: r["rank"] for r in rs if r["node"] != "n2"}
+    m = _metrics(out, sorted(p.name for p in out.glob("rank*.json")))
+    old = [d for d in m.values() if d["pid"] in survivors]
+    (new,) = [d for d in m.values() if d["pid"] not in survivors]
+    assert len(old) == 2   # the survivors' own processes, to the end
+    for d in old:
+        assert d["start"] == 0 and len(d["losses"]) == steps and d["world_size_now"] == 3
+        lost, joined = d["recoveries"]
+        assert lost["world_size"] == 2 and joined["world_size"] == 3, d["recoveries"]
+    # The spare came in where the survivors admitted it, and trained every step from there.
+    at = old[0]["recoveries"][1]["step"]
+    assert 15 < at < steps and new["start"] == at and len(new["losses"]) == steps - at
+    assert new["world_size_now"] == 3 and new["recoveries"] == []
+    assert len({d["param_digest"] for d in m.values()}) == 1   # three equal replicas
+    assert "joins the running round in process" in (tmp_path / "job-n3.log").read_text()
+    recs = [i for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
+    assert len(recs) == 2 and all(i["detail"]["ok"] for i in recs), recs
+
+
 def test_loss_continues_as_an_uninterrupted_run(tmp_path):
     """Two nodes of two ranks (HSDP: a replica per node, sharded over its two ranks).  After
     n1 is lost, n0's two ranks keep the global batch by accumulating two micro-batches, so
@@ -127,9 +164,13 @@ def test_loss_continues_as_an_uninterrupted_run(tmp_path):
         at = rec["step"]
         assert d["world_size_now"] == 2 and len(d["losses"]) == steps
         # Steps before the loss were the same run; after it, the same global batch on half the ranks.
-        assert d["dp_mean_losses"][:at] == pytest.approx(want[:at], rel=1e-5)
-        assert d["dp_mean_losses"][at:] == pytest.approx(want[at:], rel=1e-3), (at, d["dp_mean_losses"][at:at + 5],
-                                                                                 want[at:at + 5])
+        mean = d["dp_mean_losses"]
+        # The failure may cut the last step's dp-mean all-reduce short (its step applied): nan there.
+        assert len(mean) == steps and all(v == v for i, v in enumerate(mean) if i != at - 1), mean
+        if mean[at - 1] != mean[at - 1]:
+            mean[at - 1] = want[at - 1]
+        assert mean[:at] == pytest.approx(want[:at], rel=1e-5)
+        assert mean[at:] == pytest.approx(want[at:], rel=1e-3), (at, mean[at:at + 5], want[at:at + 5])
 
 
 def test_in_process_failure_falls_back_to_torchrun(tmp_path):

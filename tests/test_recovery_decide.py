@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from rankwatch.hooks.recovery import Decision, RecoveryFailed, _Liveness, _refused, decide, is_peer_failure
+from rankwatch.hooks.recovery import RecoveryFailed, is_peer_failure
+from rankwatch.hooks.recovery_decide import JOINER_BASE, Decision, Joiner, decide
+from rankwatch.hooks.recovery_net import Liveness, refused
 
 # Four nodes of two ranks; original ranks 0..7, node i holds ranks 2i and 2i+1.
 MEMBERS = tuple(range(8))
@@ -50,11 +52,56 @@ def test_without_replicas_no_node_can_be_lost_in_process():
     assert not d.ok and "no survivor holds their shards" in d.error
 
 
-def test_survivors_at_different_steps_do_not_go_on():
+def test_a_survivor_one_step_ahead_takes_the_state_of_a_whole_replica():
     arrived = _arrived(4, 5)
-    arrived[7] = 42  # it applied one more optimizer step than the others
+    arrived[7] = 42  # it applied one more optimizer step than its replica's other rank
     d = decide(MEMBERS, arrived, NODE_OF, replica_size=2)
-    assert not d.ok and "[41, 42]" in d.error
+    assert d.ok and d.step == 41 and d.fresh == (7,) and d.source == 0
+
+
+def test_the_newest_whole_replica_is_the_source():
+    arrived = _arrived(0, 1)
+    arrived[6] = arrived[7] = 42  # replica (6, 7) applied step 42 on both ranks; the others did not
+    d = decide(MEMBERS, arrived, NODE_OF, replica_size=2)
+    # New world (2, 3, 4, 5, 6, 7): replica 2 is the source; the others take its state.
+    assert d.ok and d.step == 42 and d.source == 2 and d.fresh == (2, 3, 4, 5)
+
+
+def test_no_replica_whole_at_one_step_cannot_go_on():
+    arrived = {0: 41, 1: 42, 2: 42, 3: 41}   # n2 (ranks 4, 5) lost; each replica left is split
+    d = decide((0, 1, 2, 3, 4, 5), arrived, NODE_OF, replica_size=2)
+    assert not d.ok and "no replica completed the same step" in d.error
+
+
+def _joiners(node: str, first: int, world: int, asked: int | None = None) -> list[Joiner]:
+    return [Joiner(id=JOINER_BASE + first + i, node=node, local_rank=i, local_world=world)
+            for i in range(world if asked is None else asked)]
+
+
+def test_a_whole_node_of_joiners_is_admitted_after_the_survivors():
+    d = decide(MEMBERS[:6], _arrived(6, 7) | {}, NODE_OF, replica_size=2, joiners=_joiners("n9", 1, 2))
+    # Nothing lost this time: the survivors left the step to admit n9, which takes replica 0's state.
+    assert d.ok and d.members == (0, 1, 2, 3, 4, 5, JOINER_BASE + 1, JOINER_BASE + 2)
+    assert d.fresh == (JOINER_BASE + 1, JOINER_BASE + 2) and d.source == 0 and d.step == 41
+    assert d.dropped_nodes == ()
+
+
+def test_joiners_of_a_node_still_asking_wait_for_the_next_boundary():
+    d = decide(MEMBERS[:6], _arrived(6, 7), NODE_OF, replica_size=2, joiners=_joiners("n9", 1, 2, asked=1))
+    assert not d.ok and "no rank was lost and no node joins" in d.error
+
+
+def test_joiners_that_do_not_make_whole_replicas_are_turned_away():
+    d = decide(MEMBERS, _arrived(6, 7), NODE_OF, replica_size=2, joiners=_joiners("n9", 1, 3))
+    assert d.ok and d.members == (0, 1, 2, 3, 4, 5) and "do not make whole replicas" in d.note
+    assert d.refused == tuple(JOINER_BASE + i for i in (1, 2, 3))
+
+
+def test_a_lost_node_and_its_replacement_in_one_decision():
+    joiners = list(reversed(_joiners("n9", 1, 2)))   # ask order does not change the rank order
+    d = decide(MEMBERS, _arrived(2, 3), NODE_OF, replica_size=2, joiners=joiners)
+    assert d.ok and d.members == (0, 1, 4, 5, 6, 7, JOINER_BASE + 1, JOINER_BASE + 2)
+    assert d.dropped_nodes == ("n1",)
 
 
 def test_a_replica_size_that_does_not_divide_the_world_is_refused():
@@ -71,8 +118,8 @@ def test_a_decision_crosses_the_store_intact_and_bounded():
 
 
 @pytest.mark.parametrize("members, dropped, step, why", [
-    ([0, 1, 99], ["n2"], 5, "not unique ranks"),          # a rank not in the world
-    ([0, 0, 1], ["n2"], 5, "not unique ranks"),           # a rank twice
+    ([0, 1, 99], ["n2"], 5, "not unique ids"),          # a rank not in the world
+    ([0, 0, 1], ["n2"], 5, "not unique ids"),           # a rank twice
     ([0, 1, 2, 3, 4, 5], ["n2", "n3", "n4"], 5, "drops"),  # more nodes dropped than ranks lost
     ([0, 1], ["n" * 65], 5, "drops"),                     # a node name past its cap
     ([0, 1], ["n2"], -1, "step"),
@@ -105,22 +152,22 @@ def test_other_errors_are_not():
 
 
 def test_a_live_process_accepts_on_its_liveness_port_and_a_gone_one_refuses():
-    live = _Liveness()
-    assert not _refused(live.address)
+    live = Liveness()
+    assert not refused(live.address)
     live.close()  # what the kernel does when the process is gone
-    assert _refused(live.address)
+    assert refused(live.address)
 
 
 def test_an_unreachable_host_proves_nothing():
     # A non-routable address: the connection times out, which is no proof of death.
-    assert not _refused("10.255.255.1:9", timeout=0.05)
-    assert not _refused("")
+    assert not refused("10.255.255.1:9", timeout=0.05)
+    assert not refused("")
 
 
 def test_many_probes_never_fill_the_liveness_port():
-    live = _Liveness()
+    live = Liveness()
     port = int(live.address.rpartition(":")[2])
     for _ in range(400):  # a decider probes a live member every few milliseconds, for seconds
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
         time.sleep(0.002)
-    assert not _refused(live.address)
+    assert not refused(live.address)

@@ -90,7 +90,8 @@ def main() -> None:
         return iter(DataLoader(rest, batch_size=MICRO, sampler=sampler))
 
     tier = InProcessRecovery(make, backend="gloo")
-    job, done = tier.start(), 0
+    job = tier.start()
+    done = tier.completed                   # 0, or the step a joining worker came in at
     mon = rw.init(mesh=job.extra["mesh"])   # after start(): it made the process group
     tier.set_monitor(mon)
     first_rank = dist.get_rank()

@@ -1,0 +1,198 @@
+"""The in-process recovery's decision: who trains on, from which step, with whose state.
+
+A pure function of what the survivors posted in the recovery store, so that every
+survivor, whichever arrives first and decides, would decide the same.
+
+* **Survivors** go on if every replica (``replica_size`` consecutive ranks: one whole
+  copy of the model) is either whole or gone: a lost rank's shards exist nowhere else.
+  A node that lost only some of its workers is torchrun's to restart.
+* **The step** is the newest one that some whole replica completed on all its ranks
+  (its *source*).  A survivor at another step (a rank that applied one more optimizer
+  step than its peers, or one fewer, when the failure cut a step short) takes its state
+  from the source replica's rank at its own position, as joiners do.
+* **Joiners** (a spare or a returning node whose workers ask to join, :data:`JOINER_BASE`
+  ids) are admitted at the step boundary when their node's workers have all asked and
+  make whole replicas.  They take their state from the source replica too, and the
+  world grows back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["JOINER_BASE", "Decision", "Job", "Joiner", "Membership", "admissible", "decide"]
+
+JOINER_BASE = 1 << 20
+"""Joiners' ids start here (original ranks are below): ``JOINER_BASE + n`` for the n-th to ask."""
+MAX_MESSAGE = 400
+_MAX_NODE = 64
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who trains in the current generation."""
+
+    generation: int
+    """0 at the start, one more per in-process recovery (or admission)."""
+    rank: int
+    """This worker's rank in the current world."""
+    world_size: int
+    members: tuple[int, ...]
+    """Each current rank's id: its original rank (its rank at generation 0), or a
+    joiner's id (:data:`JOINER_BASE` and up)."""
+    dropped_nodes: tuple[str, ...] = ()
+    """Nodes left out so far."""
+
+
+@dataclass
+class Job:
+    """What ``make`` builds for a membership, and what the tier carries across a recovery."""
+
+    model: Any
+    optimizer: Any
+    replica_size: int
+    """Ranks holding one whole copy of the model (shards x tensor parallel): consecutive
+    ranks ``[i*replica_size, (i+1)*replica_size)`` are one replica.  A job without
+    replicas (its world is one replica) cannot recover a lost rank in process."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Anything else of the user's (the mesh, a data loader); the tier does not touch it."""
+
+
+@dataclass(frozen=True)
+class Joiner:
+    """A worker of a joining node that asked to join."""
+
+    id: int
+    node: str
+    local_rank: int
+    local_world: int
+    """Its node's worker count: the node joins once all of them asked."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    ok: bool
+    members: tuple[int, ...] = ()
+    """Ids of the new world, in their new rank order."""
+    dropped_nodes: tuple[str, ...] = ()
+    step: int = 0
+    """The step every member goes on from (the optimizer steps applied)."""
+    error: str = ""
+    fresh: tuple[int, ...] = ()
+    """Members that take their state from the source replica (joiners, and survivors at
+    another step); the others keep their own."""
+    source: int = 0
+    """The source replica's index in the new world."""
+    refused: tuple[int, ...] = ()
+    """Joiners turned away (``note`` says why); they leave it to torchrun."""
+    note: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps({"ok": self.ok, "members": list(self.members), "dropped_nodes": list(self.dropped_nodes),
+                           "step": self.step, "error": self.error[:MAX_MESSAGE], "fresh": list(self.fresh),
+                           "source": self.source, "refused": list(self.refused), "note": self.note[:MAX_MESSAGE]})
+
+    @classmethod
+    def from_json(cls, text: str, within: Sequence[int]) -> Decision:
+        """A decision read from the store, for a world of the ids ``within`` (the old members
+        and every joiner that asked).
+
+        Raises:
+            ValueError: not a decision for that world: members that are not unique ids of
+                it, fresh members or refused joiners outside it, more dropped nodes than lost
+                ranks, a node name over 64 characters, a source replica or a step out of
+                range, or more text than such a decision takes.
+        """
+        if len(text) > 64 * (len(within) + 16):
+            raise ValueError(f"decision of {len(text)} bytes for a world of {len(within)}")
+        d = json.loads(text)
+        members = tuple(int(r) for r in d["members"])
+        dropped = tuple(str(n) for n in d["dropped_nodes"])
+        fresh = tuple(int(r) for r in d.get("fresh", ()))
+        refused = tuple(int(r) for r in d.get("refused", ()))
+        step, source = int(d["step"]), int(d.get("source", 0))
+        world = set(within)
+        if len(set(members)) != len(members) or not set(members) <= world:
+            raise ValueError(f"decision members {members[:16]} are not unique ids of the world")
+        if not set(fresh) <= set(members) or not set(refused) <= world - set(members):
+            raise ValueError("decision's fresh members or refused joiners are not of the world")
+        lost = len(world - set(members) - set(refused) - {r for r in world if r >= JOINER_BASE})
+        if len(dropped) > lost or any(len(n) > _MAX_NODE for n in dropped):
+            raise ValueError(f"decision drops {len(dropped)} nodes for {lost} lost ranks")
+        if not 0 <= step < 2**62:
+            raise ValueError(f"decision step {step} out of range")
+        if not 0 <= source < max(1, len(members)):
+            raise ValueError(f"decision source replica {source} out of range")
+        return cls(ok=bool(d["ok"]), members=members, dropped_nodes=dropped, step=step,
+                   error=str(d["error"])[:MAX_MESSAGE], fresh=fresh, source=source, refused=refused,
+                   note=str(d.get("note", ""))[:MAX_MESSAGE])
+
+
+def _fail(error: str) -> Decision:
+    return Decision(ok=False, error=error[:MAX_MESSAGE])
+
+
+def admissible(joiners: Sequence[Joiner], replica_size: int) -> tuple[list[int], list[int], str]:
+    """Joiners of whole nodes that make whole replicas, in order (node by node, by the order
+    they first asked; local rank within); those of whole nodes that do not; and why."""
+    by_node: dict[str, list[Joiner]] = {}
+    for j in sorted(joiners, key=lambda j: j.id):
+        by_node.setdefault(j.node, []).append(j)
+    admitted, refused, notes = [], [], []
+    for node, js in by_node.items():
+        world = js[0].local_world
+        if sorted(j.local_rank for j in js) != list(range(world)) or any(j.local_world != world for j in js):
+            continue  # not all of the node's workers asked yet: it waits for the next boundary
+        if replica_size <= 0 or world % replica_size:
+            refused += [j.id for j in js]
+            notes.append(f"node {node}'s {world} workers do not make whole replicas of {replica_size}")
+            continue
+        admitted += [j.id for j in sorted(js, key=lambda j: j.local_rank)]
+    return admitted, refused, "; ".join(notes)
+
+
+def decide(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[int, str],
+           replica_size: int, joiners: Sequence[Joiner] = ()) -> Decision:
+    """The new membership, from who arrived (id -> its last completed step) and who asks to join.
+
+    Args:
+        members: the current world's ids, in current rank order.
+        arrived: the survivors that reached the agreement, with their completed step.
+        node_of: each member's node.
+        replica_size: ranks per whole replica, in current rank order.
+        joiners: workers of joining nodes that asked so far.
+    """
+    joining, refused, note = admissible(joiners, replica_size)
+    lost = [r for r in members if r not in arrived]
+    if not lost and not joining:
+        return _fail("no rank was lost and no node joins: the failure is not a lost peer")
+    survivors = [r for r in members if r in arrived]
+    lost_nodes = sorted({node_of.get(r, "?") for r in lost})
+    split = sorted({node_of.get(r, "?") for r in survivors} & set(lost_nodes))
+    if split:
+        return _fail(f"node(s) {', '.join(split)} lost some workers and kept others; torchrun restarts such a node")
+    if replica_size <= 0 or len(members) % replica_size:
+        return _fail(f"replica size {replica_size} does not divide the world {len(members)}")
+    replicas = []
+    for i in range(0, len(members), replica_size):
+        replica = members[i:i + replica_size]
+        gone = sum(r not in arrived for r in replica)
+        if 0 < gone < len(replica):
+            return _fail(f"the replica of ranks {replica[0]}..{replica[-1]} lost {gone} of {len(replica)} ranks: "
+                         "no survivor holds their shards")
+        if not gone:
+            replicas.append(replica)
+    if not survivors:
+        return _fail("no survivor")
+    whole = [rep for rep in replicas if len({arrived[r] for r in rep}) == 1]
+    if not whole:
+        return _fail(f"no replica completed the same step on all its ranks "
+                     f"({sorted({arrived[r] for r in survivors})})")
+    step = max(arrived[rep[0]] for rep in whole)
+    source = next(i for i, rep in enumerate(replicas) if rep in whole and arrived[rep[0]] == step)
+    fresh = tuple(r for r in survivors if arrived[r] != step) + tuple(joining)
+    return Decision(ok=True, members=tuple(survivors) + tuple(joining), dropped_nodes=tuple(lost_nodes), step=step,
+                    fresh=fresh, source=source, refused=tuple(refused), note=note)

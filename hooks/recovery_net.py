@@ -1,0 +1,149 @@
+"""The in-process recovery's network side: proving a process gone, and leaving a failed step.
+
+* A worker's liveness port (:class:`Liveness`) lives exactly as long as its process, so a
+  refused connection proves the process gone, in milliseconds, even when its node lives on.
+* Gloo cannot cancel a pending collective; shutting a survivor's own connections of the
+  failed groups (:func:`shut_group_sockets`) breaks its neighbours' collectives in turn.
+  NCCL aborts its communicators (:func:`abort_nccl`).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Mapping
+
+__all__ = ["Liveness", "abort_nccl", "destroy_groups", "refused", "shut_group_sockets", "store_endpoints",
+           "tcp_sockets"]
+
+log = logging.getLogger(__name__)
+
+
+# -- liveness ------------------------------------------------------------------------------
+class Liveness:
+    """A listening socket that lives exactly as long as this process: a peer's connection to
+    it is refused once the process is gone, even when the node lives on.  A daemon thread
+    accepts and closes probes, so the backlog never fills while the process runs."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("0.0.0.0", 0))
+        self._sock.listen(128)
+        self.address = f"{socket.gethostname()}:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._drain, name="rankwatch-liveness", daemon=True).start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            conn.close()
+
+    def close(self) -> None:
+        """Stop answering (as the process's end does); wakes the accepting thread."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+def refused(address: str, timeout: float = 0.05) -> bool:
+    """True when ``address`` refuses a connection: proof that its process is gone.  A timeout
+    (a host down, a partition) proves nothing."""
+    host, _, port = address.rpartition(":")
+    if not host:
+        return False
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+# -- the failed groups' connections -------------------------------------------------------
+def tcp_sockets() -> set[tuple]:
+    import psutil
+
+    try:
+        return {(c.fd, c.laddr, c.raddr) for c in psutil.Process().net_connections(kind="tcp") if c.raddr}
+    except psutil.Error:
+        return set()
+
+
+def store_endpoints(env: Mapping[str, str]) -> set[tuple[str, int]]:
+    """Connections that must survive: the stores' and the agent's."""
+    from rankwatch.hooks.recovery_store import STORE_ENV
+
+    out = set()
+    for host, port in ((env.get("MASTER_ADDR"), env.get("MASTER_PORT")),
+                       tuple((env.get(STORE_ENV) or ":").rpartition(":")[::2]),
+                       tuple((env.get("RANKWATCH_AGENT") or ":").rpartition(":")[::2])):
+        if host and port and port.isdigit():
+            for info in _resolve(host, int(port)):
+                out.add(info)
+    return out
+
+
+def _resolve(host: str, port: int) -> set[tuple[str, int]]:
+    try:
+        return {(ai[4][0], port) for ai in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return {(host, port)}
+
+
+def shut_group_sockets(baseline: set[tuple], keep: set[tuple[str, int]]) -> int:
+    """Shut down this process's TCP connections opened since the tier started (the process
+    groups'), but the stores' and the agent's.  Each peer's pending collective on them then
+    fails at once, and so does that peer's, and so on: every survivor leaves the step."""
+    import psutil
+
+    shut = 0
+    try:
+        conns = psutil.Process().net_connections(kind="tcp")
+    except psutil.Error:
+        return 0
+    for c in conns:
+        if not c.raddr or c.fd < 0 or (c.fd, c.laddr, c.raddr) in baseline:
+            continue
+        ip = c.raddr.ip[len("::ffff:"):] if c.raddr.ip.startswith("::ffff:") else c.raddr.ip  # v4 on a v6 socket
+        if (ip, c.raddr.port) in keep or (c.raddr.ip, c.raddr.port) in keep or c.status != psutil.CONN_ESTABLISHED:
+            continue
+        try:
+            s = socket.socket(fileno=c.fd)
+        except OSError:  # closed meanwhile (its group tore it down)
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+            shut += 1
+        except OSError:
+            pass
+        finally:
+            s.detach()  # the fd stays the group's to close
+    return shut
+
+
+def abort_nccl() -> None:
+    """Abort every NCCL communicator: a collective stuck on a dead peer returns at once.
+    (Gloo has no such call: :func:`shut_group_sockets` does its part.)"""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    _abort_process_group()
+
+
+def destroy_groups() -> None:
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - a broken group may not tear down cleanly
+        log.warning("rankwatch: tearing down the failed process groups: %s", exc)
+        from torch.distributed import distributed_c10d as c10d
+
+        c10d._world.default_pg = None  # the next init_process_group starts clean
