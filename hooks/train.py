@@ -279,10 +279,13 @@ def main(argv: list[str] | None = None) -> int:
             del model, opt, mesh, dims
             if len(dp_means) < len(losses):  # the step applied; the failure cut its dp-mean all-reduce
                 dp_means.append(float("nan"))
+            before = done
             job, done = tier.recover(exc, job, completed=done)  # or raises: torchrun restarts
             del exc
-            recoveries.append({"step": done, "world_size": dist.get_world_size(), "rank": dist.get_rank(),
-                               "phases": tier.last_phases})
+            # "from": this rank's own steps; a rank a step behind took the newest replica's state
+            # (its step "from"+1..."step" was trained by the others, not recorded here).
+            recoveries.append({"step": done, "from": before, "world_size": dist.get_world_size(),
+                               "rank": dist.get_rank(), "phases": tier.last_phases})
             global_batch, accum, batches, tokens, flops = feed(job, done)
             continue
         if tier is not None and (phases := tier.stepped(done)) is not None:

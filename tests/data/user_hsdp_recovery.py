@@ -113,8 +113,9 @@ def main() -> None:
             if (phases := tier.stepped(done)) is not None:
                 recoveries[-1]["phases"] = phases
         except Exception as exc:  # noqa: BLE001 - recover() re-raises what is not a lost peer
+            before = done
             job, done = tier.recover(exc, job, completed=done)
-            recoveries.append({"step": done, "world_size": dist.get_world_size()})
+            recoveries.append({"step": done, "from": before, "world_size": dist.get_world_size()})
             loader = None
     digest = hashlib.sha1()
     for param in job.model.parameters():
