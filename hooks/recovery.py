@@ -87,6 +87,8 @@ _PEER_FAILURE_MARKERS = (
     "Write error", "Timed out waiting", "NCCL communicator was aborted", "ProcessGroupNCCL is aborted",
     "Socket Timeout", "Connection refused",
 )
+_MAX_JOIN_LOOK = 1024
+"""The most recent join requests read per look (a counter in the store is no bound of its own)."""
 _JOIN_POLL = 0.5
 """Seconds between rank 0's looks for workers asking to join (a background thread)."""
 
@@ -334,7 +336,8 @@ class InProcessRecovery:
     def _waiting_joiners(self, store: Any) -> list[Joiner]:
         """Workers that asked to join and were neither admitted nor turned away yet."""
         out = []
-        for n in range(1, self._joiners_asked(store) + 1):
+        asked = self._joiners_asked(store)
+        for n in range(max(1, asked - _MAX_JOIN_LOOK + 1), asked + 1):  # a bound on what the store can make us read
             if JOINER_BASE + n in self._settled_joiners:
                 continue
             key = self._key(f"join/{n}")
