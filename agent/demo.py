@@ -9,8 +9,8 @@ shows the whole job, and its ``/metrics`` is on port 9478 (or a free one).
 Injected, all from outside the code under test, in this order:
 
 * node 1's rank computes 50% slower from step 20 (a straggler), and its
-  scripted GPU throttles and then gathers corrected ECC errors (a risk: the
-  coordinator asks for a checkpoint);
+  scripted GPU throttles from its step 22 and gathers corrected ECC errors at
+  step 35 (each a risk: the coordinator asks for a checkpoint, saved before the hang);
 * node 2's rank gets stuck in Python inside forward at step 70 (a hang): the
   coordinator names it and excludes node 2, whose relay kills its worker; the
   others regroup without it in their own processes (in-process recovery: the
@@ -63,10 +63,12 @@ __all__ = ["run_demo"]
 _NODES = ("demo-n0", "demo-n1", "demo-n2", "demo-n3")
 _SPARE = 3
 _RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=120"
-# Node 1's scripted GPU: heat throttling, then corrected ECC errors (risk -> checkpoint).
-_GPU_SCRIPT = {"gpus": {"count": 1, "name": "NVIDIA H100 80GB HBM3 (scripted)"},
-               "events": [{"at": 15, "gpu": 0, "throttle": ["hw_thermal_slowdown"]},
-                          {"at": 30, "gpu": 0, "ecc": {"corrected": 6}}]}
+# Node 1's scripted GPU.  Its faults come at steps of the story, not at times, so they land in
+# the same place on a fast machine and a slow one: heat throttling once node 1 straggles, then
+# corrected ECC errors (each a risk: the coordinator asks for a checkpoint), both before the
+# hang; the fatal XID once the spare trains.
+_GPU_SCRIPT = {"gpus": {"count": 1, "name": "NVIDIA H100 80GB HBM3 (scripted)"}, "events": []}
+_GPU_CHANGES = ((22, {"throttle": ["hw_thermal_slowdown"]}), (35, {"ecc": {"corrected": 6}}))
 
 
 def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) -> int:
@@ -91,7 +93,9 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
     for i, node in enumerate(_NODES):
         listen = [addr, coord] if i == 0 else [Address(path=str(workdir / f"{node}.sock"))]
         port = (DEFAULT_METRICS_PORT if port_free(DEFAULT_METRICS_PORT) else 0) if i == 0 else 0
-        gpu = GpuConfig(source="script", script=load_script(script)) if i == 1 else GpuConfig(source="none")
+        # A short job: a throttle is a risk after 3 s of it, not the default 10 s.
+        gpu = (GpuConfig(source="script", script=load_script(script), throttle_sustain=timedelta(seconds=3))
+               if i == 1 else GpuConfig(source="none"))
         agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=port,
                                   # A short job: score ranks after 30 steps, not the default warm-up.
                                   straggler=StragglerConfig(warmup_steps=30),
@@ -99,7 +103,9 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
                                   coordinators=[coord], gpu=gpu,
                                   # The straggler stays (it is shown, not evicted), so the
                                   # hang on node 2 is what takes a node out.
-                                  policy=PolicyConfig(min_nodes=2, evict_straggler_speedup=float("inf"))))
+                                  policy=PolicyConfig(min_nodes=2, evict_straggler_speedup=float("inf"),
+                                                      # Fast steps: save half a second ahead.
+                                                      checkpoint_lead_seconds=0.5)))
         agent.start()
         agents.append(agent)
     taken = "" if agents[0].metrics_port == DEFAULT_METRICS_PORT else f" (port {DEFAULT_METRICS_PORT} is taken)"
@@ -141,17 +147,22 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
 
     jobs = [launch(i) for i in range(len(_NODES)) if i != _SPARE]
     fired = False
+    changes = list(_GPU_CHANGES)
 
     def story(status: dict) -> None:
-        """Start the spare once three ranks train; fire the fatal XID once the spare trains."""
+        """Start the spare once three ranks train; change node 1's GPU at its steps; fire the
+        fatal XID once the spare trains."""
         nonlocal fired
         training = {r["node"] for r in status["ranks"] if r["connected"] and r["step"] > 0}
+        source = agents[1].gpu.source
+        n1_step = max((r["step"] for r in status["ranks"] if r["node"] == _NODES[1]), default=-1)
+        while changes and n1_step >= changes[0][0] and isinstance(source, ScriptedSource):
+            source.change(0, **changes.pop(0)[1])
         if len(jobs) < len(_NODES) and len(training) >= 3:
             jobs.append(launch(_SPARE))
             notes.spare_started = True
             say(f"hot spare {_NODES[_SPARE]} started: the job is full, so it waits")
         if not fired and _NODES[2] in status["excluded_nodes"] and _NODES[_SPARE] in training:
-            source = agents[1].gpu.source
             if isinstance(source, ScriptedSource):
                 source.fire(0, 79)
                 fired = notes.xid_fired = True

@@ -23,6 +23,10 @@ def test_demo_runs_and_tells_the_story(tmp_path):
     for kind in ("straggler", "checkpoint", "hang", "restart", "gpu_fault"):
         assert kind in timeline, (kind, timeline[-3000:])
     assert "gpu risk" in timeline and "demo-n2" in timeline
+    # Both GPU risks of node 1 asked for a checkpoint, saved before the hang took node 2 out.
+    for risk in ("throttle", "ecc_corrected"):
+        assert f"gpu risk: {risk} on gpu 0 of demo-n1: checkpoint at step" in out, out[-4000:]
+    assert timeline.index("gpu risk") < timeline.index(" hang "), timeline[-3000:]
     # The spare took the hung node's place, and the fatal XID came once it trained.
     assert "demo-n3 took demo-n2's place" in out, out[-4000:]
     final = out[out.index("final view"):out.index("timeline")]

@@ -127,3 +127,18 @@ def test_fire_raises_an_xid_now_ahead_of_the_timeline():
     assert src.events(timedelta(milliseconds=50)) == []  # the scripted one is still 60 s away
     with pytest.raises(ScriptError, match="no GPU 2"):
         src.fire(2, 79)
+
+
+def test_change_applies_a_state_change_now_ahead_of_the_timeline():
+    src = ScriptedSource(parse_script({"gpus": {"count": 2}, "events": [{"at": 60, "gpu": 0, "ecc": {"corrected": 9}}]}))
+    src.change(1, throttle=["hw_thermal_slowdown"], ecc={"corrected": 6})
+    r0, r1 = src.read()
+    assert r1.throttle == ("hw_thermal_slowdown",) and r1.ecc[("corrected", "volatile")] == 6
+    assert r0.ecc[("corrected", "volatile")] == 0  # the scripted one is still 60 s away
+    with pytest.raises(ScriptError, match="'throttle'"):
+        src.change(0, throttle=["too_hot"])
+    with pytest.raises(ScriptError, match="'gpu'"):
+        src.change(2, ecc={"corrected": 1})
+    with pytest.raises(ScriptError, match="fire"):
+        src.change(0, xid=79)
+    assert src.read()[0].throttle == ()  # a refused change changed nothing

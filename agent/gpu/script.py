@@ -246,6 +246,22 @@ class ScriptedSource:
         with self._lock:
             self._xids.insert(0, ScriptEvent(self._clock() - self._t0, gpu, {"xid": int(xid)}))
 
+    def change(self, gpu: int, **changes: Any) -> None:
+        """Apply a state change to ``gpu`` now, outside the timeline (``rankwatch demo`` heats
+        its GPU and grows its ECC counts at given steps, whatever the machine's speed).
+
+        ``changes`` take the keys of a script event (``throttle=[...]``, ``ecc={...}``, ...).
+
+        Raises:
+            ScriptError: the change is not one a script could hold.
+        """
+        ev = _event({"at": 0, "gpu": gpu, **changes}, self._script.gpu_count, self._script.nvlinks,
+                    lambda m: ScriptError(f"GPU change: {m}"))
+        if "xid" in ev.changes:
+            raise ScriptError("an XID is raised with fire(), not change()")
+        with self._lock:
+            _apply(self._gpus[ev.gpu], ev.changes)
+
     def events(self, timeout: timedelta) -> list[XidEvent]:
         if not self._xids:
             self._closed.wait(timeout.total_seconds())
