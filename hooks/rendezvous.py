@@ -253,6 +253,20 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         recover in process, it lost more nodes that way than have joined since, and it is
         not restarting.  None otherwise (and always after one try: a second call for the
         next rendezvous means this node's workers could not join, so join the usual way)."""
+        prefix = self._in_process_round()
+        if prefix is None:
+            return None
+        raw = self._raw_store
+        try:
+            lost, joined = int(raw.add(prefix + REGROUPED_COUNT, 0)), int(raw.add(prefix + JOINED_COUNT, 0))
+        except Exception as exc:  # noqa: BLE001 - a store hiccup: join the usual way
+            log.debug("rankwatch: no in-process join: %s", exc)
+            return None
+        return prefix if lost > joined else None
+
+    def _in_process_round(self) -> str | None:
+        """The current round's key prefix when a node could join it in process (its workers
+        recover in process and it is not restarting), before it has room; None otherwise."""
         if self._tried_join or self._endpoint is None:
             return None
         inner = self._inner
@@ -266,11 +280,10 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             raw = self._raw_store
             if not raw.check([prefix + CAPABLE_KEY]) or raw.check([prefix + RESTARTING_KEY]):
                 return None
-            lost, joined = int(raw.add(prefix + REGROUPED_COUNT, 0)), int(raw.add(prefix + JOINED_COUNT, 0))
         except Exception as exc:  # noqa: BLE001 - private API or a store hiccup: join the usual way
             log.debug("rankwatch: no in-process join: %s", exc)
             return None
-        return prefix if lost > joined else None
+        return prefix
 
     def _join_in_process(self) -> RendezvousInfo | None:
         """Send this node's workers to join the round's survivors in process (see
@@ -404,6 +417,14 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             if self._join_room() is not None:
                 return True
             time.sleep(_SPARE_POLL)
+        # A node left the round.  If its workers recover in process, the survivors are
+        # leaving it out now (an excluded node may leave the rendezvous before they say so):
+        # join them there rather than restart every node's workers through the rendezvous.
+        deadline = time.monotonic() + _IN_PROCESS_WAIT
+        while self._in_process_round() is not None and time.monotonic() < deadline:
+            if self._join_room() is not None:
+                return True
+            time.sleep(_SPARE_POLL / 5)
         log.warning("rankwatch: a round has room; hot spare %s joins", self._node)
         return False
 

@@ -8,14 +8,16 @@ its client.
 
 from __future__ import annotations
 
+import os
 import threading
-
+import time
 from datetime import timedelta
 
 import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError, RendezvousParameters
 
+from rankwatch.hooks.recovery_store import CAPABLE_KEY, JOIN_ENV, ROUND_ENV, STORE_ENV, mark_regrouped
 from rankwatch.hooks.rendezvous import create_handler
 
 
@@ -109,6 +111,40 @@ def test_a_spare_waits_without_restarting_the_job_then_takes_an_excluded_nodes_p
         t.join(30)
         assert joined and info.world_size == 2 and joined[0].world_size == 2
         assert {info.rank, joined[0].rank} == {0, 1}
+    finally:
+        for h in (spare, b, a):
+            h.shutdown()
+
+
+def test_a_waiting_spare_joins_in_process_when_the_workers_leave_an_excluded_node_out(monkeypatch, port):
+    # The excluded node leaves the rendezvous (the job stops being full) before its survivors
+    # say they left it out: the spare must wait for them, not enter the stock rendezvous, which
+    # would restart every node's workers to admit it.
+    for name in (STORE_ENV, ROUND_ENV, JOIN_ENV):
+        monkeypatch.delenv(name, raising=False)  # the handlers export them to their workers
+    a, b, spare = _handlers(["n0", "n1", "n2"], monkeypatch, port, max_nodes=2)
+    workers = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    try:
+        _join([a, b])
+        prefix = os.environ[ROUND_ENV]
+        workers.set(prefix + CAPABLE_KEY, "1")  # the round's workers recover in process
+        joined = []
+        t = threading.Thread(target=lambda: joined.append(spare.next_rendezvous()), daemon=True)
+        t.start()
+        t.join(3)
+        assert t.is_alive(), "the spare waits while the job is full"
+        a.write_decision(_decision("n1", 1))
+        with pytest.raises(RendezvousGracefulExitError):
+            b.next_rendezvous()  # n1 leaves: the round has room
+        # The survivors' workers say they left it out 2 s later (a hung node's peers wait for
+        # its worker's death first): longer than the spare's view of the round is cached.
+        time.sleep(2.0)
+        mark_regrouped(workers, prefix, "n1", 1)
+        t.join(30)
+        assert joined, "the spare joined"
+        assert joined[0].world_size == 1 and os.environ[JOIN_ENV] == "1", "its workers join in process"
+        assert os.environ[ROUND_ENV] == prefix
+        assert a.num_nodes_waiting() == 0, "no node restarts its workers for the spare"
     finally:
         for h in (spare, b, a):
             h.shutdown()
