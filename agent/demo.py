@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 from datetime import timedelta
 from pathlib import Path
 
@@ -68,7 +69,7 @@ _RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5
 # corrected ECC errors (each a risk: the coordinator asks for a checkpoint), both before the
 # hang; the fatal XID once the spare trains.
 _GPU_SCRIPT = {"gpus": {"count": 1, "name": "NVIDIA H100 80GB HBM3 (scripted)"}, "events": []}
-_GPU_CHANGES = ((22, {"throttle": ["hw_thermal_slowdown"]}), (35, {"ecc": {"corrected": 6}}))
+_GPU_CHANGES: tuple[tuple[int, dict[str, Any]], ...] = ((22, {"throttle": ["hw_thermal_slowdown"]}), (35, {"ecc": {"corrected": 6}}))
 
 
 def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) -> int:
