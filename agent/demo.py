@@ -15,8 +15,8 @@ Injected, all from outside the code under test, in this order:
   coordinator names it and excludes node 2, whose relay kills its worker; the
   others regroup without it in their own processes (in-process recovery: the
   harness runs HSDP, one replica per node), then the spare (node 3) joins
-  through a torchrun restart, and the world is three ranks again, resumed from
-  the newest complete checkpoint;
+  them in process too, at a step boundary, its state sent by a live replica (no
+  worker restarts, nothing read from disk), and the world is three ranks again;
 * once the spare trains, node 1's scripted GPU raises XID 79 (fatal: reboot):
   node 1 is excluded, and nodes 0 and 3 regroup in process and finish the job.
 

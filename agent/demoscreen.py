@@ -114,8 +114,8 @@ def next_line(status: dict[str, Any], notes: DemoNotes) -> str:
             return (f"{notes.hung} is out: the others regrouped without it in their own processes "
                     "(in-process recovery), in well under a second")
         return (f"{notes.hung} is out and the others trained on in process; the spare {notes.spare} "
-                "joins through a torchrun restart (every worker, from the newest checkpoint); then "
-                f"{notes.xid}'s GPU raises XID 79")
+                "joins them in process at a step boundary (its state from a live replica, no "
+                f"restart); then {notes.xid}'s GPU raises XID 79")
     if "hang" in kinds:
         return (f"the coordinator named the hung rank (stacks, collective, alive): it excludes "
                 f"{notes.hung} and kills its worker; the others regroup without it in process")

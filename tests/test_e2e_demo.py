@@ -29,6 +29,8 @@ def test_demo_runs_and_tells_the_story(tmp_path):
     assert timeline.index("gpu risk") < timeline.index(" hang "), timeline[-3000:]
     # The spare took the hung node's place, and the fatal XID came once it trained.
     assert "demo-n3 took demo-n2's place" in out, out[-4000:]
+    # ... in process: the survivors admitted it at a step boundary, no worker restarted for it.
+    assert "world 2 -> 3" in timeline, timeline[-3000:]
     final = out[out.index("final view"):out.index("timeline")]
     assert "demo-n3" in final and "demo-n0" in final
     # The restarts stop every rank for a while; that is not a hang of the spare's rank.
@@ -41,7 +43,9 @@ def test_demo_runs_and_tells_the_story(tmp_path):
     lost = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)s", m[4])}
     # The demo trains about 40 % of the time on this machine; 0 % is the bug this catches.
     assert 10.0 < goodput <= 100.0, m[0]
-    assert goodput == pytest.approx(100 * productive / elapsed, abs=0.2), m[0]
+    # The seconds are printed to 0.1 s and the share to 0.1 %: it lies within their rounding.
+    low, high = 100 * (productive - 0.05) / (elapsed + 0.05), 100 * (productive + 0.05) / (elapsed - 0.05)
+    assert low - 0.05 <= goodput <= high + 0.05, m[0]
     assert productive + sum(lost.values()) == pytest.approx(elapsed, abs=0.5), m[0]
     # Its hang and its restarts cost time.
     assert lost.get("hang", 0) > 0 and lost.get("restart", 0) > 0, m[0]
