@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from rankwatch import __version__
 from rankwatch.address import Address, node_id, resolve
+from rankwatch.agent.status_ranks import DEFAULT_MAX_RANKS
 
 if TYPE_CHECKING:
     from rankwatch.agent.straggler import StragglerConfig
@@ -149,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="between GPU readings (default 5; 0.5 for a script)")
     a.add_argument("--rank-grace", type=_positive, default=60.0, metavar="SECONDS",
                    help="how long a disconnected rank stays in /metrics (default 60)")
+    a.add_argument("--status-max-ranks", type=int, default=DEFAULT_MAX_RANKS, metavar="N",
+                   help=f"the most ranks a status answer lists unless asked for all: a bigger job's "
+                        f"view lists the ranks not ok first (default {DEFAULT_MAX_RANKS})")
 
     r = sub.add_parser("run", help="run torchrun with rankwatch wired in",
                        usage="rankwatch run [--agent ADDR] [--node-id ID] -- <torchrun args>")
@@ -159,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="the agent's live view (or, when none answers, what it left)")
     s.add_argument("--agent", type=_address, default=None, metavar="ADDR")
     s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--all-ranks", action="store_true",
+                   help="every rank of a big job (by default a view over the agent's "
+                        "--status-max-ranks lists the ranks not ok first, then others up to it)")
     s.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
                    help="when no agent answers, read the view it left in DIR (default: the directory "
                         "its socket names, else $RANKWATCH_STATE_DIR, else /tmp/rankwatch-<uid>/<node-id>)")
@@ -231,7 +238,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                              hang=HangConfig(floor_seconds=args.hang_floor), straggler=straggler,
                              coordinators=args.coordinator, policy=policy, gpu=gpu, token=token,
                              election=args.election, job_id=args.job_id, advertise=args.advertise,
-                             tls=tls, streams=streams, rank_grace=args.rank_grace)
+                             tls=tls, streams=streams, rank_grace=args.rank_grace,
+                             status_max_ranks=args.status_max_ranks)
     except ValueError as exc:
         print(f"rankwatch agent: {exc}", file=sys.stderr)
         return 2
@@ -343,7 +351,9 @@ def _status(args: argparse.Namespace) -> dict | None:
     explicit = getattr(args, "state_dir", None)
     if explicit is None or args.command != "diagnose":
         try:
-            return fetch_status(addr, creds=ClientCredentials.from_env(token_file=args.token_file))
+            every = getattr(args, "all_ranks", False)
+            return fetch_status(addr, timedelta(seconds=30 if every else 3),
+                                creds=ClientCredentials.from_env(token_file=args.token_file), all_ranks=every)
         except ValueError as exc:
             print(f"rankwatch {args.command}: {exc}", file=sys.stderr)
             return None
@@ -380,6 +390,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
         console = Console(width=None if sys.stdout.isatty() else 140)
         console.print(rank_table(status))
+        if status.get("ranks_left_out"):
+            states = ", ".join(f"{n} {s}" for s, n in sorted(status["rank_states"].items()))
+            console.print(f"{len(status['ranks'])} of {status['ranks_total']} ranks listed, those not ok "
+                          f"first ({states}); --all-ranks lists every one")
         if any(r.get("op_latency") for r in status["ranks"]):
             console.print(latency_table(status))
         recoveries = recovery_table(status)

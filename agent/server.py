@@ -48,6 +48,7 @@ from rankwatch.agent.recoveries import RecoveryLog
 from rankwatch.agent.nodewatch import NodeWatch
 from rankwatch.agent.rankexit import ExitConfig
 from rankwatch.agent.servicer import Servicer
+from rankwatch.agent.status_ranks import DEFAULT_MAX_RANKS
 from rankwatch.agent.validate import clean_text
 from rankwatch.agent.state import NodeState, RankState, Rejected
 from rankwatch.agent.straggler import StragglerConfig
@@ -84,6 +85,8 @@ class AgentConfig:
             holds the coordinator key in etcd (:mod:`.election`); needs a TCP ``listen``.
         advertise: this agent's address for the other agents (default: its first TCP one).
         rank_grace: seconds a disconnected rank stays in /metrics.
+        status_max_ranks: the most ranks a ``Status`` answer lists unless asked for all
+            (:mod:`.status_ranks`).
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
@@ -93,7 +96,8 @@ class AgentConfig:
                  sync_interval: float = 0.25, token: str | None = None, gpu: GpuConfig | None = None,
                  exits: ExitConfig | None = None, election: str | None = None, job_id: str = "",
                  advertise: str | None = None, tls: TlsConfig | None = None,
-                 streams: StreamLimits | None = None, rank_grace: float = 60.0) -> None:
+                 streams: StreamLimits | None = None, rank_grace: float = 60.0,
+                 status_max_ranks: int = DEFAULT_MAX_RANKS) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if election is not None:
@@ -104,6 +108,8 @@ class AgentConfig:
                 raise ValueError("an election and a --coordinator list exclude each other")
             if all(a.is_unix for a in listen) and advertise is None:
                 raise ValueError("an election needs a TCP address the other agents reach (--listen HOST:PORT)")
+        if status_max_ranks < 1:
+            raise ValueError(f"AgentConfig.status_max_ranks {status_max_ranks} must be at least 1")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
             raise ValueError(f"AgentConfig.metrics_port {metrics_port} out of range")
         self.node_id, self.listen = node_id, listen
@@ -120,6 +126,7 @@ class AgentConfig:
         self.election, self.job_id, self.advertise = election, job_id, advertise
         self.tls = tls
         self.rank_grace = rank_grace
+        self.status_max_ranks = status_max_ranks
         self.streams = streams or StreamLimits()
 
     def client_credentials(self) -> ClientCredentials:

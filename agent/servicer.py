@@ -122,7 +122,7 @@ class Servicer:
 
     # -- control calls ------------------------------------------------------------
     def status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        return views.status_response(self.agent)
+        return views.status_response(self.agent, request)
 
     def sync(self, request: pb.NodeSummary, context: grpc.ServicerContext) -> pb.SyncReply:
         agent = self.agent

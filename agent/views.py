@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from rankwatch.agent import bounds, oplatency, recoveries
+from rankwatch.agent import bounds, oplatency, recoveries, status_ranks
 from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS
 from rankwatch.agent.export import storemetrics
 from rankwatch.agent.jobsync import summary_incidents
@@ -25,8 +25,9 @@ __all__ = ["node_summary", "status_response"]
 DECISIONS_SENT = 64   # the newest decisions a node's summary carries to its coordinator
 
 
-def status_response(agent: Agent) -> pb.StatusResponse:
-    """The agent's ``Status`` answer: its ranks, and on the coordinator the whole job's."""
+def status_response(agent: Agent, request: pb.StatusRequest | None = None) -> pb.StatusResponse:
+    """The agent's ``Status`` answer: its ranks, and on the coordinator the whole job's (a big
+    job's summarised, unless ``request`` asks for every rank: :mod:`.status_ranks`)."""
     st = agent.state
     resp = pb.StatusResponse(node_id=st.node_id, started_at=st.started_at,
                              metrics_port=agent.metrics_port or 0,
@@ -49,30 +50,41 @@ def status_response(agent: Agent) -> pb.StatusResponse:
     if job:
         resp.nodes.extend(sorted(agent.coordinator.nodes))
         resp.excluded_nodes.extend(sorted(agent.coordinator.excluded))
-    for r in st.snapshot():
+    # Each rank's state first, its full row only if it is listed (status_ranks decides which).
+    own = st.snapshot()
+    others = [(node, r, excluded) for node, r, excluded in agent.coordinator.rank_summaries()
+              if node != st.node_id] if job else []
+    states = [r.state for r in own] + ["excluded" if excluded else r.state for _, r, excluded in others]
+    keep = status_ranks.chosen(states, status_ranks.rank_limit(
+        agent.config.status_max_ranks, request.max_ranks if request else 0,
+        request.all_ranks if request else False))
+    resp.ranks_total, resp.ranks_left_out = len(states), len(states) - len(keep)
+    for state in states:
+        resp.rank_states[state] = resp.rank_states.get(state, 0) + 1
+    for k in keep:
+        if k < len(own):
+            r = own[k]
+            resp.ranks.append(pb.RankStatus(
+                rank=r.rank, node=r.node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
+                state=r.state, restarting=agent.restarting(r.state, r.last_seen, now),
+                phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
+                backend=r.backend, collectives=int(r.collective_counts.sum()),
+                last_collective_seq=r.last_collective_seq, dropped=r.dropped,
+                last_seen=r.last_seen, connected=r.connected,
+                tokens_per_second=r.tokens_per_second, slowdown=r.slowdown,
+                own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds,
+                collective_source=r.collective_source, device_uuid=r.device_uuid,
+                op_latency=oplatency.to_pb(r.op_latency)))
+            continue
+        node, rs, excluded = others[k - len(own)]
         resp.ranks.append(pb.RankStatus(
-            rank=r.rank, node=r.node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
-            state=r.state, restarting=agent.restarting(r.state, r.last_seen, now),
-            phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
-            backend=r.backend, collectives=int(r.collective_counts.sum()),
-            last_collective_seq=r.last_collective_seq, dropped=r.dropped,
-            last_seen=r.last_seen, connected=r.connected,
-            tokens_per_second=r.tokens_per_second, slowdown=r.slowdown,
-            own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds,
-            collective_source=r.collective_source, device_uuid=r.device_uuid,
-            op_latency=oplatency.to_pb(r.op_latency)))
-    if job:
-        for node, r, excluded in agent.coordinator.rank_summaries():
-            if node != st.node_id:
-                resp.ranks.append(pb.RankStatus(
-                    rank=r.rank, node=node, pid=r.pid, step=r.step, step_seconds=r.step_seconds,
-                    state="excluded" if excluded else r.state,
-                    restarting=not excluded and agent.restarting(r.state, r.last_seen, now),
-                    connected=r.connected,
-                    last_seen=r.last_seen, tokens_per_second=r.tokens_per_second,
-                    phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords, op_latency=r.op_latency,
-                    backend=r.backend, collectives=r.collectives,
-                    own_work_seconds=_median(r.own_work), collective_wait_seconds=_median(r.comm_wait)))
+            rank=rs.rank, node=node, pid=rs.pid, step=rs.step, step_seconds=rs.step_seconds,
+            state=states[k], restarting=not excluded and agent.restarting(rs.state, rs.last_seen, now),
+            connected=rs.connected,
+            last_seen=rs.last_seen, tokens_per_second=rs.tokens_per_second,
+            phase_seconds=rs.phase_seconds, mesh_coords=rs.mesh_coords, op_latency=rs.op_latency,
+            backend=rs.backend, collectives=rs.collectives,
+            own_work_seconds=_median(rs.own_work), collective_wait_seconds=_median(rs.comm_wait)))
     with st.lock:
         incidents = list(st.incidents)
     if job:

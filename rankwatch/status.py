@@ -33,11 +33,13 @@ def reachable(addr: Address, timeout: timedelta = timedelta(milliseconds=500),
 
 
 def fetch_status(addr: Address, timeout: timedelta = timedelta(seconds=3),
-                 creds: ClientCredentials | None = None) -> dict[str, Any]:
+                 creds: ClientCredentials | None = None, all_ranks: bool = False) -> dict[str, Any]:
     """The agent's live view, in the ``status --json`` schema.
 
     Args:
         creds: the job's credentials (default: from the ``RANKWATCH_*`` environment).
+        all_ranks: list every rank of a big job, not the agent's summarised view (the ranks
+            not ok first, up to its limit).
 
     Raises:
         AgentUnreachable: nothing answered in time, or the answer was an error.
@@ -49,7 +51,7 @@ def fetch_status(addr: Address, timeout: timedelta = timedelta(seconds=3),
             raise AgentUnreachable(f"cannot call the agent at {addr}: {exc}") from None
     with open_channel(addr, creds) as channel:
         try:
-            resp = pb_grpc.AgentStub(channel).Status(pb.StatusRequest(),
+            resp = pb_grpc.AgentStub(channel).Status(pb.StatusRequest(all_ranks=all_ranks),
                                                      timeout=timeout.total_seconds())
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
@@ -82,6 +84,9 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
             "id": i.id, "kind": i.kind, "node": i.node, "rank": i.rank, "step": i.step,
             "detected_at": i.detected_at, "detail": json.loads(i.detail_json or "{}"),
         } for i in resp.incidents],
+        "ranks_total": resp.ranks_total,
+        "ranks_left_out": resp.ranks_left_out,
+        "rank_states": dict(sorted(resp.rank_states.items())),
         "goodput": resp.goodput if resp.HasField("goodput") else None,
         "time_seconds": dict(resp.time_seconds),
         "coordinator": resp.coordinator,

@@ -241,8 +241,12 @@ class ReportSummary(_message.Message):
     def __init__(self, batches_accepted: _Optional[int] = ..., batches_rejected: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("all_ranks", "max_ranks")
+    ALL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RANKS_FIELD_NUMBER: _ClassVar[int]
+    all_ranks: bool
+    max_ranks: int
+    def __init__(self, all_ranks: _Optional[bool] = ..., max_ranks: _Optional[int] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "node", "pid", "step", "step_seconds", "state", "phase_seconds", "mesh_coords", "backend", "collectives", "last_collective_seq", "dropped", "last_seen", "connected", "tokens_per_second", "slowdown", "own_work_seconds", "collective_wait_seconds", "collective_source", "device_uuid", "op_latency", "restarting")
@@ -346,7 +350,7 @@ class Incident(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_at: _Optional[float] = ..., detail_json: _Optional[str] = ..., id: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes", "storage")
+    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes", "storage", "ranks_total", "ranks_left_out", "rank_states")
     class TimeSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +365,13 @@ class StatusResponse(_message.Message):
         key: str
         value: StorageStatus
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[StorageStatus, _Mapping]] = ...) -> None: ...
+    class RankStatesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +389,9 @@ class StatusResponse(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_NODES_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RANKS_LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
+    RANK_STATES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     started_at: float
     metrics_port: int
@@ -395,7 +409,10 @@ class StatusResponse(_message.Message):
     nodes: _containers.RepeatedScalarFieldContainer[str]
     excluded_nodes: _containers.RepeatedScalarFieldContainer[str]
     storage: _containers.MessageMap[str, StorageStatus]
-    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., coordinator: _Optional[bool] = ..., coordinator_node: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., nodes: _Optional[_Iterable[str]] = ..., excluded_nodes: _Optional[_Iterable[str]] = ..., storage: _Optional[_Mapping[str, StorageStatus]] = ...) -> None: ...
+    ranks_total: int
+    ranks_left_out: int
+    rank_states: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., coordinator: _Optional[bool] = ..., coordinator_node: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., nodes: _Optional[_Iterable[str]] = ..., excluded_nodes: _Optional[_Iterable[str]] = ..., storage: _Optional[_Mapping[str, StorageStatus]] = ..., ranks_total: _Optional[int] = ..., ranks_left_out: _Optional[int] = ..., rank_states: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StorageStatus(_message.Message):
     __slots__ = ("path", "ok", "written", "spooled", "failures", "dropped", "last_error")
