@@ -215,11 +215,12 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
     }
 
 
-def status_seconds(sock: Path) -> float:
+def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
+    """Seconds and bytes of ``rankwatch status --json`` (the CLI, as a user runs it)."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--json", "--agent", f"unix:{sock}"],
-                   capture_output=True, check=True, timeout=60)
-    return round(time.perf_counter() - t0, 2)
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--json", "--agent",
+                          f"unix:{sock}", *flags], capture_output=True, check=True, timeout=60).stdout
+    return round(time.perf_counter() - t0, 2), len(out)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -231,7 +232,10 @@ def run(args: argparse.Namespace) -> dict:
         try:
             _wait_serving(port, coord)
             result = asyncio.run(_run(args, port, tmp / "state", psutil.Process(coord.pid)))
-            result["status_json_seconds"] = status_seconds(tmp / "coord.sock")
+            # The default (summarised past 1,024 ranks) and the full view.
+            result["status_json_seconds"], result["status_json_bytes"] = status_seconds(tmp / "coord.sock")
+            result["status_all_ranks_seconds"], result["status_all_ranks_bytes"] = status_seconds(
+                tmp / "coord.sock", "--all-ranks")
             return result
         finally:
             coord.terminate()
