@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ import grpc
 from rankwatch.address import Address
 from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.agent.decisions import Decision
-from rankwatch.agent.load_policy import LoadConfig
+from rankwatch.agent.load_policy import LoadConfig, first_sync_delay
 from rankwatch.agent.incidents import Incident
 from rankwatch.agent.recoveries import is_in_process
 from rankwatch.proto import pb, pb_grpc
@@ -159,11 +160,17 @@ class JobLink:
 
     # -- the loop ---------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        first = self.candidates[0] if self.candidates else None
+        coordinates = self.acting or (first is not None and self.agent.serves(first))
+        if self._stop.wait(first_sync_delay(random.random(), coordinates, LoadConfig())):
+            return
+        while True:
             try:
                 self.sync_once()
             except Exception:  # noqa: BLE001 - the agent never dies of a sync bug
                 log.exception("sync with the coordinator failed")
+            if self._stop.wait(self.interval):
+                return
 
     def _candidates(self) -> list[Address | None]:
         """Where to sync, in order; None is this agent itself."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from rankwatch.knobs import require_positive
 
-__all__ = ["Load", "LoadConfig", "interval_floor", "node_silent", "overload", "quiet_until", "sync_interval"]
+__all__ = ["Load", "LoadConfig", "first_sync_delay", "interval_floor", "node_silent", "overload", "quiet_until", "sync_interval"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,12 +55,15 @@ class LoadConfig:
     """A node is silent after this many of its sync intervals (or the node timeout, if longer)."""
     min_syncs: int = 3
     """A node is called silent only once this coordinator heard this many of its summaries."""
+    first_sync_spread: float = 2.0
+    """A node's first sync comes at a random point within this many seconds of its agent's
+    start (:func:`first_sync_delay`)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.base_interval <= self.max_interval:
             raise ValueError("LoadConfig needs 0 < base_interval <= max_interval")
         require_positive(self, "target_cores", "busy_cores", "lag_seconds", "delay_seconds",
-                         "max_syncs_per_second", "silent_intervals", "min_syncs")
+                         "max_syncs_per_second", "silent_intervals", "min_syncs", "first_sync_spread")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +109,18 @@ def node_silent(now: float, received_at: float, interval: float, node_timeout: f
     if now < quiet or (syncs is not None and syncs < cfg.min_syncs):
         return False
     return now - received_at > max(node_timeout, cfg.silent_intervals * interval)
+
+
+def first_sync_delay(u: float, coordinates: bool, cfg: LoadConfig) -> float:
+    """Seconds before a node's first sync, for ``u`` drawn uniformly from [0, 1).
+
+    The agents of a big job start together (a Slurm prolog on every node, a DaemonSet
+    rolled out at once); their first syncs would reach the coordinator as one burst, more
+    calls than it can answer in time, before any reply has asked them to slow down.
+    Spread over ``first_sync_spread`` seconds, 2,048 nodes arrive at about 1,000 a second.
+    The agent that is itself the first coordinator candidate syncs at once: it takes the
+    coordinator's role then, and the others are answered from the start."""
+    return 0.0 if coordinates else max(0.0, min(1.0, u)) * cfg.first_sync_spread
 
 
 def interval_floor(nodes: int, cfg: LoadConfig) -> float:

@@ -43,6 +43,7 @@ import grpc
 import psutil
 
 from rankwatch.agent.incidents import Incident, IncidentLog
+from rankwatch.agent.load_policy import LoadConfig, first_sync_delay
 from rankwatch.agent.ports import free_port
 from rankwatch.agent.statedir import read_decisions
 from rankwatch.proto import pb, pb_grpc
@@ -99,7 +100,8 @@ class SimNode:
 
 async def _drive(node: SimNode, stubs: list, end: float, lat: list, fails: dict, failed_at: list,
                  done: list) -> None:
-    await asyncio.sleep(random.random() * node.interval)   # nodes start spread out, as real ones do
+    # The first sync comes when a node agent's would (JobLink: spread over the first seconds).
+    await asyncio.sleep(first_sync_delay(random.random(), False, LoadConfig()))
     while time.time() < end:
         if not node.silent:
             t0 = time.perf_counter()

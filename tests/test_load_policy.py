@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.agent.load_policy import (Load, LoadConfig, interval_floor, node_silent, overload, quiet_until,
+from rankwatch.agent.load_policy import (Load, LoadConfig, first_sync_delay, interval_floor, node_silent, overload, quiet_until,
                                          sync_interval)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -88,3 +88,13 @@ def test_a_node_heard_only_a_few_times_is_never_silent():
                            syncs=CFG.min_syncs - 1)
     assert node_silent(100.0, received_at=0.0, interval=0.25, node_timeout=3.0, quiet=0.0, cfg=CFG,
                        syncs=CFG.min_syncs)
+
+
+def test_first_syncs_are_spread_except_the_coordinators_own():
+    assert first_sync_delay(0.0, False, CFG) == 0.0
+    assert first_sync_delay(0.5, False, CFG) == pytest.approx(CFG.first_sync_spread / 2)
+    assert first_sync_delay(0.999, False, CFG) < CFG.first_sync_spread
+    assert first_sync_delay(0.7, True, CFG) == 0.0  # the first candidate takes the role at once
+    # 2,048 agents started together reach the coordinator at about 1,000 a second.
+    delays = [first_sync_delay(i / 2048, False, CFG) for i in range(2048)]
+    assert max(sum(1 for d in delays if t <= d < t + 0.25) for t in (0.0, 0.5, 1.0, 1.5)) <= 260
