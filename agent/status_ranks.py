@@ -11,9 +11,12 @@ the limit (every job up to 128 nodes of 8 ranks, by default) is listed whole.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
-__all__ = ["DEFAULT_MAX_RANKS", "chosen", "rank_limit"]
+from rankwatch.agent.rankstate import STATES
+
+__all__ = ["DEFAULT_MAX_RANKS", "by_state", "chosen", "rank_limit"]
 
 DEFAULT_MAX_RANKS = 1024
 """The most ranks a ``Status`` answer lists unless the caller asks for all of them."""
@@ -25,6 +28,13 @@ def rank_limit(agent_limit: int, asked: int, all_ranks: bool) -> int | None:
     if all_ranks:
         return None
     return min(agent_limit, asked) if asked > 0 else agent_limit
+
+
+def by_state(states: Sequence[str]) -> dict[str, int]:
+    """The ranks counted by state; a state outside the contract's (a node's agent of another
+    version, a broken one) counts as ``other``, so the map stays small whatever nodes send."""
+    counts = Counter(s if s in STATES else "other" for s in states)
+    return dict(sorted(counts.items()))
 
 
 def chosen(states: Sequence[str], limit: int | None) -> list[int]:

@@ -59,8 +59,7 @@ def status_response(agent: Agent, request: pb.StatusRequest | None = None) -> pb
         agent.config.status_max_ranks, request.max_ranks if request else 0,
         request.all_ranks if request else False))
     resp.ranks_total, resp.ranks_left_out = len(states), len(states) - len(keep)
-    for state in states:
-        resp.rank_states[state] = resp.rank_states.get(state, 0) + 1
+    resp.rank_states.update(status_ranks.by_state(states))
     for k in keep:
         if k < len(own):
             r = own[k]

@@ -254,15 +254,16 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         not restarting.  None otherwise (and always after one try: a second call for the
         next rendezvous means this node's workers could not join, so join the usual way)."""
         prefix = self._in_process_round()
-        if prefix is None:
-            return None
+        return prefix if prefix is not None and self._has_room(prefix) else None
+
+    def _has_room(self, prefix: str) -> bool:
+        """The round under ``prefix`` lost more nodes in process than have joined it since."""
         raw = self._raw_store
         try:
-            lost, joined = int(raw.add(prefix + REGROUPED_COUNT, 0)), int(raw.add(prefix + JOINED_COUNT, 0))
+            return int(raw.add(prefix + REGROUPED_COUNT, 0)) > int(raw.add(prefix + JOINED_COUNT, 0))
         except Exception as exc:  # noqa: BLE001 - a store hiccup: join the usual way
             log.debug("rankwatch: no in-process join: %s", exc)
-            return None
-        return prefix if lost > joined else None
+            return False
 
     def _in_process_round(self) -> str | None:
         """The current round's key prefix when a node could join it in process (its workers
@@ -421,8 +422,8 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         # leaving it out now (an excluded node may leave the rendezvous before they say so):
         # join them there rather than restart every node's workers through the rendezvous.
         deadline = time.monotonic() + _IN_PROCESS_WAIT
-        while self._in_process_round() is not None and time.monotonic() < deadline:
-            if self._join_room() is not None:
+        while (prefix := self._in_process_round()) is not None and time.monotonic() < deadline:
+            if self._has_room(prefix):
                 return True
             time.sleep(_SPARE_POLL / 5)
         log.warning("rankwatch: a round has room; hot spare %s joins", self._node)

@@ -81,3 +81,9 @@ def test_all_ranks_is_opt_in_and_a_caller_may_ask_for_fewer(coordinator):
 def test_the_table_says_what_it_left_out(coordinator):
     out = _cli(coordinator).stdout
     assert f"{LIMIT} of {NODES * RANKS} ranks listed" in out and "(1 hung, 47 ok)" in out and "--all-ranks" in out
+
+
+def test_states_are_counted_in_the_contracts_names_only():
+    from rankwatch.agent.status_ranks import by_state
+
+    assert by_state(["ok", "hung", "ok", "x" * 60, "made-up"]) == {"hung": 1, "ok": 2, "other": 2}
