@@ -13,11 +13,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from datetime import timedelta
 
-from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
+from rankwatch.address import AGENT_ENV, EXIT_NOTE_ENV, NODE_ID_ENV, Address
 from rankwatch.agent.ports import port_free
 from rankwatch.agent.torchrun_args import plan
 from rankwatch.status import AgentUnreachable, fetch_status, reachable
@@ -110,6 +111,8 @@ def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
     for note in launch.notes:
         print(f"rankwatch run: {note}", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch.args]
+    with tempfile.NamedTemporaryFile(prefix="rankwatch-exit-", suffix=".txt", delete=False) as exit_note:
+        env[EXIT_NOTE_ENV] = exit_note.name
     proc = subprocess.Popen(cmd, env=env)
     forwarded = {}
 
@@ -121,7 +124,7 @@ def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
         forwarded[sig] = signal.signal(sig, forward)
     try:
         code = proc.wait()
-        if code != 0 and (why := excluded_reason(addr, node)) is not None:
+        if code != 0 and (why := _refusal(exit_note.name) or excluded_reason(addr, node)) is not None:
             # torchrun itself exits non-zero after a graceful rendezvous exit.
             log.warning("node %s left the job: excluded by the coordinator (%s)", node, why)
             return 0
@@ -131,3 +134,16 @@ def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
             signal.signal(sig, handler)
         if agent is not None:
             stop_process(agent)
+        try:
+            os.unlink(exit_note.name)
+        except OSError:
+            pass
+
+
+def _refusal(path: str) -> str | None:
+    """What the rendezvous handler wrote when it refused this node; None if it did not."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(1000).strip() or None
+    except OSError:
+        return None

@@ -62,7 +62,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
+from rankwatch.address import AGENT_ENV, EXIT_NOTE_ENV, NODE_ID_ENV, Address
 from rankwatch.hooks.recovery_store import (
     CAPABLE_KEY,
     JOIN_ENV,
@@ -201,7 +201,9 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         reason = self.excluded()
         if reason is not None:
             self._leave()
-            raise RendezvousGracefulExitError(f"node {self._node} is excluded from the job: {reason}")
+            why = f"node {self._node} is excluded from the job: {reason}"
+            _write_exit_note(why)
+            raise RendezvousGracefulExitError(why)
         generation = self.generation()  # read before joining: a later exclusion is checked
         while True:
             joined = self._join_in_process()
@@ -565,6 +567,18 @@ class _Relay:
                 except ProcessLookupError:
                     pass
                 self._killed.add(pid)
+
+
+def _write_exit_note(why: str) -> None:
+    """Tell ``rankwatch run`` (through ``RANKWATCH_EXIT_NOTE``) that this node was refused."""
+    path = os.environ.get(EXIT_NOTE_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(why[:1000])
+    except OSError as exc:  # the refusal stands; only the wrapper's exit code depends on it
+        log.warning("rankwatch: could not write the exit note %s (%s)", path, exc)
 
 
 def _tcp_endpoint(store: Store) -> str | None:

@@ -12,12 +12,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["AGENT_ENV", "NODE_ID_ENV", "TMPDIR_ENV", "Address", "default_address", "default_dir", "node_id",
+__all__ = ["AGENT_ENV", "EXIT_NOTE_ENV", "NODE_ID_ENV", "TMPDIR_ENV", "Address", "default_address", "default_dir", "node_id",
            "resolve"]
 
 AGENT_ENV = "RANKWATCH_AGENT"
 NODE_ID_ENV = "RANKWATCH_NODE_ID"
 TMPDIR_ENV = "RANKWATCH_TMPDIR"
+# Set by ``rankwatch run`` for its torchrun: a file where the rendezvous handler writes why it
+# refused this node (an exclusion), so that ``rankwatch run`` exits 0 on a graceful refusal
+# without asking an agent that may not have heard the decision yet.
+EXIT_NOTE_ENV = "RANKWATCH_EXIT_NOTE"
 
 
 @dataclass(frozen=True)
