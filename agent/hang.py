@@ -10,7 +10,7 @@ progress for longer than its allowance:
   rank marks itself in ``checkpoint`` or ``eval``.
 
 Then the culprit is localised: a rank whose stream went silent (its whole
-process is stopped or gone), else the rank behind on a group's collective
+process is stopped or gone) while others wait, else the rank behind on a group's collective
 sequence numbers, else the rank stuck longest outside a collective.
 """
 
@@ -109,6 +109,11 @@ def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangV
         return None
     silent = [r for r in live if not r.connected or now - r.last_seen > cfg.silence_seconds]
     waiting = [r for r in live if r not in silent]
+    if not waiting and all(r.alive is False for r in silent):
+        # Every process is gone (a crash of all, or torchrun restarting the workers): nothing
+        # waits on anything, so nothing hangs.  Whether their nodes are dead is judged by the
+        # nodes' own rule (all ranks died, past a grace for the restart).
+        return None
     collective = _waited_collective(waiting)
     if silent:
         culprit = min(silent, key=lambda r: (r.last_seen, r.rank))

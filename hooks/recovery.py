@@ -76,7 +76,15 @@ from rankwatch.hooks.recovery_decide import (
     decide,
 )
 from rankwatch.hooks.recovery_state import local_state, restore, transfer
-from rankwatch.hooks.recovery_store import CAPABLE_KEY, JOIN_ENV, RESTARTING_KEY, connect, mark_regrouped
+from rankwatch.hooks.recovery_store import (
+    ATTEMPTS_COUNT,
+    CAPABLE_KEY,
+    DECIDED_COUNT,
+    JOIN_ENV,
+    RESTARTING_KEY,
+    connect,
+    mark_regrouped,
+)
 
 __all__ = ["Decision", "InProcessRecovery", "Job", "Membership", "RecoveryFailed", "decide", "is_peer_failure"]
 
@@ -124,12 +132,22 @@ class InProcessRecovery:
         timeout: the process groups' timeout: how long a collective waits for a hung peer.
         max_recoveries: in-process recoveries before the tier leaves it to torchrun.
         join_timeout: seconds a joining worker waits to be admitted.
+        commit: before each optimizer step, agree in one all-reduce of one element over the
+            world (an optimizer step pre-hook on ``job.optimizer``), so that every rank
+            applies a step or none does.  Without it, a worker lost in the middle of a step
+            (its node's other workers live on a moment) can leave some of the survivors'
+            shards a step ahead of the others', and then no replica is whole at one step.
     """
 
     def __init__(self, make: Callable[[Membership], Job], *, backend: str = "gloo", monitor: Any = None,
                  settle: float = 1.0, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
-                 max_recoveries: int = 8, join_timeout: float = 600.0, env: Mapping[str, str] = os.environ) -> None:
+                 max_recoveries: int = 8, join_timeout: float = 600.0, commit: bool = True,
+                 env: Mapping[str, str] = os.environ) -> None:
         self._make = make
+        self._commit = commit
+        self._commit_flag: Any = None
+        self._in_commit_failed = False   # the last failure came inside a commit: gradients whole
+        self._committing = True          # off while a rank finishes a step the others committed
         self._backend = backend
         self._monitor = monitor
         self._settle = settle
@@ -185,7 +203,7 @@ class InProcessRecovery:
             if rank == 0:
                 self._store.set(self._key("world0"), str(world))
             self._store.set(self._prefix + CAPABLE_KEY, "1")  # the handler defers its restarts to us
-        job = self._make(self.membership)
+        job = self._build(self.membership)
         self._replica_size = job.replica_size
         if self._store is not None:
             self._start_poller()
@@ -200,6 +218,35 @@ class InProcessRecovery:
         if self._join_due.is_set():
             self._break_for_join(step)
         return phases
+
+    def _build(self, membership: Membership) -> Job:
+        """``make(membership)``, with the commit before each optimizer step."""
+        job = self._make(membership)
+        register = getattr(job.optimizer, "register_step_pre_hook", None)
+        if self._commit and callable(register):
+            register(self._agree_to_step)
+        elif self._commit:
+            log.warning("rankwatch: %s has no step pre-hooks: a worker lost mid-step may leave the "
+                        "survivors' shards steps apart (then torchrun's restart recovers)",
+                        type(job.optimizer).__name__)
+        return job
+
+    def _agree_to_step(self, *_: Any) -> None:
+        """Every rank reached the optimizer step (the gradients are whole), or this raises
+        on every survivor, before any applies it."""
+        import torch
+        import torch.distributed as dist
+
+        if not self._committing:
+            return
+        if self._commit_flag is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" else "cpu"
+            self._commit_flag = torch.zeros(1, device=device)
+        try:
+            dist.all_reduce(self._commit_flag)
+        except BaseException:
+            self._in_commit_failed = True   # if another rank passed it, this one finishes the step
+            raise
 
     # -- a failure ------------------------------------------------------------------
     def recover(self, exc: BaseException, job: Job, completed: int) -> tuple[Job, int]:
@@ -224,6 +271,7 @@ class InProcessRecovery:
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         shut = 0 if breaking else self._leave_step()
+        ready, self._in_commit_failed = self._in_commit_failed and not breaking, False
         assert self.membership is not None
         old = self.membership
         log.warning("rankwatch: rank %d: a collective failed at step %d (%s); shut %d connection(s) of "
@@ -237,18 +285,23 @@ class InProcessRecovery:
             shards = local_state(job)
             net.destroy_groups()
             phases["left_step"] = time.perf_counter() - t0
-            decision = self._agree(old, completed, job.replica_size)
+            decision = self._agree(old, completed, job.replica_size, ready)
             phases["agreed"] = time.perf_counter() - t0
             if not decision.ok:
                 raise RecoveryFailed(decision.error)
             me = old.members[old.rank]
+            if me in decision.finish:
+                shards = self._finish_step(job, completed)
             if me not in decision.members:
+                if self._node() in decision.dropped_nodes:
+                    raise RecoveryFailed(f"node {self._node()} lost a worker and is left out whole; "
+                                         "its torchrun restarts its workers")
                 raise RecoveryFailed("this rank arrived after the survivors had agreed without it")
             new = Membership(generation=old.generation + 1, rank=decision.members.index(me),
                              world_size=len(decision.members), members=decision.members,
                              dropped_nodes=old.dropped_nodes + decision.dropped_nodes)
             self._init_group(new)
-            job = self._make(new)
+            job = self._build(new)
             phases["reinitialised"] = time.perf_counter() - t0
             fresh = me in decision.fresh
             if not fresh:
@@ -321,7 +374,7 @@ class InProcessRecovery:
                          members=decision.members, dropped_nodes=decision.dropped_nodes)
         self.membership = new
         self._init_group(new)
-        job = self._make(new)
+        job = self._build(new)
         transfer(job, decision, new.rank, None)
         self.completed = decision.step
         self._replica_size = job.replica_size
@@ -396,35 +449,56 @@ class InProcessRecovery:
         log.debug("rankwatch: shut %d connection(s) to admit joiners", shut)
 
     # -- agreement --------------------------------------------------------------------
-    def _agree(self, old: Membership, completed: int, replica_size: int) -> Decision:
+    def _finish_step(self, job: Job, completed: int) -> dict[str, Any]:
+        """Apply step ``completed + 1``, whose commit the others passed (this rank's gradients
+        for it are whole), and return the shards after it."""
+        log.warning("rankwatch: the others committed step %d; this rank applies it too", completed + 1)
+        self._committing = False
+        try:
+            job.optimizer.step()
+        finally:
+            self._committing = True
+        return local_state(job)
+
+    def _agree(self, old: Membership, completed: int, replica_size: int, ready: bool = False) -> Decision:
         """Post this survivor's step; the first to arrive decides for all."""
         gen = f"gen/{old.generation + 1}/"
         me = old.members[old.rank]
         store = self._store
+        if ready:   # posted first: whoever decides reads it once this rank's step is there
+            store.set(self._key(f"{gen}ready/{me}"), "1")
         store.set(self._key(f"{gen}alive/{me}"), str(completed))
         if store.add(self._key(f"{gen}arrived"), 1) == 1:
-            keys = {r: self._key(f"{gen}alive/{r}") for r in old.members}
-            self._await_survivors(keys, self._key(f"{gen}arrived"))
-            arrived = {r: int(store.get(k)) for r, k in keys.items() if store.check([k])}
-            node_of = {r: store.get(self._key(f"node/{r}")).decode(errors="replace") for r in old.members}
-            joiners = self._waiting_joiners(store)
-            if store.check([self._prefix + RESTARTING_KEY]):  # torchrun stops the workers itself
-                by = store.get(self._prefix + RESTARTING_KEY).decode(errors="replace")[:64]
-                decision = Decision(ok=False, error=f"{_RESTARTING}: node {by} restarts its workers")
-            else:
-                decision = decide(old.members, arrived, node_of, replica_size, joiners)
-            if decision.ok:
-                for node in decision.dropped_nodes:  # the round goes on without it: no restart
-                    mark_regrouped(store, self._prefix, node, old.generation + 1)
-            store.set(self._key(f"{gen}decision"), decision.to_json())
-            # Joiners wait on their own key: admitted ones read this generation's decision.
-            admitted = [r for r in decision.members if r not in old.members]
-            for j in admitted:
-                store.set(self._key(f"joined/{j}"), str(old.generation + 1))
-            turned = set(decision.refused) | ({j.id for j in joiners} if not decision.ok else set())
-            for j in turned:
-                store.set(self._key(f"joined/{j}"), f"refused: {decision.note or decision.error}"[:MAX_MESSAGE])
-            return decision
+            # torchrun may be stopping this worker right now (its node lost another): the
+            # others wait on this decision, so it is written before a SIGTERM takes effect.
+            with net.deferred_termination():
+                store.add(self._prefix + ATTEMPTS_COUNT, 1)   # a restarting node waits while one is under way
+                keys = {r: self._key(f"{gen}alive/{r}") for r in old.members}
+                self._await_survivors(keys, self._key(f"{gen}arrived"))
+                arrived = {r: int(store.get(k)) for r, k in keys.items() if store.check([k])}
+                node_of = {r: store.get(self._key(f"node/{r}")).decode(errors="replace") for r in old.members}
+                joiners = self._waiting_joiners(store)
+                if store.check([self._prefix + RESTARTING_KEY]):  # torchrun stops the workers itself
+                    by = store.get(self._prefix + RESTARTING_KEY).decode(errors="replace")[:64]
+                    decision = Decision(ok=False, error=f"{_RESTARTING}: node {by} restarts its workers")
+                else:
+                    ready_ids = [r for r in arrived if store.check([self._key(f"{gen}ready/{r}")])]
+                    decision = decide(old.members, arrived, node_of, replica_size, joiners, ready_ids)
+                if decision.ok:
+                    for node in decision.dropped_nodes:  # the round goes on without it: no restart
+                        mark_regrouped(store, self._prefix, node, old.generation + 1)
+                else:   # every worker exits for torchrun's restart: no node waits to join in process
+                    store.set(self._prefix + RESTARTING_KEY, self._node())
+                store.set(self._key(f"{gen}decision"), decision.to_json())
+                store.add(self._prefix + DECIDED_COUNT, 1)
+                # Joiners wait on their own key: admitted ones read this generation's decision.
+                admitted = [r for r in decision.members if r not in old.members]
+                for j in admitted:
+                    store.set(self._key(f"joined/{j}"), str(old.generation + 1))
+                turned = set(decision.refused) | ({j.id for j in joiners} if not decision.ok else set())
+                for j in turned:
+                    store.set(self._key(f"joined/{j}"), f"refused: {decision.note or decision.error}"[:MAX_MESSAGE])
+                return decision
         store.wait([self._key(f"{gen}decision")], datetime.timedelta(seconds=self._settle + 30))
         within = tuple(old.members) + tuple(range(JOINER_BASE + 1, JOINER_BASE + self._joiners_asked() + 1))
         return Decision.from_json(store.get(self._key(f"{gen}decision")).decode(errors="replace"), within)
@@ -462,6 +536,7 @@ class InProcessRecovery:
         store = dist.PrefixStore(self._key(f"gen/{new.generation}/pg/"), self._store)
         dist.init_process_group(self._backend, store=store, rank=new.rank, world_size=new.world_size,
                                 timeout=self._timeout)
+        net.forget_old_meshes()
 
     def set_monitor(self, monitor: Any) -> None:
         """The Monitor that reports each recovery (made after the first generation's mesh)."""

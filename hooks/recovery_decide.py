@@ -5,7 +5,9 @@ survivor, whichever arrives first and decides, would decide the same.
 
 * **Survivors** go on if every replica (``replica_size`` consecutive ranks: one whole
   copy of the model) is either whole or gone: a lost rank's shards exist nowhere else.
-  A node that lost only some of its workers is torchrun's to restart.
+  A node that lost only some of its workers (one crashed, its torchrun stops the others
+  to restart them) is left out whole: its surviving workers are told so and exit, and
+  the workers its torchrun starts again join the round in process, as a spare's do.
 * **The step** is the newest one that some whole replica completed on all its ranks
   (its *source*).  A survivor at another step (a rank that applied one more optimizer
   step than its peers, or one fewer, when the failure cut a step short) takes its state
@@ -19,7 +21,7 @@ survivor, whichever arrives first and decides, would decide the same.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,11 +91,15 @@ class Decision:
     refused: tuple[int, ...] = ()
     """Joiners turned away (``note`` says why); they leave it to torchrun."""
     note: str = ""
+    finish: tuple[int, ...] = ()
+    """Members that apply the step they hold whole gradients for (they failed inside its
+    commit, which others passed) before they go on."""
 
     def to_json(self) -> str:
         return json.dumps({"ok": self.ok, "members": list(self.members), "dropped_nodes": list(self.dropped_nodes),
                            "step": self.step, "error": self.error[:MAX_MESSAGE], "fresh": list(self.fresh),
-                           "source": self.source, "refused": list(self.refused), "note": self.note[:MAX_MESSAGE]})
+                           "source": self.source, "refused": list(self.refused), "note": self.note[:MAX_MESSAGE],
+                           "finish": list(self.finish)})
 
     @classmethod
     def from_json(cls, text: str, within: Sequence[int]) -> Decision:
@@ -113,12 +119,14 @@ class Decision:
         dropped = tuple(str(n) for n in d["dropped_nodes"])
         fresh = tuple(int(r) for r in d.get("fresh", ()))
         refused = tuple(int(r) for r in d.get("refused", ()))
+        finish = tuple(int(r) for r in d.get("finish", ()))
         step, source = int(d["step"]), int(d.get("source", 0))
         world = set(within)
         if len(set(members)) != len(members) or not set(members) <= world:
             raise ValueError(f"decision members {members[:16]} are not unique ids of the world")
-        if not set(fresh) <= set(members) or not set(refused) <= world - set(members):
-            raise ValueError("decision's fresh members or refused joiners are not of the world")
+        if not set(fresh) <= set(members) or not set(finish) <= set(members) \
+                or not set(refused) <= world - set(members):
+            raise ValueError("decision's fresh or finishing members or refused joiners are not of the world")
         lost = len(world - set(members) - set(refused) - {r for r in world if r >= JOINER_BASE})
         if len(dropped) > lost or any(len(n) > _MAX_NODE for n in dropped):
             raise ValueError(f"decision drops {len(dropped)} nodes for {lost} lost ranks")
@@ -128,7 +136,7 @@ class Decision:
             raise ValueError(f"decision source replica {source} out of range")
         return cls(ok=bool(d["ok"]), members=members, dropped_nodes=dropped, step=step,
                    error=str(d["error"])[:MAX_MESSAGE], fresh=fresh, source=source, refused=refused,
-                   note=str(d.get("note", ""))[:MAX_MESSAGE])
+                   note=str(d.get("note", ""))[:MAX_MESSAGE], finish=finish)
 
 
 def _fail(error: str) -> Decision:
@@ -155,7 +163,7 @@ def admissible(joiners: Sequence[Joiner], replica_size: int) -> tuple[list[int],
 
 
 def decide(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[int, str],
-           replica_size: int, joiners: Sequence[Joiner] = ()) -> Decision:
+           replica_size: int, joiners: Sequence[Joiner] = (), ready: Collection[int] = ()) -> Decision:
     """The new membership, from who arrived (id -> its last completed step) and who asks to join.
 
     Args:
@@ -164,16 +172,26 @@ def decide(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[
         node_of: each member's node.
         replica_size: ranks per whole replica, in current rank order.
         joiners: workers of joining nodes that asked so far.
+        ready: survivors that failed inside the commit of the step after their completed one
+            (the all-reduce before each optimizer step).  If another survivor completed that
+            step, the commit had every rank's part: the ready ones hold whole gradients for
+            it, and they finish it rather than leave their shards a step behind.
     """
+    top = max(arrived.values(), default=0)
+    finish = tuple(r for r in members if r in ready and r in arrived and arrived[r] + 1 == top)
+    arrived = {**arrived, **{r: top for r in finish}}
     joining, refused, note = admissible(joiners, replica_size)
     lost = [r for r in members if r not in arrived]
     if not lost and not joining:
         return _fail("no rank was lost and no node joins: the failure is not a lost peer")
-    survivors = [r for r in members if r in arrived]
     lost_nodes = sorted({node_of.get(r, "?") for r in lost})
-    split = sorted({node_of.get(r, "?") for r in survivors} & set(lost_nodes))
-    if split:
-        return _fail(f"node(s) {', '.join(split)} lost some workers and kept others; torchrun restarts such a node")
+    split = sorted({node_of.get(r, "?") for r in members if r in arrived} & set(lost_nodes))
+    if split:   # its torchrun restarts the node's workers: leave the whole node out
+        arrived = {r: s for r, s in arrived.items() if node_of.get(r, "?") not in split}
+        lost = [r for r in members if r not in arrived]
+        note = "; ".join(filter(None, [f"node(s) {', '.join(split)} lost some workers: left out whole "
+                                       "(their torchrun restarts them)", note]))
+    survivors = [r for r in members if r in arrived]
     if replica_size <= 0 or len(members) % replica_size:
         return _fail(f"replica size {replica_size} does not divide the world {len(members)}")
     replicas = []
@@ -195,4 +213,5 @@ def decide(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[
     source = next(i for i, rep in enumerate(replicas) if rep in whole and arrived[rep[0]] == step)
     fresh = tuple(r for r in survivors if arrived[r] != step) + tuple(joining)
     return Decision(ok=True, members=tuple(survivors) + tuple(joining), dropped_nodes=tuple(lost_nodes), step=step,
-                    fresh=fresh, source=source, refused=tuple(refused), note=note)
+                    fresh=fresh, source=source, refused=tuple(refused), note=note,
+                    finish=tuple(r for r in finish if r in survivors and step == top))

@@ -9,9 +9,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 __all__ = ["Liveness", "abort_nccl", "destroy_groups", "refused", "shut_group_sockets", "store_endpoints",
            "tcp_sockets"]
@@ -147,3 +150,50 @@ def destroy_groups() -> None:
         from torch.distributed import distributed_c10d as c10d
 
         c10d._world.default_pg = None  # the next init_process_group starts clean
+
+
+def forget_old_meshes() -> None:
+    """Clear DTensor's caches of sharding results, before a new generation's mesh is built.
+
+    They are keyed by specs whose meshes compare equal by shape and rank order, not by their
+    process groups.  A world that grows back to an earlier shape (a node lost, then a node
+    joined) would otherwise be handed an earlier generation's mesh with its destroyed groups
+    (``param.detach().full_tensor()`` then fails to resolve a group by name).  The caches are
+    the training thread's own; this runs there."""
+    try:
+        import torch
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+        clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if clear_native is not None:   # the C++ dispatch fast path's own cache
+            clear_native()
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        propagator.propagate_op_sharding.cache_clear()
+        _redistribute._gen_transform_infos.cache_clear()
+        _redistribute.clear_redistribute_planner_cache()
+        MeshTopoInfo.build_from_mesh.cache_clear()
+    except Exception as exc:  # noqa: BLE001 - private API: warn, the recovery goes on
+        log.warning("rankwatch: could not clear DTensor's sharding caches (%s); a world that grows "
+                    "back to an earlier shape may reuse stale process groups", exc)
+
+
+@contextlib.contextmanager
+def deferred_termination() -> Iterator[None]:
+    """Hold a SIGTERM that arrives inside the block until its end, then deliver it.
+
+    Only the main thread may change signal handlers; elsewhere the block runs as is."""
+    pending: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, _frame: pending.append(signum))
+    except ValueError:   # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if pending:
+            log.warning("rankwatch: a SIGTERM waited for this worker's recovery decision; it takes effect now")
+            os.kill(os.getpid(), signal.SIGTERM)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["CAPABLE_KEY", "JOIN_ENV", "JOINED_COUNT", "RESTARTING_KEY", "REGROUPED_COUNT", "REGROUPED_NODE", "ROUND_ENV", "STORE_ENV", "connect", "mark_regrouped",
+__all__ = ["ATTEMPTS_COUNT", "CAPABLE_KEY", "DECIDED_COUNT", "JOIN_ENV", "JOINED_COUNT", "RESTARTING_KEY", "REGROUPED_COUNT", "REGROUPED_NODE", "ROUND_ENV", "STORE_ENV", "connect", "mark_regrouped",
            "regrouped_key", "round_key"]
 
 STORE_ENV = "RANKWATCH_RECOVERY_STORE"
@@ -32,6 +32,8 @@ REGROUPED_COUNT = "regrouped_count"  # under a round's prefix: nodes left out in
 REGROUPED_NODE = "regrouped_node/"   # regrouped_node/<i> -> the i-th node left out (from 1)
 CAPABLE_KEY = "inproc/capable"       # under a round's prefix: its workers recover in process
 RESTARTING_KEY = "restarting"        # under a round's prefix: torchrun is restarting the round
+ATTEMPTS_COUNT = "inproc/attempts"   # under a round's prefix: agreements the workers began
+DECIDED_COUNT = "inproc/decided"     # ... and those decided (fewer: one is under way)
 _CONNECT_TIMEOUT = timedelta(seconds=10)
 
 

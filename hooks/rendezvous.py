@@ -23,6 +23,10 @@ elastic agent does every restart; rankwatch only decides *who* and *when*:
   was in the wait list when a round filled up there: every healthy node then
   sees a waiting node, restarts, and the same happens again, a restart storm;
   and the stranded node times out after ``join_timeout``.)
+* a node of a round whose workers recover in process, whose torchrun restarts its
+  workers because one of them failed, waits for the other nodes' workers to leave it
+  out in process, and sends its new workers to join them there (as a spare's), so no
+  other node restarts.
 
 Exclusions and the generation live in the rendezvous store under
 ``rankwatch/<run_id>/``.  Only the coordinator's decisions are written: a
@@ -64,7 +68,9 @@ from torch.distributed.elastic.rendezvous import (
 
 from rankwatch.address import AGENT_ENV, EXIT_NOTE_ENV, NODE_ID_ENV, Address
 from rankwatch.hooks.recovery_store import (
+    ATTEMPTS_COUNT,
     CAPABLE_KEY,
+    DECIDED_COUNT,
     JOIN_ENV,
     JOINED_COUNT,
     REGROUPED_COUNT,
@@ -95,6 +101,9 @@ _KILL_GRACE = 1.0
 # before the handler restarts the round through torchrun after all.
 _IN_PROCESS_WAIT = 5.0
 _SPARE_POLL = 0.5
+# A node whose torchrun restarts its workers (one of them failed) waits this long for the
+# round's other workers to begin leaving it out in process, before restarting the round.
+_REJOIN_GRACE = 1.5
 _STORE_TROUBLE_LOG_EVERY = 10.0   # seconds between warnings that the store does not answer
 
 
@@ -205,6 +214,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             _write_exit_note(why)
             raise RendezvousGracefulExitError(why)
         generation = self.generation()  # read before joining: a later exclusion is checked
+        rejoin = self._round_prefix is not None   # this node's torchrun restarts its workers
         while True:
             joined = self._join_in_process()
             if joined is not None:
@@ -212,6 +222,11 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                 return joined
             if self._wait_as_spare():
                 continue  # the round lost a node in process: join it the same way
+            if rejoin:
+                rejoin = False
+                if self._round_nodes > 1 and self._await_room(f"node {self._node} restarts its workers",
+                                                              unless_idle=_REJOIN_GRACE):
+                    continue  # the others left this node out in process: join them there
             try:
                 info = self._inner.next_rendezvous()
                 break
@@ -423,13 +438,40 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         # A node left the round.  If its workers recover in process, the survivors are
         # leaving it out now (an excluded node may leave the rendezvous before they say so):
         # join them there rather than restart every node's workers through the rendezvous.
-        deadline = time.monotonic() + _IN_PROCESS_WAIT
-        while (prefix := self._in_process_round()) is not None and time.monotonic() < deadline:
-            if self._has_room(prefix):
-                return True
-            time.sleep(_SPARE_POLL / 5)
+        if self._await_room(f"hot spare {self._node} sees room"):
+            return True
         log.warning("rankwatch: a round has room; hot spare %s joins", self._node)
         return False
+
+    def _await_room(self, why: str, unless_idle: float | None = None) -> bool:
+        """While the round's workers recover in process (and it is not restarting), wait up
+        to ``_IN_PROCESS_WAIT`` s for them to leave a node out, so that this node can join
+        them in process.  True: there is room.  With ``unless_idle``: stop waiting once that
+        many seconds passed with no agreement under way among the round's workers.
+
+        Two nodes wait here: a spare that saw a node leave, and a node of the round whose
+        torchrun restarts its workers after one of them failed (its surviving workers are
+        left out with it, and the ones it starts again join as a spare's would).  Without
+        the wait, either would enter the stock rendezvous, and every node would restart.
+        A round that gives up on recovering in process is marked restarting, which ends
+        the wait at once."""
+        start = time.monotonic()
+        while (prefix := self._in_process_round()) is not None and time.monotonic() - start < _IN_PROCESS_WAIT:
+            if self._has_room(prefix):
+                log.warning("rankwatch: %s; the round's workers left a node out in process", why)
+                return True
+            if unless_idle is not None and time.monotonic() - start >= unless_idle and not self._agreeing(prefix):
+                break
+            time.sleep(_SPARE_POLL / 5)
+        return False
+
+    def _agreeing(self, prefix: str) -> bool:
+        """The round's workers are agreeing on a new membership now."""
+        raw = self._raw_store
+        try:
+            return int(raw.add(prefix + ATTEMPTS_COUNT, 0)) > int(raw.add(prefix + DECIDED_COUNT, 0))
+        except Exception:  # noqa: BLE001 - a store hiccup: do not hold the restart for it
+            return False
 
     def _restart_needed(self) -> bool:
         """True when an exclusion since this node joined concerns a member of its round."""

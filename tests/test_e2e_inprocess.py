@@ -148,6 +148,55 @@ def test_a_spare_joins_in_process_and_the_world_grows_back(tmp_path):
     assert len(recs) == 2 and all(i["detail"]["ok"] for i in recs), recs
 
 
+def test_one_killed_worker_its_node_rejoins_in_process(tmp_path):
+    """tests/data/user_hsdp_recovery.py on three nodes of two ranks (a replica per node).  One
+    worker of n1 is SIGKILLed, as an out-of-memory kill would; n1 and its torchrun live on.
+    n1's torchrun stops its other worker to restart both; the other nodes' workers leave n1
+    out whole in process, and the two workers n1's torchrun starts again join them in
+    process: no other node restarts, and the world grows back to six."""
+    import os
+    import signal
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    steps = 1200   # long enough that n1's new workers start (seconds here) before the end
+    script = str(Path(__file__).parent / "data" / "user_hsdp_recovery.py")
+    with Cluster(tmp_path, 3) as c:
+        jobs = [c.torchrun(i, "2:3", 2, "--steps", str(steps), "--out", str(out), launcher="rankwatch",
+                           script=script)
+                for i in range(3)]
+        rs = wait_for(lambda: _training(c, 3, 6, 15), 180, what="3 nodes training")
+        victim = next(r for r in rs if r["node"] == "n1")
+        os.kill(victim["pid"], signal.SIGKILL)
+        for job in jobs:
+            assert job.wait(300) == 0
+        status = c.coordinator.status()
+    survivors = {r["pid"]: r["rank"] for r in rs if r["node"] != "n1"}
+    got = _metrics(out, sorted(p.name for p in out.glob("*.json")))
+    old = [d for name, d in got.items() if name.startswith("rank")]
+    new = [d for name, d in got.items() if name.startswith("joiner")]
+    # The other nodes' own processes, to the end; n1's two workers are new ones that joined.
+    assert sorted(d["pid"] for d in old) == sorted(survivors), (survivors, [d["pid"] for d in old])
+    assert len(new) == 2 and not {d["pid"] for d in new} & {r["pid"] for r in rs}
+    for d in old:
+        lost, joined = d["recoveries"]
+        assert lost["world_size"] == 4 and joined["world_size"] == 6, d["recoveries"]
+        skipped = {s for r in d["recoveries"] for s in range(r["from"] + 1, r["step"] + 1)}
+        assert d["applied"] == [s for s in range(1, steps + 1) if s not in skipped]
+    at = old[0]["recoveries"][1]["step"]
+    for d in new:   # in where the survivors admitted them, every step from there
+        assert d["applied"] == list(range(at + 1, steps + 1)) and d["world_size"] == 6 and d["recoveries"] == []
+    assert len({d["digest"] for d in got.values()}) == 1   # three equal replicas
+    assert "joins the running round in process" in (tmp_path / "job-n1.log").read_text()
+    recs = [i for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
+    ok = [i["detail"] for i in recs if i["detail"]["ok"]]
+    assert len(ok) == 2 and ok[0]["dropped_nodes"] == ["n1"] and ok[1]["new_world_size"] == 6, recs
+    # n1's other worker, if it reached the agreement before its torchrun stopped it, was told
+    # that its node is left out whole, and said so.
+    assert all("left out whole" in i["detail"]["error"] for i in recs if not i["detail"]["ok"]), recs
+    assert status["excluded_nodes"] == []   # a worker's crash is not the node's
+
+
 def test_loss_continues_as_an_uninterrupted_run(tmp_path):
     """Two nodes of two ranks (HSDP: a replica per node, sharded over its two ranks).  After
     n1 is lost, n0's two ranks keep the global batch by accumulating two micro-batches, so

@@ -85,6 +85,19 @@ def test_first_step_warmup_allowance():
     assert detect_hang(61.0, ranks, CFG) is not None
 
 
+def test_every_process_gone_is_no_hang():
+    # torchrun restarts every worker (or they all crashed): no one waits, so no one hangs, and
+    # no node may be excluded as a hang's culprit while its new workers start.
+    gone = [rank(r, last_seen=1.0, connected=False) for r in range(4)]
+    for r in gone:
+        r.alive = False
+    assert detect_hang(30.0, gone, CFG) is None
+    gone[2].alive = None   # its node's agent is silent: the process may be alive and stuck
+    assert detect_hang(30.0, gone, CFG) is not None
+    gone[2].alive, gone[3].alive = False, True   # one process lives on, stopped or stuck
+    assert detect_hang(30.0, gone, CFG) is not None
+
+
 def test_clean_exits_are_not_hangs():
     r = rank(0, connected=False)
     r.exited_cleanly = True

@@ -36,9 +36,38 @@ def test_nothing_lost_is_not_a_lost_peer():
     assert not d.ok and "no rank was lost" in d.error
 
 
-def test_a_node_that_lost_only_some_workers_goes_to_torchrun():
+def test_a_node_that_lost_only_some_workers_is_left_out_whole():
+    # Rank 5 crashed; its node's torchrun stops rank 4 to restart both: rank 4 is no survivor.
     d = decide(MEMBERS, _arrived(5), NODE_OF, replica_size=2)
-    assert not d.ok and "n2" in d.error and "torchrun" in d.error
+    assert d.ok and d.members == (0, 1, 2, 3, 6, 7) and d.dropped_nodes == ("n2",), d
+    assert "n2 lost some workers" in d.note
+
+
+def test_a_node_left_out_whole_still_needs_whole_replicas_elsewhere():
+    # Replicas of four ranks: n1 (ranks 2, 3) lost rank 3, so the replica 0..3 loses n1's
+    # half and no survivor holds those shards.
+    d = decide(MEMBERS, _arrived(3), NODE_OF, replica_size=4)
+    assert not d.ok and "replica of ranks 0..3 lost 2 of 4" in d.error
+
+
+def test_a_survivor_that_failed_inside_a_passed_commit_finishes_the_step():
+    # n2 died during step 42's commit: rank 0 got the all-reduce's result and applied step 42,
+    # rank 1 failed inside it.  Every rank's part was in, so rank 1's gradients are whole: it
+    # applies step 42 too, and no replica is left split between 41 and 42.
+    arrived = {0: 42, 1: 41, 2: 42, 3: 41, 6: 42, 7: 41}
+    d = decide(MEMBERS, arrived, NODE_OF, replica_size=2, ready=(1, 3, 7))
+    assert d.ok and d.step == 42 and d.finish == (1, 3, 7) and d.fresh == (), d
+    assert Decision.from_json(d.to_json(), MEMBERS) == d
+
+
+def test_without_a_passed_commit_nobody_finishes():
+    # Nobody completed step 42: the ranks that failed inside its commit stay at 41 with the others.
+    arrived = {0: 41, 1: 41, 2: 41, 3: 41, 6: 41, 7: 41}
+    d = decide(MEMBERS, arrived, NODE_OF, replica_size=2, ready=(1, 3))
+    assert d.ok and d.step == 41 and d.finish == ()
+    # A rank behind that failed before the commit (not ready) cannot finish: it takes the state.
+    d = decide(MEMBERS, {0: 42, 1: 41, 2: 42, 3: 42, 6: 42, 7: 42}, NODE_OF, replica_size=2)
+    assert d.ok and d.step == 42 and d.finish == () and d.fresh == (1,)
 
 
 def test_a_replica_spanning_nodes_broken_by_a_node_loss_cannot_go_on():
@@ -171,3 +200,21 @@ def test_many_probes_never_fill_the_liveness_port():
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
         time.sleep(0.002)
     assert not refused(live.address)
+
+
+def test_a_sigterm_during_the_decision_takes_effect_after_it(tmp_path):
+    # The deciding worker's torchrun may stop it while it decides for the others: the decision
+    # is written first, then the SIGTERM ends the process as it would have.
+    import subprocess
+    import sys
+
+    done = tmp_path / "decision"
+    code = ("import os, signal, sys\n"
+            "from rankwatch.hooks.recovery_net import deferred_termination\n"
+            "with deferred_termination():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            f"    open({str(done)!r}, 'w').write('written')\n"
+            "print('after the block', flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.read_text() == "written"
+    assert out.returncode == -15 and "after the block" not in out.stdout, (out.returncode, out.stdout, out.stderr)

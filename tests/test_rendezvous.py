@@ -17,7 +17,15 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError, RendezvousParameters
 
-from rankwatch.hooks.recovery_store import CAPABLE_KEY, JOIN_ENV, ROUND_ENV, STORE_ENV, mark_regrouped
+from rankwatch.hooks.recovery_store import (
+    ATTEMPTS_COUNT,
+    CAPABLE_KEY,
+    DECIDED_COUNT,
+    JOIN_ENV,
+    ROUND_ENV,
+    STORE_ENV,
+    mark_regrouped,
+)
 from rankwatch.hooks.rendezvous import create_handler
 
 
@@ -147,6 +155,64 @@ def test_a_waiting_spare_joins_in_process_when_the_workers_leave_an_excluded_nod
         assert a.num_nodes_waiting() == 0, "no node restarts its workers for the spare"
     finally:
         for h in (spare, b, a):
+            h.shutdown()
+
+
+def _restart_workers(handler):
+    """``handler``'s torchrun restarts its workers (one failed): it rendezvous again, from a thread."""
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(handler.next_rendezvous()), daemon=True)
+    t.start()
+    return t, got
+
+
+def test_a_node_restarting_its_workers_rejoins_in_process_once_the_others_leave_it_out(monkeypatch, port):
+    # One of n1's workers died; n1's torchrun restarts its workers.  The other nodes' workers
+    # are agreeing to leave n1 out in process: n1 waits for them (past the grace for an idle
+    # round), then joins in process, and no node restarts its workers for it.
+    for name in (STORE_ENV, ROUND_ENV, JOIN_ENV):
+        monkeypatch.delenv(name, raising=False)
+    a, b = _handlers(["n0", "n1"], monkeypatch, port)
+    workers = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    try:
+        _join([a, b])
+        prefix = os.environ[ROUND_ENV]
+        workers.set(prefix + CAPABLE_KEY, "1")
+        workers.add(prefix + ATTEMPTS_COUNT, 1)   # n0's workers began to agree
+        t, joined = _restart_workers(b)
+        t.join(2.5)
+        assert t.is_alive(), "n1 waits while the others agree"
+        assert a.num_nodes_waiting() == 0, "n1 did not enter the stock rendezvous"
+        mark_regrouped(workers, prefix, "n1", 1)
+        workers.add(prefix + DECIDED_COUNT, 1)
+        t.join(30)
+        assert joined and joined[0].world_size == 1 and os.environ[JOIN_ENV] == "1", "its workers join in process"
+        assert a.num_nodes_waiting() == 0, "no node restarts its workers for n1"
+    finally:
+        for h in (b, a):
+            h.shutdown()
+
+
+def test_a_node_restarting_its_workers_in_an_idle_round_restarts_the_round_at_once(monkeypatch, port):
+    # No worker of the round is agreeing on anything (every worker failed alike): after the
+    # short grace, n1 rendezvous as the stock handler does, and n0 sees it waiting.
+    for name in (STORE_ENV, ROUND_ENV, JOIN_ENV):
+        monkeypatch.delenv(name, raising=False)
+    a, b = _handlers(["n0", "n1"], monkeypatch, port)
+    workers = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    try:
+        _join([a, b])
+        workers.set(os.environ[ROUND_ENV] + CAPABLE_KEY, "1")
+        t0 = time.monotonic()
+        t, rejoined = _restart_workers(b)
+        while a.num_nodes_waiting() == 0:
+            assert time.monotonic() - t0 < 4.0, "n1 held the restart for the in-process wait's full 5 s"
+            time.sleep(0.05)
+        (info,) = _join([a])   # n0's torchrun restarts its workers with it
+        t.join(30)
+        assert rejoined and rejoined[0].world_size == info.world_size == 2
+    finally:
+        for h in (b, a):
             h.shutdown()
 
 

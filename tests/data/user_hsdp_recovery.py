@@ -7,7 +7,8 @@ group, the tier's ``start``/``recover``/``stepped`` around the loop, and the Mon
 ``step``/``mark``.  The global batch is kept after a node's loss by accumulating more
 micro-batches on the ranks left.
 
-``--out DIR`` writes ``rank<R>.json`` per worker (R: its rank at the start): its pid, the
+``--out DIR`` writes ``rank<R>.json`` per worker (R: its rank at the start; a worker that
+joined the running round later writes ``joiner<PID>.json``): its pid, the
 steps it applied in order, the world it ended in, its recoveries, and a digest of its
 parameters' bytes (equal on every replica).
 """
@@ -62,11 +63,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--global-batch", type=int, default=MICRO * 6, help="samples per step, all ranks together")
     args = p.parse_args()
     torch.set_num_threads(1)
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])   # one replica per node, sharded within it
-    first_world = int(os.environ["WORLD_SIZE"])
-    global_batch = MICRO * first_world
+    # The job's global batch is the user's setting, as in any training config (a worker that
+    # joins later sees only its own node's WORLD_SIZE in its environment).
+    global_batch = args.global_batch
 
     def make(membership: Membership) -> Job:
         world = dist.get_world_size()
@@ -95,11 +98,12 @@ def main() -> None:
     mon = rw.init(mesh=job.extra["mesh"])   # after start(): it made the process group
     tier.set_monitor(mon)
     first_rank = dist.get_rank()
+    joined = tier.membership is not None and tier.membership.generation > 0   # came in later
     applied, recoveries, loader = [], [], None
     while done < args.steps:
         try:
             loader = loader or batches(done)
-            accum = global_batch // (MICRO * dist.get_world_size())
+            accum = max(1, global_batch // (MICRO * dist.get_world_size()))
             with mon.step(done + 1):
                 for _ in range(accum):
                     x, y = next(loader)
@@ -121,7 +125,9 @@ def main() -> None:
     for param in job.model.parameters():
         digest.update(param.detach().full_tensor().numpy().tobytes())
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{first_rank}.json").write_text(json.dumps({
+    # A worker that joined a running round (a spare's, or a restarted node's) names its file apart.
+    name = f"joiner{os.getpid()}" if joined else f"rank{first_rank}"
+    (args.out / f"{name}.json").write_text(json.dumps({
         "pid": os.getpid(), "applied": applied, "world_size": dist.get_world_size(),
         "recoveries": recoveries, "digest": digest.hexdigest()}))
     mon.close()
