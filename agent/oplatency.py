@@ -43,17 +43,35 @@ class OpLatency:
         self._ring: dict[int, np.ndarray] = {}
         self._count = np.zeros(len(self.ops), dtype=np.int64)
 
-    def observe(self, ops: np.ndarray, durations: np.ndarray) -> None:
-        """Add ``durations[i]`` (seconds) to op ``ops[i]`` for every i."""
-        for op in np.unique(ops):
-            values = durations[ops == op][-self.window:]
-            start = int(self._count[op]) % self.window
-            idx = (start + np.arange(values.size)) % self.window
-            ring = self._ring.get(int(op))
-            if ring is None:
-                ring = self._ring[int(op)] = np.zeros(self.window, dtype=np.float64)
-            ring[idx] = values
-            self._count[op] += int(np.count_nonzero(ops == op))
+    def observe(self, ops: np.ndarray, durations: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Add ``durations[i]`` (seconds) to op ``ops[i]`` for every i.
+
+        ``counts``, if the caller has it, is ``np.bincount(ops, minlength=len(self.ops))``: the
+        ops present are read off it rather than found by a sort of ``ops``.
+        """
+        if counts is None:
+            counts = np.bincount(ops, minlength=len(self.ops))
+        present = np.flatnonzero(counts)
+        if present.size == 1:   # a batch of one op: its durations are the whole column
+            self._write(int(present[0]), durations, int(counts[present[0]]))
+            return
+        for op in present.tolist():
+            self._write(op, durations[ops == op], int(counts[op]))
+
+    def _write(self, op: int, values: np.ndarray, n: int) -> None:
+        """Op ``op``'s ``n`` new durations ``values`` into its ring, after the ones before."""
+        window = self.window
+        ring = self._ring.get(op)
+        if ring is None:
+            ring = self._ring[op] = np.zeros(window, dtype=np.float64)
+        values = values[-window:]
+        m = values.size
+        start = int(self._count[op]) % window
+        first = min(m, window - start)   # up to the ring's end, then the rest from its start
+        ring[start:start + first] = values[:first]
+        if m > first:
+            ring[:m - first] = values[first:]
+        self._count[op] += n
 
     def summary(self) -> dict[str, OpSummary]:
         """Each op the rank has called: its count and recent quantiles."""
