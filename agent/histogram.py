@@ -34,22 +34,13 @@ class HistogramSet:
 
     def observe_many(self, series: np.ndarray, values: np.ndarray) -> None:
         """Add ``values[i]`` to histogram ``series[i]`` for every i."""
-        if values.size:
-            self.add(*self.tally(series, values))
-
-    def tally(self, series: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The bucket counts and sums that :meth:`observe_many` adds, without adding them: the
-        batch's own figures, which need no lock over the set."""
+        if values.size == 0:
+            return
         bucket = np.searchsorted(self.bounds, values, side="left")
         flat = series.astype(np.int64, copy=False) * self.n_buckets
         flat += bucket
-        return (np.bincount(flat, minlength=self.counts.size).reshape(self.counts.shape),
-                np.bincount(series, weights=values, minlength=self.sums.size))
-
-    def add(self, counts: np.ndarray, sums: np.ndarray) -> None:
-        """Add a :meth:`tally`."""
-        self.counts += counts
-        self.sums += sums
+        self.counts += np.bincount(flat, minlength=self.counts.size).reshape(self.counts.shape)
+        self.sums += np.bincount(series, weights=values, minlength=self.sums.size)
 
     def observe(self, series: int, value: float) -> None:
         self.counts[series, int(np.searchsorted(self.bounds, value, side="left"))] += 1

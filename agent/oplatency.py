@@ -44,28 +44,19 @@ class OpLatency:
         self._count = np.zeros(len(self.ops), dtype=np.int64)
 
     def observe(self, ops: np.ndarray, durations: np.ndarray, counts: np.ndarray | None = None) -> None:
-        """Add ``durations[i]`` (seconds) to op ``ops[i]`` for every i."""
-        self.write(self.group(ops, durations, counts))
-
-    def group(self, ops: np.ndarray, durations: np.ndarray,
-              counts: np.ndarray | None = None) -> list[tuple[int, np.ndarray, int]]:
-        """``(op, its durations, how many)`` for each op in ``ops``: what :meth:`write` adds.
+        """Add ``durations[i]`` (seconds) to op ``ops[i]`` for every i.
 
         ``counts``, if the caller has it, is ``np.bincount(ops, minlength=len(self.ops))``: the
-        ops present are read off it rather than found by a sort of ``ops``.  Reads nothing of
-        this object's state, so a caller may group a batch before it takes its lock.
+        ops present are read off it rather than found by a sort of ``ops``.
         """
         if counts is None:
             counts = np.bincount(ops, minlength=len(self.ops))
-        present = np.flatnonzero(counts).tolist()
-        if len(present) == 1:   # a batch of one op: its durations are the whole column
-            return [(present[0], durations, int(counts[present[0]]))]
-        return [(op, durations[ops == op], int(counts[op])) for op in present]
-
-    def write(self, groups: list[tuple[int, np.ndarray, int]]) -> None:
-        """Add :meth:`group`'s groups."""
-        for op, values, n in groups:
-            self._write(op, values, n)
+        present = np.flatnonzero(counts)
+        if present.size == 1:   # a batch of one op: its durations are the whole column
+            self._write(int(present[0]), durations, int(counts[present[0]]))
+            return
+        for op in present.tolist():
+            self._write(op, durations[ops == op], int(counts[op]))
 
     def _write(self, op: int, values: np.ndarray, n: int) -> None:
         """Op ``op``'s ``n`` new durations ``values`` into its ring, after the ones before."""

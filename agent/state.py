@@ -126,17 +126,6 @@ class RankState:
         return sum(self.step_flops) / total if total > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class _CollectiveTally:
-    """One batch's collective records, summed for :meth:`NodeState._apply_collectives`."""
-    n: int
-    counts: np.ndarray                             # records per agent op
-    hist: tuple[np.ndarray, np.ndarray]            # HistogramSet.tally of their durations
-    nbytes: np.ndarray                             # bytes per agent op
-    latency: list[tuple[int, np.ndarray, int]]     # OpLatency.group of their durations
-    max_seq: int | None
-
-
 class NodeState:
     """All ranks reporting to this node's agent, and the node's aggregates.
 
@@ -234,8 +223,6 @@ class NodeState:
         if batch.HasField("progress"):
             validate.check_progress_shape(batch.progress)
         validate.check_batch(batch, coll)
-        # The batch's own sums, before the lock: under it, only the adding.
-        tally = self._tally_collectives(rank, coll) if coll is not None else None
         with self.lock:
             if batch.seq <= rank.last_batch_seq:
                 raise self._reject("duplicate_batch",
@@ -246,8 +233,8 @@ class NodeState:
             rank.last_seen = self.clock()
             rank.dropped = max(rank.dropped, batch.dropped_total)
             n = 0
-            if tally is not None:
-                n += self._apply_collectives(rank, tally)
+            if coll is not None:
+                n += self._apply_collectives(rank, coll)
             if steps is not None:
                 n += self._apply_steps(rank, steps)
             before = (rank.step, rank.last_collective_seq, rank.steps_completed)
@@ -281,29 +268,21 @@ class NodeState:
             rank.stacks, rank.stacks_at = p.stacks or None, rank.last_seen
             rank.flight_recorder = parse_flight_recorder(p.flight_recorder)
 
-    def _tally_collectives(self, rank: RankState, cols: dict[str, np.ndarray]) -> _CollectiveTally:
-        """What a batch's collective records add, summed from the batch alone (no lock needed:
-        a rank's op map is fixed at its hello)."""
+    def _apply_collectives(self, rank: RankState, cols: dict[str, np.ndarray]) -> int:
         ops = rank.op_map[cols["op"]]
         durations = cols["duration"]
+        self.coll_hist.observe_many(ops, durations)
         counts = np.bincount(ops, minlength=len(OPS))
+        rank.collective_counts += counts
+        rank.op_latency.observe(ops, durations, counts)
+        # bincount takes its weights as float64 (sizes are below 2^53, so exactly).
+        self.coll_bytes += np.bincount(ops, weights=cols["nbytes"], minlength=len(OPS))
         seq = cols["seq"]
-        return _CollectiveTally(
-            n=int(ops.size), counts=counts, hist=self.coll_hist.tally(ops, durations),
-            # bincount takes its weights as float64 (sizes are below 2^53, so exactly).
-            nbytes=np.bincount(ops, weights=cols["nbytes"], minlength=len(OPS)),
-            latency=rank.op_latency.group(ops, durations, counts),
-            max_seq=int(seq.max()) if seq.size else None)
-
-    def _apply_collectives(self, rank: RankState, t: _CollectiveTally) -> int:
-        self.coll_hist.add(*t.hist)
-        rank.collective_counts += t.counts
-        rank.op_latency.write(t.latency)
-        self.coll_bytes += t.nbytes
-        if t.max_seq is not None:
-            rank.last_collective_seq = max(rank.last_collective_seq, t.max_seq)
-        self.records["collective"] += t.n
-        return t.n
+        if seq.size:
+            rank.last_collective_seq = max(rank.last_collective_seq, int(seq.max()))
+        n = int(ops.size)
+        self.records["collective"] += n
+        return n
 
     def _apply_steps(self, rank: RankState, s: pb.StepColumns) -> int:
         n = len(s.step)
