@@ -37,7 +37,8 @@ class HistogramSet:
         if values.size == 0:
             return
         bucket = np.searchsorted(self.bounds, values, side="left")
-        flat = series.astype(np.int64) * self.n_buckets + bucket
+        flat = series.astype(np.int64, copy=False) * self.n_buckets
+        flat += bucket
         self.counts += np.bincount(flat, minlength=self.counts.size).reshape(self.counts.shape)
         self.sums += np.bincount(series, weights=values, minlength=self.sums.size)
 

@@ -41,27 +41,48 @@ class OpLatency:
         # One ring per op the rank has called, made on its first call: a rank uses a few of
         # the ops, and an agent keeps hundreds of ranks (and sees thousands come and go).
         self._ring: dict[int, np.ndarray] = {}
-        self._count = np.zeros(len(self.ops), dtype=np.int64)
+        self._count = [0] * len(self.ops)   # calls per op since the rank connected
 
-    def observe(self, ops: np.ndarray, durations: np.ndarray) -> None:
-        """Add ``durations[i]`` (seconds) to op ``ops[i]`` for every i."""
-        for op in np.unique(ops):
-            values = durations[ops == op][-self.window:]
-            start = int(self._count[op]) % self.window
-            idx = (start + np.arange(values.size)) % self.window
-            ring = self._ring.get(int(op))
-            if ring is None:
-                ring = self._ring[int(op)] = np.zeros(self.window, dtype=np.float64)
-            ring[idx] = values
-            self._count[op] += int(np.count_nonzero(ops == op))
+    def observe(self, ops: np.ndarray, durations: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Add ``durations[i]`` (seconds) to op ``ops[i]`` for every i.
+
+        ``counts``, if the caller has it, is ``np.bincount(ops, minlength=len(self.ops))``: the
+        ops present are read off it rather than found by a sort of ``ops``.
+        """
+        if counts is None:
+            counts = np.bincount(ops, minlength=len(self.ops))
+        n = counts.tolist()
+        present = [op for op, k in enumerate(n) if k]
+        if len(present) == 1:   # a batch of one op: its durations are the whole column
+            self._write(present[0], durations, n[present[0]])
+            return
+        for op in present:
+            self._write(op, durations[ops == op], n[op])
+
+    def _write(self, op: int, values: np.ndarray, n: int) -> None:
+        """Op ``op``'s ``n`` new durations ``values`` into its ring, after the ones before."""
+        window = self.window
+        ring = self._ring.get(op)
+        if ring is None:
+            ring = self._ring[op] = np.zeros(window, dtype=np.float64)
+        values = values[-window:]
+        m = values.size
+        start = self._count[op] % window
+        first = min(m, window - start)   # up to the ring's end, then the rest from its start
+        ring[start:start + first] = values[:first]
+        if m > first:
+            ring[:m - first] = values[first:]
+        self._count[op] += n
 
     def summary(self) -> dict[str, OpSummary]:
         """Each op the rank has called: its count and recent quantiles."""
         out = {}
-        for i in np.flatnonzero(self._count):
-            n = int(min(self._count[i], self.window))
-            p50, p99 = np.quantile(self._ring[int(i)][:n], (0.5, 0.99))
-            out[self.ops[i]] = OpSummary(count=int(self._count[i]), p50=float(p50), p99=float(p99), window=n)
+        for i, count in enumerate(self._count):
+            if not count:
+                continue
+            n = min(count, self.window)
+            p50, p99 = np.quantile(self._ring[i][:n], (0.5, 0.99))
+            out[self.ops[i]] = OpSummary(count=count, p50=float(p50), p99=float(p99), window=n)
         return out
 
 

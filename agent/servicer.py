@@ -91,12 +91,13 @@ class Servicer:
                 try:
                     if body != "batch":
                         raise Rejected("malformed", f"rank {rank.rank} sent {body!r} mid-stream")
-                    st.ingest(rank, msg.batch)
+                    batch = msg.batch
+                    st.ingest(rank, batch)
                     accepted += 1
-                    if msg.batch.checkpoints:
-                        agent.on_checkpoints(rank, msg.batch.checkpoints)
-                    if msg.batch.recoveries:
-                        agent.on_recoveries(rank, msg.batch.recoveries)
+                    if batch.checkpoints:
+                        agent.on_checkpoints(rank, batch.checkpoints)
+                    if batch.recoveries:
+                        agent.on_recoveries(rank, batch.recoveries)
                 except Rejected as exc:
                     st.note_rejected(exc)
                     rejected += 1

@@ -270,11 +270,13 @@ class NodeState:
 
     def _apply_collectives(self, rank: RankState, cols: dict[str, np.ndarray]) -> int:
         ops = rank.op_map[cols["op"]]
-        self.coll_hist.observe_many(ops, cols["duration"])
+        durations = cols["duration"]
+        self.coll_hist.observe_many(ops, durations)
         counts = np.bincount(ops, minlength=len(OPS))
         rank.collective_counts += counts
-        rank.op_latency.observe(ops, cols["duration"])
-        self.coll_bytes += np.bincount(ops, weights=cols["nbytes"].astype(np.float64), minlength=len(OPS))
+        rank.op_latency.observe(ops, durations, counts)
+        # bincount takes its weights as float64 (sizes are below 2^53, so exactly).
+        self.coll_bytes += np.bincount(ops, weights=cols["nbytes"], minlength=len(OPS))
         seq = cols["seq"]
         if seq.size:
             rank.last_collective_seq = max(rank.last_collective_seq, int(seq.max()))

@@ -123,29 +123,28 @@ def check_durations(values: Sequence[float], what: str) -> None:
 
 # -- rank streams ---------------------------------------------------------------
 
-_COLUMNS = (("op", "<u1"), ("pg", "<u2"), ("seq", "<i8"), ("start", "<f8"),
-            ("duration", "<f8"), ("nbytes", "<i8"))
+_COLUMNS = tuple((name, np.dtype(dtype)) for name, dtype in (
+    ("op", "<u1"), ("pg", "<u2"), ("seq", "<i8"), ("start", "<f8"), ("duration", "<f8"), ("nbytes", "<i8")))
+
+# Whole-column reductions called as ufuncs (no Python wrapper between): NaN propagates
+# through minimum and maximum, so a NaN fails any comparison with their results.
+_MIN, _MAX, _OR = np.minimum.reduce, np.maximum.reduce, np.bitwise_or.reduce
 
 
 def decode_collectives(c: pb.CollectiveColumns, n_ops: int) -> dict[str, np.ndarray]:
     """A batch's collective columns as arrays, refused unless every column holds the batch's
-    records, op codes name the rank's ops, and times and sizes are finite and not negative."""
+    records and op codes name the rank's ops (their values: :func:`check_collective_columns`)."""
     n = len(c.op)
     if n > MAX_RECORDS_PER_BATCH:
         raise _reject("oversized", f"{n} collective records in one batch")
     cols = {}
     for name, dtype in _COLUMNS:
         raw = getattr(c, name)
-        if len(raw) != n * np.dtype(dtype).itemsize:
+        if len(raw) != n * dtype.itemsize:
             raise _reject("malformed", f"collective column {name} has {len(raw)} bytes for {n} records")
         cols[name] = np.frombuffer(raw, dtype=dtype)
-    if n and int(cols["op"].max()) >= n_ops:
+    if n and int(_MAX(cols["op"])) >= n_ops:
         raise _reject("malformed", "collective op code outside the rank's op names")
-    d = cols["duration"]
-    if not np.all(np.isfinite(d)) or (d < 0).any() or not np.all(np.isfinite(cols["start"])):
-        raise _reject("invalid_value", "collective duration or start is NaN, infinite or negative")
-    if (cols["nbytes"] < 0).any():
-        raise _reject("invalid_value", "negative collective size")
     return cols
 
 
@@ -303,17 +302,33 @@ def check_step_columns(s: pb.StepColumns, now: float | None = None) -> None:
 
 
 def check_collective_columns(cols: dict[str, np.ndarray], now: float | None = None) -> None:
-    """Ranges of decoded collective columns (finite, non-negative checked already)."""
+    """Every value of decoded collective columns: durations finite and in [0, a day], starts
+    finite, not negative and not over a day ahead of ``now``, sizes in [0, 2^53), sequence
+    numbers in [-1, 2^53).
+
+    Six whole-column passes when all is well: the minimum and maximum of durations and of
+    starts (a NaN or an infinity fails their bounds), and the bitwise OR of sizes and of
+    sequence numbers (non-negative integers all below 2^53 exactly when their OR is).  A
+    column that fails them, or a sequence number of -1, is checked again value by value in
+    the full checks, which name what is wrong.
+    """
     now = time.time() if now is None else now
-    if not cols["seq"].size:
+    d, start, seq, nbytes = cols["duration"], cols["start"], cols["seq"], cols["nbytes"]
+    if not d.size:
         return
-    if int(cols["seq"].max()) >= MAX_STEP or int(cols["seq"].min()) < -1:
+    if (0.0 <= _MIN(d) and _MAX(d) <= MAX_DURATION and 0.0 <= _MIN(start) and _MAX(start) <= now + MAX_CLOCK_AHEAD
+            and 0 <= int(_OR(nbytes)) < MAX_STEP and 0 <= int(_OR(seq)) < MAX_STEP):
+        return
+    if not np.all(np.isfinite(d)) or (d < 0).any() or not np.all(np.isfinite(start)):
+        raise _reject("invalid_value", "collective duration or start is NaN, infinite or negative")
+    if (nbytes < 0).any():
+        raise _reject("invalid_value", "negative collective size")
+    if int(seq.max()) >= MAX_STEP or int(seq.min()) < -1:
         raise _reject("invalid_value", "collective sequence number outside [-1, 2^53)")
-    if int(cols["nbytes"].max()) >= MAX_STEP:
+    if int(nbytes.max()) >= MAX_STEP:
         raise _reject("invalid_value", "collective size over 2^53 bytes")
-    if float(cols["duration"].max()) > MAX_DURATION:
+    if float(d.max()) > MAX_DURATION:
         raise _reject("invalid_value", f"collective duration over {MAX_DURATION:.0f} s")
-    start = cols["start"]
     if float(start.min()) < 0 or float(start.max()) > now + MAX_CLOCK_AHEAD:
         raise _reject("invalid_value", "collective start is not a plausible Unix time")
 
