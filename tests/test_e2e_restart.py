@@ -83,7 +83,11 @@ def test_hung_node_is_excluded_and_the_job_continues_without_it(tmp_path):
         check_buckets(s, step_s, lost=("hang", "restart", "checkpoint"), unjudged=("recompute",))
         t = s["time_seconds"]
         assert 4.0 <= t["hang"] <= t_excluded + 2.0, (t, t_excluded)
-        assert t["restart"] == pytest.approx(restart["detail"]["recovered_after_seconds"], abs=0.01)
+        # The restart bucket is the restart's span joined with the workers' downtime seen in
+        # their progress, less the hang: the downtime runs from the ranks' last completed step,
+        # the hang from their last collective, up to a step earlier or later, and both are
+        # sampled at the coordinator's ticks (0.25 s apart).  On a loaded machine: within 1 s.
+        assert t["restart"] == pytest.approx(restart["detail"]["recovered_after_seconds"], abs=1.0)
         assert t["restart"] < t_back - t_excluded + 2.0, (t, t_excluded, t_back)
         print(f"SIGSTOP -> excluded {t_excluded:.1f}s -> training again {t_back:.1f}s "
               f"(restart {restart['detail']['recovered_after_seconds']:.1f}s after the decision)")
