@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -42,13 +43,26 @@ from restart import _kill_tagged  # noqa: E402
 from rankwatch.status import AgentUnreachable  # noqa: E402
 
 
-def once(mode: str, timeout: float) -> dict:
+def tagged(body: Callable[[Path, str, float], dict], mode: str, timeout: float) -> dict:
+    """``body(tmp, mode, timeout)`` in a fresh directory; every process it left is killed."""
     os.environ["RANKWATCH_BENCH_TAG"] = tag = uuid.uuid4().hex
     try:
         with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
-            return _once(Path(tmp), mode, timeout)
+            return body(Path(tmp), mode, timeout)
     finally:
         _kill_tagged(tag)
+
+
+def alternate(modes: list[str], runs: int, body: Callable[[Path, str, float], dict],
+              timeout: float) -> dict[str, list[dict]]:
+    """``runs`` rounds of every mode in turn, so all see the same machine; each result printed."""
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(runs):
+        for mode, got in results.items():
+            r = tagged(body, mode, timeout)
+            got.append(r)
+            print(f"{mode}: {r}", flush=True)
+    return results
 
 
 def _ranks(c: Cluster) -> list[dict]:
@@ -132,12 +146,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=90.0)
     p.add_argument("--modes", default="inprocess,restart")
     args = p.parse_args()
-    results: dict[str, list[dict]] = {m: [] for m in args.modes.split(",")}
-    for _ in range(args.runs):  # alternating, so both see the same machine
-        for mode, got in results.items():
-            r = once(mode, args.timeout)
-            got.append(r)
-            print(f"{mode}: {r}", flush=True)
+    results = alternate(args.modes.split(","), args.runs, _once, args.timeout)
     for mode, got in results.items():
         w = [r["world3"] for r in got]
         pauses = [r["pause"] for r in got if r["pause"] is not None]

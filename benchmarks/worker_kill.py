@@ -30,25 +30,13 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from join import _ranks, _recovery, _wait  # noqa: E402
+from join import _ranks, _recovery, _wait, alternate  # noqa: E402
 from multinode import Cluster  # noqa: E402  (the tests' multi-node launcher)
-from restart import _kill_tagged  # noqa: E402
-
-
-def once(mode: str, timeout: float) -> dict:
-    os.environ["RANKWATCH_BENCH_TAG"] = tag = uuid.uuid4().hex
-    try:
-        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
-            return _once(Path(tmp), mode, timeout)
-    finally:
-        _kill_tagged(tag)
 
 
 def _once(tmp: Path, mode: str, timeout: float) -> dict:
@@ -88,12 +76,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=90.0)
     p.add_argument("--modes", default="inprocess,restart")
     args = p.parse_args()
-    results: dict[str, list[dict]] = {m: [] for m in args.modes.split(",")}
-    for _ in range(args.runs):  # alternating, so both see the same machine
-        for mode, got in results.items():
-            r = once(mode, args.timeout)
-            got.append(r)
-            print(f"{mode}: {r}", flush=True)
+    results = alternate(args.modes.split(","), args.runs, _once, args.timeout)
     for mode, got in results.items():
         o, w = [r["others"] for r in got], [r["world6"] for r in got]
         print(f"{mode}: the other nodes train again {statistics.median(o):.2f} s after the kill "
