@@ -158,6 +158,19 @@ def test_a_waiting_spare_joins_in_process_when_the_workers_leave_an_excluded_nod
             h.shutdown()
 
 
+def _capable_round(monkeypatch, port):
+    """Nodes n0 and n1 in one round whose workers recover in process: their handlers, a
+    client of the store as the workers hold it, and the round's key prefix."""
+    for name in (STORE_ENV, ROUND_ENV, JOIN_ENV):
+        monkeypatch.delenv(name, raising=False)  # the handlers export them to their workers
+    a, b = _handlers(["n0", "n1"], monkeypatch, port)
+    workers = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    _join([a, b])
+    prefix = os.environ[ROUND_ENV]
+    workers.set(prefix + CAPABLE_KEY, "1")
+    return a, b, workers, prefix
+
+
 def _restart_workers(handler):
     """``handler``'s torchrun restarts its workers (one failed): it rendezvous again, from a thread."""
     got: list = []
@@ -170,14 +183,8 @@ def test_a_node_restarting_its_workers_rejoins_in_process_once_the_others_leave_
     # One of n1's workers died; n1's torchrun restarts its workers.  The other nodes' workers
     # are agreeing to leave n1 out in process: n1 waits for them (past the grace for an idle
     # round), then joins in process, and no node restarts its workers for it.
-    for name in (STORE_ENV, ROUND_ENV, JOIN_ENV):
-        monkeypatch.delenv(name, raising=False)
-    a, b = _handlers(["n0", "n1"], monkeypatch, port)
-    workers = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    a, b, workers, prefix = _capable_round(monkeypatch, port)
     try:
-        _join([a, b])
-        prefix = os.environ[ROUND_ENV]
-        workers.set(prefix + CAPABLE_KEY, "1")
         workers.add(prefix + ATTEMPTS_COUNT, 1)   # n0's workers began to agree
         t, joined = _restart_workers(b)
         t.join(2.5)
@@ -196,13 +203,8 @@ def test_a_node_restarting_its_workers_rejoins_in_process_once_the_others_leave_
 def test_a_node_restarting_its_workers_in_an_idle_round_restarts_the_round_at_once(monkeypatch, port):
     # No worker of the round is agreeing on anything (every worker failed alike): after the
     # short grace, n1 rendezvous as the stock handler does, and n0 sees it waiting.
-    for name in (STORE_ENV, ROUND_ENV, JOIN_ENV):
-        monkeypatch.delenv(name, raising=False)
-    a, b = _handlers(["n0", "n1"], monkeypatch, port)
-    workers = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    a, b, _, _ = _capable_round(monkeypatch, port)
     try:
-        _join([a, b])
-        workers.set(os.environ[ROUND_ENV] + CAPABLE_KEY, "1")
         t0 = time.monotonic()
         t, rejoined = _restart_workers(b)
         while a.num_nodes_waiting() == 0:
