@@ -222,10 +222,12 @@ class InProcessRecovery:
     def _build(self, membership: Membership) -> Job:
         """``make(membership)``, with the commit before each optimizer step."""
         job = self._make(membership)
+        if not self._commit or self._store is None:   # without a store no recovery needs it
+            return job
         register = getattr(job.optimizer, "register_step_pre_hook", None)
-        if self._commit and callable(register):
+        if callable(register):
             register(self._agree_to_step)
-        elif self._commit:
+        else:
             log.warning("rankwatch: %s has no step pre-hooks: a worker lost mid-step may leave the "
                         "survivors' shards steps apart (then torchrun's restart recovers)",
                         type(job.optimizer).__name__)
