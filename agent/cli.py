@@ -150,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="between GPU readings (default 5; 0.5 for a script)")
     a.add_argument("--rank-grace", type=_positive, default=60.0, metavar="SECONDS",
                    help="how long a disconnected rank stays in /metrics (default 60)")
+    a.add_argument("--relay-group", type=int, default=64, metavar="N",
+                   help="in a big job, nodes sync through one relay agent per N nodes (default 64; "
+                        "0: every node syncs with the coordinator; the coordinator's setting)")
+    a.add_argument("--relay-min-nodes", type=int, default=128, metavar="N",
+                   help="relays only in a job of at least N nodes (default 128)")
     a.add_argument("--status-max-ranks", type=int, default=DEFAULT_MAX_RANKS, metavar="N",
                    help=f"the most ranks a status answer lists unless asked for all: a bigger job's "
                         f"view lists the ranks not ok first (default {DEFAULT_MAX_RANKS})")
@@ -218,6 +223,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if state_dir is None:
         return 1
     from rankwatch.agent.coordinator import PolicyConfig
+    from rankwatch.agent.relay_policy import RelayConfig
 
     from rankwatch.agent.gpu import GpuConfig
 
@@ -239,7 +245,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                              coordinators=args.coordinator, policy=policy, gpu=gpu, token=token,
                              election=args.election, job_id=args.job_id, advertise=args.advertise,
                              tls=tls, streams=streams, rank_grace=args.rank_grace,
-                             status_max_ranks=args.status_max_ranks)
+                             status_max_ranks=args.status_max_ranks,
+                             relay=RelayConfig(group_size=args.relay_group, min_nodes=args.relay_min_nodes))
     except ValueError as exc:
         print(f"rankwatch agent: {exc}", file=sys.stderr)
         return 2

@@ -43,6 +43,10 @@ from rankwatch.agent.load_policy import LoadConfig
 from rankwatch.agent.policyconfig import PolicyConfig
 from rankwatch.agent.loadmeter import LoadMeter
 from rankwatch.agent.jobstragglers import JobStragglers
+from rankwatch.agent import relay_policy
+from rankwatch.agent.relay import MAX_GROUP
+from rankwatch.agent.relay_policy import RelayConfig
+from rankwatch.agent.validate import Rejected
 from rankwatch.agent.straggler import StragglerConfig
 from rankwatch.proto import pb
 
@@ -52,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _DECISION_KINDS = ("exclude", "checkpoint")
 _DECISIONS_ADOPTED = 256   # the most decisions taken from one summary
+_MAX_HELD = 10.0   # seconds a relay may say it held a summary (more is taken as this)
 
 
 class Coordinator:
@@ -66,7 +71,8 @@ class Coordinator:
                  hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
                  policy: PolicyConfig | None = None, clock=time.time,
                  on_incident: Callable[[Incident], None] | None = None, load: LoadConfig | None = None,
-                 tick_seconds: float = 0.25, refusals: Callable[[], int] | None = None) -> None:
+                 tick_seconds: float = 0.25, refusals: Callable[[], int] | None = None,
+                 relay: RelayConfig | None = None) -> None:
         self.node_id = node_id
         self.tick_seconds = tick_seconds
         """How often the agent calls :meth:`evaluate`."""
@@ -94,6 +100,10 @@ class Coordinator:
         self._encoded: tuple[int, list[pb.Decision]] = (0, [])
         self._stragglers_at = float("-inf")   # when the straggler detector last ran
         self._hang_checked = float("-inf")   # when an open hang was last checked for its end
+        self.relay = relay or RelayConfig()
+        self.relays: dict[str, str] = {}
+        """Node -> the relay it syncs through ('' or absent: this coordinator; relay_policy)."""
+        self._relays_at = float("-inf")
 
     # -- intake ---------------------------------------------------------------
     def sync(self, summary: pb.NodeSummary) -> pb.SyncReply:
@@ -102,9 +112,46 @@ class Coordinator:
         if summary.run_id:
             self.incidents.run_id = self.log.run_id = summary.run_id
         self._adopt(summary)
-        reply = pb.SyncReply(coordinator=self.node_id, sync_interval_seconds=self.load.reply_interval())
+        reply = pb.SyncReply(coordinator=self.node_id, sync_interval_seconds=self.load.reply_interval(),
+                             relay=self.relays.get(summary.node_id, ""))
         reply.decisions.extend(self._decisions_pb())
         reply.incidents.extend(inc.to_pb() for inc in self.incidents.items_for(node=summary.node_id))
+        return reply
+
+    def sync_group(self, group: pb.GroupSummary,
+                   refused: Callable[[ValueError], None] = lambda _: None) -> pb.GroupReply:
+        """Take a relay's summaries (each as :meth:`sync` would); one reply for the group.
+
+        A summary that fails its checks is left out alone (``refused`` is told why, and the
+        reply names its node); the others are kept.
+
+        Raises:
+            Rejected: more summaries than a group may carry, or a held time for each missing.
+        """
+        if len(group.nodes) > MAX_GROUP:
+            raise Rejected("oversized", f"{len(group.nodes)} summaries in one group (at most {MAX_GROUP})")
+        if len(group.held_seconds) != len(group.nodes):
+            raise Rejected("malformed", "a group needs one held time per summary")
+        now = self.clock()
+        reply = pb.GroupReply(coordinator=self.node_id, sync_interval_seconds=self.load.reply_interval())
+        names = set()
+        for summary, held in zip(group.nodes, group.held_seconds):
+            held = min(max(held, 0.0), _MAX_HELD) if held == held else _MAX_HELD
+            try:
+                self.view.take(summary, now - held)
+            except ValueError as exc:
+                reply.refused.append(summary.node_id[:256])
+                refused(exc)
+                continue
+            names.add(summary.node_id)
+            if summary.run_id:
+                self.incidents.run_id = self.log.run_id = summary.run_id
+            self._adopt(summary)
+        reply.decisions.extend(self._decisions_pb())
+        reply.incidents.extend(inc.to_pb() for inc in self.incidents.items_for_nodes(names))
+        relays = self.relays
+        for name in names:
+            reply.relays[name] = relays.get(name, "")
         return reply
 
     def _decisions_pb(self) -> list[pb.Decision]:
@@ -204,6 +251,24 @@ class Coordinator:
                 self._plan_eviction(f.node, f.speedup, f.cause)
         self._check_evictions()
         self.restarts.check(now, self.job_incidents())
+        if now - self._relays_at >= self.relay.every_seconds:
+            self._relays_at = now
+            self._assign_relays(now)
+
+    def _assign_relays(self, now: float) -> None:
+        """Draw the relay groups again (:func:`relay_policy.assign`)."""
+        with self.lock:
+            excluded = self.excluded
+            # (this coordinator's own node never syncs over the wire: it is in no group)
+            nodes = [(name, n.summary.relay_address, name not in excluded and name not in self.dead
+                      and not self.view.silent(n, now))
+                     for name, n in self.nodes.items() if name != self.node_id]
+        relays = relay_policy.assign(nodes, self.relay)
+        if bool(relays) != bool(self.relays):
+            log.warning("nodes now sync %s", f"through {sum(1 for a in relays.values() if not a)} relay(s)"
+                        if relays else "with the coordinator directly")
+        self.relays = relays
+        self.load.callers = relay_policy.callers(relays, len(nodes) + 1) if relays else None
 
     def _check_hang(self, now: float, verdicts: Verdicts) -> None:
         if self.restarts.restarting(now, self.policy.restart_quiet_seconds):

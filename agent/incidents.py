@@ -203,6 +203,10 @@ class IncidentLog:
         with self._lock:
             return [i for i in self.items if i.node == node]
 
+    def items_for_nodes(self, nodes: set[str]) -> list[Incident]:
+        with self._lock:
+            return [i for i in self.items if i.node in nodes]
+
     @staticmethod
     def replay(lines: Iterable[str] | Path) -> Replayed:
         """The incidents an ``incidents.jsonl`` holds, each with its updates applied, in order.

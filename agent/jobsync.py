@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 _RPC_TIMEOUT = 1.0
 _INCIDENTS_SENT = 50
+_MAX_CHANNELS = 16   # open channels to coordinator candidates and relays
 _MAX_INTERVAL = LoadConfig.max_interval   # the slowest sync a coordinator may ask for
 _SILENT_INTERVALS = LoadConfig.silent_intervals   # the coordinator is gone after this many intervals
 
@@ -117,6 +118,8 @@ class JobLink:
         self.acting = not candidates and not elected
         self.coordinator_node = agent.config.node_id if self.acting else ""
         self.coordinator_addr: Address | None = None
+        self.relay_addr: Address | None = None
+        """The relay the coordinator told this node to sync through (None: the coordinator)."""
         self.last_ok = 0.0
         self._applied: set[str] = set()   # ids of the decisions this node has acted on
         self._seq = 0
@@ -189,15 +192,34 @@ class JobLink:
             return []
 
     def sync_once(self) -> None:
+        """Send this node's summary: through its group's relay if the coordinator named one,
+        else to the coordinator; as a relay, with the summaries its group sent meanwhile."""
         summary = self.agent.summary(self._next_seq())
+        relay = self.agent.relay
+        group = relay.group(summary) if relay is not None and relay.pending() else None
         candidates = self._candidates()
+        if group is None and self.relay_addr is not None and not self.acting:
+            if self._via_relay(self.relay_addr, summary):
+                return
+            self.relay_addr = None   # the relay failed: the coordinator, at once
         for addr in candidates:
             if addr is None or (self.election is None and self.agent.serves(addr)):
-                reply = self.agent.coordinator.sync(summary)
+                if group is None:
+                    reply = self.agent.coordinator.sync(summary)
+                else:
+                    reply = self._own_reply(self.agent.coordinator.sync_group(group), summary.node_id)
                 self._took_role(True, addr)
             else:
+                stub = pb_grpc.AgentStub(self._channel(addr))
                 try:
-                    reply = pb_grpc.AgentStub(self._channel(addr)).Sync(summary, timeout=_RPC_TIMEOUT)
+                    if group is None:
+                        reply = stub.Sync(summary, timeout=_RPC_TIMEOUT)
+                        if relay is not None:
+                            relay.answered_directly(reply)
+                    else:
+                        group_reply = stub.SyncGroup(group, timeout=_RPC_TIMEOUT)
+                        relay.answered(group_reply)   # type: ignore[union-attr]
+                        reply = self._own_reply(group_reply, summary.node_id)
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                         self._warn_once(f"coordinator {addr} refused this node's token: {exc.details()}")
@@ -207,8 +229,31 @@ class JobLink:
             self.last_ok = time.time()
             self.apply(reply)
             return
+        if relay is not None:
+            relay.lost_coordinator()   # its group's nodes go to the coordinator themselves
         if self.last_ok and time.time() - self.last_ok > 5:
             log.warning("no coordinator answers (%s)", ", ".join(map(str, candidates)) or "none elected")
+
+    def _via_relay(self, addr: Address, summary: pb.NodeSummary) -> bool:
+        """Sync through the group's relay; False if it did not answer."""
+        try:
+            reply = pb_grpc.AgentStub(self._channel(addr)).Sync(summary, timeout=_RPC_TIMEOUT)
+        except grpc.RpcError as exc:
+            log.info("relay %s did not take this node's summary (%s): syncing with the coordinator",
+                     addr, exc.code().name)
+            return False
+        self.last_ok = time.time()
+        self.apply(reply)
+        return True
+
+    @staticmethod
+    def _own_reply(group: pb.GroupReply, node: str) -> pb.SyncReply:
+        """What a group's reply says to the relay's own node."""
+        reply = pb.SyncReply(coordinator=group.coordinator, sync_interval_seconds=group.sync_interval_seconds,
+                             relay=group.relays.get(node, ""))
+        reply.decisions.extend(group.decisions)
+        reply.incidents.extend(i for i in group.incidents if i.node == node)
+        return reply
 
     def _warn_once(self, text: str) -> None:
         if text not in self._warned:
@@ -226,6 +271,20 @@ class JobLink:
                     log.warning("could not read the job's decision log in etcd: %s", exc)
         self.acting, self.coordinator_addr = acting, addr
 
+    def _relay(self, named: str) -> Address | None:
+        """The relay a reply names, if it is another agent's valid TCP address."""
+        if not named or self.acting:
+            return None
+        try:
+            addr = Address.parse(named)
+        except ValueError:
+            self._warn_once(f"the coordinator named relay {named[:256]!r}, not an address")
+            return None
+        relay = self.agent.relay
+        if addr.is_unix or self.agent.serves(addr) or (relay is not None and relay.address == named):
+            return None
+        return addr
+
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -233,6 +292,9 @@ class JobLink:
     def _channel(self, addr: Address) -> grpc.Channel:
         key = str(addr)
         if key not in self._channels:
+            if len(self._channels) >= _MAX_CHANNELS:   # relays come and go: keep a bounded few
+                stale = next(iter(self._channels))
+                self._channels.pop(stale).close()
             self._channels[key] = open_channel(addr, self.agent.config.client_credentials())
         return self._channels[key]
 
@@ -241,6 +303,7 @@ class JobLink:
         """Keep the coordinator's decisions in this agent's log (the coordinator's own node
         already holds them there) and act on each once."""
         self.coordinator_node = reply.coordinator
+        self.relay_addr = self._relay(reply.relay)
         asked = reply.sync_interval_seconds
         if asked > 0:   # the coordinator's backpressure, within sane bounds (NaN fails both tests)
             interval = min(_MAX_INTERVAL, max(self.base_interval, asked)) if asked == asked else self.base_interval

@@ -52,6 +52,8 @@ class LoadMeter:
         self._delays: deque[float] = deque(maxlen=512)
         self._synced = 0
         self._count = 0   # nodes known (read without the lock for a reply's interval)
+        self.callers: int | None = None
+        """Calls per sync round while nodes sync through relays (None: one per node)."""
         self._tick = (time.monotonic(), time.process_time(), 0, 0)   # (wall, cpu, syncs, refused) then
         self._last_eval: float | None = None   # time.monotonic() of the last measure()
 
@@ -64,7 +66,11 @@ class LoadMeter:
 
     def reply_interval(self) -> float:
         """The interval to ask of a node now: never below the floor for the nodes known."""
-        return max(self.interval, load_policy.interval_floor(self._count, self.cfg))
+        return max(self.interval, load_policy.interval_floor(self._callers(self._count), self.cfg))
+
+    def _callers(self, nodes: int) -> int:
+        callers = self.callers
+        return nodes if callers is None else min(nodes, callers)
 
     def silent(self, now: float, received_at: float, node_interval: float, syncs: int) -> bool:
         """Whether a node last heard at ``received_at`` (told to sync every ``node_interval``
@@ -95,7 +101,7 @@ class LoadMeter:
                                 sync_delay=delays[len(delays) // 2] if delays else 0.0,
                                 refused=refused - r0, heard=min(1.0, (synced - s0) / due) if due > 0 else 1.0)
         interval = max(load_policy.sync_interval(self.interval, load, self.cfg),
-                       load_policy.interval_floor(len(intervals), self.cfg))
+                       load_policy.interval_floor(self._callers(len(intervals)), self.cfg))
         if interval != self.interval:
             log.info("nodes now sync every %.2fs (%d nodes, %.0f syncs/s, %.2f cores)", interval,
                      len(intervals), (synced - s0) / (wall - w0), cores)

@@ -45,6 +45,8 @@ from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint
 from rankwatch.agent.export.metrics import NodeCollector
 from rankwatch.agent.election import Election, parse_endpoints
 from rankwatch.agent.recoveries import RecoveryLog
+from rankwatch.agent.relay import Relay
+from rankwatch.agent.relay_policy import RelayConfig
 from rankwatch.agent.nodewatch import NodeWatch
 from rankwatch.agent.rankexit import ExitConfig
 from rankwatch.agent.servicer import Servicer
@@ -87,6 +89,8 @@ class AgentConfig:
         rank_grace: seconds a disconnected rank stays in /metrics.
         status_max_ranks: the most ranks a ``Status`` answer lists unless asked for all
             (:mod:`.status_ranks`).
+        relay: how a big job's nodes are grouped behind relays (:mod:`.relay_policy`; the
+            coordinator's setting).
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
@@ -97,7 +101,7 @@ class AgentConfig:
                  exits: ExitConfig | None = None, election: str | None = None, job_id: str = "",
                  advertise: str | None = None, tls: TlsConfig | None = None,
                  streams: StreamLimits | None = None, rank_grace: float = 60.0,
-                 status_max_ranks: int = DEFAULT_MAX_RANKS) -> None:
+                 status_max_ranks: int = DEFAULT_MAX_RANKS, relay: RelayConfig | None = None) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if election is not None:
@@ -128,6 +132,7 @@ class AgentConfig:
         self.rank_grace = rank_grace
         self.status_max_ranks = status_max_ranks
         self.streams = streams or StreamLimits()
+        self.relay = relay or RelayConfig()
 
     def client_credentials(self) -> ClientCredentials:
         """What this agent presents when it calls another agent (its coordinator)."""
@@ -150,8 +155,10 @@ class Agent:
                                        hang=config.hang,
                                        straggler=config.straggler, policy=config.policy,
                                        on_incident=self._own_job_incident,
-                                       refusals=lambda: self.gate.capacity_refusals())
+                                       refusals=lambda: self.gate.capacity_refusals(), relay=config.relay)
         self.commands = CommandHub()
+        self.relay: Relay | None = None
+        """This agent as a relay for its group (set once it serves TCP)."""
         self.link = JobLink(self, config.coordinators, config.sync_interval, elected=config.election is not None)
         self.progress = goodput.StepProgress()
         self._checkpoint_steps = bounds.RecentSet(4096)   # (step, ok) keys already recorded
@@ -193,6 +200,9 @@ class Agent:
         self._otel = otel.install(self)
         try:
             self._start_grpc()
+            me = self.advertised()
+            if me and (self.config.coordinators or self.config.election is not None):
+                self.relay = Relay(me)   # a node of a job of several can relay for its group
             self.gpu.start()
         except BaseException:
             self.stop(timedelta(0))
@@ -236,14 +246,19 @@ class Agent:
         self._grpc = server
         self._owns_sockets = True
 
+    def advertised(self) -> str:
+        """This agent's address for the other agents ('' if it serves no TCP address)."""
+        if self.config.advertise is not None:
+            return self.config.advertise
+        tcp = next((a for a in self.config.listen if not a.is_unix), None)
+        if tcp is None or not self.tcp_ports:
+            return ""
+        host = tcp.host if tcp.host not in ("0.0.0.0", "::", "") else socket.getfqdn()
+        return f"{host}:{self.tcp_ports[0]}"
+
     def _election(self, endpoints: str) -> Election:
         """Campaign for the job's coordinator key under this agent's TCP address."""
-        me = self.config.advertise
-        if me is None:
-            tcp = next(a for a in self.config.listen if not a.is_unix)
-            host = tcp.host if tcp.host not in ("0.0.0.0", "::", "") else socket.getfqdn()
-            me = f"{host}:{self.tcp_ports[0]}"
-        election = Election(parse_endpoints(endpoints), self.config.job_id, me)
+        election = Election(parse_endpoints(endpoints), self.config.job_id, self.advertised())
         self.decision_log.sink = election.decisions.append
         return election
 

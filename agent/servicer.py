@@ -20,6 +20,7 @@ import grpc
 
 from rankwatch.agent import views
 from rankwatch.agent.auth import authorized
+from rankwatch.agent.relay import RelayUnavailable
 from rankwatch.agent.state import Rejected
 from rankwatch.agent.validate import clean_text
 from rankwatch.proto import pb
@@ -48,6 +49,7 @@ class Servicer:
             ("Status", grpc.unary_unary_rpc_method_handler, self.status, pb.StatusRequest, pb.StatusResponse),
             ("Commands", grpc.unary_stream_rpc_method_handler, self.commands, pb.CommandRequest, pb.Command),
             ("Sync", grpc.unary_unary_rpc_method_handler, self.sync, pb.NodeSummary, pb.SyncReply),
+            ("SyncGroup", grpc.unary_unary_rpc_method_handler, self.sync_group, pb.GroupSummary, pb.GroupReply),
             ("RequestCheckpoint", grpc.unary_unary_rpc_method_handler, self.request_checkpoint,
              pb.CheckpointRequest, pb.CheckpointReply),
         )
@@ -126,17 +128,43 @@ class Servicer:
         return views.status_response(self.agent, request)
 
     def sync(self, request: pb.NodeSummary, context: grpc.ServicerContext) -> pb.SyncReply:
+        """The coordinator takes the summary; any other agent relays it for its group."""
         agent = self.agent
         self._authorize(context, "Sync")
+        try:
+            if agent.is_coordinator():
+                return agent.coordinator.sync(request)
+            relay = agent.relay
+            if relay is None:   # an agent alone, or one without a TCP address
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{agent.config.node_id} is not the job's coordinator")
+                raise AssertionError("context.abort raises")
+            return relay.take(request)
+        except RelayUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"{agent.config.node_id} is not the job's coordinator, and cannot relay: {exc}")
+            raise  # context.abort raised already
+        except ValueError as exc:
+            self._summary_refused(exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
+
+    def sync_group(self, request: pb.GroupSummary, context: grpc.ServicerContext) -> pb.GroupReply:
+        """A relay's summaries: the coordinator takes each; a bad one is refused alone."""
+        agent = self.agent
+        self._authorize(context, "SyncGroup")
         if not agent.is_coordinator():
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"{agent.config.node_id} is not the job's coordinator")
         try:
-            return agent.coordinator.sync(request)
+            return agent.coordinator.sync_group(request, self._summary_refused)
         except ValueError as exc:
-            agent.state.note_rejected(exc if isinstance(exc, Rejected) else Rejected("malformed", f"summary: {exc}"))
+            self._summary_refused(exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise  # context.abort raised already
+            raise
+
+    def _summary_refused(self, exc: ValueError) -> None:
+        self.agent.state.note_rejected(exc if isinstance(exc, Rejected) else Rejected("malformed", f"summary: {exc}"))
 
     def request_checkpoint(self, request: pb.CheckpointRequest,
                            context: grpc.ServicerContext) -> pb.CheckpointReply:

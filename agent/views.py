@@ -141,6 +141,8 @@ def node_summary(agent: Agent, seq: int) -> pb.NodeSummary:
     out.incidents.extend(i.to_pb() for i in incidents)
     out.decisions.extend(d.to_pb() for d in agent.decision_log.items[-DECISIONS_SENT:])
     out.run_id = agent.incidents.run_id
+    if agent.relay is not None:
+        out.relay_address = agent.relay.address
     return bounds.cap_summary(out)
 
 

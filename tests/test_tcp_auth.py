@@ -66,6 +66,8 @@ def _calls(stub: pb_grpc.AgentStub, rank: int) -> dict[str, object]:
         "Commands": code(commands),
         "Status": code(lambda: stub.Status(pb.StatusRequest(), timeout=5)),
         "Sync": code(lambda: stub.Sync(pb.NodeSummary(node_id="x", seq=1), timeout=5)),
+        "SyncGroup": code(lambda: stub.SyncGroup(pb.GroupSummary(nodes=[pb.NodeSummary(node_id="x", seq=1)],
+                                                                 held_seconds=[0.0]), timeout=5)),
         "RequestCheckpoint": code(lambda: stub.RequestCheckpoint(pb.CheckpointRequest(reason="t"),
                                                                  timeout=5)),
     }
@@ -89,8 +91,8 @@ def test_with_the_token_every_tcp_rpc_is_served(guarded):
         codes = _calls(pb_grpc.AgentStub(ch), rank=41)
     # Sync is heard and refused for a real reason (this agent coordinates no job); the
     # checkpoint request too (no rank trains).
-    assert codes["Sync"] == grpc.StatusCode.FAILED_PRECONDITION
-    del codes["Sync"]
+    assert codes["Sync"] == codes["SyncGroup"] == grpc.StatusCode.FAILED_PRECONDITION
+    del codes["Sync"], codes["SyncGroup"]
     assert codes == dict.fromkeys(codes, grpc.StatusCode.OK), codes
 
 

@@ -122,3 +122,15 @@ class JobCollector:
             for state in ("ok", "dead", "excluded"):
                 g.add_metric([node, state], sum(1 for s in nodes.values() if s == state))
             yield g
+            relays = a.coordinator.relays
+            g = GaugeMetricFamily("rankwatch_sync_relays",
+                                  "Relays the coordinator's nodes sync through (0: every node syncs directly).",
+                                  labels=["node"])
+            g.add_metric(lbl, float(sum(1 for addr in relays.values() if not addr)))
+            yield g
+        if a.relay is not None:
+            c = CounterMetricFamily("rankwatch_relayed_summaries",
+                                    "Other nodes' summaries this agent relayed to the coordinator.",
+                                    labels=["node"])
+            c.add_metric(lbl, float(a.relay.relayed))
+            yield c

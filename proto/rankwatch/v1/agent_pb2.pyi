@@ -549,7 +549,7 @@ class RankSummary(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., op_latency: _Optional[_Mapping[str, OpLatency]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., world_size: _Optional[int] = ..., world_rank: _Optional[int] = ...) -> None: ...
 
 class NodeSummary(_message.Message):
-    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "decisions", "run_id")
+    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "decisions", "run_id", "relay_address")
     class TimeSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -565,6 +565,7 @@ class NodeSummary(_message.Message):
     TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     seq: int
     sent_at: float
@@ -573,7 +574,8 @@ class NodeSummary(_message.Message):
     time_seconds: _containers.ScalarMap[str, float]
     decisions: _containers.RepeatedCompositeFieldContainer[Decision]
     run_id: str
-    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., run_id: _Optional[str] = ...) -> None: ...
+    relay_address: str
+    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., run_id: _Optional[str] = ..., relay_address: _Optional[str] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("id", "kind", "node", "generation", "step", "reason", "decided_at", "run_id", "seq")
@@ -598,16 +600,49 @@ class Decision(_message.Message):
     def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., decided_at: _Optional[float] = ..., run_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class SyncReply(_message.Message):
-    __slots__ = ("coordinator", "decisions", "incidents", "sync_interval_seconds")
+    __slots__ = ("coordinator", "decisions", "incidents", "sync_interval_seconds", "relay")
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     INCIDENTS_FIELD_NUMBER: _ClassVar[int]
     SYNC_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     coordinator: str
     decisions: _containers.RepeatedCompositeFieldContainer[Decision]
     incidents: _containers.RepeatedCompositeFieldContainer[Incident]
     sync_interval_seconds: float
-    def __init__(self, coordinator: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., sync_interval_seconds: _Optional[float] = ...) -> None: ...
+    relay: str
+    def __init__(self, coordinator: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., sync_interval_seconds: _Optional[float] = ..., relay: _Optional[str] = ...) -> None: ...
+
+class GroupSummary(_message.Message):
+    __slots__ = ("nodes", "held_seconds")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeSummary]
+    held_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeSummary, _Mapping]]] = ..., held_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class GroupReply(_message.Message):
+    __slots__ = ("coordinator", "decisions", "incidents", "sync_interval_seconds", "relays", "refused")
+    class RelaysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    INCIDENTS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    coordinator: str
+    decisions: _containers.RepeatedCompositeFieldContainer[Decision]
+    incidents: _containers.RepeatedCompositeFieldContainer[Incident]
+    sync_interval_seconds: float
+    relays: _containers.ScalarMap[str, str]
+    refused: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, coordinator: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., sync_interval_seconds: _Optional[float] = ..., relays: _Optional[_Mapping[str, str]] = ..., refused: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("reason",)

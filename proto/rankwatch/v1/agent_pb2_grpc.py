@@ -54,6 +54,11 @@ class AgentStub:
                 request_serializer=rankwatch_dot_v1_dot_agent__pb2.NodeSummary.SerializeToString,
                 response_deserializer=rankwatch_dot_v1_dot_agent__pb2.SyncReply.FromString,
                 _registered_method=True)
+        self.SyncGroup = channel.unary_unary(
+                '/rankwatch.v1.Agent/SyncGroup',
+                request_serializer=rankwatch_dot_v1_dot_agent__pb2.GroupSummary.SerializeToString,
+                response_deserializer=rankwatch_dot_v1_dot_agent__pb2.GroupReply.FromString,
+                _registered_method=True)
         self.RequestCheckpoint = channel.unary_unary(
                 '/rankwatch.v1.Agent/RequestCheckpoint',
                 request_serializer=rankwatch_dot_v1_dot_agent__pb2.CheckpointRequest.SerializeToString,
@@ -91,6 +96,13 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SyncGroup(self, request, context):
+        """Relay -> coordinator: its group's summaries in one call (a big job's aggregation tier).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RequestCheckpoint(self, request, context):
         """Operator (`rankwatch checkpoint`), or a node agent forwarding one.
         """
@@ -120,6 +132,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Sync,
                     request_deserializer=rankwatch_dot_v1_dot_agent__pb2.NodeSummary.FromString,
                     response_serializer=rankwatch_dot_v1_dot_agent__pb2.SyncReply.SerializeToString,
+            ),
+            'SyncGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncGroup,
+                    request_deserializer=rankwatch_dot_v1_dot_agent__pb2.GroupSummary.FromString,
+                    response_serializer=rankwatch_dot_v1_dot_agent__pb2.GroupReply.SerializeToString,
             ),
             'RequestCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.RequestCheckpoint,
@@ -235,6 +252,33 @@ class Agent:
             '/rankwatch.v1.Agent/Sync',
             rankwatch_dot_v1_dot_agent__pb2.NodeSummary.SerializeToString,
             rankwatch_dot_v1_dot_agent__pb2.SyncReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankwatch.v1.Agent/SyncGroup',
+            rankwatch_dot_v1_dot_agent__pb2.GroupSummary.SerializeToString,
+            rankwatch_dot_v1_dot_agent__pb2.GroupReply.FromString,
             options,
             channel_credentials,
             insecure,

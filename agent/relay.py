@@ -1,0 +1,125 @@
+"""This agent as a relay for its group of nodes (the aggregation tier of a big job).
+
+A node the coordinator sends here (``SyncReply.relay``) calls ``Sync`` on this agent
+as it would on the coordinator.  The relay keeps the node's latest summary, answers at
+once from the coordinator's last ``GroupReply`` (its decisions, the sync interval,
+the node's own incidents, where the node should sync next), and its ``JobLink`` sends
+every summary it holds on in one ``SyncGroup`` call with its own, once per interval.
+Who relays for whom is :mod:`.relay_policy`'s.
+
+A relay that has not heard the coordinator lately refuses (``UNAVAILABLE``): its
+nodes then sync with the coordinator directly, so a relay cut off from the
+coordinator never answers with stale decisions and never hides a node.
+Bounds: at most ``max_nodes`` nodes held at once, the newest summary per node.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from rankwatch.agent.validate import Rejected, check_label
+from rankwatch.proto import pb
+
+__all__ = ["Relay", "RelayUnavailable"]
+
+MAX_GROUP = 256
+"""The most summaries one ``SyncGroup`` call may carry (the coordinator refuses more)."""
+
+
+class RelayUnavailable(Exception):
+    """This agent cannot relay now (no recent word from the coordinator, or full)."""
+
+
+class Relay:
+    """Args:
+        address: the address this agent relays on (a node new to this relay is told to
+            keep syncing here until the coordinator's next reply names its relay).
+        max_nodes: the most nodes whose summaries it holds at once.
+        fresh_seconds: a coordinator reply older than this (or older than three of the
+            intervals it asked for) is stale, and nodes are refused.
+        clock: injected for tests (monotonic seconds).
+    """
+
+    def __init__(self, address: str, *, max_nodes: int = MAX_GROUP - 1, fresh_seconds: float = 2.0,
+                 clock=time.monotonic) -> None:
+        self.address = address
+        self.max_nodes = max_nodes
+        self.fresh_seconds = fresh_seconds
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._pending: dict[str, tuple[pb.NodeSummary, float]] = {}   # node -> (summary, taken at)
+        self._reply: pb.GroupReply | None = None
+        self._reply_at = float("-inf")
+        self._incidents: dict[str, list[pb.Incident]] = {}
+        self.relayed = 0
+        """Summaries sent on (a counter)."""
+
+    # -- a node's Sync ------------------------------------------------------------
+    def take(self, summary: pb.NodeSummary) -> pb.SyncReply:
+        """Hold ``summary`` for the next ``SyncGroup``; answer from the coordinator's last reply.
+
+        Raises:
+            Rejected: the summary names no valid node.
+            RelayUnavailable: no fresh coordinator reply, or the relay holds its most nodes.
+        """
+        check_label(summary.node_id, "node_id", "malformed")
+        if not summary.node_id:
+            raise Rejected("malformed", "summary without node_id")
+        now = self.clock()
+        with self._lock:
+            reply = self._reply
+            if reply is None or now - self._reply_at > self._stale_after(reply):
+                raise RelayUnavailable("this relay has not heard the coordinator lately")
+            if summary.node_id not in self._pending and len(self._pending) >= self.max_nodes:
+                raise RelayUnavailable(f"this relay holds {self.max_nodes} nodes already")
+            self._pending[summary.node_id] = (summary, now)
+            incidents = self._incidents.get(summary.node_id, ())
+        out = pb.SyncReply(coordinator=reply.coordinator, sync_interval_seconds=reply.sync_interval_seconds,
+                           relay=reply.relays.get(summary.node_id, self.address))
+        out.decisions.extend(reply.decisions)
+        out.incidents.extend(incidents)
+        return out
+
+    def _stale_after(self, reply: pb.GroupReply) -> float:
+        return max(self.fresh_seconds, 3 * reply.sync_interval_seconds)
+
+    # -- the relay's own sync -------------------------------------------------------
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._pending)
+
+    def group(self, own: pb.NodeSummary) -> pb.GroupSummary:
+        """``own`` and every summary held, each with how long it was held; the relay is emptied."""
+        now = self.clock()
+        with self._lock:
+            held, self._pending = self._pending, {}
+        group = pb.GroupSummary()
+        group.nodes.append(own)
+        group.held_seconds.append(0.0)
+        for summary, at in held.values():
+            if summary.node_id != own.node_id:
+                group.nodes.append(summary)
+                group.held_seconds.append(max(0.0, now - at))
+        self.relayed += len(group.nodes) - 1
+        return group
+
+    def answered(self, reply: pb.GroupReply) -> None:
+        """The coordinator's reply to the last ``SyncGroup``: what the group's nodes are told next."""
+        by_node: dict[str, list[pb.Incident]] = {}
+        for inc in reply.incidents:
+            by_node.setdefault(inc.node, []).append(inc)
+        with self._lock:
+            self._reply, self._reply_at, self._incidents = reply, self.clock(), by_node
+
+    def answered_directly(self, reply: pb.SyncReply) -> None:
+        """The coordinator's own reply to this agent's ``Sync`` (not a relay's): as fresh."""
+        group = pb.GroupReply(coordinator=reply.coordinator, sync_interval_seconds=reply.sync_interval_seconds)
+        group.decisions.extend(reply.decisions)
+        group.incidents.extend(reply.incidents)
+        self.answered(group)
+
+    def lost_coordinator(self) -> None:
+        """The coordinator did not answer: refuse the group's nodes until it does."""
+        with self._lock:
+            self._reply = None
