@@ -120,16 +120,17 @@ class Coordinator:
 
     def sync_group(self, group: pb.GroupSummary,
                    refused: Callable[[ValueError], None] = lambda _: None) -> pb.GroupReply:
-        """Take a relay's summaries (each as :meth:`sync` would); one reply for the group.
+        """Take a relay's summaries (each as :meth:`sync` would) and beats; one reply for the group.
 
-        A summary that fails its checks is left out alone (``refused`` is told why, and the
-        reply names its node); the others are kept.
+        A summary or beat that fails its checks is left out alone (``refused`` is told why,
+        and the reply names its node); the others are kept.
 
         Raises:
             Rejected: more summaries than a group may carry, or a held time for each missing.
         """
-        if len(group.nodes) > MAX_GROUP:
-            raise Rejected("oversized", f"{len(group.nodes)} summaries in one group (at most {MAX_GROUP})")
+        if len(group.nodes) + len(group.beats) > MAX_GROUP:
+            raise Rejected("oversized", f"{len(group.nodes) + len(group.beats)} nodes in one group "
+                                        f"(at most {MAX_GROUP})")
         if len(group.held_seconds) != len(group.nodes):
             raise Rejected("malformed", "a group needs one held time per summary")
         now = self.clock()
@@ -147,6 +148,15 @@ class Coordinator:
             if summary.run_id:
                 self.incidents.run_id = self.log.run_id = summary.run_id
             self._adopt(summary)
+        for beat in group.beats:
+            held = min(max(beat.held_seconds, 0.0), _MAX_HELD) if beat.held_seconds == beat.held_seconds else _MAX_HELD
+            try:
+                self.view.beat(beat, now - held)
+            except ValueError as exc:   # the relay sends this node whole next time
+                reply.refused.append(beat.node_id[:256])
+                refused(exc)
+                continue
+            names.add(beat.node_id)
         reply.decisions.extend(self._decisions_pb())
         reply.incidents.extend(inc.to_pb() for inc in self.incidents.items_for_nodes(names))
         relays = self.relays

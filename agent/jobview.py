@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rankwatch.agent import validate
 from rankwatch.agent.decisions import DecisionLog
@@ -43,7 +43,9 @@ class NodeView:
     interval: float = 0.25  # how often the node was last told to sync
     best_offset: float = float("inf")   # its smallest offset: clock skew plus the fastest transit
     latest_progress: float = float("-inf")   # its ranks' latest progress, on the coordinator's clock
-    syncs: int = 1          # summaries this coordinator heard from it
+    syncs: int = 1          # summaries this coordinator heard from it (beats too)
+    seq: int = 0            # its latest summary's or beat's seq and sending time
+    sent_at: float = 0.0
 
 
 class JobView:
@@ -82,10 +84,8 @@ class JobView:
                 raise Rejected("too_many_nodes", f"{summary.node_id!r}: the coordinator keeps "
                                                  f"{self.max_nodes} nodes already")
             # A lower seq with a later clock is the node's agent restarted, not a replay.
-            if (prev is not None and summary.seq <= prev.summary.seq
-                    and summary.sent_at <= prev.summary.sent_at):
-                raise ValueError(f"stale summary {summary.seq} from {summary.node_id} "
-                                 f"(have {prev.summary.seq})")
+            if prev is not None and summary.seq <= prev.seq and summary.sent_at <= prev.sent_at:
+                raise ValueError(f"stale summary {summary.seq} from {summary.node_id} (have {prev.seq})")
             offset = now - summary.sent_at
             best = min(offset, prev.best_offset if prev else offset)
             self.load.heard(offset - best, len(self.nodes) + (summary.node_id not in self.nodes))
@@ -93,9 +93,32 @@ class JobView:
             self.nodes[summary.node_id] = NodeView(summary, now, offset, prev.ranks_dead_since if prev else None,
                                                    interval=self.load.reply_interval(), best_offset=best,
                                                    latest_progress=latest + offset,
-                                                   syncs=prev.syncs + 1 if prev else 1)
+                                                   syncs=prev.syncs + 1 if prev else 1,
+                                                   seq=summary.seq, sent_at=summary.sent_at)
             if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
                 self.dead.discard(summary.node_id)
+
+    def beat(self, b: pb.NodeBeat, now: float) -> None:
+        """A relay heard a node whose summary changed in nothing the detectors act on at once:
+        the node is heard now, its ranks' latest progress moves; its last summary stays.
+
+        Raises:
+            ValueError: a beat out of range, stale, or from a node not yet heard whole.
+        """
+        validate.check_beat(b)
+        with self.lock:
+            prev = self.nodes.get(b.node_id)
+            if prev is None:
+                raise Rejected("malformed", f"a beat from node {b.node_id!r}, never heard whole")
+            if b.seq <= prev.seq and b.sent_at <= prev.sent_at:
+                raise ValueError(f"stale beat {b.seq} from {b.node_id} (have {prev.seq})")
+            offset = now - b.sent_at
+            best = min(offset, prev.best_offset)
+            self.load.heard(offset - best, len(self.nodes))
+            latest = b.latest_progress + offset if b.latest_progress > 0 else prev.latest_progress
+            self.nodes[b.node_id] = replace(prev, received_at=now, offset=offset, interval=self.load.reply_interval(),
+                                            best_offset=best, latest_progress=latest, syncs=prev.syncs + 1,
+                                            seq=b.seq, sent_at=b.sent_at)
 
     # -- readers ------------------------------------------------------------------
     def silent(self, n: NodeView, now: float) -> bool:

@@ -4,8 +4,9 @@ A node the coordinator sends here (``SyncReply.relay``) calls ``Sync`` on this a
 as it would on the coordinator.  The relay keeps the node's latest summary, answers at
 once from the coordinator's last ``GroupReply`` (its decisions, the sync interval,
 the node's own incidents, where the node should sync next), and its ``JobLink`` sends
-every summary it holds on in one ``SyncGroup`` call with its own, once per interval.
-Who relays for whom is :mod:`.relay_policy`'s.
+every summary it holds on in one ``SyncGroup`` call with its own, once per interval:
+whole, or as a beat when nothing the coordinator acts on at once changed.  Who relays
+for whom, and what goes whole, is :mod:`.relay_policy`'s.
 
 A relay that has not heard the coordinator lately refuses (``UNAVAILABLE``): its
 nodes then sync with the coordinator directly, so a relay cut off from the
@@ -18,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 
+from rankwatch.agent.relay_policy import RelayConfig, Signature, send_whole, signature
 from rankwatch.agent.validate import Rejected, check_label
 from rankwatch.proto import pb
 
@@ -42,13 +44,16 @@ class Relay:
     """
 
     def __init__(self, address: str, *, max_nodes: int = MAX_GROUP - 1, fresh_seconds: float = 2.0,
-                 clock=time.monotonic) -> None:
+                 cfg: RelayConfig | None = None, clock=time.monotonic) -> None:
         self.address = address
+        self.cfg = cfg or RelayConfig()
         self.max_nodes = max_nodes
         self.fresh_seconds = fresh_seconds
         self.clock = clock
         self._lock = threading.Lock()
-        self._pending: dict[str, tuple[pb.NodeSummary, float]] = {}   # node -> (summary, taken at)
+        # node -> (summary, taken at, sent whole, its signature, its ranks' latest progress)
+        self._pending: dict[str, tuple[pb.NodeSummary, float, bool, Signature, float]] = {}
+        self._whole: dict[str, tuple[float, Signature]] = {}   # node -> the last sent whole (when, what)
         self._reply: pb.GroupReply | None = None
         self._reply_at = float("-inf")
         self._incidents: dict[str, list[pb.Incident]] = {}
@@ -67,13 +72,18 @@ class Relay:
         if not summary.node_id:
             raise Rejected("malformed", "summary without node_id")
         now = self.clock()
+        sig, progress = signature(summary, self.cfg)
+        node = summary.node_id
         with self._lock:
             reply = self._reply
             if reply is None or now - self._reply_at > self._stale_after(reply):
                 raise RelayUnavailable("this relay has not heard the coordinator lately")
-            if summary.node_id not in self._pending and len(self._pending) >= self.max_nodes:
+            held = self._pending.get(node)
+            if held is None and len(self._pending) >= self.max_nodes:
                 raise RelayUnavailable(f"this relay holds {self.max_nodes} nodes already")
-            self._pending[summary.node_id] = (summary, now)
+            # A whole summary not sent yet stays whole (the newer one in its place).
+            whole = (held is not None and held[2]) or send_whole(now, sig, self._whole.get(node), self.cfg)
+            self._pending[node] = (summary, now, whole, sig, progress)
             incidents = self._incidents.get(summary.node_id, ())
         out = pb.SyncReply(coordinator=reply.coordinator, sync_interval_seconds=reply.sync_interval_seconds,
                            relay=reply.relays.get(summary.node_id, self.address))
@@ -90,18 +100,29 @@ class Relay:
             return bool(self._pending)
 
     def group(self, own: pb.NodeSummary) -> pb.GroupSummary:
-        """``own`` and every summary held, each with how long it was held; the relay is emptied."""
+        """``own`` and every summary held (whole or as a beat), each with how long it was
+        held; the relay is emptied."""
         now = self.clock()
         with self._lock:
             held, self._pending = self._pending, {}
+            if len(self._whole) > 4 * self.max_nodes:   # nodes long gone: each goes whole once more
+                self._whole.clear()
+            for node, (_, at, whole, sig, _) in held.items():
+                if whole:
+                    self._whole[node] = (at, sig)
         group = pb.GroupSummary()
         group.nodes.append(own)
         group.held_seconds.append(0.0)
-        for summary, at in held.values():
-            if summary.node_id != own.node_id:
+        for summary, at, whole, _, progress in held.values():
+            if summary.node_id == own.node_id:
+                continue
+            if whole:
                 group.nodes.append(summary)
                 group.held_seconds.append(max(0.0, now - at))
-        self.relayed += len(group.nodes) - 1
+            else:
+                group.beats.append(pb.NodeBeat(node_id=summary.node_id, seq=summary.seq, sent_at=summary.sent_at,
+                                               held_seconds=max(0.0, now - at), latest_progress=progress))
+        self.relayed += len(group.nodes) + len(group.beats) - 1
         return group
 
     def answered(self, reply: pb.GroupReply) -> None:
@@ -111,6 +132,8 @@ class Relay:
             by_node.setdefault(inc.node, []).append(inc)
         with self._lock:
             self._reply, self._reply_at, self._incidents = reply, self.clock(), by_node
+            for node in reply.refused:   # (a beat of a node the coordinator does not know)
+                self._whole.pop(node, None)
 
     def answered_directly(self, reply: pb.SyncReply) -> None:
         """The coordinator's own reply to this agent's ``Sync`` (not a relay's): as fresh."""

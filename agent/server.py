@@ -202,7 +202,7 @@ class Agent:
             self._start_grpc()
             me = self.advertised()
             if me and (self.config.coordinators or self.config.election is not None):
-                self.relay = Relay(me)   # a node of a job of several can relay for its group
+                self.relay = Relay(me, cfg=self.config.relay)   # a node of a job of several can relay
             self.gpu.start()
         except BaseException:
             self.stop(timedelta(0))

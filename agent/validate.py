@@ -465,6 +465,15 @@ def check_summary(s: pb.NodeSummary, now: float | None = None) -> None:
             raise _reject("invalid_value", "decision reason too long")
 
 
+def check_beat(b: pb.NodeBeat, now: float | None = None) -> None:
+    """A relay's word that a node was heard (``SyncGroup``)."""
+    now = time.time() if now is None else now
+    check_label(b.node_id, "node_id", "malformed")
+    check_count(b.seq, "beat seq")
+    check_timestamp(b.sent_at, "beat sent_at", now)
+    check_timestamp(b.latest_progress, "beat latest_progress", now)
+
+
 def _check_rank_summary(r: pb.RankSummary, now: float) -> None:
     check_count(r.rank, "rank")
     check_count(r.pid, "pid")

@@ -18,9 +18,19 @@ Faults, each at ``--fault-at`` seconds:
 * ``--pause S``: the coordinator's process is SIGSTOPped for S seconds (a long GC
   pause, a starved VM): no healthy node may be excluded for it.
 
-Reported: syncs done (and asked for at 4 Hz), Sync latency p50/p99, failures
-by status code, exclusions of healthy nodes, the coordinator's CPU (cores) and
-RSS, the load generator's own CPU, and the sync interval the coordinator asked
+Relays (``agent/relay_policy.py``): the coordinator groups the nodes behind relays in
+a job of ``--relay-min-nodes`` or more (its defaults: 64 per group from 128 nodes;
+``--relay-group 0`` turns them off).  Each simulated node offers an address to relay
+on, and follows the coordinator's replies exactly as ``JobLink`` does: a node sent to
+a relay hands its summary to that relay, and a relay holding summaries sends them on
+in one ``SyncGroup`` call.  The relays are the agent's own ``Relay`` objects, run in
+this process (on a cluster each runs on its own node; here 32 relay processes would
+only share the same two cores).
+
+Reported: node syncs done (direct or through a relay; asked for at 4 Hz), latency
+p50/p99 of the calls the coordinator served (``Sync`` and ``SyncGroup`` apart),
+failures by status code, exclusions of healthy nodes, the coordinator's CPU (cores)
+and RSS, the load generator's own CPU, and the sync interval the coordinator asked
 for at the end.
 
     python benchmarks/coordinator_load.py --nodes 2048 --seconds 60 --stall 7 --fault-at 30
@@ -45,6 +55,7 @@ import psutil
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.load_policy import LoadConfig, first_sync_delay
 from rankwatch.agent.ports import free_port
+from rankwatch.agent.relay import Relay, RelayUnavailable
 from rankwatch.agent.statedir import read_decisions
 from rankwatch.proto import pb, pb_grpc
 
@@ -70,63 +81,125 @@ class SimNode:
     def __init__(self, index: int, ranks: int, slow: bool, born: float) -> None:
         self.name = f"sim{index:05d}"
         self.index, self.ranks, self.slow, self.born = index, ranks, slow, born
+        self.address = f"10.{index >> 16 & 255}.{index >> 8 & 255}.{index & 255}:9479"   # never dialled
+        self.relay = Relay(self.address)   # this node as its group's relay, as its agent would be
+        self.relay_addr = ""               # where the coordinator told it to sync
         self.seq = 0
         self.interval = 0.25
         self.stalled_at: float | None = None
         self.behind = False
         self.silent = False
         self.pids = [10_000_000 + index * 64 + r for r in range(ranks)]
+        self._built: tuple | None = None   # (step, stalled, behind) the ranks show
+        own = 0.08 * (1.25 if slow else 1.0)
+        self._ranks = [pb.RankSummary(
+            rank=index * ranks + r, pid=self.pids[r], step_seconds=STEP, activity="train", connected=True,
+            alive=True, local_rank=r, state="ok", own_work=[own + random.random() * 1e-3 for _ in range(WINDOW)],
+            data_wait=[1e-3] * WINDOW, comm_wait=[0.02] * WINDOW, tokens_per_second=4096.0)
+            for r in range(ranks)]
 
     def summary(self, now: float) -> pb.NodeSummary:
         self.seq += 1
         t = min(now, self.stalled_at) if self.stalled_at is not None else now
         step = int((t - self.born) / STEP)
-        out = pb.NodeSummary(node_id=self.name, seq=self.seq, sent_at=now, run_id="load")
-        own = 0.08 * (1.25 if self.slow else 1.0)
-        for r in range(self.ranks):
-            rank = self.index * self.ranks + r
+        key = (step, self.stalled_at, self.behind)
+        if key != self._built:   # a new step: set its fields in place (rebuilding costs the generator)
+            self._built = key
             seq = 3 * step + (0 if self.behind else 1 if self.stalled_at is not None else 0)
-            rs = pb.RankSummary(
-                rank=rank, pid=self.pids[r], step=step, step_seconds=STEP, steps_completed=step,
-                activity="train", progress_at=t, last_seen=now, connected=True, alive=True,
-                group_seqs={"0": seq, "1": step, "2": step}, local_rank=r, state="ok",
-                own_work=[own + random.random() * 1e-3 for _ in range(WINDOW)],
-                data_wait=[1e-3] * WINDOW, comm_wait=[0.02] * WINDOW, tokens_per_second=4096.0)
-            if self.stalled_at is not None and not self.behind:
-                rs.inflight.CopyFrom(pb.InFlight(op="all_reduce", group="0", seq=seq, since=self.stalled_at))
-            out.ranks.append(rs)
+            for rs in self._ranks:
+                rs.step = rs.steps_completed = step
+                rs.progress_at = t
+                seqs = rs.group_seqs
+                seqs["0"], seqs["1"], seqs["2"] = seq, step, step
+                if self.stalled_at is not None and not self.behind:
+                    rs.inflight.CopyFrom(pb.InFlight(op="all_reduce", group="0", seq=seq, since=self.stalled_at))
+        for rs in self._ranks:
+            rs.last_seen = now
+        out = pb.NodeSummary(node_id=self.name, seq=self.seq, sent_at=now, run_id="load",
+                             relay_address=self.address)
+        out.ranks.extend(self._ranks)
         return out
 
+    def apply(self, interval: float, relay: str) -> None:
+        if interval > 0:
+            self.interval = min(5.0, max(0.25, interval))
+        self.relay_addr = relay if relay != self.address else ""
 
-async def _drive(node: SimNode, stubs: list, end: float, lat: list, fails: dict, failed_at: list,
-                 done: list) -> None:
+
+class Stats:
+    """What the nodes saw: latencies of the coordinator's calls by kind, failures, syncs done."""
+
+    def __init__(self) -> None:
+        self.lat: dict[str, list[tuple[float, float]]] = {"Sync": [], "SyncGroup": []}
+        self.fails: dict[str, int] = {}
+        self.failed_at: list[float] = []
+        self.done = 0         # node summaries the coordinator took, directly or in a group
+        self.relayed = 0      # of those, through a relay
+        self.beats = 0        # of those, beats (the node's last whole summary stands)
+
+    def failed(self, exc: grpc.aio.AioRpcError) -> None:
+        self.fails[exc.code().name] = self.fails.get(exc.code().name, 0) + 1
+        self.failed_at.append(time.time())
+
+
+async def _drive(node: SimNode, by_addr: dict[str, SimNode], stubs: list, end: float, stats: Stats) -> None:
     # The first sync comes when a node agent's would (JobLink: spread over the first seconds).
     await asyncio.sleep(first_sync_delay(random.random(), False, LoadConfig()))
+    md = (("authorization", f"Bearer {TOKEN}"),)
+    stub = stubs[node.index % len(stubs)]
     while time.time() < end:
         if not node.silent:
-            t0 = time.perf_counter()
-            try:
-                t_sent = time.time()
-                reply = await stubs[node.index % len(stubs)].Sync(node.summary(time.time()), timeout=RPC_TIMEOUT,
-                                                                  metadata=(("authorization", f"Bearer {TOKEN}"),))
-                lat.append((t_sent, time.perf_counter() - t0))
-                done[0] += 1
-                asked = getattr(reply, "sync_interval_seconds", 0.0)   # a coordinator before backpressure
-                if asked > 0:
-                    node.interval = min(5.0, max(0.25, asked))
-            except grpc.aio.AioRpcError as exc:
-                fails[exc.code().name] = fails.get(exc.code().name, 0) + 1
-                failed_at.append(time.time())
+            await _sync_once(node, by_addr, stub, md, stats)
         await asyncio.sleep(node.interval)
 
 
-def _start_coordinator(tmp: Path, port: int) -> subprocess.Popen:
+async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats: Stats) -> None:
+    """One sync, as ``JobLink.sync_once``: as a relay, through a relay, or directly."""
+    summary = node.summary(time.time())
+    if node.relay.pending():
+        group = node.relay.group(summary)
+        t_sent, t0 = time.time(), time.perf_counter()
+        try:
+            reply = await stub.SyncGroup(group, timeout=RPC_TIMEOUT, metadata=md)
+        except grpc.aio.AioRpcError as exc:
+            stats.failed(exc)
+            node.relay.lost_coordinator()
+            return
+        stats.lat["SyncGroup"].append((t_sent, time.perf_counter() - t0))
+        node.relay.answered(reply)
+        taken = len(group.nodes) + len(group.beats) - len(reply.refused)
+        stats.done += taken
+        stats.relayed += taken - 1
+        stats.beats += len(group.beats)
+        node.apply(reply.sync_interval_seconds, reply.relays.get(node.name, ""))
+        return
+    relay = by_addr.get(node.relay_addr)
+    if relay is not None and not relay.silent:
+        try:
+            got = relay.relay.take(summary)
+            node.apply(got.sync_interval_seconds, got.relay)
+            return
+        except RelayUnavailable:
+            node.relay_addr = ""   # to the coordinator, at once
+    t_sent, t0 = time.time(), time.perf_counter()
+    try:
+        reply = await stub.Sync(summary, timeout=RPC_TIMEOUT, metadata=md)
+    except grpc.aio.AioRpcError as exc:
+        stats.failed(exc)
+        return
+    stats.lat["Sync"].append((t_sent, time.perf_counter() - t0))
+    stats.done += 1
+    node.relay.answered_directly(reply)
+    node.apply(reply.sync_interval_seconds, reply.relay)
+
+
+def _start_coordinator(tmp: Path, port: int, relay_args: list[str]) -> subprocess.Popen:
     addr = f"127.0.0.1:{port}"
     env = dict(os.environ)
     return subprocess.Popen(
         [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--node-id", "coord", "--listen", addr,
          "--listen", f"unix:{tmp / 'coord.sock'}", "--coordinator", addr, "--metrics-port", "0",
-         "--state-dir", str(tmp / "state"), "--gpu-source", "none"],
+         "--state-dir", str(tmp / "state"), "--gpu-source", "none", *relay_args],
         env={**env, "RANKWATCH_TOKEN": TOKEN},   # as a job runs it: every node holds the token
         stdout=open(tmp / "coord.log", "w"), stderr=subprocess.STDOUT)
 
@@ -152,21 +225,22 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
                                           options=[("grpc.max_receive_message_length", 64 << 20)])
                 for _ in range(args.channels)]
     stubs = [pb_grpc.AgentStub(ch) for ch in channels]
-    lat: list[float] = []
-    fails: dict[str, int] = {}
-    failed_at: list[float] = []
-    done = [0]
+    by_addr = {n.address: n for n in nodes}
+    stats = Stats()
     start = time.time()
     end = start + args.seconds
     me = psutil.Process()
     cpu0, me0 = proc.cpu_times(), me.cpu_times()
-    tasks = [asyncio.create_task(_drive(n, stubs, end, lat, fails, failed_at, done)) for n in nodes]
+    tasks = [asyncio.create_task(_drive(n, by_addr, stubs, end, stats)) for n in nodes]
     fault = {}
     fault_at = start + args.fault_at
     named = silenced = None
+    steady_from: tuple[float, int, float] | None = None   # (time, summaries taken, coordinator CPU) then
     while time.time() < end:
         await asyncio.sleep(0.1)
         now = time.time()
+        if steady_from is None and now >= start + args.warmup:
+            steady_from = (now, stats.done, sum(proc.cpu_times()[:2]))
         if now >= fault_at and not fault:
             fault = {"at": now}
             if args.stall is not None:
@@ -188,23 +262,37 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
             gone = [d for d in _exclusions(state) if d["node"] == nodes[args.silence].name]
             if gone:
                 silenced = round(gone[0]["decided_at"] - fault["at"], 2)
+    steady_end = (time.time(), stats.done, sum(proc.cpu_times()[:2]))
     await asyncio.gather(*tasks)
     wall = time.time() - start
     cpu1, me1 = proc.cpu_times(), me.cpu_times()
+    steady = None
+    if steady_from is not None and steady_end[0] > steady_from[0]:
+        span = steady_end[0] - steady_from[0]
+        rate = (steady_end[1] - steady_from[1]) / span
+        cores = (steady_end[2] - steady_from[2]) / span
+        steady = {"syncs_per_second": round(rate, 1), "coordinator_cores": round(cores, 2),
+                  "coordinator_us_per_summary": round(1e6 * cores / rate, 1) if rate else None}
     for ch in channels:
         await ch.close()
-    steady = sorted(d for t, d in lat if t >= start + args.warmup)
-    lat = sorted(d for _, d in lat)
+    latency = {}
+    for kind, samples in stats.lat.items():
+        every = sorted(d for _, d in samples)
+        steady = sorted(d for t, d in samples if t >= start + args.warmup)
+        latency[kind] = {"calls": len(every), "p50_ms": _ms(every, 0.5), "p99_ms": _ms(every, 0.99),
+                         "steady_p50_ms": _ms(steady, 0.5), "steady_p99_ms": _ms(steady, 0.99)}
     expected = {nodes[i].name for i in (args.silence, args.stall) if i is not None}
     excluded = [d["node"] for d in _exclusions(state)]
     flagged = sorted({i.node for i in _incidents(state) if i.kind == "straggler"})
+    fails, failed_at = stats.fails, stats.failed_at
     return {
         "nodes": args.nodes, "ranks": args.nodes * args.ranks, "seconds": round(wall, 1),
-        "syncs_per_second": round(done[0] / wall, 1), "asked_at_4hz": args.nodes * 4,
-        "sync_p50_ms": round(1e3 * lat[len(lat) // 2], 1) if lat else None,
-        "sync_p99_ms": round(1e3 * lat[int(len(lat) * 0.99)], 1) if lat else None,
-        "steady_p50_ms": round(1e3 * steady[len(steady) // 2], 1) if steady else None,
-        "steady_p99_ms": round(1e3 * steady[int(len(steady) * 0.99)], 1) if steady else None,
+        "syncs_per_second": round(stats.done / wall, 1), "asked_at_4hz": args.nodes * 4,
+        "steady": steady,
+        "relayed_share": round(stats.relayed / stats.done, 3) if stats.done else 0.0,
+        "beat_share": round(stats.beats / stats.done, 3) if stats.done else 0.0,
+        "relays_used": sum(1 for n in nodes if n.relay.relayed),
+        "latency": latency,
         "failed": sum(fails.values()), "failed_by_code": fails,
         "failures_between_s": [round(min(failed_at) - start, 1), round(max(failed_at) - start, 1)] if failed_at else None,
         "healthy_excluded": [n for n in excluded if n not in expected],
@@ -215,6 +303,11 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         "hang_named": named, "silent_excluded_after_s": silenced,
         "straggler_nodes_flagged": flagged,
     }
+
+
+def _ms(sorted_seconds: list[float], q: float) -> float | None:
+    return round(1e3 * sorted_seconds[min(len(sorted_seconds) - 1, int(len(sorted_seconds) * q))], 1) \
+        if sorted_seconds else None
 
 
 def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
@@ -230,7 +323,9 @@ def run(args: argparse.Namespace) -> dict:
         tmp = Path(args.keep) if args.keep else Path(d)
         tmp.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        coord = _start_coordinator(tmp, port)
+        relay_args = ([] if args.relay_group is None else ["--relay-group", str(args.relay_group)]) + (
+            [] if args.relay_min_nodes is None else ["--relay-min-nodes", str(args.relay_min_nodes)])
+        coord = _start_coordinator(tmp, port, relay_args)
         try:
             _wait_serving(port, coord)
             result = asyncio.run(_run(args, port, tmp / "state", psutil.Process(coord.pid)))
@@ -260,6 +355,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slow", type=int, help="node whose ranks do 25%% more own work")
     p.add_argument("--keep", help="keep the coordinator's log and state in this folder")
     p.add_argument("--pause", type=float, default=0.0, help="SIGSTOP the coordinator this long")
+    p.add_argument("--relay-group", type=int, help="the coordinator's --relay-group (0: no relays)")
+    p.add_argument("--relay-min-nodes", type=int, help="the coordinator's --relay-min-nodes")
     return p
 
 

@@ -72,6 +72,18 @@ def test_64_nodes_a_silent_one_is_excluded_and_no_healthy_one():
 
 
 @pytest.mark.e2e
+def test_64_nodes_behind_relays_a_silent_one_is_excluded_and_no_healthy_one():
+    """The same job grouped behind relays (16 nodes each): the coordinator serves 4 group calls
+    a round, mostly beats, and still finds the node that went silent."""
+    r = _load_args(silence=5, relay_group=16, relay_min_nodes=16)
+    assert r["failed"] == 0 and r["healthy_excluded"] == []
+    assert r["silent_excluded_after_s"] is not None and r["silent_excluded_after_s"] <= 5.0
+    assert r["relayed_share"] > 0.5 and r["beat_share"] > 0.3, r
+    assert r["latency"]["SyncGroup"]["calls"] > 0
+    assert r["syncs_per_second"] > 0.8 * 64 * 4
+
+
+@pytest.mark.e2e
 def test_a_paused_coordinator_excludes_no_healthy_node():
     """SIGSTOP the coordinator for 5 s (a long GC pause, a starved VM) under 64 nodes' syncs: once
     it runs again, every node looks silent and every rank stalled.  None of that is evidence."""

@@ -17,7 +17,7 @@ from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.incidents import IncidentLog
 from rankwatch.agent.ports import free_port
 from rankwatch.agent.relay import MAX_GROUP, Relay, RelayUnavailable
-from rankwatch.agent.relay_policy import RelayConfig, assign, callers
+from rankwatch.agent.relay_policy import RelayConfig, assign, callers, send_whole, signature
 from rankwatch.agent.validate import Rejected
 from rankwatch.proto import pb
 
@@ -40,6 +40,67 @@ def test_no_relays_in_a_small_job_when_off_or_without_addresses():
     assert assign([(n, "", True) for n, _, _ in nodes], RelayConfig(group_size=2, min_nodes=2)) == {}
     with pytest.raises(ValueError):
         RelayConfig(group_size=1)
+
+
+def _ranked(node: str, seq: int, sent_at: float, progress: float, **rank) -> pb.NodeSummary:
+    s = pb.NodeSummary(node_id=node, seq=seq, sent_at=sent_at)
+    s.ranks.append(pb.RankSummary(**{"rank": 0, "pid": 7, "connected": True, "alive": True, "state": "ok",
+                                     "progress_at": progress, **rank}))
+    return s
+
+
+def test_a_summary_goes_whole_when_what_the_detectors_act_on_changed():
+    cfg = RelayConfig(whole_every_seconds=1.0, long_wait_seconds=1.0)
+    sig, progress = signature(_ranked("n1", 1, 100.0, 99.9), cfg)
+    assert progress == 99.9
+    last = (10.0, sig)
+    assert send_whole(10.0, sig, None, cfg), "nothing sent whole yet"
+    assert not send_whole(10.5, signature(_ranked("n1", 2, 100.5, 100.4), cfg)[0], last, cfg), \
+        "progress alone is a beat"
+    assert send_whole(11.0, sig, last, cfg), "whole at least every second"
+    for changed in (dict(stopped=True), dict(alive=False), dict(state="hung"), dict(pid=8)):
+        assert send_whole(10.5, signature(_ranked("n1", 2, 100.5, 100.4, **changed), cfg)[0], last, cfg), changed
+    waiting = _ranked("n1", 2, 100.5, 100.4)
+    waiting.ranks[0].inflight.CopyFrom(pb.InFlight(op="all_reduce", group="0", seq=3, since=100.2))
+    assert not send_whole(10.5, signature(waiting, cfg)[0], last, cfg), "a collective in flight briefly"
+    waiting.ranks[0].inflight.since = 99.4
+    assert send_whole(10.5, signature(waiting, cfg)[0], last, cfg), "a collective in flight over a second"
+    news = _ranked("n1", 2, 100.5, 100.4)
+    news.incidents.append(pb.Incident(id="i1", kind="checkpoint", node="n1"))
+    assert send_whole(10.5, signature(news, cfg)[0], last, cfg)
+
+
+def test_a_relay_sends_beats_between_wholes_and_a_refused_beat_goes_whole_next():
+    clock = Clock()
+    relay = Relay("h1:1", cfg=RelayConfig(whole_every_seconds=1.0), clock=clock)
+    relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
+    sent: list[tuple[list[str], list[str]]] = []
+
+    def flush() -> pb.GroupSummary:
+        g = relay.group(_summary("n1", sent_at=1000.0 + clock.t))
+        sent.append(([s.node_id for s in g.nodes[1:]], [b.node_id for b in g.beats]))
+        return g
+
+    relay.take(_ranked("n2", 1, 1000.0, 999.0))
+    flush()
+    clock.t += 0.25
+    relay.take(_ranked("n2", 2, 1000.25, 1000.2))
+    beat = flush().beats[0]
+    assert (beat.seq, beat.sent_at, beat.latest_progress) == (2, 1000.25, 1000.2)
+    clock.t += 0.25
+    relay.take(_ranked("n2", 3, 1000.5, 1000.4))
+    relay.take(_ranked("n2", 4, 1000.6, 1000.5, stopped=True))   # a whole one waiting stays whole:
+    relay.take(_ranked("n2", 5, 1000.7, 1000.6, stopped=True))
+    g = flush()
+    assert [s.seq for s in g.nodes[1:]] == [5] and not g.beats
+    clock.t += 0.25
+    relay.take(_ranked("n2", 6, 1000.8, 1000.7, stopped=True))
+    flush()
+    relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25, refused=["n2"]))
+    clock.t += 0.25
+    relay.take(_ranked("n2", 7, 1000.9, 1000.8, stopped=True))
+    flush()
+    assert sent == [(["n2"], []), ([], ["n2"]), (["n2"], []), ([], ["n2"]), (["n2"], [])]
 
 
 # -- the relay's own bounds -------------------------------------------------------
@@ -107,6 +168,18 @@ def test_the_coordinator_takes_a_group_and_refuses_a_bad_summary_alone():
     with pytest.raises(Rejected):
         c.sync_group(pb.GroupSummary(nodes=[_summary(f"x{i}") for i in range(MAX_GROUP + 1)],
                                      held_seconds=[0.0] * (MAX_GROUP + 1)))
+    # Beats: a node heard whole moves on; one never heard whole, or a replayed beat, is refused.
+    beats = pb.GroupSummary(nodes=[_summary("n1", 2)], held_seconds=[0.0], beats=[
+        pb.NodeBeat(node_id="n2", seq=2, sent_at=1000.5, held_seconds=0.25, latest_progress=1000.4),
+        pb.NodeBeat(node_id="n9", seq=2, sent_at=1000.5),
+        pb.NodeBeat(node_id="n2", seq=2, sent_at=1000.5)])
+    clock.t = 1001.0
+    reply = c.sync_group(beats, refused.append)
+    assert list(reply.refused) == ["n9", "n2"]
+    n2 = c.nodes["n2"]
+    assert (n2.seq, n2.syncs, n2.received_at) == (2, 2, pytest.approx(1000.75))
+    assert n2.latest_progress == pytest.approx(1000.4 + n2.offset)
+    assert n2.summary.seq == 1, "a beat keeps the node's last summary"
     for n, addr in (("n1", "h1:1"), ("n2", "h2:1"), ("n3", "h3:1")):
         c.sync(pb.NodeSummary(node_id=n, seq=5, sent_at=clock.t, relay_address=addr))
     c.evaluate()

@@ -614,12 +614,28 @@ class SyncReply(_message.Message):
     def __init__(self, coordinator: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., sync_interval_seconds: _Optional[float] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class GroupSummary(_message.Message):
-    __slots__ = ("nodes", "held_seconds")
+    __slots__ = ("nodes", "held_seconds", "beats")
     NODES_FIELD_NUMBER: _ClassVar[int]
     HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BEATS_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeSummary]
     held_seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeSummary, _Mapping]]] = ..., held_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    beats: _containers.RepeatedCompositeFieldContainer[NodeBeat]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeSummary, _Mapping]]] = ..., held_seconds: _Optional[_Iterable[float]] = ..., beats: _Optional[_Iterable[_Union[NodeBeat, _Mapping]]] = ...) -> None: ...
+
+class NodeBeat(_message.Message):
+    __slots__ = ("node_id", "seq", "sent_at", "held_seconds", "latest_progress")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    seq: int
+    sent_at: float
+    held_seconds: float
+    latest_progress: float
+    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., held_seconds: _Optional[float] = ..., latest_progress: _Optional[float] = ...) -> None: ...
 
 class GroupReply(_message.Message):
     __slots__ = ("coordinator", "decisions", "incidents", "sync_interval_seconds", "relays", "refused")
