@@ -278,9 +278,9 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
     latency = {}
     for kind, samples in stats.lat.items():
         every = sorted(d for _, d in samples)
-        steady = sorted(d for t, d in samples if t >= start + args.warmup)
+        late = sorted(d for t, d in samples if t >= start + args.warmup)
         latency[kind] = {"calls": len(every), "p50_ms": _ms(every, 0.5), "p99_ms": _ms(every, 0.99),
-                         "steady_p50_ms": _ms(steady, 0.5), "steady_p99_ms": _ms(steady, 0.99)}
+                         "steady_p50_ms": _ms(late, 0.5), "steady_p99_ms": _ms(late, 0.99)}
     expected = {nodes[i].name for i in (args.silence, args.stall) if i is not None}
     excluded = [d["node"] for d in _exclusions(state)]
     flagged = sorted({i.node for i in _incidents(state) if i.kind == "straggler"})
