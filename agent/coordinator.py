@@ -261,7 +261,9 @@ class Coordinator:
                 self._plan_eviction(f.node, f.speedup, f.cause)
         self._check_evictions()
         self.restarts.check(now, self.job_incidents())
-        if now - self._relays_at >= self.relay.every_seconds:
+        # Nodes not in any group yet (a big job starting) are placed at the next tick.
+        ungrouped = len(self.nodes) > self.relay.min_nodes and len(self.nodes) - 1 > len(self.relays)
+        if ungrouped or now - self._relays_at >= self.relay.every_seconds:
             self._relays_at = now
             self._assign_relays(now)
 
@@ -273,7 +275,7 @@ class Coordinator:
             nodes = [(name, n.summary.relay_address, name not in excluded and name not in self.dead
                       and not self.view.silent(n, now))
                      for name, n in self.nodes.items() if name != self.node_id]
-        relays = relay_policy.assign(nodes, self.relay)
+        relays = relay_policy.assign(nodes, self.relay, self.relays)
         if bool(relays) != bool(self.relays):
             log.warning("nodes now sync %s", f"through {sum(1 for a in relays.values() if not a)} relay(s)"
                         if relays else "with the coordinator directly")

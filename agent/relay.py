@@ -51,9 +51,9 @@ class Relay:
         self.fresh_seconds = fresh_seconds
         self.clock = clock
         self._lock = threading.Lock()
-        # node -> (summary, taken at, sent whole, its signature, its ranks' latest progress)
-        self._pending: dict[str, tuple[pb.NodeSummary, float, bool, Signature, float]] = {}
-        self._whole: dict[str, tuple[float, Signature]] = {}   # node -> the last sent whole (when, what)
+        # node -> (summary, taken at, sent whole, its signature, its ranks' latest progress, steps)
+        self._pending: dict[str, tuple[pb.NodeSummary, float, bool, Signature, float, int]] = {}
+        self._whole: dict[str, tuple[float, Signature, int]] = {}   # node -> the last sent whole
         self._reply: pb.GroupReply | None = None
         self._reply_at = float("-inf")
         self._incidents: dict[str, list[pb.Incident]] = {}
@@ -72,7 +72,7 @@ class Relay:
         if not summary.node_id:
             raise Rejected("malformed", "summary without node_id")
         now = self.clock()
-        sig, progress = signature(summary, self.cfg)
+        sig, progress, steps = signature(summary, self.cfg)
         node = summary.node_id
         with self._lock:
             reply = self._reply
@@ -82,8 +82,8 @@ class Relay:
             if held is None and len(self._pending) >= self.max_nodes:
                 raise RelayUnavailable(f"this relay holds {self.max_nodes} nodes already")
             # A whole summary not sent yet stays whole (the newer one in its place).
-            whole = (held is not None and held[2]) or send_whole(now, sig, self._whole.get(node), self.cfg)
-            self._pending[node] = (summary, now, whole, sig, progress)
+            whole = (held is not None and held[2]) or send_whole(now, sig, steps, self._whole.get(node), self.cfg)
+            self._pending[node] = (summary, now, whole, sig, progress, steps)
             incidents = self._incidents.get(summary.node_id, ())
         out = pb.SyncReply(coordinator=reply.coordinator, sync_interval_seconds=reply.sync_interval_seconds,
                            relay=reply.relays.get(summary.node_id, self.address))
@@ -107,13 +107,13 @@ class Relay:
             held, self._pending = self._pending, {}
             if len(self._whole) > 4 * self.max_nodes:   # nodes long gone: each goes whole once more
                 self._whole.clear()
-            for node, (_, at, whole, sig, _) in held.items():
+            for node, (_, at, whole, sig, _, steps) in held.items():
                 if whole:
-                    self._whole[node] = (at, sig)
+                    self._whole[node] = (at, sig, steps)
         group = pb.GroupSummary()
         group.nodes.append(own)
         group.held_seconds.append(0.0)
-        for summary, at, whole, _, progress in held.values():
+        for summary, at, whole, _, progress, _ in held.values():
             if summary.node_id == own.node_id:
                 continue
             if whole:

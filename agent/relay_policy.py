@@ -11,14 +11,16 @@ The rules (:func:`assign`, pure):
 
 * Relays only in a job of at least ``min_nodes`` nodes; below that the coordinator
   serves every node itself, as before.
-* Groups are the nodes in node-id order, ``group_size`` at a time, so every
-  coordinator (a new one after a takeover too) draws the same groups from the same
-  nodes.
-* A group's relay is its first *eligible* node: one that gave an address to relay on
-  and that the coordinator hears now (not silent, dead or excluded), and not the
-  coordinator itself.  A relay that goes silent is replaced at the next assignment;
-  its nodes, whose syncs through it fail, sync with the coordinator directly
-  meanwhile (``JobLink``), so a dead relay costs its group no verdict.
+* Groups hold at most ``group_size`` nodes and are kept from one assignment to the
+  next: a node joining fills a group with room, and a new group starts behind its
+  first *eligible* node: one that gave an address to relay on and that the
+  coordinator hears now (not silent, dead or excluded), and not the coordinator
+  itself.  A coordinator that takes over starts from nothing and groups in node-id
+  order.
+* A relay that is no longer eligible is replaced at the next assignment by its
+  group's first eligible member; meanwhile its nodes, whose syncs through it fail,
+  sync with the coordinator directly (``JobLink``), so a dead relay costs its group
+  no verdict.
 * A relay syncs with the coordinator itself, as does every node of a group without an
   eligible relay.
 
@@ -26,8 +28,9 @@ What a relay sends on for each node (:func:`send_whole`, pure): the whole summar
 anything the coordinator acts on at once changed since the last one it sent whole (a
 rank came, went, died, stopped or changed state; a collective has been in flight for
 over ``long_wait_seconds``; a new incident or decision), and at least every
-``whole_every_seconds`` (the straggler detector's windows, the ranks' steps and
-sequence numbers); otherwise a beat: the node was heard, and its ranks' latest
+``whole_every_seconds`` or ``whole_every_steps`` completed steps, whichever comes
+first (the straggler detector lines the ranks' own-work windows up by step, and
+nodes a whole window apart would leave it nothing to compare); otherwise a beat: the node was heard, and its ranks' latest
 progress.  A healthy job's summaries then cost the coordinator a beat three times in
 four, and a hang, whose ranks wait in a collective, is sent whole within about a
 second of its start: well inside the hang allowance.
@@ -57,34 +60,73 @@ class RelayConfig:
     """How often the coordinator draws the groups again."""
     whole_every_seconds: float = 1.0
     """A relay sends each node's whole summary at least this often (beats between)."""
+    whole_every_steps: int = 16
+    """... or every this many steps its ranks completed: a quarter of the 64-step own-work
+    window a node sends, so the coordinator's copies of two nodes always share 48 steps."""
     long_wait_seconds: float = 1.0
     """A collective in flight this long makes a node's summary go whole at once."""
 
     def __post_init__(self) -> None:
         if self.group_size < 0 or self.group_size == 1 or self.min_nodes < 2:
             raise ValueError("RelayConfig needs group_size 0 (off) or >= 2, and min_nodes >= 2")
-        if not self.every_seconds > 0 or not self.whole_every_seconds >= 0 or not self.long_wait_seconds > 0:
+        if (not self.every_seconds > 0 or not self.whole_every_seconds >= 0 or not self.long_wait_seconds > 0
+                or self.whole_every_steps < 1):
             raise ValueError("RelayConfig needs every_seconds > 0, whole_every_seconds >= 0, "
-                             "long_wait_seconds > 0")
+                             "whole_every_steps >= 1, long_wait_seconds > 0")
 
 
-def assign(nodes: Iterable[tuple[str, str, bool]], cfg: RelayConfig) -> dict[str, str]:
-    """Each node's relay address ('' for the coordinator itself).
+def assign(nodes: Iterable[tuple[str, str, bool]], cfg: RelayConfig,
+           before: dict[str, str] | None = None) -> dict[str, str]:
+    """Each node's relay address ('' for a relay itself, which syncs with the coordinator).
 
     ``nodes``: (node id, the address its agent relays on or '', eligible as a relay now).
+    ``before``: the last assignment.  Groups are kept: a node stays behind its relay while
+    that relay is eligible; a group whose relay is not is taken over by its first eligible
+    member; nodes without a group fill the groups with room, in node-id order, and then
+    new groups, each behind its first eligible node.  (Regrouping the whole job whenever a
+    node joins would send most nodes to a new relay, which has not heard the coordinator
+    yet, and so to the coordinator itself: a burst of direct syncs while a big job starts.)
     A node left out of the result syncs with the coordinator directly.
     """
     known = sorted(nodes)
     if cfg.group_size == 0 or len(known) < cfg.min_nodes:
         return {}
-    out: dict[str, str] = {}
-    for start in range(0, len(known), cfg.group_size):
-        group = known[start:start + cfg.group_size]
-        relay = next(((name, addr) for name, addr, ok in group if ok and addr), None)
-        if relay is None:
+    before = before or {}
+    addr = {name: a for name, a, _ in known}
+    eligible = {name for name, a, ok in known if ok and a}
+    by_addr = {a: name for name, a in addr.items() if a}
+    groups: dict[str, list[str]] = {}   # relay node -> its members (the relay first)
+    orphans: dict[str, list[str]] = {}  # a relay no longer eligible -> its members
+    for name, _, _ in known:
+        relay = name if before.get(name) == "" else by_addr.get(before.get(name) or "")
+        if relay is None or before.get(relay) != "" or relay not in addr:
             continue
-        for name, _, _ in group:
-            out[name] = "" if name == relay[0] else relay[1]
+        (groups if relay in eligible else orphans).setdefault(relay, []).append(name)
+    for members in orphans.values():   # the first eligible member takes its group over
+        heir = next((m for m in members if m in eligible and m not in groups), None)
+        if heir is not None:
+            groups[heir] = [heir] + [m for m in members if m != heir]
+    placed = {m for members in groups.values() for m in members}
+    homeless = [name for name, _, _ in known if name not in placed]
+    open_groups = [r for r in sorted(groups) if len(groups[r]) < cfg.group_size]
+    while homeless:
+        if open_groups:
+            relay = open_groups[0]
+        else:
+            relay = next((m for m in homeless if m in eligible), "")
+            if not relay:
+                break   # no node left that could relay: the rest sync directly
+            homeless.remove(relay)
+            groups[relay] = [relay]
+            open_groups.append(relay)
+        while homeless and len(groups[relay]) < cfg.group_size:
+            groups[relay].append(homeless.pop(0))
+        if len(groups[relay]) >= cfg.group_size:
+            open_groups.remove(relay)
+    out: dict[str, str] = {}
+    for relay, members in groups.items():
+        for m in members:
+            out[m] = "" if m == relay else addr[relay]
     return out
 
 
@@ -93,21 +135,28 @@ def callers(assigned: dict[str, str], nodes: int) -> int:
     return nodes - sum(1 for addr in assigned.values() if addr)
 
 
-def signature(s: pb.NodeSummary, cfg: RelayConfig) -> tuple[Signature, float]:
-    """(what of ``s`` must reach the coordinator at once, its ranks' latest progress)."""
+def signature(s: pb.NodeSummary, cfg: RelayConfig) -> tuple[Signature, float, int]:
+    """(what of ``s`` must reach the coordinator at once, its ranks' latest progress, the
+    most steps one of its ranks completed)."""
     waiting_since = s.sent_at - cfg.long_wait_seconds
     ranks = tuple((r.rank, r.pid, r.connected, r.alive, r.stopped, r.exited_cleanly, r.state, r.activity,
                    r.HasField("inflight") and r.inflight.since <= waiting_since) for r in s.ranks)
     incidents = (len(s.incidents), s.incidents[-1].id if s.incidents else "")
     decisions = (len(s.decisions), s.decisions[-1].id if s.decisions else "")
     progress = max((r.progress_at for r in s.ranks if not r.exited_cleanly), default=0.0)
-    return (ranks, incidents, decisions, s.run_id), progress
+    steps = max((r.steps_completed for r in s.ranks), default=0)
+    return (ranks, incidents, decisions, s.run_id), progress, steps
 
 
-def send_whole(now: float, sig: Signature, last: tuple[float, Signature] | None, cfg: RelayConfig) -> bool:
+def send_whole(now: float, sig: Signature, steps: int, last: tuple[float, Signature, int] | None,
+               cfg: RelayConfig) -> bool:
     """Whether a relay sends a node's summary whole (else a beat).
 
-    ``last``: (when, signature) of the last summary it sent whole for the node (None:
-    none yet, or the coordinator asked for one).
+    ``last``: (when, signature, steps) of the last summary it sent whole for the node
+    (None: none yet, or the coordinator asked for one).
     """
-    return last is None or now - last[0] >= cfg.whole_every_seconds or sig != last[1]
+    if last is None:
+        return True
+    at, last_sig, last_steps = last
+    return (now - at >= cfg.whole_every_seconds or sig != last_sig
+            or not 0 <= steps - last_steps < cfg.whole_every_steps)

@@ -56,10 +56,11 @@ from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.load_policy import LoadConfig, first_sync_delay
 from rankwatch.agent.ports import free_port
 from rankwatch.agent.relay import Relay, RelayUnavailable
+from rankwatch.agent.state import WORK_WINDOW
 from rankwatch.agent.statedir import read_decisions
 from rankwatch.proto import pb, pb_grpc
 
-WINDOW = 16      # own-work window per rank, as the node agent sends it
+WINDOW = WORK_WINDOW   # own-work window per rank, as the node agent sends it (64 steps)
 STEP = 0.1       # simulated seconds per step
 RPC_TIMEOUT = 1.0
 TOKEN = "load-test-token"

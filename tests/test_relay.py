@@ -31,6 +31,12 @@ def test_groups_in_node_order_each_behind_its_first_eligible_node():
                    "n04": "h5:1", "n05": "", "n06": "h5:1", "n07": "h5:1",   # n04 skipped: n05 relays
                    "n08": "", "n09": "h8:1"}
     assert callers(got, 10) == 3
+    # Groups are kept: a node joining fills a group with room; a relay no longer eligible
+    # hands its group to its first eligible member; nobody else moves.
+    later = [(f"n{i:02d}", f"h{i}:1", i not in (4, 5)) for i in range(11)]
+    again = assign(later, RelayConfig(group_size=4, min_nodes=2), got)
+    assert again == {**got, "n04": "h6:1", "n05": "h6:1", "n06": "", "n07": "h6:1", "n10": "h8:1"}
+    assert assign(later, RelayConfig(group_size=4, min_nodes=2), again) == again
 
 
 def test_no_relays_in_a_small_job_when_off_or_without_addresses():
@@ -51,23 +57,26 @@ def _ranked(node: str, seq: int, sent_at: float, progress: float, **rank) -> pb.
 
 def test_a_summary_goes_whole_when_what_the_detectors_act_on_changed():
     cfg = RelayConfig(whole_every_seconds=1.0, long_wait_seconds=1.0)
-    sig, progress = signature(_ranked("n1", 1, 100.0, 99.9), cfg)
-    assert progress == 99.9
-    last = (10.0, sig)
-    assert send_whole(10.0, sig, None, cfg), "nothing sent whole yet"
-    assert not send_whole(10.5, signature(_ranked("n1", 2, 100.5, 100.4), cfg)[0], last, cfg), \
+    sig, progress, steps = signature(_ranked("n1", 1, 100.0, 99.9, steps_completed=20), cfg)
+    assert (progress, steps) == (99.9, 20)
+    last = (10.0, sig, 20)
+    assert send_whole(10.0, sig, 20, None, cfg), "nothing sent whole yet"
+    assert not send_whole(10.5, signature(_ranked("n1", 2, 100.5, 100.4), cfg)[0], 23, last, cfg), \
         "progress alone is a beat"
-    assert send_whole(11.0, sig, last, cfg), "whole at least every second"
+    assert send_whole(11.0, sig, 20, last, cfg), "whole at least every second"
+    assert send_whole(10.5, sig, 20 + cfg.whole_every_steps, last, cfg), "... and every few steps"
+    assert send_whole(10.5, sig, 3, last, cfg), "steps going back: the ranks restarted"
     for changed in (dict(stopped=True), dict(alive=False), dict(state="hung"), dict(pid=8)):
-        assert send_whole(10.5, signature(_ranked("n1", 2, 100.5, 100.4, **changed), cfg)[0], last, cfg), changed
+        assert send_whole(10.5, signature(_ranked("n1", 2, 100.5, 100.4, **changed), cfg)[0], 20, last, cfg), \
+            changed
     waiting = _ranked("n1", 2, 100.5, 100.4)
     waiting.ranks[0].inflight.CopyFrom(pb.InFlight(op="all_reduce", group="0", seq=3, since=100.2))
-    assert not send_whole(10.5, signature(waiting, cfg)[0], last, cfg), "a collective in flight briefly"
+    assert not send_whole(10.5, signature(waiting, cfg)[0], 20, last, cfg), "a collective in flight briefly"
     waiting.ranks[0].inflight.since = 99.4
-    assert send_whole(10.5, signature(waiting, cfg)[0], last, cfg), "a collective in flight over a second"
+    assert send_whole(10.5, signature(waiting, cfg)[0], 20, last, cfg), "a collective in flight over a second"
     news = _ranked("n1", 2, 100.5, 100.4)
     news.incidents.append(pb.Incident(id="i1", kind="checkpoint", node="n1"))
-    assert send_whole(10.5, signature(news, cfg)[0], last, cfg)
+    assert send_whole(10.5, signature(news, cfg)[0], 20, last, cfg)
 
 
 def test_a_relay_sends_beats_between_wholes_and_a_refused_beat_goes_whole_next():
