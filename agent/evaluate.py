@@ -60,10 +60,11 @@ class Verdicts:
 
     @cached_property
     def work(self) -> list[RankWork]:
-        """The straggler detector's inputs: each connected rank's recent steps (built when asked:
-        at thousands of ranks the copy costs more than the hang check)."""
-        return [RankWork(rank=r.rank, node=r.node, step=r.step, own=list(r.own), data=list(r.data),
-                         wait=list(r.wait), step_seconds=r.step_seconds, completed=r.steps_completed)
+        """The straggler detector's inputs: each connected rank's recent steps (built when asked).
+        The windows are the snapshot's own, not copies: the detector only reads them, and at
+        16,384 ranks of 64-step windows copying them cost more than everything else."""
+        return [RankWork(rank=r.rank, node=r.node, step=r.step, own=r.own, data=r.data,
+                         wait=r.wait, step_seconds=r.step_seconds, completed=r.steps_completed)
                 for r in self.snapshot.ranks if r.connected]
 
 

@@ -16,7 +16,7 @@ sequence numbers, else the rank stuck longest outside a collective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,7 @@ class RankProgress:
     last_seen: float            # agent clock: last message
     connected: bool
     exited_cleanly: bool = False
-    group_seqs: dict[str, int] = field(default_factory=dict)
+    group_seqs: Mapping[str, int] = field(default_factory=dict)
     inflight: dict[str, Any] | None = None   # {op, group, seq, since}
     stacks: str | None = None                # fresh stacks only (taken within the last 10 s)
     flight_recorder: dict | None = None      # {pending: [{group, seq, op, ...}], completed}

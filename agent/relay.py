@@ -11,7 +11,8 @@ for whom, and what goes whole, is :mod:`.relay_policy`'s.
 A relay that has not heard the coordinator lately refuses (``UNAVAILABLE``): its
 nodes then sync with the coordinator directly, so a relay cut off from the
 coordinator never answers with stale decisions and never hides a node.
-Bounds: at most ``max_nodes`` nodes held at once, the newest summary per node.
+Bounds: at most ``max_nodes`` nodes and ``GROUP_BYTES`` held at once, the newest
+summary per node, each no bigger than a node agent ever sends (``bounds.MAX_SUMMARY_BYTES``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 
+from rankwatch.agent.bounds import MAX_SUMMARY_BYTES
 from rankwatch.agent.relay_policy import RelayConfig, Signature, send_whole, signature
 from rankwatch.agent.validate import Rejected, check_label
 from rankwatch.proto import pb
@@ -27,6 +29,8 @@ __all__ = ["Relay", "RelayUnavailable"]
 
 MAX_GROUP = 256
 """The most summaries one ``SyncGroup`` call may carry (the coordinator refuses more)."""
+GROUP_BYTES = 12 << 20
+"""The most bytes of summaries a relay holds at once: a group stays under the 16 MiB message."""
 
 
 class RelayUnavailable(Exception):
@@ -38,21 +42,24 @@ class Relay:
         address: the address this agent relays on (a node new to this relay is told to
             keep syncing here until the coordinator's next reply names its relay).
         max_nodes: the most nodes whose summaries it holds at once.
+        max_bytes: the most bytes of summaries it holds at once.
         fresh_seconds: a coordinator reply older than this (or older than three of the
             intervals it asked for) is stale, and nodes are refused.
         clock: injected for tests (monotonic seconds).
     """
 
-    def __init__(self, address: str, *, max_nodes: int = MAX_GROUP - 1, fresh_seconds: float = 2.0,
-                 cfg: RelayConfig | None = None, clock=time.monotonic) -> None:
+    def __init__(self, address: str, *, max_nodes: int = MAX_GROUP - 1, max_bytes: int = GROUP_BYTES,
+                 fresh_seconds: float = 2.0, cfg: RelayConfig | None = None, clock=time.monotonic) -> None:
         self.address = address
         self.cfg = cfg or RelayConfig()
         self.max_nodes = max_nodes
+        self.max_bytes = max_bytes
         self.fresh_seconds = fresh_seconds
         self.clock = clock
         self._lock = threading.Lock()
-        # node -> (summary, taken at, sent whole, its signature, its ranks' latest progress, steps)
-        self._pending: dict[str, tuple[pb.NodeSummary, float, bool, Signature, float, int]] = {}
+        # node -> (summary, taken at, sent whole, its signature, its ranks' latest progress, steps, bytes)
+        self._pending: dict[str, tuple[pb.NodeSummary, float, bool, Signature, float, int, int]] = {}
+        self._bytes = 0
         self._whole: dict[str, tuple[float, Signature, int]] = {}   # node -> the last sent whole
         self._reply: pb.GroupReply | None = None
         self._reply_at = float("-inf")
@@ -71,6 +78,9 @@ class Relay:
         check_label(summary.node_id, "node_id", "malformed")
         if not summary.node_id:
             raise Rejected("malformed", "summary without node_id")
+        size = summary.ByteSize()
+        if size > MAX_SUMMARY_BYTES:
+            raise Rejected("oversized", f"a summary of {size} bytes (a node agent sends at most {MAX_SUMMARY_BYTES})")
         now = self.clock()
         sig, progress, steps = signature(summary, self.cfg)
         node = summary.node_id
@@ -81,9 +91,13 @@ class Relay:
             held = self._pending.get(node)
             if held is None and len(self._pending) >= self.max_nodes:
                 raise RelayUnavailable(f"this relay holds {self.max_nodes} nodes already")
+            held_bytes = self._bytes - (held[6] if held is not None else 0)
+            if held_bytes + size > self.max_bytes:
+                raise RelayUnavailable(f"this relay holds {held_bytes} bytes of summaries already")
+            self._bytes = held_bytes + size
             # A whole summary not sent yet stays whole (the newer one in its place).
             whole = (held is not None and held[2]) or send_whole(now, sig, steps, self._whole.get(node), self.cfg)
-            self._pending[node] = (summary, now, whole, sig, progress, steps)
+            self._pending[node] = (summary, now, whole, sig, progress, steps, size)
             incidents = self._incidents.get(summary.node_id, ())
         out = pb.SyncReply(coordinator=reply.coordinator, sync_interval_seconds=reply.sync_interval_seconds,
                            relay=reply.relays.get(summary.node_id, self.address))
@@ -104,16 +118,16 @@ class Relay:
         held; the relay is emptied."""
         now = self.clock()
         with self._lock:
-            held, self._pending = self._pending, {}
+            held, self._pending, self._bytes = self._pending, {}, 0
             if len(self._whole) > 4 * self.max_nodes:   # nodes long gone: each goes whole once more
                 self._whole.clear()
-            for node, (_, at, whole, sig, _, steps) in held.items():
+            for node, (_, at, whole, sig, _, steps, _) in held.items():
                 if whole:
                     self._whole[node] = (at, sig, steps)
         group = pb.GroupSummary()
         group.nodes.append(own)
         group.held_seconds.append(0.0)
-        for summary, at, whole, _, progress, _ in held.values():
+        for summary, at, whole, _, progress, _, _ in held.values():
             if summary.node_id == own.node_id:
                 continue
             if whole:

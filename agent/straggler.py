@@ -42,7 +42,7 @@ that is slow for everyone cancels out):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,9 +121,9 @@ class RankWork:
     rank: int
     node: str
     step: int
-    own: list[float]
-    data: list[float]
-    wait: list[float]
+    own: Sequence[float]
+    data: Sequence[float]
+    wait: Sequence[float]
     step_seconds: float                   # median wall step time
     completed: int = 1 << 30              # steps completed so far
     delay: list[float] | None = None

@@ -16,6 +16,7 @@ from conftest import AgentProcess, parse_metrics, wait_for
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.incidents import IncidentLog
 from rankwatch.agent.ports import free_port
+from rankwatch.agent.bounds import MAX_SUMMARY_BYTES
 from rankwatch.agent.relay import MAX_GROUP, Relay, RelayUnavailable
 from rankwatch.agent.relay_policy import RelayConfig, assign, callers, send_whole, signature
 from rankwatch.agent.validate import Rejected
@@ -143,6 +144,10 @@ def test_a_relay_answers_only_from_a_fresh_coordinator_reply():
         relay.take(_summary("n4"))   # it holds its most nodes
     with pytest.raises(Rejected):
         relay.take(_summary("bad\nid"))
+    huge = _summary("n2", 2)
+    huge.ranks.add(stacks="x" * (MAX_SUMMARY_BYTES + 1))
+    with pytest.raises(Rejected):
+        relay.take(huge)
     clock.t += 1.5
     group = relay.group(_summary("n1"))
     assert [s.node_id for s in group.nodes] == ["n1", "n2", "n3"]
@@ -156,6 +161,21 @@ def test_a_relay_answers_only_from_a_fresh_coordinator_reply():
     relay.lost_coordinator()
     with pytest.raises(RelayUnavailable):
         relay.take(_summary("n2", 4))
+
+
+def test_a_relay_holds_a_bounded_number_of_bytes():
+    relay = Relay("h1:1", max_bytes=1000)
+    relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
+    big = _summary("n2")
+    big.ranks.add(stacks="x" * 600)
+    relay.take(big)
+    relay.take(big)   # the same node's newer summary takes its place: no more held
+    other = _summary("n3")
+    other.ranks.add(stacks="y" * 600)
+    with pytest.raises(RelayUnavailable):
+        relay.take(other)   # n3 syncs with the coordinator itself
+    relay.group(_summary("n1"))
+    relay.take(other)
 
 
 # -- the coordinator's side ---------------------------------------------------------
