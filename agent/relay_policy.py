@@ -31,8 +31,8 @@ over ``long_wait_seconds``; a new incident or decision), and at least every
 ``whole_every_seconds`` or ``whole_every_steps`` completed steps, whichever comes
 first (the straggler detector lines the ranks' own-work windows up by step, and
 nodes a whole window apart would leave it nothing to compare); otherwise a beat: the node was heard, and its ranks' latest
-progress.  A healthy job's summaries then cost the coordinator a beat three times in
-four, and a hang, whose ranks wait in a collective, is sent whole within about a
+progress.  A healthy job's summaries then cost the coordinator a beat seven times in
+eight at 4 Hz, and a hang, whose ranks wait in a collective, is sent whole within about a
 second of its start: well inside the hang allowance.
 """
 
@@ -58,8 +58,10 @@ class RelayConfig:
     """Relays only in a job of at least this many nodes."""
     every_seconds: float = 1.0
     """How often the coordinator draws the groups again."""
-    whole_every_seconds: float = 1.0
-    """A relay sends each node's whole summary at least this often (beats between)."""
+    whole_every_seconds: float = 2.0
+    """A relay sends each node's whole summary at least this often (beats between): the
+    straggler detector then compares windows at most this old, which its 64-step windows
+    and its once-a-second evaluation absorb."""
     whole_every_steps: int = 16
     """... or every this many steps its ranks completed: a quarter of the 64-step own-work
     window a node sends, so the coordinator's copies of two nodes always share 48 steps."""
