@@ -53,6 +53,7 @@ Use from a training loop (the harness does the same)::
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
@@ -98,6 +99,7 @@ _PEER_FAILURE_MARKERS = (
 _MAX_JOIN_LOOK = 1024
 """The most recent join requests read per look (a counter in the store is no bound of its own)."""
 _JOIN_POLL = 0.5
+_POLLER_STOP_SECONDS = 5.0   # the longest a process's exit waits for the join poller's store call
 """Seconds between rank 0's looks for workers asking to join (a background thread)."""
 
 
@@ -167,6 +169,7 @@ class InProcessRecovery:
         self._liveness: net.Liveness | None = None
         self._replica_size = 0
         self._join_due = threading.Event()
+        self._poll_stop = threading.Event()
         self._breaking = False
         self._recovering = False
         self._settled_joiners: set[int] = set()
@@ -408,13 +411,21 @@ class InProcessRecovery:
         return out
 
     def _start_poller(self) -> None:
-        threading.Thread(target=self._poll_joins, name="rankwatch-join-poll", daemon=True).start()
+        thread = threading.Thread(target=self._poll_joins, name="rankwatch-join-poll", daemon=True)
+        thread.start()
+        # Stopped before the interpreter finalises: a daemon thread still inside a store call
+        # then would be ended by pthread_exit in the middle of C++ code, which aborts the
+        # process ("terminate called without an active exception") after training ended.
+        atexit.register(self._stop_poller, thread)
+
+    def _stop_poller(self, thread: threading.Thread) -> None:
+        self._poll_stop.set()
+        thread.join(_POLLER_STOP_SECONDS)
 
     def _poll_joins(self) -> None:
         """Rank 0's background look for whole nodes asking to join (its own store client)."""
         store = None
-        while True:
-            time.sleep(_JOIN_POLL)
+        while not self._poll_stop.wait(_JOIN_POLL):
             m = self.membership
             if (m is None or m.rank != 0 or self._join_due.is_set() or self._recovering
                     or self._replica_size <= 0):
