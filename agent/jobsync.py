@@ -30,6 +30,7 @@ from rankwatch.agent.decisions import Decision
 from rankwatch.agent.load_policy import LoadConfig, first_sync_delay
 from rankwatch.agent.incidents import Incident
 from rankwatch.agent.recoveries import is_in_process
+from rankwatch.agent.relay import node_reply
 from rankwatch.proto import pb, pb_grpc
 
 if TYPE_CHECKING:
@@ -249,11 +250,7 @@ class JobLink:
     @staticmethod
     def _own_reply(group: pb.GroupReply, node: str) -> pb.SyncReply:
         """What a group's reply says to the relay's own node."""
-        reply = pb.SyncReply(coordinator=group.coordinator, sync_interval_seconds=group.sync_interval_seconds,
-                             relay=group.relays.get(node, ""))
-        reply.decisions.extend(group.decisions)
-        reply.incidents.extend(i for i in group.incidents if i.node == node)
-        return reply
+        return node_reply(group, [i for i in group.incidents if i.node == node], group.relays.get(node, ""))
 
     def _warn_once(self, text: str) -> None:
         if text not in self._warned:

@@ -25,12 +25,21 @@ from rankwatch.agent.relay_policy import RelayConfig, Signature, send_whole, sig
 from rankwatch.agent.validate import Rejected, check_label
 from rankwatch.proto import pb
 
-__all__ = ["Relay", "RelayUnavailable"]
+__all__ = ["Relay", "RelayUnavailable", "node_reply"]
 
 MAX_GROUP = 256
 """The most summaries one ``SyncGroup`` call may carry (the coordinator refuses more)."""
 GROUP_BYTES = 12 << 20
 """The most bytes of summaries a relay holds at once: a group stays under the 16 MiB message."""
+
+
+def node_reply(group: pb.GroupReply, incidents, relay: str) -> pb.SyncReply:
+    """What a group's reply says to one of its nodes: ``incidents`` are that node's."""
+    out = pb.SyncReply(coordinator=group.coordinator, sync_interval_seconds=group.sync_interval_seconds,
+                       relay=relay)
+    out.decisions.extend(group.decisions)
+    out.incidents.extend(incidents)
+    return out
 
 
 class RelayUnavailable(Exception):
@@ -99,11 +108,7 @@ class Relay:
             whole = (held is not None and held[2]) or send_whole(now, sig, steps, self._whole.get(node), self.cfg)
             self._pending[node] = (summary, now, whole, sig, progress, steps, size)
             incidents = self._incidents.get(summary.node_id, ())
-        out = pb.SyncReply(coordinator=reply.coordinator, sync_interval_seconds=reply.sync_interval_seconds,
-                           relay=reply.relays.get(summary.node_id, self.address))
-        out.decisions.extend(reply.decisions)
-        out.incidents.extend(incidents)
-        return out
+        return node_reply(reply, incidents, reply.relays.get(summary.node_id, self.address))
 
     def _stale_after(self, reply: pb.GroupReply) -> float:
         return max(self.fresh_seconds, 3 * reply.sync_interval_seconds)

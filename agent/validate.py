@@ -36,6 +36,7 @@ MAX_DURATION = 86400.0
 MAX_CLOCK_AHEAD = 86400.0
 """A timestamp may be this far ahead of the agent's clock (skew between hosts)."""
 MAX_LABEL = 128
+MAX_ADDRESS = 300   # HOST:PORT, a fully qualified host name included (253 characters at most)
 MAX_TEXT = 1024
 """Free text (a checkpoint's error or path) is cut to this many characters."""
 MAX_CHECKPOINTS_PER_BATCH = 64
@@ -439,6 +440,8 @@ def check_summary(s: pb.NodeSummary, now: float | None = None) -> None:
     now = time.time() if now is None else now
     check_label(s.node_id, "node_id", "malformed")
     check_label(s.run_id, "run_id", "malformed")
+    if len(s.relay_address) > MAX_ADDRESS or _NOT_LABEL.search(s.relay_address):
+        raise _reject("malformed", "relay_address is too long or has control characters")
     check_count(s.seq, "summary seq")
     check_timestamp(s.sent_at, "summary sent_at", now)
     if (len(s.ranks) > MAX_SUMMARY_RANKS or len(s.incidents) > MAX_SUMMARY_INCIDENTS

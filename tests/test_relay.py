@@ -194,6 +194,10 @@ def test_the_coordinator_takes_a_group_and_refuses_a_bad_summary_alone():
     assert c.nodes["n2"].received_at == pytest.approx(999.5), "held time moves its arrival back"
     with pytest.raises(Rejected):
         c.sync_group(pb.GroupSummary(nodes=[_summary("n1", 2)], held_seconds=[]))
+    for bad in ("h\n1:1", "x" * 301):   # a relay address goes to other nodes: checked like a label
+        reply = c.sync_group(pb.GroupSummary(nodes=[pb.NodeSummary(node_id="n1", seq=3, sent_at=clock.t,
+                                                                   relay_address=bad)], held_seconds=[0.0]))
+        assert list(reply.refused) == ["n1"]
     with pytest.raises(Rejected):
         c.sync_group(pb.GroupSummary(nodes=[_summary(f"x{i}") for i in range(MAX_GROUP + 1)],
                                      held_seconds=[0.0] * (MAX_GROUP + 1)))
