@@ -228,16 +228,16 @@ class Agent:
                      ("grpc.max_send_message_length", _MAX_MESSAGE),
                      ("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers((Servicer(self).handlers(),))
+        # Sockets are made 0600 from the start (chmod below only confirms it): no moment with
+        # the process's default mode (the agent's threads create no other files meanwhile).
         for addr in self.config.listen:
             if addr.is_unix:
                 _prepare_socket_path(addr.path)  # type: ignore[arg-type]
-                server.add_insecure_port(addr.grpc_target())
-            elif self.config.tls is not None:
-                self.tcp_ports.append(server.add_secure_port(addr.grpc_target(),
-                                                             self.config.tls.server_credentials()))
-            else:
-                self.tcp_ports.append(server.add_insecure_port(addr.grpc_target()))
-        server.start()
+        umask = os.umask(0o177)
+        try:
+            self._bind(server)
+        finally:
+            os.umask(umask)
         for addr in self.config.listen:
             if addr.is_unix:
                 os.chmod(addr.path, 0o600)  # type: ignore[arg-type]
@@ -245,6 +245,17 @@ class Agent:
                 self._creds[-1].start()
         self._grpc = server
         self._owns_sockets = True
+
+    def _bind(self, server: grpc.Server) -> None:
+        for addr in self.config.listen:
+            if addr.is_unix:
+                server.add_insecure_port(addr.grpc_target())
+            elif self.config.tls is not None:
+                self.tcp_ports.append(server.add_secure_port(addr.grpc_target(),
+                                                             self.config.tls.server_credentials()))
+            else:
+                self.tcp_ports.append(server.add_insecure_port(addr.grpc_target()))
+        server.start()
 
     def advertised(self) -> str:
         """This agent's address for the other agents ('' if it serves no TCP address)."""
