@@ -36,6 +36,7 @@ OPS: tuple[str, ...] = (
     "all_gather_coalesced", "reduce_scatter_coalesced", "other",
 )
 _OP_INDEX = {name: i for i, name in enumerate(OPS)}
+assert len(OPS) <= 256, "a rank's op indices are kept in one byte"
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 STATES = ("ok", "straggler", "hung", "dead", "excluded")
 
@@ -59,6 +60,7 @@ class RankState:
     mesh_shape: dict[str, int]
     op_map: np.ndarray                      # the rank's op code -> agent op index
     stream: int                             # id of the stream that owns this rank
+    op_identity: bool = False               # op_map maps each code to itself (a rank on our OPS)
     device_uuid: str = ""                   # the GPU's UUID ("GPU-..."), "" without CUDA
     collective_source: str = ""             # nccl_completion_hook, python_wrappers or none
     connected: bool = True
@@ -185,7 +187,7 @@ class NodeState:
                 del self.ranks[evict]
             self._next_stream += 1
             op_map = np.array([_OP_INDEX.get(name, _OP_INDEX["other"]) for name in msg.op_names]
-                              or [_OP_INDEX["other"]], dtype=np.int64)
+                              or [_OP_INDEX["other"]], dtype=np.uint8)   # one byte: a radix sort
             state = RankState(
                 rank=msg.rank, node=self.node_id, pid=msg.pid,
                 local_rank=msg.local_rank, world_size=msg.world_size, backend=msg.backend,
@@ -193,7 +195,8 @@ class NodeState:
                 collective_source=msg.collective_source,
                 peak_flops=msg.peak_flops,
                 mesh_coords=dict(msg.mesh_coords), mesh_shape=dict(msg.mesh_shape),
-                op_map=op_map, stream=self._next_stream, last_seen=self.clock(),
+                op_map=op_map, op_identity=bool(np.array_equal(op_map, np.arange(op_map.size))),
+                stream=self._next_stream, last_seen=self.clock(),
                 progress_at=self.clock())
             self.ranks[msg.rank] = state
             log.info("rank %d (pid %d, %s) connected", msg.rank, msg.pid, msg.backend)
@@ -269,7 +272,7 @@ class NodeState:
             rank.flight_recorder = parse_flight_recorder(p.flight_recorder)
 
     def _apply_collectives(self, rank: RankState, cols: dict[str, np.ndarray]) -> int:
-        ops = rank.op_map[cols["op"]]
+        ops = cols["op"] if rank.op_identity else rank.op_map[cols["op"]]   # codes checked < op_map.size
         durations = cols["duration"]
         self.coll_hist.observe_many(ops, durations)
         counts = np.bincount(ops, minlength=len(OPS))

@@ -370,6 +370,8 @@ def check_checkpoints(records: Iterable[pb.CheckpointRecord], now: float | None 
 
     Their strings are not refused but cut and cleaned where they are kept (:func:`clean_text`).
     """
+    if not records:   # a batch's repeated field: most batches have none
+        return
     records = list(records)
     if len(records) > MAX_CHECKPOINTS_PER_BATCH:
         raise _reject("oversized", f"{len(records)} checkpoint records in one batch")

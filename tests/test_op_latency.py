@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rankwatch.agent.oplatency import OpLatency, to_pb
+from rankwatch.agent.oplatency import OpLatency, quantiles, to_pb
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -41,3 +41,25 @@ def test_wire_form():
     (op, msg), = to_pb(lat).items()
     assert op == "all_gather" and msg.count == 2 and msg.window == 2
     assert msg.p50_seconds == pytest.approx(0.003)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_quantiles_equal_numpys(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 600))
+    x = rng.exponential(1e-3, n) if seed % 3 else rng.integers(0, 4, n).astype(np.float64)  # ties too
+    qs = (0.5, 0.99, 0.0, 1.0, float(rng.random()))
+    assert quantiles(x.copy(), qs) == [float(v) for v in np.quantile(x, qs)]
+
+
+def test_a_batch_of_several_ops_keeps_each_ops_order():
+    # The ring keeps the most recent calls of each op, in order, whatever ops interleave them.
+    lat = OpLatency(OPS, window=4)
+    ops = np.array([0, 2, 0, 1, 0, 2, 0, 0], np.uint8)
+    lat.observe(ops, np.arange(8, dtype=np.float64))
+    s = lat.summary()
+    assert s["all_reduce"].count == 5 and s["all_reduce"].window == 4
+    assert s["all_reduce"].p50 == np.quantile([2.0, 4.0, 6.0, 7.0], 0.5)   # the oldest call, 0, left
+    assert s["all_gather"].p50 == 3.0 and s["reduce_scatter"].p99 == np.quantile([1.0, 5.0], 0.99)
+    lat.observe(np.array([0], np.uint8), np.array([100.0]))
+    assert lat.summary()["all_reduce"].p99 == np.quantile([4.0, 6.0, 7.0, 100.0], 0.99)
