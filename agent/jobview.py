@@ -17,7 +17,7 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
-from rankwatch.agent import validate
+from rankwatch.agent import validate_sync
 from rankwatch.agent.decisions import DecisionLog
 from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, Snapshot
 from rankwatch.agent.hang import RankProgress
@@ -77,7 +77,7 @@ class JobView:
         """
         if not summary.node_id:
             raise ValueError("summary without node_id")
-        validate.check_summary(summary)
+        validate_sync.check_summary(summary)
         with self.lock:
             prev = self.nodes.get(summary.node_id)
             if prev is None and len(self.nodes) >= self.max_nodes:
@@ -105,7 +105,7 @@ class JobView:
         Raises:
             ValueError: a beat out of range, stale, or from a node not yet heard whole.
         """
-        validate.check_beat(b)
+        validate_sync.check_beat(b)
         with self.lock:
             prev = self.nodes.get(b.node_id)
             if prev is None:

@@ -16,29 +16,26 @@ import socket
 import threading
 from concurrent import futures
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from rankwatch.agent import checkpoint_policy
 from rankwatch.agent.export import otel
 from rankwatch.address import Address
-from rankwatch.agent.gate import Gate, StreamLimits
+from rankwatch.agent.gate import Gate
 from rankwatch.agent.identity import RankStreams
 from rankwatch.peercred import CredListener, PeerCred
-from rankwatch.agent.tls import TlsConfig
-from rankwatch.credentials import ClientCredentials
-from rankwatch.agent.coordinator import Coordinator, PolicyConfig
+from rankwatch.agent.coordinator import Coordinator
 from rankwatch.agent.decisions import Decision, DecisionLog
-from rankwatch.agent.hang import HangConfig
 from rankwatch.agent.export.host import HostCollector
-from rankwatch.agent import bounds, goodput, views
+from rankwatch.agent import goodput, views
 from rankwatch.agent.export import storemetrics
 from rankwatch.agent.restarting import shown_state
 from rankwatch.agent.statedir import Snapshots, write_pointer
-from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor, RankDevice
+from rankwatch.agent.agentconfig import AgentConfig
+from rankwatch.agent.nodecheckpoints import NodeCheckpoints
+from rankwatch.agent.gpu import GpuCollector, GpuMonitor, RankDevice
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.export.jobmetrics import JobCollector
 from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint
@@ -46,14 +43,10 @@ from rankwatch.agent.export.metrics import NodeCollector
 from rankwatch.agent.election import Election, parse_endpoints
 from rankwatch.agent.recoveries import RecoveryLog
 from rankwatch.agent.relay import Relay
-from rankwatch.agent.relay_policy import RelayConfig
 from rankwatch.agent.nodewatch import NodeWatch
-from rankwatch.agent.rankexit import ExitConfig
 from rankwatch.agent.servicer import Servicer
-from rankwatch.agent.status_ranks import DEFAULT_MAX_RANKS
 from rankwatch.agent.validate import clean_text
 from rankwatch.agent.state import NodeState, RankState, Rejected
-from rankwatch.agent.straggler import StragglerConfig
 from rankwatch.proto import pb
 from rankwatch.status import status_dict
 
@@ -63,80 +56,6 @@ log = logging.getLogger(__name__)
 
 _MAX_MESSAGE = 16 << 20
 _MAX_RPCS = 512
-
-
-class AgentConfig:
-    """Args:
-        node_id: this node's id (the ``node`` label).
-        listen: addresses to serve gRPC on; Unix sockets get mode 0600.
-        metrics_port: HTTP port for ``/metrics``; 0 picks a free one, None disables.
-        metrics_addr: interface for ``/metrics``.
-        state_dir: where incidents are kept (``incidents.jsonl``); None keeps them in memory.
-        hang: hang-detection thresholds.
-        straggler: straggler-detection thresholds.
-        coordinators: the job's coordinator candidates, in node-rank order (this agent's own
-            address may be among them); empty: this agent coordinates its node alone.
-        policy: the coordinator's policy (exclusions, minimum nodes).
-        token: the job's shared token: every TCP call needs it, and Sync and
-            RequestCheckpoint on the socket too (None: no check).
-        tls: mutual TLS for the TCP listeners and for calls to the coordinator (None: plain TCP).
-        streams: stream caps, the server threads kept for control calls, the hello deadline.
-        gpu: GPU health source and thresholds (default: NVML if it initialises, else none).
-        exits: how long a rank's broken stream is watched for its process's exit.
-        election: ``etcd://HOST:PORT[,...]``: the coordinator is whichever agent of ``job_id``
-            holds the coordinator key in etcd (:mod:`.election`); needs a TCP ``listen``.
-        advertise: this agent's address for the other agents (default: its first TCP one).
-        rank_grace: seconds a disconnected rank stays in /metrics.
-        status_max_ranks: the most ranks a ``Status`` answer lists unless asked for all
-            (:mod:`.status_ranks`).
-        relay: how a big job's nodes are grouped behind relays (:mod:`.relay_policy`; the
-            coordinator's setting).
-    """
-
-    def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
-                 metrics_addr: str = "0.0.0.0", state_dir: Path | None = None,
-                 hang: HangConfig | None = None, straggler: StragglerConfig | None = None,
-                 coordinators: list[Address] | None = None, policy: PolicyConfig | None = None,
-                 sync_interval: float = 0.25, token: str | None = None, gpu: GpuConfig | None = None,
-                 exits: ExitConfig | None = None, election: str | None = None, job_id: str = "",
-                 advertise: str | None = None, tls: TlsConfig | None = None,
-                 streams: StreamLimits | None = None, rank_grace: float = 60.0,
-                 status_max_ranks: int = DEFAULT_MAX_RANKS, relay: RelayConfig | None = None) -> None:
-        if not listen:
-            raise ValueError("AgentConfig.listen needs at least one address")
-        if election is not None:
-            parse_endpoints(election)
-            if not job_id or "/" in job_id or len(job_id) > 128:
-                raise ValueError("an election needs a job id (--job-id: 1-128 characters, no '/')")
-            if coordinators:
-                raise ValueError("an election and a --coordinator list exclude each other")
-            if all(a.is_unix for a in listen) and advertise is None:
-                raise ValueError("an election needs a TCP address the other agents reach (--listen HOST:PORT)")
-        if status_max_ranks < 1:
-            raise ValueError(f"AgentConfig.status_max_ranks {status_max_ranks} must be at least 1")
-        if metrics_port is not None and not 0 <= metrics_port < 65536:
-            raise ValueError(f"AgentConfig.metrics_port {metrics_port} out of range")
-        self.node_id, self.listen = node_id, listen
-        self.metrics_port, self.metrics_addr = metrics_port, metrics_addr
-        self.state_dir = state_dir
-        self.hang = hang or HangConfig()
-        self.straggler = straggler or StragglerConfig()
-        self.coordinators = list(coordinators or [])
-        self.policy = policy or PolicyConfig()
-        self.sync_interval = sync_interval
-        self.token = token
-        self.gpu = gpu or GpuConfig()
-        self.exits = exits or ExitConfig()
-        self.election, self.job_id, self.advertise = election, job_id, advertise
-        self.tls = tls
-        self.rank_grace = rank_grace
-        self.status_max_ranks = status_max_ranks
-        self.streams = streams or StreamLimits()
-        self.relay = relay or RelayConfig()
-
-    def client_credentials(self) -> ClientCredentials:
-        """What this agent presents when it calls another agent (its coordinator)."""
-        return self.tls.client_credentials(self.token) if self.tls else ClientCredentials(self.token)
 
 
 class Agent:
@@ -161,7 +80,6 @@ class Agent:
         """This agent as a relay for its group (set once it serves TCP)."""
         self.link = JobLink(self, config.coordinators, config.sync_interval, elected=config.election is not None)
         self.progress = goodput.StepProgress()
-        self._checkpoint_steps = bounds.RecentSet(4096)   # (step, ok) keys already recorded
         self.recoveries = RecoveryLog(config.node_id, self.incidents)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(self.state, lambda: self.watch.straggler_view, config.rank_grace))
@@ -170,9 +88,9 @@ class Agent:
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
         self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
         self.gpu_listeners = self.gpu.listeners  # called with every fatal and risk GpuEvent
-        self.gpu_listeners.append(self._on_gpu_event)
-        self._risk_requested: dict[tuple[int, str], float] = {}
-        self._pending_risk: str | None = None
+        self.checkpoints = NodeCheckpoints(config.node_id, self.incidents, self.decision_log, self.commands,
+                                           ask=self.checkpoint)
+        self.gpu_listeners.append(self.checkpoints.on_gpu_event)
         self.registry.register(GpuCollector(self.gpu))
         self.gate = Gate(config.token, config.streams, node=config.node_id,
                          on_unauthenticated=lambda method, peer: self.state.note_rejected(
@@ -327,9 +245,9 @@ class Agent:
                     watch.check_hang(now)
                 # This node's ranks against each other; the coordinator compares nodes.
                 watch.check_stragglers(now)
-                if self._pending_risk and any(r.connected and r.steps_completed
-                                              for r in self.state.snapshot()):
-                    self._risk_checkpoint(self._pending_risk)
+                if self.checkpoints.pending_risk and any(r.connected and r.steps_completed
+                                                         for r in self.state.snapshot()):
+                    self.checkpoints.ask_for_risk(self.checkpoints.pending_risk)
                 self._snapshots.maybe_write(now)
             except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
                 log.exception("detector error")
@@ -373,31 +291,6 @@ class Agent:
             items += [i for i in self.coordinator.job_incidents() if i.node != self.state.node_id]
         return items
 
-    def on_checkpoints(self, rank: RankState, records: Any) -> None:
-        """A rank finished (or failed) a save: one ``checkpoint`` incident per step and node."""
-        for rec in records:
-            if rec.request_id:
-                self.commands.done(rec.request_id)
-            key = rec.step if rec.ok else -rec.step - 1
-            with self.state.lock:
-                if key in self._checkpoint_steps:
-                    continue
-                self._checkpoint_steps.add(key)
-            decision = self.decision_log.get(rec.request_id) if rec.request_id else None
-            reason = decision.reason if decision is not None else "periodic"
-            complete_after = max(rec.completed_after, rec.duration)
-            detail = {"step": rec.step, "ok": rec.ok, "seconds": round(rec.duration, 6),
-                      "complete_seconds": round(complete_after, 6), "asynchronous": rec.asynchronous,
-                      "path": clean_text(rec.path), "request": rec.request_id or None, "reason": reason,
-                      "started_at": rec.started_at}
-            if not rec.ok:
-                detail["error"] = clean_text(rec.error)
-            self.incidents.add(kind="checkpoint", node=self.state.node_id, rank=rank.rank, step=rec.step,
-                               detected_at=rec.started_at + complete_after, detail=detail)
-            (log.info if rec.ok else log.warning)(
-                "checkpoint at step %d %s (training thread %.3fs, complete after %.2fs, %s)", rec.step,
-                "saved" if rec.ok else "FAILED", rec.duration, complete_after, reason)
-
     def on_recoveries(self, rank: RankState, records: Any) -> None:
         """A rank reports in-process recoveries: each valid one moves the rank into its new
         world and is recorded once per recovery and node (:mod:`.recoveries`)."""
@@ -437,27 +330,6 @@ class Agent:
             self.watch.lift(incident)
         else:
             self.watch.mark(incident)
-
-    def _on_gpu_event(self, event: Any) -> None:
-        """A GPU risk (rising ECC, a pending row remap, throttling): checkpoint while it is cheap.
-
-        Fatal faults need nothing here: they are ``gpu_fault`` incidents, which reach the
-        coordinator in this node's summary, and its policy excludes the node.
-        """
-        if event.kind != "risk":
-            return
-        key = (event.gpu, event.reason)
-        if not checkpoint_policy.risk_due(event.at, self._risk_requested.get(key)):
-            return
-        self._risk_requested[key] = event.at
-        self._risk_checkpoint(f"gpu risk: {event.reason} on gpu {event.gpu} of {event.node}")
-
-    def _risk_checkpoint(self, reason: str) -> None:
-        reply = self.checkpoint(reason)
-        # Before the job's first step there is nothing to save yet: ask again once it trains.
-        self._pending_risk = reason if not reply.accepted and "no rank" in reply.message else None
-        log.warning("%s: checkpoint %s", reason, f"at step {reply.step}" if reply.accepted
-                    else f"not taken yet ({reply.message})")
 
     def checkpoint(self, reason: str) -> pb.CheckpointReply:
         """Ask the job for a checkpoint: through the coordinator, or this agent's own node."""

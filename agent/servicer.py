@@ -97,7 +97,7 @@ class Servicer:
                     st.ingest(rank, batch)
                     accepted += 1
                     if batch.checkpoints:
-                        agent.on_checkpoints(rank, batch.checkpoints)
+                        agent.checkpoints.recorded(rank, batch.checkpoints)
                     if batch.recoveries:
                         agent.on_recoveries(rank, batch.recoveries)
                 except Rejected as exc:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rankwatch.agent.histogram import COLLECTIVE_BUCKETS, STEP_BUCKETS, HistogramSet
-from rankwatch.agent import bounds, validate
+from rankwatch.agent import bounds, validate, validate_stream
 from rankwatch.agent.validate import Rejected, parse_flight_recorder
 from rankwatch.agent.oplatency import OpLatency
 from rankwatch.agent.incidents import Incident
@@ -172,7 +172,7 @@ class NodeState:
         Raises:
             Rejected: invalid identity, or the rank is already live on another stream.
         """
-        validate.check_hello(msg)
+        validate_stream.check_hello(msg)
         with self.lock:
             old = self.ranks.get(msg.rank)
             if (not replace and old is not None and old.connected
@@ -221,11 +221,11 @@ class NodeState:
         Raises:
             Rejected: the batch is malformed; nothing of it is applied.
         """
-        coll = validate.decode_collectives(batch.collectives, len(rank.op_map)) if batch.HasField("collectives") else None
-        steps = validate.check_step_shapes(batch.steps) if batch.HasField("steps") else None
+        coll = validate_stream.decode_collectives(batch.collectives, len(rank.op_map)) if batch.HasField("collectives") else None
+        steps = validate_stream.check_step_shapes(batch.steps) if batch.HasField("steps") else None
         if batch.HasField("progress"):
-            validate.check_progress_shape(batch.progress)
-        validate.check_batch(batch, coll)
+            validate_stream.check_progress_shape(batch.progress)
+        validate_stream.check_batch(batch, coll)
         with self.lock:
             if batch.seq <= rank.last_batch_seq:
                 raise self._reject("duplicate_batch",
@@ -320,7 +320,7 @@ class NodeState:
         valid = []
         for rec in records:
             try:
-                validate.check_recovery(rec, now)
+                validate_stream.check_recovery(rec, now)
             except Rejected as exc:
                 detail = str(exc).removeprefix(f"{exc.reason}: ")
                 self.note_rejected(Rejected(exc.reason, f"rank {rank.rank}'s recovery record: {detail}"))

@@ -26,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import AgentProcess  # noqa: E402
 
 CLIENTS = 8
+# Clients start fresh: a child forked from this process, which has used gRPC (the agent's
+# status), can hang for good in its first channel (gRPC's threads do not survive a fork).
+SPAWN = mp.get_context("spawn")
 BATCH = 1024
 REPORT = "/rankwatch.v1.Agent/Report"
 
@@ -71,7 +74,7 @@ def client(addr: str, rank: int, rate: float, stop_at: float) -> None:
 
 
 def measure(agent: AgentProcess, client_process: Callable[[int, float], mp.Process], seconds: float,
-            warmup: float = 1.0) -> tuple[float, float]:
+            warmup: float = 3.0) -> tuple[float, float]:
     """Run ``CLIENTS`` client processes (``client_process(rank, stop_at)``); return (records/s at
     the agent, agent CPU as a fraction of one core) over ``seconds`` after ``warmup``."""
     proc = psutil.Process(agent.proc.pid)
@@ -91,7 +94,7 @@ def measure(agent: AgentProcess, client_process: Callable[[int, float], mp.Proce
 def phase(agent: AgentProcess, seconds: float, rate_per_client: float) -> tuple[float, float]:
     """Run the clients; return (records/s at the agent, agent CPU as a fraction of one core)."""
     target = agent.addr.grpc_target()
-    return measure(agent, lambda r, stop_at: mp.Process(target=client, args=(target, r, rate_per_client, stop_at)),
+    return measure(agent, lambda r, stop_at: SPAWN.Process(target=client, args=(target, r, rate_per_client, stop_at)),
                    seconds)
 
 

@@ -39,7 +39,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from coordinator_load import TOKEN, SimNode
-from rankwatch.agent import validate
+from rankwatch.agent import validate_sync
 from rankwatch.agent.coordinator import Coordinator
 from rankwatch.agent.gate import Gate, _Watchdog
 from rankwatch.agent.incidents import IncidentLog
@@ -174,7 +174,7 @@ def main() -> None:
     rows = [
         ("gate wrapper, less the bare handler", per_call(wrapped, 20_000) - per_call(bare, 20_000)),
         ("request deadline: after + cancel", per_call(lambda: dog.cancel(dog.after(2.0, _noop)), 20_000)),
-        ("range check of an 8-rank summary", per_call(lambda: validate.check_summary(summary), 2_000)),
+        ("range check of an 8-rank summary", per_call(lambda: validate_sync.check_summary(summary), 2_000)),
         ("Coordinator.sync (2,048 nodes), less making the summary", per_call(sync, 2_000) - per_call(make, 2_000)),
         ("decode the summary", per_call(lambda: pb.NodeSummary.FromString(data), 20_000)),
     ]

@@ -22,7 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from rankwatch.agent.cli import build_parser
+from rankwatch.agent.cli_args import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "kubernetes"

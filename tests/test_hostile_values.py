@@ -20,7 +20,7 @@ import pytest
 
 from conftest import AgentProcess, parse_metrics, wait_for
 from rankstream import REPORT, Stream, hello
-from rankwatch.agent import validate
+from rankwatch.agent import validate, validate_stream, validate_sync
 from rankwatch.agent.jobsync import forward_checkpoint
 from rankwatch.hooks.recorder import OPS
 from rankwatch.proto import pb, pb_grpc
@@ -265,9 +265,9 @@ def test_every_value_of_a_summary_window_is_checked(bad, where):
     good = [0.5] * 16
     windows = {"own_work": list(good), "data_wait": list(good), "comm_wait": list(good)}
     windows[where][7] = bad
-    validate.check_summary(summary(1, **{k: good for k in windows}))
+    validate_sync.check_summary(summary(1, **{k: good for k in windows}))
     with pytest.raises(ValueError, match="invalid_value: a per-step time"):
-        validate.check_summary(summary(2, **windows))
+        validate_sync.check_summary(summary(2, **windows))
 
 
 @pytest.mark.parametrize("label", ["a\nb", "a\tb", "a\x00b", "a\x7fb", "a\x9fb", "x" * (validate.MAX_LABEL + 1)])
@@ -310,19 +310,19 @@ HOSTILE_RECOVERIES = {
 
 @pytest.mark.parametrize("over", list(HOSTILE_RECOVERIES.values()), ids=list(HOSTILE_RECOVERIES))
 def test_recovery_records_out_of_range_are_refused(over):
-    validate.check_recovery(recovery())
+    validate_stream.check_recovery(recovery())
     with pytest.raises(validate.Rejected) as err:
-        validate.check_recovery(recovery(**over))
+        validate_stream.check_recovery(recovery(**over))
     assert err.value.reason in ("invalid_value", "oversized")
     assert "recovery" in str(err.value)
 
 
 def test_recovery_records_in_range_are_taken():
-    validate.check_recovery(recovery(phases={}))                      # reported before any phase ended
-    validate.check_recovery(recovery(phases={"left_step": 1.0, "first_step": 1.0}))   # equal is not decreasing
-    validate.check_recovery(recovery(ok=False, new_world_size=0, rank_after=-1, phases={"left_step": 0.2},
+    validate_stream.check_recovery(recovery(phases={}))                      # reported before any phase ended
+    validate_stream.check_recovery(recovery(phases={"left_step": 1.0, "first_step": 1.0}))   # equal is not decreasing
+    validate_stream.check_recovery(recovery(ok=False, new_world_size=0, rank_after=-1, phases={"left_step": 0.2},
                                      error="x" * (1 << 20)))          # a failed attempt, its error cut when kept
-    validate.check_recovery(recovery(step=-1, dropped_nodes=[]))       # before the first step; nobody named
+    validate_stream.check_recovery(recovery(step=-1, dropped_nodes=[]))       # before the first step; nobody named
 
 
 def test_recovery_records_out_of_range_are_refused_alone_and_counted(agent, channel):
@@ -363,7 +363,7 @@ def test_a_nodes_recovery_incident_with_hostile_phases_is_refused(phases):
     good = detail.replace(phases, '{"left_step": 0.5, "first_step": 4.0}')
     msg = pb.NodeSummary(node_id="n5", seq=1, sent_at=now, incidents=[pb.Incident(
         id="restart-1", kind="restart", node="n5", detected_at=now, detail_json=good)])
-    validate.check_summary(msg)
+    validate_sync.check_summary(msg)
     msg.incidents[0].detail_json = detail
     with pytest.raises(validate.Rejected):
-        validate.check_summary(msg)
+        validate_sync.check_summary(msg)

@@ -9,14 +9,8 @@ import numpy as np
 import pytest
 
 from rankwatch.agent.starvation import StarvationTracker, run_delay_seconds
-from rankwatch.agent.straggler import (
-    RankWork,
-    StragglerConfig,
-    StragglerDetector,
-    _loo_median,
-    cost_ratio,
-    score,
-)
+from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, cost_ratio, score
+from rankwatch.agent.straggler_score import _loo_median
 
 CFG = StragglerConfig(warmup_steps=0)
 N = 64  # steps the agent keeps per rank

@@ -1,0 +1,286 @@
+"""Straggler scores: each rank's own work against the others' at the same steps, the
+cause of its excess, and what it costs the job (:func:`score`, :func:`cost_ratio`).
+
+Pure functions of the ranks' recent steps and a :class:`StragglerConfig`; when a score becomes
+a flag is :mod:`.straggler`'s (onset, hysteresis, node scope).  The method is described there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rankwatch.knobs import require_positive
+
+__all__ = ["CAUSES", "GpuThrottle", "RankWork", "Score", "StragglerConfig", "cost_ratio", "eligible",
+           "log_ratios", "recent_window", "score"]
+
+CAUSES = ("compute", "data", "communication", "host", "gpu_health")
+# GPU throttle reasons that slow a GPU down (idle, clock settings and sync boost do not).
+SLOWING_THROTTLES = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown",
+                               "hw_thermal_slowdown", "hw_power_brake_slowdown"})
+
+
+@dataclass(kw_only=True)
+class StragglerConfig:
+    window: int = 16
+    """Steps per rank in each slowdown estimate (and each cause attribution)."""
+    warmup_steps: int = 30
+    """Steps a rank must complete before it is scored: a job's first steps are uneven
+    (allocator, caches, connections) on every rank, and flagged there as noise."""
+    threshold: float = 0.08
+    """A rank is flagged only while its slowdown is at least 1 + threshold."""
+    clear_threshold: float = 0.03
+    """A flagged rank is cleared after ``clear_after`` steps below 1 + clear_threshold."""
+    evidence: float = 2.0
+    """CUSUM level (sum of log ratios above ``drift``) that confirms an onset."""
+    host_evidence: float = 6.0
+    """CUSUM level for a slowdown caused by CPU starvation (``host``): contention on a
+    shared host comes and goes, so it must last longer before it is called a straggler."""
+    drift: float = 0.05
+    """Per-step log ratio that ordinary noise is not expected to exceed for long."""
+    clip: float = 0.3
+    """Each step's log ratio counts at most this much, either way."""
+    clear_after: int = 40
+    """Steps below the clear threshold before a flag is lifted."""
+    node_grace: int = 8
+    """Steps a flagged rank waits for its node's other ranks before it is reported alone."""
+    cause_share: float = 0.5
+    """A cause needs at least this share of the excess (data wait, run delay, late start)."""
+    min_excess_seconds: float = 0.002
+    """A rank is flagged only while its excess is at least this (seconds per step): below it,
+    a ratio over a short step is the host's scheduling noise (a 5 ms step on a shared CPU
+    starts 1 ms late now and then, 20 %), not a rank that holds the job up."""
+    hold_seconds: float = 0.25
+    """Once confirmed, a slowdown must last this long in step time before it is flagged:
+    with millisecond steps the step-count evidence is over in tens of milliseconds, within
+    one burst of another process on the rank's core."""
+
+    def __post_init__(self) -> None:
+        if self.window < 3:
+            raise ValueError("StragglerConfig.window must be at least 3")
+        if not 0 < self.clear_threshold <= self.threshold:
+            raise ValueError("StragglerConfig needs 0 < clear_threshold <= threshold")
+        require_positive(self, "evidence", "drift", "clip")
+        if self.host_evidence < self.evidence:
+            raise ValueError("StragglerConfig.host_evidence must be at least evidence")
+        if self.clear_after < 1 or self.warmup_steps < 0 or self.node_grace < 0:
+            raise ValueError("StragglerConfig.clear_after must be >= 1, warmup_steps and "
+                             "node_grace >= 0")
+        if self.min_excess_seconds < 0 or self.hold_seconds < 0:
+            raise ValueError("StragglerConfig.min_excess_seconds and hold_seconds must be >= 0")
+        if not 0 < self.cause_share <= 1:
+            raise ValueError("StragglerConfig.cause_share must be in (0, 1]")
+
+
+@dataclass(kw_only=True)
+class RankWork:
+    """One rank's recent steps, oldest first; the last entry of each list is step ``completed``.
+
+    ``delay`` (run delay per step) and ``start`` (Unix time each step began) may
+    be shorter or absent; they are used where they cover the window.
+    """
+
+    rank: int
+    node: str
+    step: int
+    own: Sequence[float]
+    data: Sequence[float]
+    wait: Sequence[float]
+    step_seconds: float                   # median wall step time
+    completed: int = 1 << 30              # steps completed so far
+    delay: list[float] | None = None
+    start: list[float] | None = None
+    gap: list[float] | None = None        # time before each step since the previous one ended
+
+
+@dataclass(kw_only=True)
+class Score:
+    rank: int
+    node: str
+    slowdown: float                       # own work over the others' median, window median
+    cause: str
+    excess_seconds: float                 # per step, over the others' median
+    speedup: float                        # job step time / step time without this excess
+    evidence: float = 0.0                 # the rank's CUSUM
+
+
+GpuThrottle = Callable[[int], list[str]]
+
+
+@dataclass
+class StepWindow:
+    """The ranks' last ``n`` common steps as (ranks, n) arrays; NaN where a column is missing."""
+
+    own: np.ndarray
+    data: np.ndarray
+    delay: np.ndarray
+    start: np.ndarray
+    gap: np.ndarray
+
+
+def recent_window(ranks: list[RankWork], last: int, n: int) -> StepWindow:
+    rows = {name: np.full((len(ranks), n), np.nan) for name in ("own", "data", "delay", "start", "gap")}
+    for i, r in enumerate(ranks):
+        for name in rows:
+            col = getattr(r, name)
+            if not col:
+                continue
+            end = len(col) - (r.completed - last)        # index after step ``last``
+            lo = max(0, end - n)
+            if end > lo:
+                rows[name][i, n - (end - lo):] = col[lo:end]
+    return StepWindow(rows["own"], rows["data"], rows["delay"], rows["start"], rows["gap"])
+
+
+def _loo_median(x: np.ndarray) -> np.ndarray:
+    """Per column, the median of every *other* row's value: (ranks, steps) -> same shape."""
+    n = x.shape[0] - 1
+    order = np.argsort(x, axis=0)
+    s = np.take_along_axis(x, order, axis=0)
+    pos = np.empty_like(order)
+    np.put_along_axis(pos, order, np.arange(x.shape[0])[:, None].repeat(x.shape[1], 1), axis=0)
+
+    def kth(k: int) -> np.ndarray:
+        # the k-th smallest of the others: skip the row's own sorted position
+        idx = np.where(k < pos, k, k + 1)
+        return np.take_along_axis(s, idx, axis=0)
+
+    if n % 2:
+        return kth(n // 2)
+    return 0.5 * (kth(n // 2 - 1) + kth(n // 2))
+
+
+def _effective(w: StepWindow) -> np.ndarray:
+    """Own work plus how late the step started after the others' (where starts are known):
+    a rank that leaves its collectives late holds everyone up by that much."""
+    if not np.isfinite(w.start).any():
+        return w.own
+    lag = np.nan_to_num(w.start - _loo_median(w.start), nan=0.0)
+    return w.own + np.maximum(lag, 0.0)
+
+
+def log_ratios(w: StepWindow, clip: float) -> np.ndarray:
+    """Per step, each rank's effective work over the median of the others' effective work
+    (log, clipped to ``±clip``; NaN where unknown): the CUSUM's and the onset's terms.
+
+    Both sides carry the late start.  Steps need not start together: with TP and FSDP no
+    collective spans the step boundary (each rank runs its optimizer alone after its last
+    reduce-scatter), so every rank starts a millisecond or so after some others, now and
+    then.  Added to one side only, that jitter made every rank look 5-20 % slower than the
+    others on millisecond steps, above the CUSUM's drift, and any burst was confirmed."""
+    eff = _effective(w)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.clip(np.log(eff / _loo_median(eff)), -clip, clip)
+
+
+def _tail_medians(x: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """Per row, the median of its last ``spans[row]`` finite values (NaN if none)."""
+    out = np.full(x.shape[0], np.nan)
+    for k in np.unique(spans):
+        rows = np.flatnonzero(spans == k)
+        block = x[rows, x.shape[1] - k:]
+        finite = np.isfinite(block)
+        whole = finite.all(axis=1)
+        if whole.any():
+            out[rows[whole]] = np.median(block[whole], axis=1)
+        for i in np.flatnonzero(~whole & finite.any(axis=1)):  # rare: a column partly missing
+            out[rows[i]] = np.median(block[i][finite[i]])
+    return out
+
+
+def eligible(ranks: list[RankWork], cfg: StragglerConfig, last: int) -> list[RankWork]:
+    return [r for r in ranks if r.completed >= cfg.warmup_steps + cfg.window
+            and len(r.own) - (r.completed - last) >= cfg.window]
+
+
+def score(ranks: list[RankWork], cfg: StragglerConfig, gpu_throttle: GpuThrottle | None = None,
+          spans: dict[int, int] | None = None) -> list[Score]:
+    """Scores over the last ``window`` steps that every scored rank has (needs 2+ ranks).
+
+    ``spans`` narrows a rank's estimate to its last N steps (at least 3): the
+    detector passes the steps since a rank's onset, so that a slowdown caught
+    early is not diluted by the steps before it.
+    """
+    if not ranks:
+        return []
+    last = min(r.completed for r in ranks)
+    full = eligible(ranks, cfg, last)
+    if len(full) < 2:
+        return []
+    w = recent_window(full, last, cfg.window)
+    nothing = np.full(len(full), np.nan)
+
+    def excess(x: np.ndarray) -> np.ndarray:
+        return _tail_medians(x - _loo_median(x), k) if np.isfinite(x).any() else nothing
+
+    k = np.array([min(cfg.window, max(3, (spans or {}).get(r.rank, cfg.window))) for r in full])
+    base = _loo_median(w.own)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slowdown = _tail_medians(w.own / base, k)
+    own, base_k = _tail_medians(w.own, k), _tail_medians(base, k)
+    own_excess = _tail_medians(w.own - base, k)
+    data_excess, delay_excess, lag = excess(w.data), excess(w.delay), excess(w.start)
+    gap_excess = excess(w.gap)
+    out = []
+    for i, r in enumerate(full):
+        if not np.isfinite(slowdown[i]) or not base_k[i] > 0:
+            continue
+        lag_i = max(float(lag[i]), 0.0) if np.isfinite(lag[i]) else 0.0
+        extra = float(own_excess[i]) + lag_i
+        cause = _cause(extra, lag_i, float(data_excess[i]), float(delay_excess[i]),
+                       gpu_throttle(r.rank) if gpu_throttle else [], cfg, outside=float(gap_excess[i]))
+        ratio = float(slowdown[i])
+        if lag_i > 0 and cause in ("communication", "data"):
+            ratio = (float(own[i]) + lag_i) / float(base_k[i])
+        out.append(Score(rank=r.rank, node=r.node, slowdown=ratio, cause=cause, excess_seconds=extra,
+                         speedup=_speedup(r.step_seconds or float(own[i]), extra, float(base_k[i]))))
+    return out
+
+
+def _speedup(step: float, extra: float, base: float) -> float:
+    """How much faster the job would step without a rank's ``extra`` seconds a step.
+
+    ``step`` is the rank's step time inside its step scope, which misses excess spent
+    outside it (a loader fetched between steps).  The job's step without the excess is at
+    least the others' own work (``base``), and with it at least that plus the excess.
+    """
+    extra = max(extra, 0.0)
+    without = max(step - extra, base, 1e-9)
+    return max(step, without + extra) / without
+
+
+def _cause(excess: float, lag: float, data: float, delay: float, throttles: list[str],
+           cfg: StragglerConfig, outside: float = math.nan) -> str:
+    """Attribute a rank's excess (seconds per step) to what measurably makes it up.
+
+    ``outside``: the excess of the rank's time between its step scopes (its batch
+    fetched before the step opened), which makes its steps start late as a slow link does."""
+    share = cfg.cause_share * excess
+    if excess <= 0:
+        return "compute"
+    if math.isfinite(data) and data >= share:
+        return "data"
+    if math.isfinite(delay) and delay >= share:
+        return "host"
+    if math.isfinite(outside) and outside >= share:
+        return "data"
+    if lag >= share:
+        return "communication"
+    if SLOWING_THROTTLES.intersection(throttles):
+        return "gpu_health"
+    return "compute"
+
+
+def cost_ratio(flagged: list[Score], step_seconds: float) -> float:
+    """The job's step-time speed-up if every flagged straggler's excess were gone.
+
+    Every rank waits for the slowest, so removing them all saves the largest excess.
+    """
+    excess = max((s.excess_seconds for s in flagged), default=0.0)
+    if step_seconds <= 0 or excess <= 0:
+        return 1.0
+    return step_seconds / max(step_seconds - excess, 1e-9)
