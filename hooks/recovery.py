@@ -49,6 +49,7 @@ Use from a training loop (the harness does the same)::
             tier.stepped(step)                    # cheap: a flag, and a recovery's report
         except Exception as exc:
             job, step = tier.recover(exc, job, completed=step)   # or raises
+    tier.finish(step)                             # workers still asking to join exit cleanly
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ from rankwatch.hooks.recovery_store import (
     mark_regrouped,
 )
 
-__all__ = ["Decision", "InProcessRecovery", "Job", "Membership", "RecoveryFailed", "decide", "is_peer_failure"]
+__all__ = ["Decision", "InProcessRecovery", "Job", "JobFinished", "Membership", "RecoveryFailed", "decide",
+           "is_peer_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +101,25 @@ _PEER_FAILURE_MARKERS = (
 _MAX_JOIN_LOOK = 1024
 """The most recent join requests read per look (a counter in the store is no bound of its own)."""
 _JOIN_POLL = 0.5
-_POLLER_STOP_SECONDS = 5.0   # the longest a process's exit waits for the join poller's store call
 """Seconds between rank 0's looks for workers asking to join (a background thread)."""
+_POLLER_STOP_SECONDS = 5.0   # the longest a process's exit waits for the join poller's store call
+_FINISHED = "finished"       # a join answer: the survivors finished the job
 
 
 class RecoveryFailed(RuntimeError):
     """The in-process attempt cannot recover this failure; torchrun's restart must."""
+
+
+class JobFinished(SystemExit):
+    """Raised by a joining worker's :meth:`InProcessRecovery.start` when the survivors finished
+    the job while it waited: nothing is left to train.  A ``SystemExit`` with status 0, so an
+    uncaught one ends the worker cleanly (and its node's torchrun with success); a loop with
+    work of its own to do at the end may catch it."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(0)
+        self.step = step
+        """The job's last step, as the survivors finished it."""
 
 
 _RESTARTING = "torchrun is restarting the round"
@@ -139,13 +154,17 @@ class InProcessRecovery:
             applies a step or none does.  Without it, a worker lost in the middle of a step
             (its node's other workers live on a moment) can leave some of the survivors'
             shards a step ahead of the others', and then no replica is whole at one step.
+        total_steps: the loop's last step, if known: no joiner is let in after it (the
+            survivors' next collectives are then the job's own end, not a step a joiner
+            could break); :meth:`finish` tells the ones still waiting that the job finished.
     """
 
     def __init__(self, make: Callable[[Membership], Job], *, backend: str = "gloo", monitor: Any = None,
                  settle: float = 1.0, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
                  max_recoveries: int = 8, join_timeout: float = 600.0, commit: bool = True,
-                 env: Mapping[str, str] = os.environ) -> None:
+                 total_steps: int | None = None, env: Mapping[str, str] = os.environ) -> None:
         self._make = make
+        self._total_steps = total_steps
         self._commit = commit
         self._commit_flag: Any = None
         self._in_commit_failed = False   # the last failure came inside a commit: gradients whole
@@ -218,7 +237,7 @@ class InProcessRecovery:
         recovery and returns its phases; else None.  On rank 0, with workers waiting to
         join, leaves the step here so that every survivor admits them (see the module)."""
         phases = self._finish_report(step) if self._report is not None else None
-        if self._join_due.is_set():
+        if self._join_due.is_set() and (self._total_steps is None or step < self._total_steps):
             self._break_for_join(step)
         return phases
 
@@ -361,12 +380,17 @@ class InProcessRecovery:
         store.set(self._key(f"join/{n}"), json.dumps({"node": self._node(), "local_rank": local_rank,
                                                       "local_world": local_world}))
         log.warning("rankwatch: worker %d of node %s asks to join the training in process", local_rank, self._node())
+        # Asked first, then looked: the survivors' rank 0 marks the job finished first, then
+        # answers whoever asked, so one of the two sees the other (:meth:`finish`).
+        self._raise_if_finished(store)
         answer_key = self._key(f"joined/{me}")
         try:
             store.wait([answer_key], datetime.timedelta(seconds=self._join_timeout))
         except Exception as exc:  # noqa: BLE001 - the store's timeout error varies by backend
             raise RecoveryFailed(f"not admitted within {self._join_timeout:.0f} s: {exc}") from exc
         answer = store.get(answer_key).decode(errors="replace")[:MAX_MESSAGE]
+        if answer.startswith(_FINISHED):
+            self._raise_if_finished(store)
         if not answer.isdigit():
             raise RecoveryFailed(f"the survivors turned this worker away: {answer}")
         gen = int(answer)
@@ -387,6 +411,36 @@ class InProcessRecovery:
         log.warning("rankwatch: joined in process as rank %d of %d at step %d", new.rank, new.world_size,
                     decision.step)
         return job
+
+    def _raise_if_finished(self, store: Any) -> None:
+        key = self._key("finished")
+        if store.check([key]):
+            text = store.get(key).decode(errors="replace")[:32]
+            step = int(text) if text.isdigit() else -1
+            log.warning("rankwatch: the job finished at step %d while this worker asked to join; "
+                        "it exits", step)
+            raise JobFinished(step)
+
+    # -- the end ----------------------------------------------------------------------
+    def finish(self, step: int) -> None:
+        """Call once the loop is done (every rank, after its last step).  Rank 0 tells the
+        workers still asking to join that the job finished, so they exit cleanly (each gets
+        :class:`JobFinished`) instead of waiting out ``join_timeout`` and failing their node.
+        Never raises: the job's end does not depend on it."""
+        self._poll_stop.set()
+        if self._store is None or self.membership is None or self.membership.rank != 0:
+            return
+        try:
+            self._store.set(self._key("finished"), str(step))   # first: a joiner asking now looks
+            waiting = self._waiting_joiners(self._store)
+            for j in waiting:
+                self._store.set(self._key(f"joined/{j.id}"), f"{_FINISHED} at step {step}")
+                self._settled_joiners.add(j.id)
+            if waiting:
+                log.warning("rankwatch: the job finished at step %d; %d worker(s) asking to join "
+                            "were told to exit", step, len(waiting))
+        except Exception as exc:  # noqa: BLE001 - a joiner then times out, as without this call
+            log.warning("rankwatch: could not tell joining workers the job finished: %s", exc)
 
     def _joiners_asked(self, store: Any = None) -> int:
         return int((store or self._store).add(self._key("join/seq"), 0))  # add(0) reads

@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
 
     replica_size: list[int] = []
     tier = InProcessRecovery(make, backend=backend, settle=args.recovery_settle,
-                             timeout=datetime.timedelta(seconds=args.collective_timeout)
-                             ) if args.in_process_recovery else None
+                             timeout=datetime.timedelta(seconds=args.collective_timeout),
+                             total_steps=args.steps) if args.in_process_recovery else None
     try:
         if tier is not None:
             job = tier.start()
@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if tier is not None and (phases := tier.stepped(done)) is not None:
             recoveries[-1]["phases"] = phases  # the recovery's first step is done
+    if tier is not None:
+        tier.finish(done)
 
     if ckpt:  # the last save in flight is written before the job ends
         with mon.activity("checkpoint"):

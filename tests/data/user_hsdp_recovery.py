@@ -92,7 +92,7 @@ def main() -> None:
                                      shuffle=False)
         return iter(DataLoader(rest, batch_size=MICRO, sampler=sampler))
 
-    tier = InProcessRecovery(make, backend="gloo")
+    tier = InProcessRecovery(make, backend="gloo", total_steps=args.steps)
     job = tier.start()
     done = tier.completed                   # 0, or the step a joining worker came in at
     mon = rw.init(mesh=job.extra["mesh"])   # after start(): it made the process group
@@ -121,6 +121,7 @@ def main() -> None:
             job, done = tier.recover(exc, job, completed=done)
             recoveries.append({"step": done, "from": before, "world_size": dist.get_world_size()})
             loader = None
+    tier.finish(done)
     digest = hashlib.sha1()
     for param in job.model.parameters():
         digest.update(param.detach().full_tensor().numpy().tobytes())
