@@ -32,7 +32,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from rankwatch.hooks.client import flight_recorder_pending
+    from rankwatch.hooks.hang_evidence import flight_recorder_pending
 
     dist.init_process_group("gloo")
     t = torch.ones(16)

@@ -146,9 +146,20 @@ def _arg_reader(fn: Callable, name: str | None) -> Callable[[tuple, dict], Any]:
 
 
 def _payload_reader(fn: Callable, name: str | None) -> Callable[[tuple, dict], int]:
-    """``(args, kwargs) -> bytes`` of ``fn``'s parameter ``name``, passed by position or by keyword."""
-    arg = _arg_reader(fn, name)
-    return lambda args, kwargs: _nbytes(arg(args, kwargs))
+    """``(args, kwargs) -> bytes`` of ``fn``'s parameter ``name``, passed by position or by keyword.
+
+    One call on the training thread: a tensor's size is read in it; a list of them goes on
+    to :func:`_nbytes`."""
+    params = list(inspect.signature(fn).parameters)
+    if name is None or name not in params:
+        return lambda args, kwargs: 0
+    index = params.index(name)
+
+    def read(args: tuple, kwargs: dict) -> int:
+        obj = args[index] if len(args) > index else kwargs.get(name)
+        nbytes = getattr(obj, "nbytes", None)
+        return int(nbytes) if nbytes is not None else _nbytes(obj)
+    return read
 
 
 def _group_key(group: Any) -> Any:
@@ -171,6 +182,7 @@ class CollectiveInstrumentation:
         self._rec = recorder
         self._saved: list[tuple[Any, str, Any]] = []
         self._pg_codes: dict[Any, int] = {}
+        self._group_calls: dict[Any, tuple[int, Callable[[], int]]] = {}   # the timers' per-group cache
         self.pgs: list[Any] = []  # process groups seen, index = pg code
         self.errors = 0
         self.source = "none"
@@ -320,6 +332,7 @@ class CollectiveInstrumentation:
         g_index = params.index("group") if "group" in params else None
         rec = self._rec
         clock = time.perf_counter_ns
+        groups = self._group_calls   # pg -> (its code, its sequence-number getter), made once
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -337,8 +350,11 @@ class CollectiveInstrumentation:
             finally:
                 rec.inflight = None
             try:
-                seq = pg._get_sequence_number_for_group()
-                pgc = self._pg_code(pg)
+                known = groups.get(pg)
+                if known is None:
+                    known = groups[pg] = (self._pg_code(pg), pg._get_sequence_number_for_group)
+                pgc, seq_of = known
+                seq = seq_of()
                 nbytes = payload(args, kwargs)
                 if work is None:
                     t1 = clock()

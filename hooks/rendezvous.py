@@ -30,10 +30,10 @@ elastic agent does every restart; rankwatch only decides *who* and *when*:
 
 Exclusions and the generation live in the rendezvous store under
 ``rankwatch/<run_id>/``.  Only the coordinator's decisions are written: a
-relay thread in each node's torchrun polls its local agent, and the one whose
-agent is the coordinator writes them.  The relay also SIGKILLs this node's
-workers once the node is excluded, because torchrun waits its 30 s shutdown
-timeout before it kills a stopped (SIGSTOP) or hung worker.
+relay thread in each node's torchrun (:mod:`.rdzv_relay`) polls its local
+agent, and the one whose agent is the coordinator writes them.  The relay also
+SIGKILLs this node's workers once the node is excluded, because torchrun waits
+its 30 s shutdown timeout before it kills a stopped (SIGSTOP) or hung worker.
 
 ``rankwatch run`` selects this backend in place of ``c10d`` (same
 parameters); use ``--rdzv-backend rankwatch`` with plain torchrun.
@@ -50,9 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
-import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -67,6 +65,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rankwatch.address import AGENT_ENV, EXIT_NOTE_ENV, NODE_ID_ENV, Address
+from rankwatch.hooks.rdzv_relay import DecisionRelay
 from rankwatch.hooks.recovery_store import (
     ATTEMPTS_COUNT,
     CAPABLE_KEY,
@@ -95,7 +94,6 @@ EXCLUDED_PREFIX = "excluded/"
 EXCLUSION_PREFIX = "exclusion/"  # exclusion/<generation> -> the node that generation excluded
 MEMBER_PREFIX = "rankwatch/member/"  # in a round's own store: one key per member node
 _LEAVE_TIMEOUT = timedelta(seconds=10)
-_KILL_GRACE = 1.0
 # A round whose workers recover in process: how long an exclusion waits for them to leave the
 # excluded node out (its relay kills its workers at once, which breaks their collectives)
 # before the handler restarts the round through torchrun after all.
@@ -167,11 +165,16 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._endpoint = _tcp_endpoint(store)
         self._excluded: str | None = None
         self._store_trouble_logged = float("-inf")
-        self._relay = _Relay(self, agent, relay_interval) if agent is not None else None
+        self._relay = DecisionRelay(self, agent, relay_interval) if agent is not None else None
         self._tried_join = False
         self._joined_in_process: str | None = None  # the round's prefix, once joined in process
 
     # -- the store ------------------------------------------------------------------
+    @property
+    def node(self) -> str:
+        """This node's id."""
+        return self._node
+
     def generation(self) -> int:
         return int(self._store.add(GENERATION_KEY, 0))  # add(0) reads without blocking
 
@@ -549,68 +552,6 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                         "for this node's keep-alive to expire", exc)
 
 
-class _Relay:
-    """Polls the node's agent: writes the coordinator's decisions, kills an excluded node's workers."""
-
-    def __init__(self, handler: ExcludingRendezvousHandler, agent: Address, interval: float) -> None:
-        self._handler = handler
-        self._agent = agent
-        self._interval = interval
-        self._written: set[str] = set()
-        self._killed: set[int] = set()
-        self._excluded_at = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="rankwatch-rdzv-relay", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _loop(self) -> None:
-        from rankwatch.status import AgentUnreachable, fetch_status
-
-        while not self._stop.wait(self._interval):
-            try:
-                status = fetch_status(self._agent, timedelta(seconds=1))
-            except AgentUnreachable:
-                continue
-            try:
-                self._apply(status)
-            except Exception:  # noqa: BLE001 - never take torchrun down
-                log.exception("rankwatch: rendezvous relay error")
-
-    def _apply(self, status: dict[str, Any]) -> None:
-        h = self._handler
-        for d in status["decisions"]:
-            if status["coordinator"] and d["id"] not in self._written:
-                h.write_decision(d)
-                self._written.add(d["id"])
-        if h.excluded() is None:
-            return
-        # A grace period first, so the healthy nodes restart their workers on the new
-        # generation before this node's dying workers break their collectives.
-        self._excluded_at = self._excluded_at or time.monotonic()
-        # The others restart on the new generation first, unless they recover in process, which
-        # needs these workers gone: that breaks the collectives the others wait in.
-        if time.monotonic() - self._excluded_at < _KILL_GRACE and not h.in_process():
-            return
-        mine = os.getpid()
-        for r in status["ranks"]:
-            pid = r["pid"]
-            if r["node"] == h._node and pid not in self._killed and _child_of(pid, mine):
-                log.warning("rankwatch: this node is excluded; killing worker pid %d (rank %d)",
-                            pid, r["rank"])
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self._killed.add(pid)
-
-
 def _write_exit_note(why: str) -> None:
     """Tell ``rankwatch run`` (through ``RANKWATCH_EXIT_NOTE``) that this node was refused."""
     path = os.environ.get(EXIT_NOTE_ENV)
@@ -634,12 +575,3 @@ def _tcp_endpoint(store: Store) -> str | None:
         return f"{store.host}:{store.port}"
     except Exception:  # noqa: BLE001
         return None
-
-
-def _child_of(pid: int, parent: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).ppid() == parent
-    except psutil.Error:
-        return False
