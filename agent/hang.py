@@ -7,7 +7,7 @@ progress for longer than its allowance:
 
 * a multiple of the rank's median step time, never below a floor;
 * a longer allowance before the first step completes (warm-up), and while a
-  rank marks itself in ``checkpoint`` or ``eval``.
+  rank marks itself in ``checkpoint``, ``eval`` or ``recovery`` (in-process).
 
 Then the culprit is localised: a rank whose stream went silent (its whole
 process is stopped or gone) while others wait, else the rank behind on a group's collective
@@ -37,18 +37,24 @@ class HangConfig:
     """Allowance while a rank is in a checkpoint save."""
     eval_seconds: float = 600.0
     """Allowance while a rank is in evaluation."""
+    recovery_seconds: float = 60.0
+    """Allowance while a rank is inside an in-process recovery: leaving the step, agreeing,
+    rebuilding its groups, taking state (a joiner's from a peer).  The tier bounds each of its
+    own waits; past them it gives up to torchrun's restart."""
     silence_seconds: float = 2.0
     """A rank whose stream has sent nothing for this long is silent (stopped or gone)."""
 
     def __post_init__(self) -> None:
         require_positive(self, "floor_seconds", "step_multiple", "first_step_seconds", "checkpoint_seconds",
-                         "eval_seconds", "silence_seconds")
+                         "eval_seconds", "recovery_seconds", "silence_seconds")
 
     def allowance(self, r: RankProgress) -> float:
         if r.activity == "checkpoint":
             return self.checkpoint_seconds
         if r.activity == "eval":
             return self.eval_seconds
+        if r.activity == "recovery":
+            return self.recovery_seconds
         if r.steps_completed == 0:
             return self.first_step_seconds
         return max(self.floor_seconds, self.step_multiple * r.step_seconds)
@@ -94,7 +100,8 @@ def hang_possible(now: float, latest_progress: float, cfg: HangConfig) -> bool:
 
     A cheap test before :func:`detect_hang`: no allowance is shorter than the shortest knob.
     """
-    shortest = min(cfg.floor_seconds, cfg.first_step_seconds, cfg.checkpoint_seconds, cfg.eval_seconds)
+    shortest = min(cfg.floor_seconds, cfg.first_step_seconds, cfg.checkpoint_seconds, cfg.eval_seconds,
+                   cfg.recovery_seconds)
     return now - latest_progress >= shortest
 
 

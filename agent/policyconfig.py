@@ -26,10 +26,12 @@ class PolicyConfig:
     again: the restart itself stops every rank (its time counts as ``restart`` in goodput)."""
     max_nodes: int = 65536
     """The most node ids the coordinator keeps (a bound on what Sync callers can make it hold)."""
-    crashed_grace_seconds: float = 15.0
+    crashed_grace_seconds: float = 60.0
     """A node whose agent is alive but whose ranks all died is dead only if no rank has come
     back for this long: torchrun restarts workers itself, and every restart (ours included)
-    kills all of a node's ranks for a few seconds."""
+    kills all of a node's ranks until the new ones connect: after starting Python, importing
+    torch and, joining in process, being admitted.  That took over 15 s on a loaded 2-core
+    host (a GPU node adds CUDA and NCCL start-up), and a node excluded meanwhile is refused."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1:

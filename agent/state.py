@@ -42,7 +42,7 @@ STATES = ("ok", "straggler", "hung", "dead", "excluded")
 
 STEP_WINDOW = 32
 WORK_WINDOW = 64
-_ACTIVITY = {1: "train", 2: "eval", 3: "checkpoint", 4: "idle"}
+_ACTIVITY = {1: "train", 2: "eval", 3: "checkpoint", 4: "idle", 5: "recovery"}
 
 
 @dataclass

@@ -21,6 +21,7 @@ from rankwatch.proto import pb
 from rankwatch.hooks.recorder import (
     ACTIVITY_CHECKPOINT,
     ACTIVITY_EVAL,
+    ACTIVITY_RECOVERY,
     ACTIVITY_TRAIN,
     OPS,
     Recorder,
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DISABLE_ENV = "RANKWATCH_DISABLE"
-_ACTIVITIES = {"train": ACTIVITY_TRAIN, "eval": ACTIVITY_EVAL, "checkpoint": ACTIVITY_CHECKPOINT}
+_ACTIVITIES = {"train": ACTIVITY_TRAIN, "eval": ACTIVITY_EVAL, "checkpoint": ACTIVITY_CHECKPOINT,
+               "recovery": ACTIVITY_RECOVERY}
 
 
 class Monitor:
@@ -86,7 +88,8 @@ class Monitor:
 
     @contextlib.contextmanager
     def activity(self, name: str) -> Iterator[None]:
-        """Mark a stretch as ``eval`` or ``checkpoint``, so it is never taken for a hang."""
+        """Mark a stretch as ``eval``, ``checkpoint`` or ``recovery`` (the in-process tier's), so
+        that it is given its longer allowance and not taken for a hang."""
         prev = self.recorder.activity
         self.recorder.activity = _ACTIVITIES[name]
         try:

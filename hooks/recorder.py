@@ -45,7 +45,7 @@ OP_CODE: dict[str, int] = {name: i for i, name in enumerate(OPS)}
 PHASES: tuple[str, ...] = ("data", "forward", "backward", "optimizer")
 
 # Rank activity, as in the proto's Phase enum.
-ACTIVITY_TRAIN, ACTIVITY_EVAL, ACTIVITY_CHECKPOINT, ACTIVITY_IDLE = 1, 2, 3, 4
+ACTIVITY_TRAIN, ACTIVITY_EVAL, ACTIVITY_CHECKPOINT, ACTIVITY_IDLE, ACTIVITY_RECOVERY = 1, 2, 3, 4, 5
 
 
 class Recorder:

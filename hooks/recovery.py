@@ -55,6 +55,7 @@ Use from a training loop (the harness does the same)::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import logging
@@ -283,7 +284,9 @@ class InProcessRecovery:
         breaking, self._breaking = self._breaking, False
         self._recovering = True
         try:
-            return self._recover(exc, job, completed, breaking)
+            # Not a hang while it lasts: the agent gives a recovery its own, longer allowance.
+            with self._activity("recovery"):
+                return self._recover(exc, job, completed, breaking)
         finally:
             self._recovering = False
             self._join_due.clear()  # a request seen meanwhile is this recovery's, or the next look's
@@ -604,6 +607,10 @@ class InProcessRecovery:
         dist.init_process_group(self._backend, store=store, rank=new.rank, world_size=new.world_size,
                                 timeout=self._timeout)
         net.forget_old_meshes()
+
+    def _activity(self, name: str) -> Any:
+        mark = getattr(self._monitor, "activity", None)
+        return mark(name) if mark is not None else contextlib.nullcontext()
 
     def set_monitor(self, monitor: Any) -> None:
         """The Monitor that reports each recovery (made after the first generation's mesh)."""

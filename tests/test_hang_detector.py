@@ -107,3 +107,14 @@ def test_clean_exits_are_not_hangs():
 def test_config_validates():
     with pytest.raises(ValueError, match="floor_seconds"):
         HangConfig(floor_seconds=0)
+
+
+def test_an_in_process_recovery_has_its_own_allowance():
+    # The survivors regroup (and let joiners in) without progress for seconds; the tier marks
+    # it, so a recovery slowed by a loaded host is not taken for a hang, up to its allowance.
+    cfg = HangConfig(floor_seconds=5.0, recovery_seconds=60.0)
+    regrouping = [rank(0, activity="recovery", seqs={"0": 3}), rank(1, activity="recovery", seqs={"0": 1})]
+    assert detect_hang(30.0, regrouping, cfg) is None
+    assert detect_hang(30.0, [rank(0, seqs={"0": 3}), rank(1, seqs={"0": 1})], cfg) is not None
+    v = detect_hang(61.0, regrouping, cfg)
+    assert v is not None and v.allowance == 60.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -143,8 +144,8 @@ def test_gpu_health_cause_only_for_slowing_throttles():
     assert s[2].cause == "compute"
 
 
-# "within" includes hold_seconds (0.25 s: 3 steps of 0.1 s here).
-@pytest.mark.parametrize("slow,within", [(0.25, 20), (0.5, 12), (0.10, 53)])
+# "within" includes hold_seconds (1 s: 10 steps of 0.1 s here).
+@pytest.mark.parametrize("slow,within", [(0.25, 27), (0.5, 19), (0.10, 60)])
 def test_slowdown_flagged_quickly(slow, within):
     rng = random.Random(1)
     onset, n = 60, 160
@@ -164,7 +165,7 @@ def test_batched_updates_flag_as_fast():
     series = [noisy(rng, n) for _ in range(4)]
     series[1] = [x * 1.25 if t >= onset else x for t, x in enumerate(series[1])]
     step, _ = first_flags(feed(StragglerDetector(CFG), series, every=7))[1]
-    assert step - onset <= 20 + 7
+    assert step - onset <= 27 + 7   # as fast as one step at a time (test above), plus a batch
 
 
 def test_no_false_positive_on_20k_steps_of_noise():
@@ -233,7 +234,9 @@ def test_the_straggler_moves_and_two_ranks_are_never_flagged_together():
     assert kinds[:3] == [("flagged", [1]), ("flagged", [0]), ("cleared", [1])]
     assert together == []
     cleared_1 = next(t for t, ev in events if ev.kind == "cleared")
-    assert cleared_1 < 110 + CFG.window  # at the reversal, not clear_after steps later
+    # At the reversal (once rank 0 has held its slowdown for hold_seconds), not clear_after
+    # steps later.
+    assert cleared_1 < 110 + CFG.window + math.ceil(CFG.hold_seconds / 0.08) < 110 + CFG.clear_after
 
 
 def test_whole_node_is_one_node_level_straggler():

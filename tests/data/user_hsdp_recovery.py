@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--global-batch", type=int, default=MICRO * 6, help="samples per step, all ranks together")
+    p.add_argument("--until-world", type=int, default=0,
+                   help="train past --steps (up to 4x) until the world has this many ranks again")
     args = p.parse_args()
     torch.set_num_threads(1)
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])   # one replica per node, sharded within it
@@ -83,7 +85,8 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         return Job(model=model, optimizer=opt, replica_size=per_node, extra={"mesh": mesh})
 
-    data = Points(global_batch * args.steps)
+    limit = args.steps * 4 if args.until_world else args.steps
+    data = Points(global_batch * limit)
 
     def batches(done: int):
         """This rank's micro-batches from global step ``done`` on, for the current world."""
@@ -92,7 +95,8 @@ def main() -> None:
                                      shuffle=False)
         return iter(DataLoader(rest, batch_size=MICRO, sampler=sampler))
 
-    tier = InProcessRecovery(make, backend="gloo", total_steps=args.steps)
+    # The last step is known only without --until-world (then a joiner may come in at any step).
+    tier = InProcessRecovery(make, backend="gloo", total_steps=None if args.until_world else args.steps)
     job = tier.start()
     done = tier.completed                   # 0, or the step a joining worker came in at
     mon = rw.init(mesh=job.extra["mesh"])   # after start(): it made the process group
@@ -100,7 +104,7 @@ def main() -> None:
     first_rank = dist.get_rank()
     joined = tier.membership is not None and tier.membership.generation > 0   # came in later
     applied, recoveries, loader = [], [], None
-    while done < args.steps:
+    while done < args.steps or (dist.get_world_size() < args.until_world and done < limit):
         try:
             loader = loader or batches(done)
             accum = max(1, global_batch // (MICRO * dist.get_world_size()))

@@ -14,11 +14,13 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PHASE_EVAL: _ClassVar[Phase]
     PHASE_CHECKPOINT: _ClassVar[Phase]
     PHASE_IDLE: _ClassVar[Phase]
+    PHASE_RECOVERY: _ClassVar[Phase]
 PHASE_UNSPECIFIED: Phase
 PHASE_TRAIN: Phase
 PHASE_EVAL: Phase
 PHASE_CHECKPOINT: Phase
 PHASE_IDLE: Phase
+PHASE_RECOVERY: Phase
 
 class Hello(_message.Message):
     __slots__ = ("rank", "local_rank", "world_size", "node_id", "pid", "backend", "device", "mesh_coords", "mesh_shape", "job_id", "peak_flops", "op_names", "device_uuid", "collective_source", "peer_nonce")
