@@ -104,7 +104,19 @@ def main() -> None:
     first_rank = dist.get_rank()
     joined = tier.membership is not None and tier.membership.generation > 0   # came in later
     applied, recoveries, loader = [], [], None
-    while done < args.steps or (dist.get_world_size() < args.until_world and done < limit):
+    whole_at: int | None = None   # with --until-world: the step the world was whole again at
+
+    def more(done: int) -> bool:
+        """Train on?  Past --steps only until the world is whole again and has trained a few
+        steps so (a recovery is reported after its first step).  Every rank answers alike."""
+        nonlocal whole_at
+        if dist.get_world_size() < args.until_world:
+            whole_at = None
+        elif whole_at is None:
+            whole_at = done
+        return done < args.steps or (done < limit and (whole_at is None or done < whole_at + 5))
+
+    while more(done):
         try:
             loader = loader or batches(done)
             accum = max(1, global_batch // (MICRO * dist.get_world_size()))
