@@ -63,3 +63,18 @@ def test_a_batch_of_several_ops_keeps_each_ops_order():
     assert s["all_gather"].p50 == 3.0 and s["reduce_scatter"].p99 == np.quantile([1.0, 5.0], 0.99)
     lat.observe(np.array([0], np.uint8), np.array([100.0]))
     assert lat.summary()["all_reduce"].p99 == np.quantile([4.0, 6.0, 7.0, 100.0], 0.99)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_each_ops_window_is_its_most_recent_calls_in_a_big_mixed_batch(seed):
+    # Against a reading call by call: each op's window holds its last calls, whatever the
+    # batch's order (a sort that is not stable would keep others).
+    rng = np.random.default_rng(seed)
+    lat = OpLatency(OPS, window=16)
+    ops = rng.integers(0, 3, 1000).astype(np.uint8)
+    durations = rng.random(1000)
+    lat.observe(ops, durations)
+    s = lat.summary()
+    for i, name in enumerate(OPS):
+        recent = durations[ops == i][-16:]
+        assert s[name].p50 == np.quantile(recent, 0.5) and s[name].p99 == np.quantile(recent, 0.99)
