@@ -20,6 +20,7 @@ carries so the agent learns the count once it is back.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import random
@@ -50,6 +51,7 @@ _IDLE_PROGRESS = timedelta(milliseconds=500)
 # Records sent this recently before a stream broke may never have been taken
 # (and a dead agent lost whatever it took): they are counted as dropped.
 _IN_FLIGHT = timedelta(seconds=1)
+_THREAD_STOP = timedelta(seconds=1)   # the most close() waits for a thread whose calls it cancelled
 
 
 class AgentClient:
@@ -94,6 +96,9 @@ class AgentClient:
         self.connected = threading.Event()
         self.streams_opened = 0
         self._threads: list[threading.Thread] = []
+        self._channels: set[grpc.Channel] = set()   # open now; close() cancels their calls
+        self._channels_lock = threading.Lock()
+        self._closed = False
         self._cmd_lock = threading.Lock()
         self._requests_pending: dict[str, tuple[int, str]] = {}   # command id -> (step, reason)
         self._requests_seen: set[str] = set()
@@ -107,16 +112,47 @@ class AgentClient:
             t = threading.Thread(target=target, name=f"rankwatch-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        # A daemon thread still inside a gRPC call when the interpreter finalises is ended by
+        # pthread_exit in the middle of gRPC's C++ code, which aborts the process ("terminate
+        # called without an active exception") after training ended: close before that.
+        atexit.register(self.close)
 
     def close(self, timeout: timedelta = timedelta(seconds=2)) -> None:
-        """Flush what is buffered and stop; gives up after ``timeout``."""
+        """Flush what is buffered, say goodbye and stop every thread; gives up waiting for
+        the agent after ``timeout``.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         deadline = time.monotonic() + timeout.total_seconds()
         self._flush_once(force=True)
         while not self._queue.empty() and self.connected.is_set() and time.monotonic() < deadline:
             time.sleep(0.01)
         self._stop.set()
-        for t in self._threads:
+        sender = [t for t in self._threads if t.name == "rankwatch-sender"]
+        for t in sender:  # its stream ends with the goodbye, once the agent has read it
             t.join(max(0.0, deadline - time.monotonic()))
+        # The command stream waits for the agent's next command; cancel it (and a report stream
+        # the agent never answered).  The threads then return at once.
+        with self._channels_lock:
+            channels = list(self._channels)
+        for channel in channels:
+            channel.close()
+        for t in self._threads:
+            t.join(_THREAD_STOP.total_seconds())
+
+    def _open(self) -> grpc.Channel:
+        channel = open_channel(self._address, self._creds)
+        with self._channels_lock:
+            self._channels.add(channel)
+        if self._stop.is_set():  # close() may have looked before this one was added
+            channel.close()
+        return channel
+
+    def _shut(self, channel: grpc.Channel) -> None:
+        with self._channels_lock:
+            self._channels.discard(channel)
+        channel.close()
 
     @property
     def dropped_total(self) -> int:
@@ -256,7 +292,7 @@ class AgentClient:
         delay = _RECONNECT_MIN.total_seconds()
         warned = False
         while not self._stop.is_set():
-            channel = open_channel(self._address, self._creds)
+            channel = self._open()
             try:
                 grpc.channel_ready_future(channel).result(timeout=_CONNECT_TIMEOUT.total_seconds())
                 self.connected.set()
@@ -277,7 +313,7 @@ class AgentClient:
                 log.exception("rankwatch: sender error")
             finally:
                 self.connected.clear()
-                channel.close()
+                self._shut(channel)
             self._stop.wait(delay * (0.5 + random.random()))
             delay = min(delay * 2, _RECONNECT_MAX.total_seconds())
 
@@ -312,7 +348,7 @@ class AgentClient:
         delay = _RECONNECT_MIN.total_seconds()
         request = pb.CommandRequest(rank=self._hello.rank, pid=self._hello.pid)
         while not self._stop.is_set():
-            channel = open_channel(self._address, self._creds)
+            channel = self._open()
             try:
                 for cmd in pb_grpc.AgentStub(channel).Commands(request):
                     delay = _RECONNECT_MIN.total_seconds()
@@ -320,11 +356,11 @@ class AgentClient:
                     if self._stop.is_set():
                         break
             except grpc.RpcError:
-                pass  # absent or restarting agent: the sender logs that; retry quietly
+                pass  # absent or restarting agent (or close()): the sender logs that; retry quietly
             except Exception:  # noqa: BLE001
                 log.exception("rankwatch: command stream error")
             finally:
-                channel.close()
+                self._shut(channel)
             self._stop.wait(delay * (0.5 + random.random()))
             delay = min(delay * 2, _RECONNECT_MAX.total_seconds())
 

@@ -64,6 +64,56 @@ def test_records_reach_agent_and_status(agent):
     assert agent.state.ranks[0].state == "ok"
 
 
+def test_close_ends_every_client_thread(agent):
+    """The command stream waits for the agent's next command; close() cancels it, so no
+    thread of the client is left inside a gRPC call when the interpreter finalises (that
+    aborted a worker after training: "terminate called without an active exception")."""
+    import threading
+
+    rec, client = make_client(agent.config.listen[0])
+    before = set(threading.enumerate())
+    client.start()
+    wait_for(lambda: 0 in agent.state.ranks, 10, what="the rank's hello")
+    mine = [t for t in set(threading.enumerate()) - before
+            if t.name in ("rankwatch-flusher", "rankwatch-sender", "rankwatch-commands")]
+    assert len(mine) == 3, mine
+    client.close()
+    assert [t.name for t in mine if t.is_alive()] == []
+    wait_for(lambda: not agent.state.ranks[0].connected, 5, what="the goodbye")
+    assert agent.state.ranks[0].exited_cleanly
+
+
+_NEVER_CLOSED = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from test_agent_grpc import make_client
+from rankwatch.address import Address
+rec, client = make_client(Address(path=sys.argv[1]))
+client.start()
+client.connected.wait(10)
+with rec.step_scope(1):
+    pass
+"""
+
+
+def test_a_client_never_closed_says_goodbye_at_exit(agent, tmp_path):
+    """A user's script that never closes its monitor: the client closes itself at the
+    interpreter's exit, with a goodbye, and the process exits 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "never_closed.py"
+    script.write_text(_NEVER_CLOSED)
+    done = subprocess.run([sys.executable, str(script), agent.config.listen[0].path, str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    wait_for(lambda: agent.state.ranks.get(0) is not None and not agent.state.ranks[0].connected, 10,
+             what="the stream closed")
+    assert agent.state.ranks[0].exited_cleanly, done.stderr
+    assert agent.state.records["step"] == 1
+
+
 def test_socket_is_private(agent):
     mode = stat.S_IMODE(os.stat(agent.config.listen[0].path).st_mode)
     assert mode == 0o600
