@@ -51,6 +51,7 @@ import numpy as np
 
 from rankwatch.agent.straggler_score import (
     CAUSES, GpuThrottle, RankWork, Score, StragglerConfig, cost_ratio, eligible, log_ratios, recent_window, score,
+    score_window,
 )
 
 __all__ = ["CAUSES", "RankWork", "Score", "StragglerConfig", "StragglerDetector", "StragglerEvent",
@@ -116,10 +117,22 @@ class StragglerDetector:
         new = min(last - max(self._last, self.cfg.warmup_steps),
                   *(len(r.own) - (r.completed - last) for r in full))
         self._last = last
-        self._accumulate(full, last, new)
+        # With a flag to keep or to confirm, one window serves the CUSUM, the onset and the
+        # scores; else only the new steps are read (the common case stops after the CUSUM).
+        scoring = bool(self.flagged or self._ready)
+        w = recent_window(full, last, max(new, self.cfg.window) if scoring else new) if new > 0 else None
+        x = log_ratios(w, self.cfg.clip) if w is not None else None
+        if x is not None:
+            self._accumulate(full, x[:, x.shape[1] - new:])
         if not self.flagged and max(self._cusum.values(), default=0.0) < self.cfg.evidence:
             return []  # the common case: nothing to confirm or to clear
-        scores = {s.rank: s for s in score(full, self.cfg, self.gpu_throttle, self._spans(full, last))}
+        if w is None or w.own.shape[1] < self.cfg.window:
+            w = recent_window(full, last, self.cfg.window)
+            x = log_ratios(w, self.cfg.clip)
+        assert x is not None
+        rows = self._candidates(full)
+        spans = self._spans(full, x[:, -self.cfg.window:], rows)
+        scores = {s.rank: s for s in score_window(full, w, self.cfg, self.gpu_throttle, spans, rows)}
         for s in scores.values():
             s.evidence = self._cusum.get(s.rank, 0.0)
         by_rank = {r.rank: r for r in full}
@@ -128,27 +141,37 @@ class StragglerDetector:
         events += self._superseded(scores, by_rank)
         return events
 
-    def _accumulate(self, full: list[RankWork], last: int, new: int) -> None:
-        x = np.nan_to_num(log_ratios(recent_window(full, last, new), self.cfg.clip), nan=0.0) - self.cfg.drift
-        live = {r.rank for r in full}
-        for gone in set(self._cusum) - live:
-            del self._cusum[gone]
-        for i, r in enumerate(full):
-            s = self._cusum.get(r.rank, 0.0)
-            for v in x[i]:
-                s = max(0.0, s + float(v))
-            self._cusum[r.rank] = s
+    def _candidates(self, full: list[RankWork]) -> list[int]:
+        """Rows of ``full`` whose scores can change a flag: flagged or confirming ranks, ranks
+        with the evidence to be confirmed, and every rank of their nodes (a node-scope flag
+        needs them all).  The others' scores cannot raise or lift anything, and scoring 16,384
+        ranks each evaluation costs the coordinator far more than the few that matter."""
+        keen = set(self.flagged) | set(self._ready) | {
+            rank for rank, c in self._cusum.items() if c >= self.cfg.evidence}
+        nodes = {r.node for r in full if r.rank in keen}
+        return [i for i, r in enumerate(full) if r.node in nodes]
 
-    def _spans(self, full: list[RankWork], last: int) -> dict[int, int]:
-        """Per rank with evidence, the steps since its likeliest onset inside the window.
+    def _accumulate(self, full: list[RankWork], x: np.ndarray) -> None:
+        """The CUSUM over each rank's new steps' log ratios (``x``: ranks by new steps)."""
+        s = np.fromiter((self._cusum.get(r.rank, 0.0) for r in full), dtype=float, count=len(full))
+        terms = np.nan_to_num(x, nan=0.0) - self.cfg.drift
+        for j in range(terms.shape[1]):
+            s = np.maximum(0.0, s + terms[:, j])
+        self._cusum = dict(zip((r.rank for r in full), s.tolist()))   # ranks gone are dropped
+
+    def _spans(self, full: list[RankWork], x: np.ndarray, rows: list[int]) -> dict[int, int]:
+        """Per candidate rank with evidence, the steps since its likeliest onset inside the
+        window (``x``: the window's log ratios).
 
         The onset is where the sum of the newest steps' log ratios, each less
         ``log(1 + threshold)``, peaks: steps before a slowdown pull the sum down.
         """
-        x = log_ratios(recent_window(full, last, self.cfg.window), self.cfg.clip)
-        tail = np.cumsum(np.nan_to_num(x, nan=0.0)[:, ::-1] - math.log1p(self.cfg.threshold), axis=1)
+        rows = [i for i in rows if self._cusum.get(full[i].rank)]
+        if not rows:
+            return {}
+        tail = np.cumsum(np.nan_to_num(x[rows], nan=0.0)[:, ::-1] - math.log1p(self.cfg.threshold), axis=1)
         best = np.argmax(tail[:, 2:], axis=1) + 3
-        return {r.rank: int(best[i]) for i, r in enumerate(full) if self._cusum.get(r.rank)}
+        return {full[i].rank: int(b) for i, b in zip(rows, best.tolist())}
 
     def _clear(self, scores: dict[int, Score], by_rank: dict[int, RankWork],
                last: int) -> list[StragglerEvent]:

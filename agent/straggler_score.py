@@ -16,7 +16,7 @@ import numpy as np
 from rankwatch.knobs import require_positive
 
 __all__ = ["CAUSES", "GpuThrottle", "RankWork", "Score", "StragglerConfig", "cost_ratio", "eligible",
-           "log_ratios", "recent_window", "score"]
+           "last_steps", "log_ratios", "recent_window", "score", "score_window"]
 
 CAUSES = ("compute", "data", "communication", "host", "gpu_health")
 # GPU throttle reasons that slow a GPU down (idle, clock settings and sync boost do not).
@@ -125,17 +125,30 @@ class StepWindow:
 
 
 def recent_window(ranks: list[RankWork], last: int, n: int) -> StepWindow:
-    rows = {name: np.full((len(ranks), n), np.nan) for name in ("own", "data", "delay", "start", "gap")}
-    for i, r in enumerate(ranks):
-        for name in rows:
-            col = getattr(r, name)
-            if not col:
-                continue
-            end = len(col) - (r.completed - last)        # index after step ``last``
-            lo = max(0, end - n)
-            if end > lo:
-                rows[name][i, n - (end - lo):] = col[lo:end]
-    return StepWindow(rows["own"], rows["data"], rows["delay"], rows["start"], rows["gap"])
+    """The ranks' ``n`` steps up to step ``last``; NaN where a rank's column misses some."""
+    behind = [r.completed - last for r in ranks]      # steps each rank is past ``last``
+    cols = {name: _column(ranks, name, behind, n) for name in ("own", "data", "delay", "start", "gap")}
+    return StepWindow(cols["own"], cols["data"], cols["delay"], cols["start"], cols["gap"])
+
+
+def _column(ranks: list[RankWork], name: str, behind: list[int], n: int) -> np.ndarray:
+    cols = [getattr(r, name) or () for r in ranks]
+    if not any(cols):   # a column no rank reports
+        return np.full((len(ranks), n), np.nan)
+    ends = [len(c) - b for c, b in zip(cols, behind)]   # index after step ``last``
+    if ranks and min(ends) >= n:   # the common case: every rank holds the steps, one conversion
+        return np.array([c[e - n:e] for c, e in zip(cols, ends)], dtype=float).reshape(len(ranks), n)
+    out = np.full((len(ranks), n), np.nan)
+    for i, (c, e) in enumerate(zip(cols, ends)):
+        part = c[max(0, e - n):max(0, e)]
+        if len(part):
+            out[i, n - len(part):] = part
+    return out
+
+
+def last_steps(w: StepWindow, n: int) -> StepWindow:
+    """The window's last ``n`` steps (a view)."""
+    return StepWindow(w.own[:, -n:], w.data[:, -n:], w.delay[:, -n:], w.start[:, -n:], w.gap[:, -n:])
 
 
 def _loo_median(x: np.ndarray) -> np.ndarray:
@@ -213,33 +226,46 @@ def score(ranks: list[RankWork], cfg: StragglerConfig, gpu_throttle: GpuThrottle
     full = eligible(ranks, cfg, last)
     if len(full) < 2:
         return []
-    w = recent_window(full, last, cfg.window)
-    nothing = np.full(len(full), np.nan)
+    return score_window(full, recent_window(full, last, cfg.window), cfg, gpu_throttle, spans)
+
+
+def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_throttle: GpuThrottle | None = None,
+                 spans: dict[int, int] | None = None, rows: Sequence[int] | None = None) -> list[Score]:
+    """:func:`score` over a window already built (its last ``cfg.window`` steps are used).
+
+    ``rows`` (indices into ``full``) scores only those ranks, each still against every
+    rank's steps: their scores are the same as in a call that scores everyone."""
+    w = last_steps(w, cfg.window)
+    idx = np.arange(len(full)) if rows is None else np.asarray(rows, dtype=np.intp)
+    nothing = np.full(len(idx), np.nan)
 
     def excess(x: np.ndarray) -> np.ndarray:
-        return _tail_medians(x - _loo_median(x), k) if np.isfinite(x).any() else nothing
+        return _tail_medians((x - _loo_median(x))[idx], k) if np.isfinite(x).any() else nothing
 
-    k = np.array([min(cfg.window, max(3, (spans or {}).get(r.rank, cfg.window))) for r in full])
-    base = _loo_median(w.own)
+    k = np.array([min(cfg.window, max(3, (spans or {}).get(full[i].rank, cfg.window))) for i in idx], dtype=int)
+    own_all = w.own
+    base_all = _loo_median(own_all)
+    own_w, base = own_all[idx], base_all[idx]
     with np.errstate(divide="ignore", invalid="ignore"):
-        slowdown = _tail_medians(w.own / base, k)
-    own, base_k = _tail_medians(w.own, k), _tail_medians(base, k)
-    own_excess = _tail_medians(w.own - base, k)
+        slowdown = _tail_medians(own_w / base, k)
+    own, base_k = _tail_medians(own_w, k), _tail_medians(base, k)
+    own_excess = _tail_medians(own_w - base, k)
     data_excess, delay_excess, lag = excess(w.data), excess(w.delay), excess(w.start)
     gap_excess = excess(w.gap)
     out = []
-    for i, r in enumerate(full):
-        if not np.isfinite(slowdown[i]) or not base_k[i] > 0:
+    for j, i in enumerate(idx.tolist()):
+        r = full[i]
+        if not np.isfinite(slowdown[j]) or not base_k[j] > 0:
             continue
-        lag_i = max(float(lag[i]), 0.0) if np.isfinite(lag[i]) else 0.0
-        extra = float(own_excess[i]) + lag_i
-        cause = _cause(extra, lag_i, float(data_excess[i]), float(delay_excess[i]),
-                       gpu_throttle(r.rank) if gpu_throttle else [], cfg, outside=float(gap_excess[i]))
-        ratio = float(slowdown[i])
-        if lag_i > 0 and cause in ("communication", "data"):
-            ratio = (float(own[i]) + lag_i) / float(base_k[i])
+        lag_j = max(float(lag[j]), 0.0) if np.isfinite(lag[j]) else 0.0
+        extra = float(own_excess[j]) + lag_j
+        cause = _cause(extra, lag_j, float(data_excess[j]), float(delay_excess[j]),
+                       gpu_throttle(r.rank) if gpu_throttle else [], cfg, outside=float(gap_excess[j]))
+        ratio = float(slowdown[j])
+        if lag_j > 0 and cause in ("communication", "data"):
+            ratio = (float(own[j]) + lag_j) / float(base_k[j])
         out.append(Score(rank=r.rank, node=r.node, slowdown=ratio, cause=cause, excess_seconds=extra,
-                         speedup=_speedup(r.step_seconds or float(own[i]), extra, float(base_k[i]))))
+                         speedup=_speedup(r.step_seconds or float(own[j]), extra, float(base_k[j]))))
     return out
 
 

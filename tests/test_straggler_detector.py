@@ -386,3 +386,43 @@ def test_the_cost_of_excess_outside_the_step_scope_stays_finite():
     s = {x.rank: x for x in score([work(r, [0.1] * 16, start=starts[r], gap=gaps[r]) for r in range(3)], CFG)}
     assert s[2].cause == "data"
     assert s[2].speedup == pytest.approx((0.1 + 0.3) / 0.1, rel=0.05)
+
+
+class _ScoresEveryone(StragglerDetector):
+    """The reference: every rank scored at each evaluation (what the detector did before it
+    scored only the ranks whose scores can change a flag)."""
+
+    def _candidates(self, full):
+        return list(range(len(full)))
+
+
+def _events_key(events):
+    return [(t, ev.kind, ev.scope, ev.score.rank, tuple(ev.ranks), ev.score.cause,
+             round(ev.score.slowdown, 12), round(ev.score.evidence, 12)) for t, ev in events]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_scoring_only_the_candidates_changes_no_event(seed):
+    """Random jobs of 4 nodes x 4 ranks with a slow rank and a slow node (its ranks slowing a
+    few steps apart) that come and go, fed
+    a few steps at a time: the detector raises and lifts exactly the flags, at the same steps,
+    with the same scores, as one that scores every rank at each evaluation."""
+    rng = random.Random(seed)
+    ranks, steps = 16, 420
+    series = [noisy(rng, steps) for _ in range(ranks)]
+    nodes = {r: f"n{r // 4}" for r in range(ranks)}
+    slow_rank, slow_node = rng.randrange(ranks), rng.randrange(4)
+    for t in range(100, 220):
+        series[slow_rank][t] *= 1.35
+    for k, r in enumerate(range(slow_node * 4, slow_node * 4 + 4)):   # its ranks slow one by one
+        for t in range(250 + rng.randrange(12) * k, 360):
+            series[r][t] *= 1.25
+    every = rng.choice((1, 2, 3))
+    # No hold: a rank confirmed first waits node_grace steps for its node's other ranks only
+    # while they are slow too, which needs their scores before they have the evidence.
+    cfg = StragglerConfig(warmup_steps=0, hold_seconds=0.0)
+    got = feed(StragglerDetector(cfg), series, nodes, every=every)
+    want = feed(_ScoresEveryone(cfg), series, nodes, every=every)
+    assert _events_key(got) == _events_key(want)
+    assert any(ev.kind == "flagged" for _, ev in got) and any(ev.kind == "cleared" for _, ev in got)
+    assert any(ev.scope == "node" for _, ev in got)
