@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
-import json
 import logging
 import os
 import sys
@@ -24,7 +22,6 @@ os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from rankwatch.hooks import monitor as _monitor  # noqa: E402
 from rankwatch.hooks.checkpoint import Checkpointer  # noqa: E402
@@ -33,6 +30,9 @@ from rankwatch.hooks.flops import transformer_flops_per_token  # noqa: E402
 from rankwatch.hooks.model import ModelConfig, Transformer  # noqa: E402
 from rankwatch.hooks.parallel import ParallelDims, build_mesh, device_type, dp_mesh, parallelize  # noqa: E402
 from rankwatch.hooks.recovery import InProcessRecovery, Job, Membership  # noqa: E402
+from rankwatch.hooks.train_parts import (  # noqa: E402
+    ABSwitch, RunRecord, after_step, global_batch_for, report_saves, train_step,
+)
 
 log = logging.getLogger("rankwatch.train")
 
@@ -103,25 +103,6 @@ def _fault(text: str) -> tuple[str, int, int, float]:
     if kind not in _FAULT_KINDS:
         raise argparse.ArgumentTypeError(f"--fault kind {kind!r} not in {_FAULT_KINDS}")
     return fault
-
-
-def _usual(step_times: list[float]) -> float:
-    """This rank's usual step time, frozen at the first 20 clean steps' median."""
-    head = step_times[2:22] or step_times or [0.0]
-    return sorted(head)[len(head) // 2]
-
-
-def _injected_sleep_in_forward(seconds: float) -> None:
-    """A rank stuck in Python: named so that its frame is recognisable in stacks."""
-    time.sleep(seconds)
-
-
-def _faults_at(faults: list, kind: str, rank: int, step: int) -> float:
-    return sum(s for k, r, st, s in faults if k == kind and st == step and r in (rank, -1))
-
-
-def _slowdown_from(faults: list, kind: str, rank: int, step: int) -> float:
-    return sum(s for k, r, st, s in faults if k == kind and step >= st and r in (rank, -1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     def feed(job: Job, done: int) -> tuple:
         """The data and the per-step accounting for the job's current world, from step ``done`` on."""
         dims, mesh = job.extra["dims"], job.extra["mesh"]
-        gb, accum = _global_batch(global_batch, args.batch_size, dims.dp, dist.get_rank())
+        gb, accum = global_batch_for(global_batch, args.batch_size, dims.dp, dist.get_rank())
         ds = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
         batches = iter(build_loader(ds, args.batch_size, dp_mesh(mesh).get_local_rank(), dims.dp, done * gb))
         # Each rank's share of the job's tokens and FLOPs (TP ranks split a batch).
@@ -207,208 +188,54 @@ def main(argv: list[str] | None = None) -> int:
 
     global_batch, accum, batches, tokens, flops = feed(job, start)
     ckpt_extra = {"world_size": world, "dp": job.extra["dims"].dp, "global_batch": global_batch}
-    step_times, losses, arms, dp_means, saves, recoveries = [], [], [], [], [], []
-    ab = _ABSwitch(mon, args.ab_block)
+    record = RunRecord()
+    ab = ABSwitch(mon, args.ab_block)
     done = start  # optimizer steps applied
     while done < args.steps:
         step = done
-        model, opt, mesh, dims = job.model, job.optimizer, job.extra["mesh"], job.extra["dims"]
         rank = dist.get_rank()
         m = ab.monitor_for(step - start)
         t0 = time.perf_counter()
         try:
             with m.step(step + 1, tokens=tokens, flops=flops):
-                micro = [next(batches).to(dev) for _ in range(accum)]
-                if slow := _slowdown_from(args.fault, "slow_data", rank, step + 1):
-                    time.sleep(slow * _usual(step_times))
-                m.mark("data")
-                if stuck := _faults_at(args.fault, "sleep_forward", rank, step + 1):
-                    _injected_sleep_in_forward(stuck)
-                if slow := _slowdown_from(args.fault, "slow_compute", rank, step + 1):
-                    time.sleep(slow * _usual(step_times))
-                # Gradient accumulation keeps the global batch when the job shrank; with more
-                # than one micro-batch, "forward" is the first one's and "backward" the rest.
-                for i, batch in enumerate(micro):
-                    logits = model(batch[:, :-1])
-                    part = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1))
-                    loss = part.detach() if i == 0 else loss + part.detach()
-                    if i == 0:
-                        m.mark("forward")
-                    (part / accum if accum > 1 else part).backward()
-                del logits, part
-                loss = loss / accum
-                m.mark("backward")
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                loss = train_step(m, job, batches, accum, args, cfg.vocab_size, dev, rank, step, record)
                 done = step + 1
                 m.mark("optimizer")
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
-            step_times.append(time.perf_counter() - t0)
-            arms.append(ab.on)
-            losses.append(loss.item())
-            # The dp-mean loss for the log: one small all-reduce per step on the dp group.
-            mean_loss = torch.tensor([losses[-1]], device=dev)
-            if skip := _faults_at(args.fault, "skip_collective", rank, step + 1):
-                time.sleep(skip)  # this rank never issues the all-reduce the others wait in
-            else:
-                dist.all_reduce(mean_loss, group=dp_mesh(mesh).get_group())
-            dp_means.append(mean_loss.item() / dims.dp)
-            if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
-                log.info("step %d loss %.4f (dp mean %.4f) step_time %.4fs", step + 1, losses[-1],
-                         mean_loss.item() / dims.dp, step_times[-1])
-            if slow := _faults_at(args.fault, "slow_checkpoint", rank, step + 1):
-                with mon.activity("checkpoint"):
-                    time.sleep(slow)
-                    dist.barrier()
-            saved = False
-            if ckpt and ckpt.due(step + 1):
-                saved = _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
-            if mon.checkpoint_due(step + 1) and not saved:  # the agent asked; every rank agrees
-                if ckpt is None:
-                    log.warning("checkpoint requested at step %d, but no --checkpoint-dir", step + 1)
-                    mon.checkpoint_saved(step + 1, started_at=time.time(), duration=0.0, ok=False,
-                                         error="the job runs without --checkpoint-dir")
-                else:
-                    _save(ckpt, mon, step + 1, model, opt, ckpt_extra)
-            if ckpt:
-                _report(mon, ckpt.finished(), saves)
+            record.step_times.append(time.perf_counter() - t0)
+            record.arms.append(ab.on)
+            record.losses.append(loss.item())
+            after_step(mon, job, ckpt, ckpt_extra, args, dev, rank, step, record)
         except Exception as exc:
             if tier is None:
                 raise
-            del model, opt, mesh, dims
-            if len(dp_means) < len(losses):  # the step applied; the failure cut its dp-mean all-reduce
-                dp_means.append(float("nan"))
+            if len(record.dp_means) < len(record.losses):  # the step applied; the failure cut its dp-mean all-reduce
+                record.dp_means.append(float("nan"))
             before = done
             job, done = tier.recover(exc, job, completed=done)  # or raises: torchrun restarts
             del exc
             # "from": this rank's own steps; a rank a step behind took the newest replica's state
             # (its step "from"+1..."step" was trained by the others, not recorded here).
-            recoveries.append({"step": done, "from": before, "world_size": dist.get_world_size(),
-                               "rank": dist.get_rank(), "phases": tier.last_phases})
+            record.recoveries.append({"step": done, "from": before, "world_size": dist.get_world_size(),
+                                      "rank": dist.get_rank(), "phases": tier.last_phases})
             global_batch, accum, batches, tokens, flops = feed(job, done)
             continue
         if tier is not None and (phases := tier.stepped(done)) is not None:
-            recoveries[-1]["phases"] = phases  # the recovery's first step is done
+            record.recoveries[-1]["phases"] = phases  # the recovery's first step is done
     if tier is not None:
         tier.finish(done)
 
     if ckpt:  # the last save in flight is written before the job ends
         with mon.activity("checkpoint"):
             ckpt.wait()
-        _report(mon, ckpt.finished(), saves)
+        report_saves(mon, ckpt.finished(), record.saves)
     if args.metrics_out:
-        _write_metrics(args.metrics_out, first_rank, start, step_times, losses, arms, dp_means, saves,
-                       recoveries, dist.get_rank(), dist.get_world_size(), _digest(job.model))
+        record.write(args.metrics_out, first_rank, start, job.model)
     mon.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
-
-
-def _global_batch(saved: int | None, batch_size: int, dp: int, rank: int) -> tuple[int, int]:
-    """The global batch to keep and the gradient accumulation that keeps it.
-
-    A job resumed on fewer data-parallel ranks keeps the checkpoint's global batch
-    by accumulating gradients, so its loss curve does not jump.  When that is not
-    possible (the global batch is not a multiple of the new one), it says so and
-    trains with the new global batch.
-    """
-    now = batch_size * dp
-    if not saved or saved == now:
-        return now, 1
-    if saved % now == 0:
-        if rank == 0:
-            log.warning("resumed at dp=%d: accumulating %d micro-batches to keep the global batch "
-                        "of %d samples", dp, saved // now, saved)
-        return saved, saved // now
-    if rank == 0:
-        log.warning("resumed at dp=%d: the checkpoint's global batch of %d samples is not a multiple "
-                    "of %d (batch %d x dp %d), so the global batch changes to %d; expect the loss "
-                    "curve to shift", dp, saved, now, batch_size, dp, now)
-    return now, 1
-
-
-def _save(ckpt: Checkpointer, mon: object, step: int, model: torch.nn.Module,
-          opt: torch.optim.Optimizer, extra: dict) -> bool:
-    """Save on every rank; a save that fails to start is reported to the agent, then raised."""
-    started, t0 = time.time(), time.perf_counter()
-    mon.checkpoint_started(step)
-    with mon.activity("checkpoint"):
-        try:
-            ckpt.save(step, model, opt, extra=extra)
-        except Exception as exc:  # noqa: BLE001 - reported, then re-raised: a broken save is fatal
-            mon.checkpoint_saved(step, started_at=started, duration=time.perf_counter() - t0,
-                                 ok=False, error=f"{type(exc).__name__}: {exc}")
-            raise
-    return True
-
-
-def _report(mon: object, records: list, saves: list | None = None) -> None:
-    """Report finished saves (complete on disk, or failed in the background) to the agent."""
-    for rec in records:
-        if saves is not None:
-            saves.append({"step": rec.step, "blocked": rec.blocked, "asynchronous": rec.asynchronous,
-                          "completed_after": rec.completed_after, "ok": rec.ok})
-        mon.checkpoint_saved(rec.step, started_at=rec.started_at, duration=rec.blocked,
-                             completed_after=rec.completed_after, asynchronous=rec.asynchronous,
-                             path=str(rec.path) if rec.ok else "", ok=rec.ok, error=rec.error)
-
-
-class _ABSwitch:
-    """For overhead benchmarks: blocks of steps alternate with rankwatch on and off.
-
-    Both arms run in one job, so they see the same machine; the off arm also
-    removes the collective timers.  With ``block == 0`` it is always on.
-    """
-
-    def __init__(self, mon: object, block: int) -> None:
-        self._mon, self._block = mon, block
-        self._null = _monitor.NullMonitor()
-        self.on = True
-        # A/A control: label the arms but never switch, to show the noise floor.
-        self._control = os.environ.get("RANKWATCH_AB_CONTROL", "") not in ("", "0")
-
-    def monitor_for(self, i: int) -> object:
-        if self._block <= 0 or not isinstance(self._mon, _monitor.Monitor):
-            return self._mon
-        on = (i // self._block) % 2 == 0
-        if self._control:
-            self.on = on
-            return self._mon
-        if on != self.on:
-            instr = self._mon._instr
-            instr.install() if on else instr.uninstall()
-            self.on = on
-        return self._mon if on else self._null
-
-
-def _digest(model: torch.nn.Module) -> str:
-    """SHA-256 of this rank's parameter shards, in name order (replicas compare bit for bit)."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
-        local = p.to_local() if hasattr(p, "to_local") else p
-        h.update(name.encode())
-        h.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
-                   losses: list[float], arms: list[bool], dp_means: list[float],
-                   saves: list[dict], recoveries: list[dict], rank_now: int, world_now: int,
-                   digest: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    fr = {}
-    try:
-        fr = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True))
-    except Exception as exc:  # noqa: BLE001 - diagnostics only
-        log.warning("no Flight Recorder dump: %s", exc)
-    with open(out / f"rank{rank}.json", "w") as f:
-        json.dump({"rank": rank, "pid": os.getpid(), "start": start, "step_times": step_times,
-                   "losses": losses, "dp_mean_losses": dp_means, "rankwatch_on": arms,
-                   "checkpoints": saves, "recoveries": recoveries, "rank_now": rank_now,
-                   "world_size_now": world_now, "param_digest": digest,
-                   "flight_recorder": fr.get("entries", [])}, f)
 
 
 if __name__ == "__main__":
