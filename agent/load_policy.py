@@ -12,8 +12,8 @@ rules keep an overloaded coordinator from harming the job:
   few of its sync intervals (:func:`node_silent`).  While the coordinator itself
   shows overload (:func:`overload`): its own loop ran late (it was paused or
   starved), its process is saturating a core, summaries arrive late against
-  each node's best, it refused calls for lack of capacity, or it heard under half
-  the summaries due while busy, no node is called silent, and for a grace period after it,
+  each node's best, it refused calls for lack of capacity, it answered syncs after
+  their callers had given up on them, or it heard under half the summaries due while busy, no node is called silent, and for a grace period after it,
   so every node gets a fair chance to be heard.  Positive evidence (a node that
   reports its ranks dead, a hang's culprit, a fatal GPU fault) still acts.
 * **Only a node heard steadily can fall silent.**  A node is called silent only after
@@ -78,6 +78,9 @@ class Load:
     """Median over recent summaries of (arrival - sending) minus that node's smallest."""
     refused: int = 0
     """Calls the agent refused for lack of capacity in the window (its own caps)."""
+    late: int = 0
+    """Syncs answered in the window after their callers' deadlines had passed: the caller
+    saw a failure, and the node may look silent, because the coordinator was slow."""
     heard: float = 1.0
     """Summaries received over those the nodes were told to send in the window."""
 
@@ -92,6 +95,8 @@ def overload(load: Load, cfg: LoadConfig) -> str | None:
         return f"summaries arrive {load.sync_delay:.2f}s late (median)"
     if load.refused > 0:
         return f"it refused {load.refused} calls for lack of capacity"
+    if load.late > 0:
+        return f"it answered {load.late} syncs after their callers' deadlines"
     if load.heard < 0.5 and load.cores >= cfg.target_cores:
         return f"it heard {load.heard:.0%} of the summaries due while busy ({load.cores:.2f} cores)"
     return None

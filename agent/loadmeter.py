@@ -4,7 +4,8 @@ The rules are :mod:`load_policy`'s (pure functions); this keeps the counters the
 Each summary is counted with its delay (arrival minus sending, less its node's best).
 Each evaluation measures, over windows of two seconds (at once when the loop itself ran
 late), the process's CPU, its loop's lag, the median delay, the calls refused for lack
-of capacity and the share of due summaries heard.  From that follow the interval nodes
+of capacity, the syncs answered after their callers' deadlines and the share of due
+summaries heard.  From that follow the interval nodes
 are told to sync at, whether the coordinator is overloaded, and until when no node may
 be called silent.
 """
@@ -54,7 +55,9 @@ class LoadMeter:
         self._count = 0   # nodes known (read without the lock for a reply's interval)
         self.callers: int | None = None
         """Calls per sync round while nodes sync through relays (None: one per node)."""
-        self._tick = (time.monotonic(), time.process_time(), 0, 0)   # (wall, cpu, syncs, refused) then
+        self._late = 0
+        self._late_lock = threading.Lock()
+        self._tick = (time.monotonic(), time.process_time(), 0, 0, 0)   # (wall, cpu, syncs, refused, late) then
         self._last_eval: float | None = None   # time.monotonic() of the last measure()
 
     def heard(self, delay: float, nodes: int) -> None:
@@ -63,6 +66,11 @@ class LoadMeter:
         self._delays.append(delay)
         self._synced += 1
         self._count = nodes
+
+    def answered_late(self) -> None:
+        """A sync was answered after its caller's deadline (the caller saw it fail)."""
+        with self._late_lock:
+            self._late += 1
 
     def reply_interval(self) -> float:
         """The interval to ask of a node now: never below the floor for the nodes known."""
@@ -85,7 +93,7 @@ class LoadMeter:
         wall, cpu = time.monotonic(), time.process_time()
         lag = 0.0 if self._last_eval is None else max(0.0, wall - self._last_eval - self.tick_seconds)
         self._last_eval = wall
-        w0, c0, s0, r0 = self._tick
+        w0, c0, s0, r0, l0 = self._tick
         if wall - w0 < _WINDOW and lag < self.cfg.lag_seconds:
             return   # a late loop is news at once
         with lock:
@@ -95,11 +103,13 @@ class LoadMeter:
             self._delays.clear()
         due = sum((wall - w0) / max(i, self.interval) for i in intervals)
         refused = self._refusals()
-        self._tick = (wall, cpu, synced, refused)
+        with self._late_lock:
+            late = self._late
+        self._tick = (wall, cpu, synced, refused, late)
         cores = (cpu - c0) / (wall - w0)
         load = load_policy.Load(cores=cores, loop_lag=lag,
                                 sync_delay=delays[len(delays) // 2] if delays else 0.0,
-                                refused=refused - r0, heard=min(1.0, (synced - s0) / due) if due > 0 else 1.0)
+                                refused=refused - r0, late=late - l0, heard=min(1.0, (synced - s0) / due) if due > 0 else 1.0)
         interval = max(load_policy.sync_interval(self.interval, load, self.cfg),
                        load_policy.interval_floor(self._callers(len(intervals)), self.cfg))
         if interval != self.interval:

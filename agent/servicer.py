@@ -14,7 +14,7 @@ counted and logged by the agent before gRPC refuses it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 
@@ -34,6 +34,8 @@ SERVICE = "rankwatch.v1.Agent"
 
 _CODES = {"duplicate_rank": grpc.StatusCode.ALREADY_EXISTS, "pid_not_peer": grpc.StatusCode.PERMISSION_DENIED,
           "uid_not_agent": grpc.StatusCode.PERMISSION_DENIED}
+
+R = TypeVar("R")
 
 
 class Servicer:
@@ -133,7 +135,7 @@ class Servicer:
         self._authorize(context, "Sync")
         try:
             if agent.is_coordinator():
-                return agent.coordinator.sync(request)
+                return _timed(context, agent.coordinator, agent.coordinator.sync(request))
             relay = agent.relay
             if relay is None:   # an agent alone, or one without a TCP address
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -157,7 +159,7 @@ class Servicer:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"{agent.config.node_id} is not the job's coordinator")
         try:
-            return agent.coordinator.sync_group(request, self._summary_refused)
+            return _timed(context, agent.coordinator, agent.coordinator.sync_group(request, self._summary_refused))
         except ValueError as exc:
             self._summary_refused(exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -182,3 +184,12 @@ class Servicer:
         if not authorized(context, self.agent.config.token):
             self.agent.state.note_rejected(Rejected("unauthenticated", f"{what} from {context.peer()}"))
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{what} needs the job's token")
+
+
+def _timed(context: grpc.ServicerContext, coordinator: Any, reply: R) -> R:
+    """``reply``, counted in the coordinator's load when its caller's deadline has passed:
+    the caller saw the sync fail, and the coordinator's slowness, not the node, was why."""
+    remaining = context.time_remaining()
+    if (remaining is not None and remaining <= 0) or not context.is_active():
+        coordinator.load.answered_late()
+    return reply

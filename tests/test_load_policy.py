@@ -23,6 +23,9 @@ def test_overload_has_three_kinds_of_evidence():
     assert "cores" in overload(Load(cores=0.95, loop_lag=0.0, sync_delay=0.0), CFG)
     assert "arrive" in overload(Load(cores=0.1, loop_lag=0.0, sync_delay=0.8), CFG)
     assert "refused 3 calls" in overload(Load(cores=0.1, loop_lag=0.0, sync_delay=0.0, refused=3), CFG)
+    # Syncs its callers gave up on before it answered: the nodes saw failures because of it.
+    assert "answered 2 syncs after their callers' deadlines" in overload(
+        Load(cores=0.6, loop_lag=0.0, sync_delay=0.0, late=2), CFG)
     # Hearing from few nodes is evidence against the coordinator only while it is busy itself:
     # an idle coordinator that hears from few nodes has lost nodes.
     assert "heard 30%" in overload(Load(cores=0.75, loop_lag=0.0, sync_delay=0.0, heard=0.3), CFG)
@@ -121,3 +124,52 @@ def test_first_syncs_are_spread_except_the_coordinators_own():
     # 2,048 agents started together reach the coordinator at about 1,000 a second.
     delays = [first_sync_delay(i / 2048, False, CFG) for i in range(2048)]
     assert max(sum(1 for d in delays if t <= d < t + 0.25) for t in (0.0, 0.5, 1.0, 1.5)) <= 260
+
+
+def test_a_sync_answered_after_its_deadline_counts_as_overload(tmp_path):
+    """A real coordinator (in this process, real gRPC): the test holds the coordinator's lock,
+    so a node's Sync waits inside it until its caller's deadline has passed.  Once the lock is
+    let go the sync is answered, too late, and the coordinator's own load measure finds it
+    overloaded: no node is called silent for the node timeout after it."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import grpc
+
+    from conftest import wait_for
+    from rankwatch.address import Address
+    from rankwatch.agent.server import Agent, AgentConfig
+    from rankwatch.proto import pb, pb_grpc
+
+    sock = Address(path=str(tmp_path / "c.sock"))
+    agent = Agent(AgentConfig(node_id="n0", listen=[sock], metrics_port=None, coordinators=[sock]))
+    agent.start()
+    channel = grpc.insecure_channel(sock.grpc_target())
+    try:
+        wait_for(agent.is_coordinator, 10, what="the agent to coordinate")
+        load = agent.coordinator.load
+        stub = pb_grpc.AgentStub(channel)
+        stub.Sync(pb.NodeSummary(node_id="n1", seq=1, sent_at=time.time()), timeout=5)   # on time
+        assert load.overloads == 0 and load.overloaded is None
+        failed = threading.Event()
+
+        def call() -> None:
+            try:
+                stub.Sync(pb.NodeSummary(node_id="n1", seq=2, sent_at=time.time()), timeout=0.3)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    failed.set()
+
+        with agent.coordinator.lock:
+            t = threading.Thread(target=call)
+            t.start()
+            assert failed.wait(10), "the caller's deadline passed while the coordinator was held"
+            held_until = time.time()
+        t.join(10)
+        wait_for(lambda: load.overloaded is not None, 10, what="the coordinator to find itself overloaded")
+        assert "after their callers' deadlines" in load.overloaded, load.overloaded
+        assert load.quiet >= held_until + load.node_timeout
+    finally:
+        channel.close()
+        agent.stop(timedelta(seconds=0.5))
