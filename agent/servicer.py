@@ -188,10 +188,8 @@ class Servicer:
 
 def _timed(context: grpc.ServicerContext, coordinator: Any, reply: R) -> R:
     """``reply``, counted in the coordinator's load when its caller's deadline has passed:
-    the caller saw the sync fail, and the coordinator's slowness, not the node, was why.
-    (A call its caller cancelled is not counted: a node killed mid-sync proves nothing
-    about the coordinator, and must not hold off its own silence verdict.)"""
+    the caller saw the sync fail, and the coordinator's slowness, not the node, was why."""
     remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
+    if (remaining is not None and remaining <= 0) or not context.is_active():
         coordinator.load.answered_late()
     return reply
