@@ -51,6 +51,7 @@ from rankwatch.agent.coordinator import PolicyConfig
 from rankwatch.agent.demoscreen import DemoNotes, screen, versus_torchrun
 from rankwatch.agent.gpu import GpuConfig, load_script
 from rankwatch.agent.gpu.script import ScriptedSource
+from rankwatch.agent.hang import HangConfig
 from rankwatch.agent.ports import free_port, port_free
 from rankwatch.agent.run import DEFAULT_METRICS_PORT
 from rankwatch.agent.safedir import UnsafeDirectory, check_default
@@ -100,6 +101,9 @@ def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) ->
         agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=port,
                                   # A short job: score ranks after 30 steps, not the default warm-up.
                                   straggler=StragglerConfig(warmup_steps=30),
+                                  # Steps of ~45 ms: a hang allowance of 2 s (some 40 steps),
+                                  # not the default floor of 5 s that suits long steps.
+                                  hang=HangConfig(floor_seconds=2.0),
                                   metrics_addr="127.0.0.1", state_dir=workdir / node,
                                   coordinators=[coord], gpu=gpu,
                                   # The straggler stays (it is shown, not evicted), so the

@@ -28,7 +28,8 @@ disk.  This tier keeps the survivors' processes and their state in memory:
 
 **Joining.**  A spare or returning node that the rendezvous handler sends to a round which
 lost nodes in process (``RANKWATCH_RECOVERY_JOIN``) does not make torchrun restart anyone:
-its workers ask to join in the store and wait.  The survivors' rank 0 sees the request
+its workers first pay a fresh process's one-time imports, then ask to join in the store
+and wait.  The survivors' rank 0 sees the request
 (a background poll, off the training thread) and, at its next step boundary, leaves the
 step as a failure would; every survivor then agrees with the joiners in, and the joiners
 take their state from a live replica, point to point, not from disk.  The world grows back.
@@ -105,6 +106,16 @@ _JOIN_POLL = 0.5
 """Seconds between rank 0's looks for workers asking to join (a background thread)."""
 _POLLER_STOP_SECONDS = 5.0   # the longest a process's exit waits for the join poller's store call
 _FINISHED = "finished"       # a join answer: the survivors finished the job
+
+
+def _warm_up() -> None:
+    """Pay a fresh process's one-time costs that building the job would otherwise pay while
+    the survivors wait for it: torch imports its compiler stack (``torch._dynamo``, about a
+    second) on the first use of a meta-device initialiser or of FSDP2's lazy paths."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - only a cost moved, nothing lost
+        log.debug("rankwatch: warm-up import failed: %s", exc)
 
 
 class RecoveryFailed(RuntimeError):
@@ -373,6 +384,7 @@ class InProcessRecovery:
         """Ask to join the round's survivors; wait until they admit this worker at a step
         boundary; build the job and take its state from a live replica."""
         store = self._store
+        _warm_up()   # before asking: the survivors pause from the moment they admit this worker
         n = int(store.add(self._key("join/seq"), 1))
         me = JOINER_BASE + n
         local_rank = int(self._env.get("LOCAL_RANK", "0"))

@@ -41,14 +41,15 @@ def test_demo_runs_and_tells_the_story(tmp_path):
     (m,) = re.finditer(r"^goodput ([\d.]+)%: ([\d.]+)s productive of ([\d.]+)s; lost to (.*)$", out, re.M)
     goodput, productive, elapsed = float(m[1]), float(m[2]), float(m[3])
     lost = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)s", m[4])}
-    # The demo trains about 40 % of the time on this machine; 0 % is the bug this catches.
-    assert 10.0 < goodput <= 100.0, m[0]
+    # The demo trains 75-80 % of the time on a 2-core machine (BENCHMARKS.md); 0 % is the bug
+    # this once caught, and under half means a recovery went through torchrun's restart.
+    assert 50.0 < goodput <= 100.0, m[0]
     # The seconds are printed to 0.1 s and the share to 0.1 %: it lies within their rounding.
     low, high = 100 * (productive - 0.05) / (elapsed + 0.05), 100 * (productive + 0.05) / (elapsed - 0.05)
     assert low - 0.05 <= goodput <= high + 0.05, m[0]
     assert productive + sum(lost.values()) == pytest.approx(elapsed, abs=0.5), m[0]
-    # Its hang and its restarts cost time.
-    assert lost.get("hang", 0) > 0 and lost.get("restart", 0) > 0, m[0]
+    # Its hang and its restarts cost time: the hang its 2 s allowance and the verdict's latency.
+    assert 1.5 <= lost.get("hang", 0) < 4.0 and lost.get("restart", 0) > 0, m[0]
     # The same faults under plain torchrun: stuck at the hang until gloo's 30-minute timeout.
     (v,) = re.finditer(r"^vs plain torchrun, same faults: stuck at step (\d+) until gloo's 30-minute timeout .*"
                        r"goodput ([\d.]+)% \(([\d.]+)s trained of (\d+)s\), against ([\d.]+)% with rankwatch "

@@ -61,6 +61,9 @@ def test_a_joiner_that_asks_after_the_end_exits_at_once(store):
     out, _ = joiner.communicate(timeout=90)
     assert joiner.returncode == 0, out
     assert "the job finished at step 12 while this worker asked to join" in out, out
+    # A joiner imports torch's compiler stack before it asks, not while the survivors wait on
+    # it in their new group (a meta-device init pulls it in: about a second on a fresh process).
+    assert "joiner warmed: True" in out, out
 
 
 def test_no_joiner_is_let_in_after_the_last_step():

@@ -9,6 +9,7 @@ The recovery store and the round come from the environment, as under ``rankwatch
 
 from __future__ import annotations
 
+import atexit
 import sys
 from datetime import timedelta
 
@@ -28,6 +29,8 @@ def main() -> int:
     role = sys.argv[1]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     tier = InProcessRecovery(make, backend="gloo", total_steps=steps or None, join_timeout=120)
+    if role == "joiner":     # whether it paid torch's one-time imports before it asked
+        atexit.register(lambda: print(f"joiner warmed: {'torch._dynamo' in sys.modules}", flush=True))
     if role == "survivor":   # a world of one, with a store of its own (no port to pick)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     job = tier.start()
