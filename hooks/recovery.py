@@ -58,6 +58,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import importlib
 import json
 import logging
 import os
@@ -113,7 +114,7 @@ def _warm_up() -> None:
     the survivors wait for it: torch imports its compiler stack (``torch._dynamo``, about a
     second) on the first use of a meta-device initialiser or of FSDP2's lazy paths."""
     try:
-        import torch._dynamo  # noqa: F401
+        importlib.import_module("torch._dynamo")
     except Exception as exc:  # noqa: BLE001 - only a cost moved, nothing lost
         log.debug("rankwatch: warm-up import failed: %s", exc)
 
