@@ -1,0 +1,79 @@
+"""A joiner's state from a live replica (``send_state`` / ``recv_state``), between two real
+processes on gloo: every tensor arrives equal, in its dtype and shape, the small values
+travel in the header, and a header that announces more than the receiver's job can hold is
+refused before anything is allocated."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rankwatch.hooks.recovery_state import StateMismatch, _Slot, recv_state, send_state
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(96, 64, generator=g)   # 6,144 elements: on the wire as a tensor
+    return {"params": {"w": big, "b": torch.randn(64, generator=g), "h": big.to(torch.bfloat16)},
+            "optim": {"w": {"step": torch.tensor(7.0), "exp_avg": torch.randn(96, 64, generator=g),
+                            "exp_avg_sq": torch.rand(96, 64, generator=g), "lr_scale": 0.5},
+                      "h": {"step": 3}}}
+
+
+def _run(rank: int, port: int, role: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        if role == "whole":
+            if rank == 0:
+                send_state(_state(), 1)
+            else:
+                torch.save(recv_state(0), out)
+        elif role == "oversized":
+            if rank == 0:   # a peer that announces 64 GiB of optimizer state
+                dist.send_object_list([{"params": {}, "optim": {"w": {"exp_avg": _Slot((1 << 34,), torch.float32)}}}],
+                                      dst=1)
+            else:
+                try:
+                    recv_state(0, limit=1 << 20)
+                except StateMismatch as exc:
+                    Path(out).write_text(str(exc))
+        dist.barrier()
+    except Exception:
+        Path(out + ".error").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(role: str, out: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_run, args=(port, role, str(out)), nprocs=2)
+
+
+def test_the_state_arrives_whole(tmp_path):
+    out = tmp_path / "got.pt"
+    _spawn("whole", out)
+    got, sent = torch.load(out), _state()
+    assert list(got["params"]) == list(sent["params"]) and list(got["optim"]) == list(sent["optim"])
+    for name, t in sent["params"].items():
+        assert got["params"][name].dtype == t.dtype and torch.equal(got["params"][name], t), name
+    for name, per in sent["optim"].items():
+        assert set(got["optim"][name]) == set(per)
+        for k, v in per.items():
+            assert (torch.equal(got["optim"][name][k], v) if isinstance(v, torch.Tensor)
+                    else got["optim"][name][k] == v), (name, k)
+
+
+def test_a_header_announcing_more_than_the_job_holds_is_refused(tmp_path):
+    out = tmp_path / "refused.txt"
+    _spawn("oversized", out)
+    assert "announced 68719476736 bytes of state" in out.read_text()
