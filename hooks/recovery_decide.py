@@ -108,8 +108,8 @@ class Decision:
 
         Raises:
             ValueError: not a decision for that world: members that are not unique ids of
-                it, fresh members or refused joiners outside it, more dropped nodes than lost
-                ranks, a node name over 64 characters, a source replica or a step out of
+                it, fresh members or refused joiners outside it, more dropped nodes than
+                ranks left out, a node name over 64 characters, a source replica or a step out of
                 range, or more text than such a decision takes.
         """
         if len(text) > 64 * (len(within) + 16):
@@ -127,9 +127,11 @@ class Decision:
         if not set(fresh) <= set(members) or not set(finish) <= set(members) \
                 or not set(refused) <= world - set(members):
             raise ValueError("decision's fresh or finishing members or refused joiners are not of the world")
-        lost = len(world - set(members) - set(refused) - {r for r in world if r >= JOINER_BASE})
-        if len(dropped) > lost or any(len(n) > _MAX_NODE for n in dropped):
-            raise ValueError(f"decision drops {len(dropped)} nodes for {lost} lost ranks")
+        # Left out: lost members, and joiners that wait for a later boundary.  (A joiner
+        # admitted earlier is a member like any other: its loss drops its node too.)
+        left_out = len(world - set(members) - set(refused))
+        if len(dropped) > left_out or any(len(n) > _MAX_NODE for n in dropped):
+            raise ValueError(f"decision drops {len(dropped)} nodes for {left_out} ranks left out")
         if not 0 <= step < 2**62:
             raise ValueError(f"decision step {step} out of range")
         if not 0 <= source < max(1, len(members)):

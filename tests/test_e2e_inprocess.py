@@ -201,6 +201,58 @@ def test_one_killed_worker_its_node_rejoins_in_process(tmp_path):
     assert status["excluded_nodes"] == []   # a worker's crash is not the node's
 
 
+def test_a_rejoined_node_loses_a_worker_again_and_rejoins_again(tmp_path):
+    """As above, then once n1's new workers trained in the world of six, one of them is
+    SIGKILLed too: the same other workers leave n1 out and admit it back a second time, all
+    in process (four recoveries, each whole), and the replicas end equal."""
+    import os
+    import signal
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    steps = 2000   # long enough for two rounds of n1's restart; the job stops once whole again
+    script = str(Path(__file__).parent / "data" / "user_hsdp_recovery.py")
+    with Cluster(tmp_path, 3) as c:
+        jobs = [c.torchrun(i, "2:3", 2, "--steps", str(steps), "--until-world", "6", "--out", str(out),
+                           launcher="rankwatch", script=script)
+                for i in range(3)]
+        rs = wait_for(lambda: _training(c, 3, 6, 15), 180, what="3 nodes training")
+        os.kill(next(r["pid"] for r in rs if r["node"] == "n1"), signal.SIGKILL)
+
+        def rejoined():
+            st = c.coordinator.status()
+            ok = [i for i in st["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"
+                  and i["detail"]["ok"] and i["detail"]["new_world_size"] == 6]
+            fresh = [r for r in st["ranks"] if r["node"] == "n1" and r["connected"]
+                     and r["pid"] not in {x["pid"] for x in rs} and r["step"] > 0]
+            return ok and len(fresh) == 2 and fresh
+        second = wait_for(rejoined, 240, what="n1's new workers trained in the world of six")
+        os.kill(second[0]["pid"], signal.SIGKILL)
+        for job in jobs:
+            assert job.wait(400) == 0
+        status = c.coordinator.status()
+    survivors = {r["pid"] for r in rs if r["node"] != "n1"}
+    got = _metrics(out, sorted(p.name for p in out.glob("*.json")))
+    old = [d for name, d in got.items() if name.startswith("rank")]
+    new = [d for name, d in got.items() if name.startswith("joiner")]
+    assert sorted(d["pid"] for d in old) == sorted(survivors)
+    # The second round's joiners end the job; the first round's were killed or stopped.
+    assert len(new) == 2 and not {d["pid"] for d in new} & ({r["pid"] for r in rs} | {r["pid"] for r in second})
+    last = old[0]["applied"][-1]
+    for d in old:
+        assert [r["world_size"] for r in d["recoveries"]] == [4, 6, 4, 6], d["recoveries"]
+        skipped = {s for r in d["recoveries"] for s in range(r["from"] + 1, r["step"] + 1)}
+        assert d["applied"] == [s for s in range(1, last + 1) if s not in skipped]
+    at = old[0]["recoveries"][3]["step"]
+    for d in new:
+        assert d["applied"] == list(range(at + 1, last + 1)) and d["world_size"] == 6 and d["recoveries"] == []
+    assert len({d["digest"] for d in got.values()}) == 1
+    recs = [i["detail"] for i in status["incidents"] if i["kind"] == "restart"
+            and i["detail"].get("tier") == "in_process" and i["detail"]["ok"]]
+    assert [r["new_world_size"] for r in recs] == [4, 6, 4, 6], recs
+    assert status["excluded_nodes"] == []
+
+
 def test_loss_continues_as_an_uninterrupted_run(tmp_path):
     """Two nodes of two ranks (HSDP: a replica per node, sharded over its two ranks).  After
     n1 is lost, n0's two ranks keep the global batch by accumulating two micro-batches, so

@@ -146,6 +146,15 @@ def test_a_decision_crosses_the_store_intact_and_bounded():
     assert Decision.from_json(ok.to_json(), MEMBERS) == ok
 
 
+def test_losing_a_node_that_joined_earlier_crosses_the_store():
+    # n9 joined in process before (its workers' ids are joiners'); now it loses a worker.
+    members = MEMBERS[:6] + (JOINER_BASE + 1, JOINER_BASE + 2)
+    node_of = {**NODE_OF, JOINER_BASE + 1: "n9", JOINER_BASE + 2: "n9"}
+    d = decide(members, _arrived(6, 7) | {JOINER_BASE + 2: 41}, node_of, replica_size=2)
+    assert d.ok and d.members == MEMBERS[:6] and d.dropped_nodes == ("n9",)
+    assert Decision.from_json(d.to_json(), members) == d
+
+
 @pytest.mark.parametrize("members, dropped, step, why", [
     ([0, 1, 99], ["n2"], 5, "not unique ids"),          # a rank not in the world
     ([0, 0, 1], ["n2"], 5, "not unique ids"),           # a rank twice
