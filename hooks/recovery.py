@@ -87,6 +87,7 @@ from rankwatch.hooks.recovery_store import (
     DECIDED_COUNT,
     JOIN_ENV,
     RESTARTING_KEY,
+    admitted_key,
     connect,
     mark_regrouped,
 )
@@ -424,6 +425,9 @@ class InProcessRecovery:
         self.completed = decision.step
         self._replica_size = job.replica_size
         self._settled_joiners |= {r for r in decision.members if r >= JOINER_BASE} | set(decision.refused)
+        # The node's rendezvous handler reads it: its workers are members now, so when one of
+        # them dies, the node joins the same way again.
+        store.set(self._prefix + admitted_key(self._node()), str(gen))
         log.warning("rankwatch: joined in process as rank %d of %d at step %d", new.rank, new.world_size,
                     decision.step)
         return job

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["ATTEMPTS_COUNT", "CAPABLE_KEY", "DECIDED_COUNT", "JOIN_ENV", "JOINED_COUNT", "RESTARTING_KEY", "REGROUPED_COUNT", "REGROUPED_NODE", "ROUND_ENV", "STORE_ENV", "connect", "mark_regrouped",
+__all__ = ["ATTEMPTS_COUNT", "CAPABLE_KEY", "DECIDED_COUNT", "JOIN_ENV", "JOINED_COUNT", "RESTARTING_KEY", "REGROUPED_COUNT", "REGROUPED_NODE", "ROUND_ENV", "STORE_ENV", "admitted_key", "connect", "mark_regrouped",
            "regrouped_key", "round_key"]
 
 STORE_ENV = "RANKWATCH_RECOVERY_STORE"
@@ -59,6 +59,12 @@ def _etcd(where: str, timeout: timedelta) -> Any:
 def round_key(round_: int) -> str:
     """A round's keys, under the handler's ``rankwatch/<run_id>/`` in the rendezvous store."""
     return f"round/{round_}/"
+
+
+def admitted_key(node: str) -> str:
+    """Under a round's prefix: ``node``'s workers were admitted to the round in process (the
+    generation they came in at)."""
+    return f"inproc/admitted/{node}"
 
 
 def regrouped_key(node: str) -> str:

@@ -77,8 +77,9 @@ from rankwatch.hooks.recovery_store import (
     RESTARTING_KEY,
     ROUND_ENV,
     STORE_ENV,
-    regrouped_key,
+    admitted_key,
     etcd_endpoint,
+    regrouped_key,
     round_key,
 )
 
@@ -168,7 +169,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._relay = DecisionRelay(self, agent, relay_interval) if agent is not None else None
         self._tried_join = False
         self._joined_in_process: str | None = None  # the round's prefix, once joined in process
-        self._left_out_at: bytes | None = None  # the generation the round last left this node out at
+        self._admitted_at: bytes | None = None  # when this node last joined in process: its workers' last admission
 
     # -- the store ------------------------------------------------------------------
     @property
@@ -289,7 +290,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
     def _in_process_round(self) -> str | None:
         """The current round's key prefix when a node could join it in process (its workers
         recover in process and it is not restarting), before it has room; None otherwise."""
-        if (self._tried_join and not self._left_out_again()) or self._endpoint is None:
+        if (self._tried_join and not self._admitted_since()) or self._endpoint is None:
             return None
         inner = self._inner
         try:
@@ -327,7 +328,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         assert self._endpoint is not None
         self._tried_join = True
         self._joined_in_process = prefix
-        self._left_out_at = self._left_out_generation(prefix)
+        self._admitted_at = self._admission(prefix)
         self._round_prefix = prefix
         os.environ[STORE_ENV] = self._endpoint
         os.environ[ROUND_ENV] = prefix
@@ -337,23 +338,24 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                     "no node restarts its workers for it", self._node)
         return RendezvousInfo(own, 0, 1, RendezvousStoreInfo(socket.getfqdn(), get_free_port()))
 
-    def _left_out_generation(self, prefix: str) -> bytes | None:
-        key = prefix + regrouped_key(self._node)
+    def _admission(self, prefix: str) -> bytes | None:
+        key = prefix + admitted_key(self._node)
         return self._raw_store.get(key) if self._raw_store.check([key]) else None
 
-    def _left_out_again(self) -> bool:
-        """This node's workers joined the round in process, and its survivors have since left
-        the node out again (a worker of it died): it may join once more the same way.
-        Otherwise a second call means its workers could not join: join the usual way."""
+    def _admitted_since(self) -> bool:
+        """This node's workers were admitted in process since it last sent them to join: the
+        node is a member of the round like any other, and when a worker of it dies, it joins
+        again the same way.  Otherwise a second call means its workers could not join: join
+        the usual way."""
         prefix = self._joined_in_process
         if prefix is None:
             return False
         try:
-            again = self._left_out_generation(prefix)
+            now = self._admission(prefix)
         except Exception as exc:  # noqa: BLE001 - a store hiccup: join the usual way
             log.debug("rankwatch: no second in-process join: %s", exc)
             return False
-        return again is not None and again != self._left_out_at
+        return now is not None and now != self._admitted_at
 
     def _regrouped(self, node: str) -> bool:
         """The round's workers left ``node`` out themselves (an in-process recovery)."""
