@@ -52,7 +52,8 @@ def gloo_rows() -> list[tuple[str, float]]:
     import torch
     import torch.distributed as dist
 
-    from rankwatch.hooks.collectives import _PAYLOAD, CollectiveInstrumentation, _payload_reader
+    from rankwatch.hooks.collective_ops import _PAYLOAD, _payload_reader
+    from rankwatch.hooks.collectives import CollectiveInstrumentation
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29611")

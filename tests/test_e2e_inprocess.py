@@ -148,6 +148,18 @@ def test_a_spare_joins_in_process_and_the_world_grows_back(tmp_path):
     assert len(recs) == 2 and all(i["detail"]["ok"] for i in recs), recs
 
 
+def _hsdp_nodes_training(c: Cluster, steps: int, out) -> tuple[list, list[dict]]:
+    """tests/data/user_hsdp_recovery.py on three nodes of two ranks, training until the world
+    is six again; returns the torchruns and the ranks once all train."""
+    from pathlib import Path
+
+    script = str(Path(__file__).parent / "data" / "user_hsdp_recovery.py")
+    jobs = [c.torchrun(i, "2:3", 2, "--steps", str(steps), "--until-world", "6", "--out", str(out),
+                       launcher="rankwatch", script=script)
+            for i in range(3)]
+    return jobs, wait_for(lambda: _training(c, 3, 6, 15), 180, what="3 nodes training")
+
+
 def test_one_killed_worker_its_node_rejoins_in_process(tmp_path):
     """tests/data/user_hsdp_recovery.py on three nodes of two ranks (a replica per node).  One
     worker of n1 is SIGKILLed, as an out-of-memory kill would; n1 and its torchrun live on.
@@ -156,18 +168,13 @@ def test_one_killed_worker_its_node_rejoins_in_process(tmp_path):
     process: no other node restarts, and the world grows back to six."""
     import os
     import signal
-    from pathlib import Path
 
     out = tmp_path / "out"
     # The survivors train on past the steps until n1's new workers are in (starting them takes
     # seconds here, tens of them on a loaded machine): the world is six at the end.
     steps = 400
-    script = str(Path(__file__).parent / "data" / "user_hsdp_recovery.py")
     with Cluster(tmp_path, 3) as c:
-        jobs = [c.torchrun(i, "2:3", 2, "--steps", str(steps), "--until-world", "6", "--out", str(out),
-                           launcher="rankwatch", script=script)
-                for i in range(3)]
-        rs = wait_for(lambda: _training(c, 3, 6, 15), 180, what="3 nodes training")
+        jobs, rs = _hsdp_nodes_training(c, steps, out)
         victim = next(r for r in rs if r["node"] == "n1")
         os.kill(victim["pid"], signal.SIGKILL)
         for job in jobs:
@@ -207,16 +214,11 @@ def test_a_rejoined_node_loses_a_worker_again_and_rejoins_again(tmp_path):
     in process (four recoveries, each whole), and the replicas end equal."""
     import os
     import signal
-    from pathlib import Path
 
     out = tmp_path / "out"
     steps = 2000   # long enough for two rounds of n1's restart; the job stops once whole again
-    script = str(Path(__file__).parent / "data" / "user_hsdp_recovery.py")
     with Cluster(tmp_path, 3) as c:
-        jobs = [c.torchrun(i, "2:3", 2, "--steps", str(steps), "--until-world", "6", "--out", str(out),
-                           launcher="rankwatch", script=script)
-                for i in range(3)]
-        rs = wait_for(lambda: _training(c, 3, 6, 15), 180, what="3 nodes training")
+        jobs, rs = _hsdp_nodes_training(c, steps, out)
         os.kill(next(r["pid"] for r in rs if r["node"] == "n1"), signal.SIGKILL)
 
         def rejoined():
