@@ -98,6 +98,10 @@ class AgentClient:
         self._threads: list[threading.Thread] = []
         self._channels: set[grpc.Channel] = set()   # open now; close() cancels their calls
         self._channels_lock = threading.Lock()
+        # close() flushes from the caller's thread while the flusher may be flushing: batches
+        # must enter the queue in the order of their numbers (the agent refuses one that
+        # comes after a higher number as a duplicate).
+        self._flush_lock = threading.Lock()
         self._closed = False
         self._cmd_lock = threading.Lock()
         self._requests_pending: dict[str, tuple[int, str]] = {}   # command id -> (step, reason)
@@ -182,6 +186,10 @@ class AgentClient:
                 or bool(self._recoveries))
 
     def _flush_once(self, force: bool = False) -> None:
+        with self._flush_lock:
+            self._flush_locked(force)
+
+    def _flush_locked(self, force: bool) -> None:
         try:
             while True:
                 batch, n = self._build_batch()

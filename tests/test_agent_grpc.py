@@ -149,6 +149,33 @@ def test_no_agent_then_agent_arrives_reports_drops(tmp_path):
         client.close(timedelta(seconds=0.2))
 
 
+def test_batches_are_queued_in_the_order_of_their_numbers(tmp_path, monkeypatch):
+    # close() flushes from the training thread while the flusher thread may be flushing too;
+    # the agent refuses a batch numbered below one it already has.  Building a batch is made
+    # slow here so that two flushes overlap.
+    import threading
+
+    rec, client = make_client(Address(path=str(tmp_path / "none.sock")))
+    build = client._build_batch
+
+    def slow_build():
+        batch, n = build()
+        time.sleep(0.002)
+        return batch, n
+    monkeypatch.setattr(client, "_build_batch", slow_build)
+    threads = [threading.Thread(target=lambda: [client._flush_once(force=True) for _ in range(20)])
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seqs = []
+    while not client._queue.empty():
+        seqs.append(client._queue.get_nowait().seq)
+    assert len(seqs) == 40 and seqs == sorted(seqs), seqs
+    client.close(timedelta(seconds=0.2))
+
+
 def test_deque_overflow_is_counted(tmp_path):
     addr = Address(path=str(tmp_path / "none.sock"))
     rec, client = make_client(addr, capacity=100)
