@@ -139,6 +139,11 @@ def recv_state(src: int, limit: int | None = None) -> dict[str, Any]:
         raise StateMismatch("the source sent no state")
     slots = [v for v in header["params"].values() if isinstance(v, _Slot)]
     slots += [v for per in header["optim"].values() for v in per.values() if isinstance(v, _Slot)]
+    for v in slots:
+        if (not isinstance(v.dtype, torch.dtype) or not isinstance(v.shape, tuple) or len(v.shape) > 8
+                or not all(isinstance(d, int) and d >= 0 for d in v.shape)):
+            raise StateMismatch(f"the source announced a tensor of shape {str(v.shape)[:64]} and dtype "
+                                f"{str(v.dtype)[:32]}")
     announced = sum(math.prod(v.shape) * torch.empty((), dtype=v.dtype).element_size() for v in slots)
     if limit is not None and announced > limit:
         raise StateMismatch(f"the source announced {announced} bytes of state; this rank's job holds "

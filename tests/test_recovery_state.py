@@ -35,10 +35,11 @@ def _run(rank: int, port: int, role: str, out: str) -> None:
                 send_state(_state(), 1)
             else:
                 torch.save(recv_state(0), out)
-        elif role == "oversized":
-            if rank == 0:   # a peer that announces 64 GiB of optimizer state
-                dist.send_object_list([{"params": {}, "optim": {"w": {"exp_avg": _Slot((1 << 34,), torch.float32)}}}],
-                                      dst=1)
+        elif role in ("oversized", "malformed"):
+            # A peer that announces 64 GiB of optimizer state, or a tensor of negative size.
+            slot = _Slot((1 << 34,), torch.float32) if role == "oversized" else _Slot((4, -1), torch.float32)
+            if rank == 0:
+                dist.send_object_list([{"params": {}, "optim": {"w": {"exp_avg": slot}}}], dst=1)
             else:
                 try:
                     recv_state(0, limit=1 << 20)
@@ -77,3 +78,9 @@ def test_a_header_announcing_more_than_the_job_holds_is_refused(tmp_path):
     out = tmp_path / "refused.txt"
     _spawn("oversized", out)
     assert "announced 68719476736 bytes of state" in out.read_text()
+
+
+def test_a_header_announcing_a_negative_size_is_refused(tmp_path):
+    out = tmp_path / "refused.txt"
+    _spawn("malformed", out)
+    assert "announced a tensor of shape (4, -1)" in out.read_text()
