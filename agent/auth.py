@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from rankwatch.credentials import TOKEN_ENV, TOKEN_FILE_ENV, read_token_file
+from rankwatch.credentials import TOKEN_ENV, TOKEN_FILE_ENV, job_token
 
 __all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "authorized", "load_token", "metadata"]
 
@@ -31,11 +31,7 @@ def load_token(path: Path | None = None) -> str | None:
     Raises:
         ValueError: the file is unreadable, empty, or readable by others.
     """
-    if path is None and os.environ.get(TOKEN_FILE_ENV):
-        path = Path(os.environ[TOKEN_FILE_ENV])
-    if path is None:
-        return os.environ.get(TOKEN_ENV) or None
-    return read_token_file(path)
+    return job_token(os.environ, path)
 
 
 def metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -59,38 +59,18 @@ import atexit
 import contextlib
 import datetime
 import importlib
-import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rankwatch.address import NODE_ID_ENV
 from rankwatch.hooks import recovery_net as net
-from rankwatch.hooks.recovery_decide import (
-    JOINER_BASE,
-    MAX_MESSAGE,
-    Decision,
-    Job,
-    Joiner,
-    Membership,
-    admissible,
-    decide,
-)
+from rankwatch.hooks.recovery_decide import JOINER_BASE, MAX_MESSAGE, Decision, Job, Membership, admissible, decide
+from rankwatch.hooks.recovery_round import RESTARTING, JobFinished, RecoveryFailed, Round
 from rankwatch.hooks.recovery_state import local_state, restore, transfer
-from rankwatch.hooks.recovery_store import (
-    ATTEMPTS_COUNT,
-    CAPABLE_KEY,
-    DECIDED_COUNT,
-    JOIN_ENV,
-    RESTARTING_KEY,
-    admitted_key,
-    connect,
-    mark_regrouped,
-)
+from rankwatch.hooks.recovery_store import JOIN_ENV, connect
 
 __all__ = ["Decision", "InProcessRecovery", "Job", "JobFinished", "Membership", "RecoveryFailed", "decide",
            "is_peer_failure"]
@@ -102,12 +82,9 @@ _PEER_FAILURE_MARKERS = (
     "Write error", "Timed out waiting", "NCCL communicator was aborted", "ProcessGroupNCCL is aborted",
     "Socket Timeout", "Connection refused",
 )
-_MAX_JOIN_LOOK = 1024
-"""The most recent join requests read per look (a counter in the store is no bound of its own)."""
 _JOIN_POLL = 0.5
 """Seconds between rank 0's looks for workers asking to join (a background thread)."""
 _POLLER_STOP_SECONDS = 5.0   # the longest a process's exit waits for the join poller's store call
-_FINISHED = "finished"       # a join answer: the survivors finished the job
 
 
 def _warm_up() -> None:
@@ -120,23 +97,6 @@ def _warm_up() -> None:
         log.debug("rankwatch: warm-up import failed: %s", exc)
 
 
-class RecoveryFailed(RuntimeError):
-    """The in-process attempt cannot recover this failure; torchrun's restart must."""
-
-
-class JobFinished(SystemExit):
-    """Raised by a joining worker's :meth:`InProcessRecovery.start` when the survivors finished
-    the job while it waited: nothing is left to train.  A ``SystemExit`` with status 0, so an
-    uncaught one ends the worker cleanly (and its node's torchrun with success); a loop with
-    work of its own to do at the end may catch it."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(0)
-        self.step = step
-        """The job's last step, as the survivors finished it."""
-
-
-_RESTARTING = "torchrun is restarting the round"
 _RESTART_GRACE = 60.0
 """Seconds a worker waits to be stopped when torchrun is already restarting the round."""
 
@@ -190,8 +150,7 @@ class InProcessRecovery:
         self._max = max_recoveries
         self._join_timeout = join_timeout
         self._env = env
-        self._store: Any = None
-        self._prefix = ""
+        self._round: Round | None = None
         self._baseline: set[tuple] = set()
         self._excluded_endpoints: set[tuple[str, int]] = set()
         self.membership: Membership | None = None
@@ -214,17 +173,17 @@ class InProcessRecovery:
         import torch.distributed as dist
 
         try:
-            self._store, self._prefix = connect(self._env)
+            self._round = Round(*connect(self._env), self._env, self._settle)
             self._excluded_endpoints = net.store_endpoints(self._env)
         except Exception as exc:  # noqa: BLE001 - training goes on; only this tier is off
             if self._env.get(JOIN_ENV):
                 raise RecoveryFailed(f"a joining worker needs the recovery store: {exc}") from exc
             log.warning("rankwatch: in-process recovery is off: no recovery store (%s)", exc)
-            self._store = None
+            self._round = None
         # Connections opened from here on are the process groups' (and the worker store's,
         # used only to create them): a failure shuts them.
         self._baseline = net.tcp_sockets()
-        if self._store is not None and self._env.get(JOIN_ENV):
+        if self._round is not None and self._env.get(JOIN_ENV):
             job = self._join()
             self._start_poller()
             return job
@@ -232,16 +191,12 @@ class InProcessRecovery:
             dist.init_process_group(self._backend, timeout=self._timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
         self.membership = Membership(generation=0, rank=rank, world_size=world, members=tuple(range(world)))
-        if self._store is not None:
-            self._store.set(self._key(f"node/{rank}"), self._node())
+        if self._round is not None:
             self._liveness = net.Liveness()
-            self._store.set(self._key(f"live/{rank}"), self._liveness.address)
-            if rank == 0:
-                self._store.set(self._key("world0"), str(world))
-            self._store.set(self._prefix + CAPABLE_KEY, "1")  # the handler defers its restarts to us
+            self._round.register(rank, world, self._liveness.address)
         job = self._build(self.membership)
         self._replica_size = job.replica_size
-        if self._store is not None:
+        if self._round is not None:
             self._start_poller()
         return job
 
@@ -258,7 +213,7 @@ class InProcessRecovery:
     def _build(self, membership: Membership) -> Job:
         """``make(membership)``, with the commit before each optimizer step."""
         job = self._make(membership)
-        if not self._commit or self._store is None:   # without a store no recovery needs it
+        if not self._commit or self._round is None:   # without a store no recovery needs it
             return job
         register = getattr(job.optimizer, "register_step_pre_hook", None)
         if callable(register):
@@ -318,14 +273,14 @@ class InProcessRecovery:
                     "the failed groups; recovering in process", old.rank, completed + 1,
                     "admitting joiners" if breaking else str(exc).splitlines()[0][:MAX_MESSAGE], shut)
         try:
-            if self._store is None:
+            if self._round is None:
                 raise RecoveryFailed("no recovery store")
             if old.generation >= self._max:
                 raise RecoveryFailed(f"{self._max} in-process recoveries already; leaving it to torchrun")
             shards = local_state(job)
             net.destroy_groups()
             phases["left_step"] = time.perf_counter() - t0
-            decision = self._agree(old, completed, job.replica_size, ready)
+            decision = self._round.agree(old, completed, job.replica_size, ready, self._settled_joiners)
             phases["agreed"] = time.perf_counter() - t0
             if not decision.ok:
                 raise RecoveryFailed(decision.error)
@@ -333,8 +288,8 @@ class InProcessRecovery:
             if me in decision.finish:
                 shards = self._finish_step(job, completed)
             if me not in decision.members:
-                if self._node() in decision.dropped_nodes:
-                    raise RecoveryFailed(f"node {self._node()} lost a worker and is left out whole; "
+                if self._round.node in decision.dropped_nodes:
+                    raise RecoveryFailed(f"node {self._round.node} lost a worker and is left out whole; "
                                          "its torchrun restarts its workers")
                 raise RecoveryFailed("this rank arrived after the survivors had agreed without it")
             new = Membership(generation=old.generation + 1, rank=decision.members.index(me),
@@ -353,7 +308,7 @@ class InProcessRecovery:
             log.error("rankwatch: in-process recovery failed (%s); the worker exits for torchrun's restart",
                       error)
             self._send(caught, completed, old, old, phases, ok=False, error=error)
-            if _RESTARTING in error:
+            if RESTARTING in error:
                 # torchrun stops this worker itself: exiting first would read as a failure of
                 # its own (and spend one of --max-restarts).
                 log.warning("rankwatch: waiting for torchrun to stop this worker")
@@ -385,37 +340,14 @@ class InProcessRecovery:
     def _join(self) -> Job:
         """Ask to join the round's survivors; wait until they admit this worker at a step
         boundary; build the job and take its state from a live replica."""
-        store = self._store
+        assert self._round is not None
         _warm_up()   # before asking: the survivors pause from the moment they admit this worker
-        n = int(store.add(self._key("join/seq"), 1))
-        me = JOINER_BASE + n
-        local_rank = int(self._env.get("LOCAL_RANK", "0"))
-        local_world = int(self._env.get("LOCAL_WORLD_SIZE", "1"))
-        store.set(self._key(f"node/{me}"), self._node())
         self._liveness = net.Liveness()
-        store.set(self._key(f"live/{me}"), self._liveness.address)
-        store.set(self._key(f"join/{n}"), json.dumps({"node": self._node(), "local_rank": local_rank,
-                                                      "local_world": local_world}))
-        log.warning("rankwatch: worker %d of node %s asks to join the training in process", local_rank, self._node())
-        # Asked first, then looked: the survivors' rank 0 marks the job finished first, then
-        # answers whoever asked, so one of the two sees the other (:meth:`finish`).
-        self._raise_if_finished(store)
-        answer_key = self._key(f"joined/{me}")
-        try:
-            store.wait([answer_key], datetime.timedelta(seconds=self._join_timeout))
-        except Exception as exc:  # noqa: BLE001 - the store's timeout error varies by backend
-            raise RecoveryFailed(f"not admitted within {self._join_timeout:.0f} s: {exc}") from exc
-        answer = store.get(answer_key).decode(errors="replace")[:MAX_MESSAGE]
-        if answer.startswith(_FINISHED):
-            self._raise_if_finished(store)
-        if not answer.isdigit():
-            raise RecoveryFailed(f"the survivors turned this worker away: {answer}")
-        gen = int(answer)
-        key = self._key(f"gen/{gen}/decision")
-        store.wait([key], datetime.timedelta(seconds=60))
-        world0 = int(store.get(self._key("world0")))
-        within = tuple(range(world0)) + tuple(range(JOINER_BASE + 1, JOINER_BASE + self._joiners_asked() + 1))
-        decision = Decision.from_json(store.get(key).decode(errors="replace"), within)
+        local_rank = int(self._env.get("LOCAL_RANK", "0"))
+        me = self._round.ask_to_join(self._liveness.address, local_rank, int(self._env.get("LOCAL_WORLD_SIZE", "1")))
+        log.warning("rankwatch: worker %d of node %s asks to join the training in process", local_rank,
+                    self._round.node)
+        gen, decision = self._round.await_admission(me, self._join_timeout)
         new = Membership(generation=gen, rank=decision.members.index(me), world_size=len(decision.members),
                          members=decision.members, dropped_nodes=decision.dropped_nodes)
         self.membership = new
@@ -425,21 +357,10 @@ class InProcessRecovery:
         self.completed = decision.step
         self._replica_size = job.replica_size
         self._settled_joiners |= {r for r in decision.members if r >= JOINER_BASE} | set(decision.refused)
-        # The node's rendezvous handler reads it: its workers are members now, so when one of
-        # them dies, the node joins the same way again.
-        store.set(self._prefix + admitted_key(self._node()), str(gen))
+        self._round.mark_admitted(gen)
         log.warning("rankwatch: joined in process as rank %d of %d at step %d", new.rank, new.world_size,
                     decision.step)
         return job
-
-    def _raise_if_finished(self, store: Any) -> None:
-        key = self._key("finished")
-        if store.check([key]):
-            text = store.get(key).decode(errors="replace")[:32]
-            step = int(text) if text.isdigit() else -1
-            log.warning("rankwatch: the job finished at step %d while this worker asked to join; "
-                        "it exits", step)
-            raise JobFinished(step)
 
     # -- the end ----------------------------------------------------------------------
     def finish(self, step: int) -> None:
@@ -448,41 +369,15 @@ class InProcessRecovery:
         :class:`JobFinished`) instead of waiting out ``join_timeout`` and failing their node.
         Never raises: the job's end does not depend on it."""
         self._poll_stop.set()
-        if self._store is None or self.membership is None or self.membership.rank != 0:
+        if self._round is None or self.membership is None or self.membership.rank != 0:
             return
         try:
-            self._store.set(self._key("finished"), str(step))   # first: a joiner asking now looks
-            waiting = self._waiting_joiners(self._store)
-            for j in waiting:
-                self._store.set(self._key(f"joined/{j.id}"), f"{_FINISHED} at step {step}")
-                self._settled_joiners.add(j.id)
-            if waiting:
+            told = self._round.tell_finished(step, self._settled_joiners)
+            if told:
                 log.warning("rankwatch: the job finished at step %d; %d worker(s) asking to join "
-                            "were told to exit", step, len(waiting))
+                            "were told to exit", step, told)
         except Exception as exc:  # noqa: BLE001 - a joiner then times out, as without this call
             log.warning("rankwatch: could not tell joining workers the job finished: %s", exc)
-
-    def _joiners_asked(self, store: Any = None) -> int:
-        return int((store or self._store).add(self._key("join/seq"), 0))  # add(0) reads
-
-    def _waiting_joiners(self, store: Any) -> list[Joiner]:
-        """Workers that asked to join and were neither admitted nor turned away yet."""
-        out = []
-        asked = self._joiners_asked(store)
-        for n in range(max(1, asked - _MAX_JOIN_LOOK + 1), asked + 1):  # a bound on what the store can make us read
-            if JOINER_BASE + n in self._settled_joiners:
-                continue
-            key = self._key(f"join/{n}")
-            if not store.check([key]):
-                continue  # asking now: seen at the next look
-            try:
-                d = json.loads(store.get(key).decode(errors="replace")[:512])
-                out.append(Joiner(id=JOINER_BASE + n, node=str(d["node"])[:64], local_rank=int(d["local_rank"]),
-                                  local_world=int(d["local_world"])))
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("rankwatch: a join request that does not parse is ignored: %s", exc)
-                self._settled_joiners.add(JOINER_BASE + n)
-        return out
 
     def _start_poller(self) -> None:
         thread = threading.Thread(target=self._poll_joins, name="rankwatch-join-poll", daemon=True)
@@ -507,7 +402,9 @@ class InProcessRecovery:
             try:
                 if store is None:
                     store, _ = connect(self._env)
-                admitted, refused, _ = admissible(self._waiting_joiners(store), self._replica_size)
+                assert self._round is not None
+                admitted, refused, _ = admissible(self._round.waiting_joiners(store, self._settled_joiners),
+                                                  self._replica_size)
             except Exception as exc:  # noqa: BLE001 - a store hiccup: connect again at the next look
                 log.debug("rankwatch: looking for join requests: %s", exc)
                 store = None
@@ -521,10 +418,11 @@ class InProcessRecovery:
         """Leave the step on purpose (rank 0 only): every survivor's next collective fails,
         and the recovery that follows admits the joiners."""
         self._join_due.clear()
-        if self.membership is None or self.membership.rank != 0:
+        if self.membership is None or self.membership.rank != 0 or self._round is None:
             return
         try:  # the look was the poller's; make sure they still wait (a recovery may have let them in)
-            admitted, refused, _ = admissible(self._waiting_joiners(self._store), self._replica_size)
+            admitted, refused, _ = admissible(self._round.waiting_joiners(self._round.store, self._settled_joiners),
+                                              self._replica_size)
         except Exception as exc:  # noqa: BLE001 - a store hiccup: the poller looks again
             log.debug("rankwatch: checking join requests: %s", exc)
             return
@@ -547,82 +445,13 @@ class InProcessRecovery:
             self._committing = True
         return local_state(job)
 
-    def _agree(self, old: Membership, completed: int, replica_size: int, ready: bool = False) -> Decision:
-        """Post this survivor's step; the first to arrive decides for all."""
-        gen = f"gen/{old.generation + 1}/"
-        me = old.members[old.rank]
-        store = self._store
-        if ready:   # posted first: whoever decides reads it once this rank's step is there
-            store.set(self._key(f"{gen}ready/{me}"), "1")
-        store.set(self._key(f"{gen}alive/{me}"), str(completed))
-        if store.add(self._key(f"{gen}arrived"), 1) == 1:
-            # torchrun may be stopping this worker right now (its node lost another): the
-            # others wait on this decision, so it is written before a SIGTERM takes effect.
-            with net.deferred_termination():
-                store.add(self._prefix + ATTEMPTS_COUNT, 1)   # a restarting node waits while one is under way
-                keys = {r: self._key(f"{gen}alive/{r}") for r in old.members}
-                self._await_survivors(keys, self._key(f"{gen}arrived"))
-                arrived = {r: int(store.get(k)) for r, k in keys.items() if store.check([k])}
-                node_of = {r: store.get(self._key(f"node/{r}")).decode(errors="replace") for r in old.members}
-                joiners = self._waiting_joiners(store)
-                if store.check([self._prefix + RESTARTING_KEY]):  # torchrun stops the workers itself
-                    by = store.get(self._prefix + RESTARTING_KEY).decode(errors="replace")[:64]
-                    decision = Decision(ok=False, error=f"{_RESTARTING}: node {by} restarts its workers")
-                else:
-                    ready_ids = [r for r in arrived if store.check([self._key(f"{gen}ready/{r}")])]
-                    decision = decide(old.members, arrived, node_of, replica_size, joiners, ready_ids)
-                if decision.ok:
-                    for node in decision.dropped_nodes:  # the round goes on without it: no restart
-                        mark_regrouped(store, self._prefix, node, old.generation + 1)
-                else:   # every worker exits for torchrun's restart: no node waits to join in process
-                    store.set(self._prefix + RESTARTING_KEY, self._node())
-                store.set(self._key(f"{gen}decision"), decision.to_json())
-                store.add(self._prefix + DECIDED_COUNT, 1)
-                # Joiners wait on their own key: admitted ones read this generation's decision.
-                admitted = [r for r in decision.members if r not in old.members]
-                for j in admitted:
-                    store.set(self._key(f"joined/{j}"), str(old.generation + 1))
-                turned = set(decision.refused) | ({j.id for j in joiners} if not decision.ok else set())
-                for j in turned:
-                    store.set(self._key(f"joined/{j}"), f"refused: {decision.note or decision.error}"[:MAX_MESSAGE])
-                return decision
-        store.wait([self._key(f"{gen}decision")], datetime.timedelta(seconds=self._settle + 30))
-        within = tuple(old.members) + tuple(range(JOINER_BASE + 1, JOINER_BASE + self._joiners_asked() + 1))
-        return Decision.from_json(store.get(self._key(f"{gen}decision")).decode(errors="replace"), within)
-
-    def _await_survivors(self, keys: dict[int, str], arrived_key: str) -> None:
-        """Until every member arrived, or every one missing is proven dead (its liveness
-        port refuses connections: the process is gone), or ``settle`` seconds passed."""
-        store, deadline = self._store, time.monotonic() + self._settle
-        dead: set[int] = set()
-        while True:
-            count = int(store.add(arrived_key, 0))
-            if count == len(keys) or time.monotonic() >= deadline:
-                return
-            for r, k in keys.items():
-                if r not in dead and not store.check([k]) and net.refused(self._live_address(r)):
-                    dead.add(r)
-            if count + len(dead) >= len(keys) and int(store.add(arrived_key, 0)) == count:
-                return  # all that are alive arrived; the rest are gone
-            time.sleep(0.005)
-
     # -- parts ----------------------------------------------------------------------
-    def _key(self, suffix: str) -> str:
-        return self._prefix + "inproc/" + suffix
-
-    def _node(self) -> str:
-        return self._env.get(NODE_ID_ENV) or socket.gethostname()
-
-    def _live_address(self, rank: int) -> str:
-        key = self._key(f"live/{rank}")
-        return self._store.get(key).decode() if self._store.check([key]) else ""
-
     def _init_group(self, new: Membership) -> None:
         import torch.distributed as dist
 
-        store = dist.PrefixStore(self._key(f"gen/{new.generation}/pg/"), self._store)
-        dist.init_process_group(self._backend, store=store, rank=new.rank, world_size=new.world_size,
-                                timeout=self._timeout)
+        assert self._round is not None
+        dist.init_process_group(self._backend, store=self._round.process_group_store(new.generation),
+                                rank=new.rank, world_size=new.world_size, timeout=self._timeout)
         net.forget_old_meshes()
 
     def _activity(self, name: str) -> Any:

@@ -99,13 +99,17 @@ def transfer(job: Job, decision: Decision, rank: int, own: dict[str, Any] | None
 
 _BULK = 1 << 12
 """Tensors of at least this many elements, on the backend's device, travel as tensors; the
-rest (AdamW's step counts, small buffers) inside the pickled header."""
+rest (AdamW's step counts, small buffers) inside the header."""
+_HEADER_MAX = 64 << 20
+"""The most bytes of header a receiver takes (its tensors are all under ``_BULK`` elements)."""
+_SLOT = "rankwatch.slot"
 
 
 def send_state(state: dict[str, Any], dst: int) -> int:
-    """Send ``state`` (as :func:`local_state` makes it) to rank ``dst``: a small pickled header
-    that names every tensor's shape and dtype, then each large tensor as it is, with no
-    pickling and no copy to the host (device to device on NCCL).  Returns the tensor bytes."""
+    """Send ``state`` (as :func:`local_state` makes it) to rank ``dst``: a small header that
+    names every large tensor's shape and dtype and holds the small values, then each large
+    tensor as it is, with no serialising and no copy to the host (device to device on NCCL).
+    Returns the tensor bytes."""
     import torch.distributed as dist
 
     device = _wire_device()
@@ -114,15 +118,70 @@ def send_state(state: dict[str, Any], dst: int) -> int:
     def entry(t: Any) -> Any:
         if hasattr(t, "numel") and t.numel() >= _BULK and t.device.type == device.type:
             bulk.append(t.contiguous())
-            return _Slot(tuple(t.shape), t.dtype)
+            return (_SLOT, tuple(t.shape), str(t.dtype).removeprefix("torch."))
         return t
 
-    header = {"params": {n: entry(t) for n, t in state["params"].items()},
-              "optim": {n: {k: entry(v) for k, v in per.items()} for n, per in state["optim"].items()}}
-    dist.send_object_list([header], dst=dst)
+    _send_header({"params": {n: entry(t) for n, t in state["params"].items()},
+                  "optim": {n: {k: entry(v) for k, v in per.items()} for n, per in state["optim"].items()}}, dst)
     for t in bulk:
         dist.send(t, dst=dst)
     return _nbytes(state)
+
+
+def _send_header(header: Any, dst: int, raw: bytes | None = None) -> None:
+    """The header: its length, then its bytes (``torch.save``'s format; ``raw``: these bytes)."""
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    if raw is None:
+        buf = io.BytesIO()
+        torch.save(header, buf)
+        raw = buf.getvalue()
+    device = _wire_device()
+    dist.send(torch.tensor([len(raw)], dtype=torch.int64, device=device), dst=dst)
+    dist.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device), dst=dst)
+
+
+def _recv_header(src: int) -> Any:
+    """What :func:`_send_header` sent, loaded as plain data only (tensors, numbers, strings,
+    containers: ``torch.load``'s ``weights_only``): a peer's header runs no code here."""
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    device = _wire_device()
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src=src)
+    n = int(size.item())
+    if not 0 < n <= _HEADER_MAX:
+        raise StateMismatch(f"the source announced a header of {n} bytes (at most {_HEADER_MAX})")
+    data = torch.empty(n, dtype=torch.uint8, device=device)
+    dist.recv(data, src=src)
+    try:
+        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - the unpickler's refusals vary
+        raise StateMismatch(f"the source's state header is not plain data: {str(exc).splitlines()[0][:200]}") from None
+
+
+def _slot(v: Any) -> tuple[tuple[int, ...], Any] | None:
+    """A header entry's (shape, dtype) when it names a tensor that follows; None for a value.
+
+    Raises:
+        StateMismatch: a slot with a negative, non-integer or too deep shape, or no dtype.
+    """
+    import torch
+
+    if not (isinstance(v, tuple) and len(v) == 3 and v[0] == _SLOT):
+        return None
+    shape, name = v[1], v[2]
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if (not isinstance(dtype, torch.dtype) or not isinstance(shape, tuple) or len(shape) > 8
+            or not all(type(d) is int and d >= 0 for d in shape)):
+        raise StateMismatch(f"the source announced a tensor of shape {str(shape)[:64]} and dtype {str(name)[:32]}")
+    return shape, dtype
 
 
 def recv_state(src: int, limit: int | None = None) -> dict[str, Any]:
@@ -132,47 +191,30 @@ def recv_state(src: int, limit: int | None = None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    box: list[Any] = [None]
-    dist.recv_object_list(box, src=src)
-    header = box[0]
-    if not isinstance(header, dict) or set(header) != {"params", "optim"}:
+    header = _recv_header(src)
+    if (not isinstance(header, dict) or set(header) != {"params", "optim"} or not isinstance(header["params"], dict)
+            or not isinstance(header["optim"], dict) or not all(isinstance(p, dict) for p in header["optim"].values())):
         raise StateMismatch("the source sent no state")
-    slots = [v for v in header["params"].values() if isinstance(v, _Slot)]
-    slots += [v for per in header["optim"].values() for v in per.values() if isinstance(v, _Slot)]
-    for v in slots:
-        if (not isinstance(v.dtype, torch.dtype) or not isinstance(v.shape, tuple) or len(v.shape) > 8
-                or not all(isinstance(d, int) and d >= 0 for d in v.shape)):
-            raise StateMismatch(f"the source announced a tensor of shape {str(v.shape)[:64]} and dtype "
-                                f"{str(v.dtype)[:32]}")
-    announced = sum(math.prod(v.shape) * torch.empty((), dtype=v.dtype).element_size() for v in slots)
+    values = list(header["params"].values()) + [v for per in header["optim"].values() for v in per.values()]
+    slots = [s for s in map(_slot, values) if s is not None]
+    announced = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in slots)
     if limit is not None and announced > limit:
         raise StateMismatch(f"the source announced {announced} bytes of state; this rank's job holds "
                             f"at most {limit}")
     device = _wire_device()
 
     def fill(v: Any) -> Any:
-        if isinstance(v, _Slot):
-            t = torch.empty(v.shape, dtype=v.dtype, device=device)
-            dist.recv(t, src=src)
-            return t
-        return v
+        slot = _slot(v)
+        if slot is None:
+            return v
+        t = torch.empty(slot[0], dtype=slot[1], device=device)
+        dist.recv(t, src=src)
+        return t
 
     # In the order the sender filled its header: the same dict order on both sides.
     params = {n: fill(v) for n, v in header["params"].items()}
     optim = {n: {k: fill(v) for k, v in per.items()} for n, per in header["optim"].items()}
     return {"params": params, "optim": optim}
-
-
-class _Slot:
-    """A tensor of the header that follows it on the wire."""
-
-    __slots__ = ("shape", "dtype")
-
-    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
-        self.shape, self.dtype = shape, dtype
-
-    def __reduce__(self) -> tuple:
-        return (_Slot, (self.shape, self.dtype))
 
 
 def _wire_device() -> Any:

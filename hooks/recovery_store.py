@@ -12,16 +12,29 @@ The contract between the two processes that touch it:
 
 Without the handler (plain ``c10d``, a static launch), the workers fall back to torchrun's
 worker store (``MASTER_ADDR:MASTER_PORT``), which the first node's torchrun hosts.
+
+**Trust.**  Neither a TCPStore nor etcd without its own auth asks who writes.  With the job's
+token set (``RANKWATCH_TOKEN`` or ``RANKWATCH_TOKEN_FILE``, as for the agents), every value
+the two processes read from each other is sealed (:class:`Seal`): an HMAC-SHA256 under a key
+derived from the token, over the key's name and the value, so a value is neither forged nor
+moved to another key (round and generation are in the name).  A value that does not open is
+refused (:class:`ForgedValue`): the workers then leave the recovery to torchrun's restart, and
+a node ignores it.  What sealing cannot cover: the store's counters (atomic adds) and the
+presence of a key, so a writer without the token can still delay or fail an in-process
+recovery (never change its membership or its state); and the process groups' own rendezvous
+keys, which torch reads.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["ATTEMPTS_COUNT", "CAPABLE_KEY", "DECIDED_COUNT", "JOIN_ENV", "JOINED_COUNT", "RESTARTING_KEY", "REGROUPED_COUNT", "REGROUPED_NODE", "ROUND_ENV", "STORE_ENV", "admitted_key", "connect", "mark_regrouped",
+__all__ = ["ForgedValue", "Seal", "ATTEMPTS_COUNT", "CAPABLE_KEY", "DECIDED_COUNT", "JOIN_ENV", "JOINED_COUNT", "RESTARTING_KEY", "REGROUPED_COUNT", "REGROUPED_NODE", "ROUND_ENV", "STORE_ENV", "admitted_key", "connect", "mark_regrouped",
            "regrouped_key", "round_key"]
 
 STORE_ENV = "RANKWATCH_RECOVERY_STORE"
@@ -35,6 +48,60 @@ RESTARTING_KEY = "restarting"        # under a round's prefix: torchrun is resta
 ATTEMPTS_COUNT = "inproc/attempts"   # under a round's prefix: agreements the workers began
 DECIDED_COUNT = "inproc/decided"     # ... and those decided (fewer: one is under way)
 _CONNECT_TIMEOUT = timedelta(seconds=10)
+
+
+class ForgedValue(ValueError):
+    """A value in the recovery store that was not sealed with the job's token."""
+
+
+_SEALED = b"rw1:"
+_MAC_HEX = 64
+
+
+class Seal:
+    """Seals and opens the values of the recovery store with the job's token (see the module);
+    without a token, values pass as they are (the store's own access control is all)."""
+
+    def __init__(self, token: str | None) -> None:
+        self._key = hashlib.sha256(b"rankwatch recovery store\0" + token.encode()).digest() if token else None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Seal:
+        """With the job's token from ``env``.
+
+        Raises:
+            ValueError: a token file is named but unreadable (or readable by others).
+        """
+        from rankwatch.credentials import job_token
+
+        return cls(job_token(env))
+
+    @property
+    def on(self) -> bool:
+        return self._key is not None
+
+    def _mac(self, key: str, data: bytes) -> bytes:
+        assert self._key is not None
+        return hmac.new(self._key, key.encode() + b"\0" + data, hashlib.sha256).hexdigest().encode()
+
+    def seal(self, key: str, value: str | bytes) -> bytes:
+        """``value`` as it is to be stored under ``key``."""
+        data = value.encode() if isinstance(value, str) else value
+        return data if self._key is None else _SEALED + self._mac(key, data) + b":" + data
+
+    def open(self, key: str, raw: bytes) -> bytes:
+        """The value stored under ``key``.
+
+        Raises:
+            ForgedValue: it was not sealed for ``key`` with the job's token.
+        """
+        if self._key is None:
+            return raw
+        head = len(_SEALED) + _MAC_HEX
+        if not (raw.startswith(_SEALED) and raw[head:head + 1] == b":"
+                and hmac.compare_digest(raw[len(_SEALED):head], self._mac(key, raw[head + 1:]))):
+            raise ForgedValue(f"the recovery store's value at {key[-96:]!r} is not sealed with the job's token")
+        return raw[head + 1:]
 
 
 def etcd_endpoint(store: Any) -> str | None:
@@ -72,11 +139,13 @@ def regrouped_key(node: str) -> str:
     return f"regrouped/{node}"
 
 
-def mark_regrouped(store: Any, prefix: str, node: str, generation: int) -> None:
+def mark_regrouped(store: Any, prefix: str, node: str, generation: int, seal: Seal) -> None:
     """Record that the round's workers left ``node`` out (the handler reads it)."""
-    store.set(prefix + regrouped_key(node), str(generation))
+    key = prefix + regrouped_key(node)
+    store.set(key, seal.seal(key, str(generation)))
     i = store.add(prefix + REGROUPED_COUNT, 1)
-    store.set(f"{prefix}{REGROUPED_NODE}{i}", node)  # a reader that sees i before this asks again
+    key = f"{prefix}{REGROUPED_NODE}{i}"
+    store.set(key, seal.seal(key, node))  # a reader that sees i before this asks again
 
 
 def connect(env: Mapping[str, str] = os.environ, timeout: timedelta = _CONNECT_TIMEOUT) -> tuple[Any, str]:

@@ -77,6 +77,8 @@ from rankwatch.hooks.recovery_store import (
     RESTARTING_KEY,
     ROUND_ENV,
     STORE_ENV,
+    ForgedValue,
+    Seal,
     admitted_key,
     etcd_endpoint,
     regrouped_key,
@@ -170,6 +172,12 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._tried_join = False
         self._joined_in_process: str | None = None  # the round's prefix, once joined in process
         self._admitted_at: bytes | None = None  # when this node last joined in process: its workers' last admission
+        try:
+            self._seal = Seal.from_env(os.environ)   # the workers' values are sealed with the job's token
+        except ValueError as exc:
+            log.warning("rankwatch: %s: the workers' marks in the recovery store will not open here; this "
+                        "node restarts its workers through torchrun instead", exc)
+            self._seal = Seal("\0unreadable token file")
 
     # -- the store ------------------------------------------------------------------
     @property
@@ -338,9 +346,18 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                     "no node restarts its workers for it", self._node)
         return RendezvousInfo(own, 0, 1, RendezvousStoreInfo(socket.getfqdn(), get_free_port()))
 
+    def _opened(self, key: str) -> bytes | None:
+        """The workers' value at ``key``; None when there is none, or it is forged."""
+        if not self._raw_store.check([key]):
+            return None
+        try:
+            return self._seal.open(key, self._raw_store.get(key))
+        except ForgedValue as exc:
+            log.warning("rankwatch: ignored: %s", exc)
+            return None
+
     def _admission(self, prefix: str) -> bytes | None:
-        key = prefix + admitted_key(self._node)
-        return self._raw_store.get(key) if self._raw_store.check([key]) else None
+        return self._opened(prefix + admitted_key(self._node))
 
     def _admitted_since(self) -> bool:
         """This node's workers were admitted in process since it last sent them to join: the
@@ -359,8 +376,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
 
     def _regrouped(self, node: str) -> bool:
         """The round's workers left ``node`` out themselves (an in-process recovery)."""
-        return (self._round_prefix is not None
-                and self._raw_store.check([self._round_prefix + regrouped_key(node)]))
+        return self._round_prefix is not None and self._opened(self._round_prefix + regrouped_key(node)) is not None
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join, as torchrun's agent asks between its worker checks.
@@ -398,8 +414,11 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             key = f"{self._round_prefix}{REGROUPED_NODE}{i}"
             if not self._raw_store.check([key]):
                 return  # being written: the next check reads it
-            node = self._raw_store.get(key).decode(errors="replace")
             self._checked_in = i
+            opened = self._opened(key)
+            if opened is None:
+                continue   # forged: no check-in for a node the workers did not leave out
+            node = opened.decode(errors="replace")[:256]
             if self._round_store.add(f"rankwatch/exit_check_in/{node}", 1) == 1:
                 _barrier_nonblocking(self._round_store, self._round_nodes, _TERMINAL_STATE_SYNC_ID)
                 log.warning("rankwatch: node %s was left out in process; checked in for it at "
@@ -421,7 +440,8 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             # Before torchrun stops this node's workers: the others' workers, whose collectives
             # that breaks, must not take it for a lost node and regroup without this one.  (An
             # excluded node's restart is its leaving: the others do regroup without it.)
-            self._raw_store.set(self._round_prefix + RESTARTING_KEY, self._node)
+            key = self._round_prefix + RESTARTING_KEY
+            self._raw_store.set(key, self._seal.seal(key, self._node))
         return waiting
 
     def _nodes_waiting(self) -> int:

@@ -27,7 +27,7 @@ import grpc
 from rankwatch.address import Address
 
 __all__ = ["TLS_CA_ENV", "TLS_CERT_ENV", "TLS_KEY_ENV", "TOKEN_ENV", "TOKEN_FILE_ENV",
-           "ClientCredentials", "open_channel", "read_token_file"]
+           "ClientCredentials", "job_token", "open_channel", "read_token_file"]
 
 TOKEN_ENV = "RANKWATCH_TOKEN"
 TOKEN_FILE_ENV = "RANKWATCH_TOKEN_FILE"
@@ -53,6 +53,17 @@ def read_token_file(path: Path) -> str:
     if not token:
         raise ValueError(f"token file {path} is empty")
     return token
+
+
+def job_token(env: Mapping[str, str], token_file: Path | None = None) -> str | None:
+    """The job's token: ``token_file``, else ``$RANKWATCH_TOKEN_FILE``, else ``$RANKWATCH_TOKEN``;
+    None without one.
+
+    Raises:
+        ValueError: the named file is unreadable, empty, or readable by others.
+    """
+    file = token_file or (Path(env[TOKEN_FILE_ENV]) if env.get(TOKEN_FILE_ENV) else None)
+    return read_token_file(file) if file is not None else (env.get(TOKEN_ENV) or None)
 
 
 def _read(path: str | None, what: str) -> bytes | None:
@@ -82,9 +93,7 @@ class ClientCredentials:
             ValueError: a named file is unreadable, or the TLS settings are incomplete.
         """
         env = os.environ if env is None else env
-        file = token_file or (Path(env[TOKEN_FILE_ENV]) if env.get(TOKEN_FILE_ENV) else None)
-        token = read_token_file(file) if file is not None else (env.get(TOKEN_ENV) or None)
-        return cls.tls(token, env.get(TLS_CA_ENV), env.get(TLS_CERT_ENV), env.get(TLS_KEY_ENV))
+        return cls.tls(job_token(env, token_file), env.get(TLS_CA_ENV), env.get(TLS_CERT_ENV), env.get(TLS_KEY_ENV))
 
     @classmethod
     def tls(cls, token: str | None, ca: str | None, cert: str | None,

@@ -1,11 +1,13 @@
 """A joiner's state from a live replica (``send_state`` / ``recv_state``), between two real
 processes on gloo: every tensor arrives equal, in its dtype and shape, the small values
-travel in the header, and a header that announces more than the receiver's job can hold is
-refused before anything is allocated."""
+travel in the header, and a header that announces more than the receiver's job can hold, or
+that carries anything but plain data (a pickled call), is refused before anything is
+allocated or run."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from pathlib import Path
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rankwatch.hooks.recovery_state import StateMismatch, _Slot, recv_state, send_state
+from rankwatch.hooks.recovery_state import _SLOT, StateMismatch, _send_header, recv_state, send_state
 
 
 def _state() -> dict:
@@ -26,6 +28,28 @@ def _state() -> dict:
                       "h": {"step": 3}}}
 
 
+class _Call:
+    """Pickled, it calls ``os.mkdir(path)`` when unpickled: what a hostile peer could send."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (os.mkdir, (self.path,))
+
+
+def _hostile(role: str, out: str) -> None:
+    """Rank 0 of a hostile pair: a header the receiver must refuse."""
+    if role == "oversized":    # 64 GiB of optimizer state
+        _send_header({"params": {}, "optim": {"w": {"exp_avg": (_SLOT, (1 << 34,), "float32")}}}, 1)
+    elif role == "malformed":  # a tensor of negative size
+        _send_header({"params": {}, "optim": {"w": {"exp_avg": (_SLOT, (4, -1), "float32")}}}, 1)
+    elif role == "code":       # a pickle that runs a call when loaded
+        _send_header(None, 1, raw=pickle.dumps({"params": {"w": _Call(out + ".ran")}, "optim": {}}))
+    elif role == "long_header":  # a header of 1 TiB
+        dist.send(torch.tensor([1 << 40], dtype=torch.int64), dst=1)
+
+
 def _run(rank: int, port: int, role: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -35,11 +59,9 @@ def _run(rank: int, port: int, role: str, out: str) -> None:
                 send_state(_state(), 1)
             else:
                 torch.save(recv_state(0), out)
-        elif role in ("oversized", "malformed"):
-            # A peer that announces 64 GiB of optimizer state, or a tensor of negative size.
-            slot = _Slot((1 << 34,), torch.float32) if role == "oversized" else _Slot((4, -1), torch.float32)
+        else:
             if rank == 0:
-                dist.send_object_list([{"params": {}, "optim": {"w": {"exp_avg": slot}}}], dst=1)
+                _hostile(role, out)
             else:
                 try:
                     recv_state(0, limit=1 << 20)
@@ -84,3 +106,16 @@ def test_a_header_announcing_a_negative_size_is_refused(tmp_path):
     out = tmp_path / "refused.txt"
     _spawn("malformed", out)
     assert "announced a tensor of shape (4, -1)" in out.read_text()
+
+
+def test_a_header_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    out = tmp_path / "refused.txt"
+    _spawn("code", out)
+    assert "the source's state header is not plain data" in out.read_text()
+    assert not (tmp_path / "refused.txt.ran").exists()
+
+
+def test_a_header_announcing_a_terabyte_of_header_is_refused(tmp_path):
+    out = tmp_path / "refused.txt"
+    _spawn("long_header", out)
+    assert "announced a header of 1099511627776 bytes" in out.read_text()
