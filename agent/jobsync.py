@@ -27,7 +27,7 @@ import grpc
 from rankwatch.address import Address
 from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.agent.decisions import Decision
-from rankwatch.agent.load_policy import LoadConfig, first_sync_delay
+from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay
 from rankwatch.agent.incidents import Incident
 from rankwatch.agent.recoveries import is_in_process
 from rankwatch.agent.relay import node_reply
@@ -42,6 +42,8 @@ __all__ = ["CommandHub", "JobLink", "forward_checkpoint"]
 log = logging.getLogger(__name__)
 
 _RPC_TIMEOUT = 1.0
+_BUSY = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
+"""A coordinator that answers a sync so is busy, not gone: the node backs off (``retry_delay``)."""
 _INCIDENTS_SENT = 50
 _MAX_CHANNELS = 16   # open channels to coordinator candidates and relays
 _MAX_INTERVAL = LoadConfig.max_interval   # the slowest sync a coordinator may ask for
@@ -122,6 +124,11 @@ class JobLink:
         self.relay_addr: Address | None = None
         """The relay the coordinator told this node to sync through (None: the coordinator)."""
         self.last_ok = 0.0
+        self.attempts = 0
+        """Syncs this node began (answered or not)."""
+        self.busy_failures = 0
+        """Syncs in a row that a busy coordinator did not answer (see ``load_policy.retry_delay``)."""
+        self._busy = False
         self._applied: set[str] = set()   # ids of the decisions this node has acted on
         self._seq = 0
         self._warned: set[str] = set()
@@ -169,11 +176,14 @@ class JobLink:
         if self._stop.wait(first_sync_delay(random.random(), coordinates, LoadConfig())):
             return
         while True:
+            last_ok, self._busy = self.last_ok, False
+            self.attempts += 1
             try:
                 self.sync_once()
             except Exception:  # noqa: BLE001 - the agent never dies of a sync bug
                 log.exception("sync with the coordinator failed")
-            if self._stop.wait(self.interval):
+            self.busy_failures = 0 if self.last_ok != last_ok or not self._busy else self.busy_failures + 1
+            if self._stop.wait(retry_delay(self.busy_failures, self.interval, random.random(), LoadConfig())):
                 return
 
     def _candidates(self) -> list[Address | None]:
@@ -222,6 +232,7 @@ class JobLink:
                         relay.answered(group_reply)   # type: ignore[union-attr]
                         reply = self._own_reply(group_reply, summary.node_id)
                 except grpc.RpcError as exc:
+                    self._busy = self._busy or exc.code() in _BUSY
                     if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                         self._warn_once(f"coordinator {addr} refused this node's token: {exc.details()}")
                     log.debug("coordinator candidate %s: %s", addr, exc.code().name)

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from rankwatch.knobs import require_positive
 
-__all__ = ["Load", "LoadConfig", "first_sync_delay", "interval_floor", "node_silent", "overload", "quiet_until", "sync_interval"]
+__all__ = ["Load", "LoadConfig", "first_sync_delay", "interval_floor", "node_silent", "overload", "quiet_until",
+           "retry_delay", "sync_interval"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,12 +59,16 @@ class LoadConfig:
     first_sync_spread: float = 2.0
     """A node's first sync comes at a random point within this many seconds of its agent's
     start (:func:`first_sync_delay`)."""
+    max_backoff: float = 16.0
+    """A node whose syncs a busy coordinator did not answer waits at most this many of its
+    intervals (and never more than ``max_interval``) before the next (:func:`retry_delay`)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.base_interval <= self.max_interval:
             raise ValueError("LoadConfig needs 0 < base_interval <= max_interval")
         require_positive(self, "target_cores", "busy_cores", "lag_seconds", "delay_seconds",
-                         "max_syncs_per_second", "silent_intervals", "min_syncs", "first_sync_spread")
+                         "max_syncs_per_second", "silent_intervals", "min_syncs", "first_sync_spread",
+                         "max_backoff")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +131,25 @@ def first_sync_delay(u: float, coordinates: bool, cfg: LoadConfig) -> float:
     The agent that is itself the first coordinator candidate syncs at once: it takes the
     coordinator's role then, and the others are answered from the start."""
     return 0.0 if coordinates else max(0.0, min(1.0, u)) * cfg.first_sync_spread
+
+
+def retry_delay(busy_failures: int, interval: float, u: float, cfg: LoadConfig) -> float:
+    """Seconds before a node's next sync, after ``busy_failures`` syncs in a row that a busy
+    coordinator did not answer (its deadline passed, refused for capacity, cancelled), for
+    ``u`` drawn uniformly from [0, 1).
+
+    None: the interval.  Then the interval doubles with each, up to ``max_backoff`` of them
+    and ``max_interval``, and the node waits a random point in the upper half of that: a
+    coordinator swamped by a big job's first syncs sheds its callers, spread out, instead of
+    hearing them all again a quarter second later.  (Its load rules meanwhile keep it from
+    calling any of them silent.)  A coordinator that is gone (its connection refused) is no
+    reason to wait: the node tries the next candidate at its interval, so a failover is not
+    slowed.
+    """
+    if busy_failures <= 0:
+        return interval
+    top = min(cfg.max_interval, interval * min(cfg.max_backoff, 2.0 ** min(busy_failures, 32)))
+    return max(interval, top * (0.5 + 0.5 * max(0.0, min(1.0, u))))
 
 
 def interval_floor(nodes: int, cfg: LoadConfig) -> float:

@@ -53,7 +53,7 @@ import grpc
 import psutil
 
 from rankwatch.agent.incidents import Incident, IncidentLog
-from rankwatch.agent.load_policy import LoadConfig, first_sync_delay
+from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay
 from rankwatch.agent.ports import free_port
 from rankwatch.agent.relay import Relay, RelayUnavailable
 from rankwatch.agent.state import WORK_WINDOW
@@ -64,6 +64,7 @@ WINDOW = WORK_WINDOW   # own-work window per rank, as the node agent sends it (6
 STEP = 0.1       # simulated seconds per step
 RPC_TIMEOUT = 1.0
 TOKEN = "load-test-token"
+BACKOFF = True   # --no-backoff: retry at the interval after a busy failure (as before load_policy.retry_delay)
 
 
 def _incidents(state: Path) -> list[Incident]:
@@ -87,6 +88,7 @@ class SimNode:
         self.relay_addr = ""               # where the coordinator told it to sync
         self.seq = 0
         self.interval = 0.25
+        self.busy_failures = 0   # as JobLink's: syncs in a row a busy coordinator did not answer
         self.stalled_at: float | None = None
         self.behind = False
         self.silent = False
@@ -138,9 +140,12 @@ class Stats:
         self.relayed = 0      # of those, through a relay
         self.beats = 0        # of those, beats (the node's last whole summary stands)
 
-    def failed(self, exc: grpc.aio.AioRpcError) -> None:
+    def failed(self, exc: grpc.aio.AioRpcError, node: SimNode) -> None:
         self.fails[exc.code().name] = self.fails.get(exc.code().name, 0) + 1
         self.failed_at.append(time.time())
+        busy = exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              grpc.StatusCode.CANCELLED)
+        node.busy_failures = node.busy_failures + 1 if busy and BACKOFF else 0
 
 
 async def _drive(node: SimNode, by_addr: dict[str, SimNode], stubs: list, end: float, stats: Stats) -> None:
@@ -151,7 +156,7 @@ async def _drive(node: SimNode, by_addr: dict[str, SimNode], stubs: list, end: f
     while time.time() < end:
         if not node.silent:
             await _sync_once(node, by_addr, stub, md, stats)
-        await asyncio.sleep(node.interval)
+        await asyncio.sleep(retry_delay(node.busy_failures, node.interval, random.random(), LoadConfig()))
 
 
 async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats: Stats) -> None:
@@ -163,10 +168,11 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
         try:
             reply = await stub.SyncGroup(group, timeout=RPC_TIMEOUT, metadata=md)
         except grpc.aio.AioRpcError as exc:
-            stats.failed(exc)
+            stats.failed(exc, node)
             node.relay.lost_coordinator()
             return
         stats.lat["SyncGroup"].append((t_sent, time.perf_counter() - t0))
+        node.busy_failures = 0
         node.relay.answered(reply)
         taken = len(group.nodes) + len(group.beats) - len(reply.refused)
         stats.done += taken
@@ -186,9 +192,10 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
     try:
         reply = await stub.Sync(summary, timeout=RPC_TIMEOUT, metadata=md)
     except grpc.aio.AioRpcError as exc:
-        stats.failed(exc)
+        stats.failed(exc, node)
         return
     stats.lat["Sync"].append((t_sent, time.perf_counter() - t0))
+    node.busy_failures = 0
     stats.done += 1
     node.relay.answered_directly(reply)
     node.apply(reply.sync_interval_seconds, reply.relay)
@@ -320,6 +327,8 @@ def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    global BACKOFF
+    BACKOFF = not getattr(args, "no_backoff", False)
     with tempfile.TemporaryDirectory(prefix="rw-load-") as d:
         tmp = Path(args.keep) if args.keep else Path(d)
         tmp.mkdir(parents=True, exist_ok=True)
@@ -358,6 +367,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pause", type=float, default=0.0, help="SIGSTOP the coordinator this long")
     p.add_argument("--relay-group", type=int, help="the coordinator's --relay-group (0: no relays)")
     p.add_argument("--relay-min-nodes", type=int, help="the coordinator's --relay-min-nodes")
+    p.add_argument("--no-backoff", action="store_true",
+                   help="nodes retry a sync a busy coordinator did not answer at their interval")
     return p
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rankwatch.agent.load_policy import (Load, LoadConfig, first_sync_delay, interval_floor, node_silent, overload, quiet_until,
-                                         sync_interval)
+                                         retry_delay, sync_interval)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -173,3 +173,49 @@ def test_a_sync_answered_after_its_deadline_counts_as_overload(tmp_path):
     finally:
         channel.close()
         agent.stop(timedelta(seconds=0.5))
+
+
+def test_a_node_backs_off_a_busy_coordinator_spread_out_and_bounded():
+    assert retry_delay(0, 0.25, 0.9, CFG) == 0.25          # answered (or gone): the interval
+    assert retry_delay(1, 0.25, 0.0, CFG) == 0.25          # the upper half of twice the interval
+    assert retry_delay(1, 0.25, 1.0, CFG) == pytest.approx(0.5)
+    assert retry_delay(3, 0.25, 1.0, CFG) == pytest.approx(2.0)
+    assert retry_delay(3, 0.25, 0.0, CFG) == pytest.approx(1.0)
+    # Bounded by max_backoff intervals and by max_interval, however long it lasts.
+    assert retry_delay(1000, 0.25, 1.0, CFG) == pytest.approx(0.25 * CFG.max_backoff)
+    assert retry_delay(1000, 1.0, 1.0, CFG) == pytest.approx(CFG.max_interval)
+    # Spread: nodes that failed together do not come back together.
+    delays = {round(retry_delay(4, 0.25, u / 10, CFG), 3) for u in range(10)}
+    assert len(delays) == 10 and min(delays) >= 2.0 and max(delays) <= 4.0
+
+
+def test_a_node_agent_backs_off_while_its_coordinator_is_busy_and_not_when_it_is_gone(tmp_path):
+    """Two real agents over real gRPC.  The test holds the coordinator's lock, so the node's
+    syncs run past their deadline (a busy coordinator): the node counts them and waits longer
+    between tries.  Once let go, the next sync is answered and the count drops to 0.  With the
+    coordinator stopped (connection refused: gone, not busy), the node keeps its interval."""
+    from datetime import timedelta
+
+    from conftest import wait_for
+    from rankwatch.address import Address
+    from rankwatch.agent.server import Agent, AgentConfig
+
+    csock, nsock = Address(path=str(tmp_path / "c.sock")), Address(path=str(tmp_path / "n.sock"))
+    coord = Agent(AgentConfig(node_id="c", listen=[csock], metrics_port=None, coordinators=[csock]))
+    node = Agent(AgentConfig(node_id="n", listen=[nsock], metrics_port=None, coordinators=[csock]))
+    coord.start()
+    node.start()
+    try:
+        wait_for(lambda: node.link.last_ok > 0, 15, what="the node's first sync")
+        with coord.coordinator.lock:
+            wait_for(lambda: node.link.busy_failures >= 2, 20, what="two syncs past their deadline")
+        answered = node.link.last_ok
+        wait_for(lambda: node.link.last_ok > answered, 20, what="a sync answered after the lock")
+        assert node.link.busy_failures == 0
+        coord.stop(timedelta(seconds=0.5))
+        tried = node.link.attempts
+        wait_for(lambda: node.link.attempts >= tried + 3, 10, what="three tries at the stopped coordinator")
+        assert node.link.busy_failures == 0
+    finally:
+        node.stop(timedelta(seconds=0.5))
+        coord.stop(timedelta(seconds=0.5))
