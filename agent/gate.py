@@ -32,10 +32,7 @@ One ``grpc.ServerInterceptor`` wraps every handler, so no RPC can forget a check
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -47,6 +44,7 @@ import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from rankwatch.agent.auth import authorized
+from rankwatch.agent.watchdog import Watchdog
 
 __all__ = ["Gate", "StreamLimits", "is_local_peer", "peer_host"]
 
@@ -125,7 +123,7 @@ class Gate(grpc.ServerInterceptor):
         self._lock = threading.Lock()
         self._by_peer: dict[str, int] = {}
         self._open = 0
-        self._watchdog = _Watchdog()
+        self._watchdog = Watchdog()
         self._request_seconds = self.limits.request_timeout.total_seconds()
         self._waiting: dict[str, int] = {}   # calls waiting for their request message, by peer
         self._waiting_all = 0
@@ -343,68 +341,6 @@ class Gate(grpc.ServerInterceptor):
         cap = GaugeMetricFamily("rankwatch_streams_limit", "Streams served at once, at most", labels=["node"])
         cap.add_metric([self.node], self.limits.total)
         yield cap
-
-
-class _Watchdog:
-    """One thread that runs callbacks at their deadlines; arming and disarming are cheap.
-
-    Every unary call arms one deadline and disarms it a few milliseconds later, so neither
-    may cost a wake-up of the thread: an entry is pushed on a heap (O(1) when deadlines come
-    in order, as one timeout per kind of wait makes them), the thread is notified only when
-    the new deadline is earlier than the one it sleeps towards, and a cancel just clears the
-    entry's callback (no lock).  The thread drops cleared entries as they reach the head, so
-    it wakes about once per timeout, not once per call, and the heap holds about the
-    deadlines armed within the longest timeout (a few thousand entries at a busy coordinator).
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._heap: list[list[Any]] = []   # [deadline, order, callback or None when cancelled]
-        self._order = itertools.count()
-        self._wake_at = math.inf           # the deadline the thread sleeps towards
-        self._thread: threading.Thread | None = None
-
-    def after(self, seconds: float, callback: Callable[[], None]) -> list[Any]:
-        """Run ``callback`` in ``seconds`` unless :meth:`cancel` is given the returned handle first."""
-        entry: list[Any] = [time.monotonic() + seconds, next(self._order), callback]
-        with self._cond:
-            heapq.heappush(self._heap, entry)
-            if entry[0] < self._wake_at:   # the thread would sleep past it: wake it
-                self._wake_at = entry[0]
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="rankwatch-deadlines", daemon=True)
-                    self._thread.start()
-                self._cond.notify()
-        return entry
-
-    @staticmethod
-    def cancel(handle: list[Any]) -> None:
-        handle[2] = None
-
-    def pending(self) -> int:
-        """Entries held, cancelled ones not yet dropped included (for tests)."""
-        with self._cond:
-            return len(self._heap)
-
-    def _run(self) -> None:
-        heap = self._heap
-        while True:
-            with self._cond:
-                while True:
-                    while heap and heap[0][2] is None:
-                        heapq.heappop(heap)   # cancelled
-                    now = time.monotonic()
-                    if heap and heap[0][0] <= now:
-                        break
-                    self._wake_at = heap[0][0] if heap else math.inf
-                    self._cond.wait(self._wake_at - now if heap else None)
-                entry = heapq.heappop(heap)
-                callback, entry[2] = entry[2], None
-                self._wake_at = -math.inf   # busy: arming needs no notify until it sleeps again
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - a deadline never kills the watchdog
-                log.exception("deadline callback failed")
 
 
 def _kind(handler: Any) -> str:

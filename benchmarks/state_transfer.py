@@ -8,7 +8,7 @@ size of a replica's shard of a model:
 * ``pickled``: ``send_object_list`` of the whole state (what the tier did first): the
   sender serialises every tensor into one byte buffer, the receiver deserialises it;
 * ``tensors``: :func:`~rankwatch.hooks.recovery_state.send_state` /
-  :func:`~rankwatch.hooks.recovery_state.recv_state`: a small pickled header, then each
+  :func:`~rankwatch.hooks.recovery_state.recv_state`: a small header of plain data, then each
   large tensor sent as it is into memory the receiver allocated.
 
 The state is shaped like a transformer's: tensors of one layer's sizes, repeated until the

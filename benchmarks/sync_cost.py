@@ -7,7 +7,7 @@ Medians over repeats, in µs per call, single-threaded, no network:
 - the gate's wrapper around a unary call (a token holder over TCP, its request there
   already), less the bare handler: credentials, the waiting bookkeeping, the request
   deadline armed and disarmed;
-- the request deadline alone (``_Watchdog.after`` + ``cancel``);
+- the request deadline alone (``Watchdog.after`` + ``cancel``);
 - the range check of a node's summary (8 ranks, shaped as ``coordinator_load.py`` sends it);
 - ``Coordinator.sync`` for that summary (the range check included), 2,048 nodes known;
 - decoding the summary from its bytes.
@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from coordinator_load import TOKEN, SimNode
 from rankwatch.agent import validate_sync
 from rankwatch.agent.coordinator import Coordinator
-from rankwatch.agent.gate import Gate, _Watchdog
+from rankwatch.agent.gate import Gate
+from rankwatch.agent.watchdog import Watchdog
 from rankwatch.agent.incidents import IncidentLog
 from rankwatch.proto import pb
 
@@ -155,7 +156,7 @@ def main() -> None:
 
     gate = Gate(TOKEN)
     wrapped, bare = _gate_call(gate)
-    dog = _Watchdog()
+    dog = Watchdog()
     summary = SimNode(7, 8, slow=False, born=time.time() - 30).summary(time.time())
     data = summary.SerializeToString()
     coord, sims = _coordinator(2048)

@@ -3,7 +3,7 @@
 Two daemon threads, neither of which the training thread ever waits on:
 
 * the **flusher** drains the recorder's deques into columnar ``Batch``
-  messages, by size (``max_batch`` records) or by time (``flush_interval``),
+  messages (:mod:`rankwatch.hooks.batches`), by size (``max_batch`` records) or by time (``flush_interval``),
   whichever comes first, and puts them on a bounded queue;
 * the **sender** holds one long-lived ``Report`` stream to the agent and
   feeds it from that queue.  When the agent is absent or dies it reconnects
@@ -31,13 +31,12 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import grpc
-import numpy as np
 
 from rankwatch.address import Address
 from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.peercred import present
-from rankwatch.hooks.hang_evidence import all_stacks, flight_recorder_pending
-from rankwatch.hooks.recorder import ACTIVITY_IDLE, ACTIVITY_TRAIN, OPS, Recorder
+from rankwatch.hooks.batches import BatchBuilder
+from rankwatch.hooks.recorder import Recorder
 from rankwatch.proto import pb, pb_grpc
 
 __all__ = ["AgentClient"]
@@ -81,15 +80,8 @@ class AgentClient:
         self._interval = flush_interval.total_seconds()
         self._max_batch = max_batch
         self._queue: queue.Queue[pb.Batch] = queue.Queue(maxsize=queue_batches)
-        self._last_seq = last_seq
-        self._group_seqs = group_seqs
-        self._recent_steps: deque[float] = deque(maxlen=32)
-        self._stacks_at = 0.0
+        self._batches = BatchBuilder(recorder, max_batch, last_seq, group_seqs)
         self._stop = threading.Event()
-        self._batch_seq = 0
-        self._drained = 0          # collective records taken from the deque
-        self._max_index = -1       # highest record index seen
-        self._overflow = 0         # records the deque discarded
         self._dropped_batches_records = 0
         self._lost_in_flight = 0
         self._yielded: deque[tuple[float, int]] = deque(maxlen=1024)  # (monotonic, records)
@@ -160,7 +152,7 @@ class AgentClient:
 
     @property
     def dropped_total(self) -> int:
-        return self._overflow + self._dropped_batches_records + self._lost_in_flight
+        return self._batches.overflow + self._dropped_batches_records + self._lost_in_flight
 
     # -- flusher ------------------------------------------------------------
     def _flush_loop(self) -> None:
@@ -209,91 +201,7 @@ class AgentClient:
             self._dropped_batches_records += n
 
     def _build_batch(self) -> tuple[pb.Batch, int]:
-        rec = self._rec
-        self._batch_seq += 1
-        batch = pb.Batch(seq=self._batch_seq)
-        n = 0
-        coll = _drain(rec.collectives, self._max_batch)
-        if coll:
-            n += len(coll)
-            batch.collectives.CopyFrom(self._collective_columns(coll))
-        steps = _drain(rec.steps, self._max_batch)
-        if steps:
-            n += len(steps)
-            batch.steps.CopyFrom(self._step_columns(steps))
-        while self._checkpoints:
-            batch.checkpoints.append(self._checkpoints.popleft())
-        while self._recoveries:
-            batch.recoveries.append(self._recoveries.popleft())
-        # Counted, so that a batch holding only them is sent (not discarded as empty).
-        n += len(batch.checkpoints) + len(batch.recoveries)
-        batch.progress.CopyFrom(self._progress())
-        batch.dropped_total = self.dropped_total
-        return batch, n
-
-    def _progress(self) -> pb.Progress:
-        rec = self._rec
-        p = pb.Progress(step=rec.step, phase=rec.activity, last_collective_seq=self._last_seq(),
-                        sampled_at=time.time(),
-                        step_started_at=rec.to_unix(rec.step_started_ns) if rec.step >= 0 else 0.0)
-        p.group_seqs.update(self._group_seqs())
-        inflight = rec.inflight
-        if inflight is not None:
-            op, pg, t0 = inflight
-            p.inflight.CopyFrom(pb.InFlight(
-                op=OPS[op] if 0 <= op < len(OPS) else "other", since=rec.to_unix(t0),
-                group=str(getattr(pg, "group_name", "")) if pg is not None else "",
-                seq=_seq_of(pg)))
-        if self._stuck(rec):
-            p.stacks = all_stacks()
-            p.flight_recorder = flight_recorder_pending()
-        return p
-
-    def _stuck(self, rec: Recorder) -> bool:
-        """No step has started for far longer than usual: time to take stacks and the Flight
-        Recorder (every 2 s).  Between steps too (a collective after the step scope, e.g. a
-        loss all-reduce, can hang as well); in a checkpoint or an evaluation only after a minute."""
-        if rec.step < 0:
-            return False
-        usual = sorted(self._recent_steps)[len(self._recent_steps) // 2] if self._recent_steps else 1.0
-        since_start = (time.perf_counter_ns() - rec.step_started_ns) * 1e-9
-        bound = max(2.0, 4 * usual) if rec.activity in (ACTIVITY_TRAIN, ACTIVITY_IDLE) else 60.0
-        now = time.monotonic()
-        if since_start > bound and now - self._stacks_at >= 2.0:
-            self._stacks_at = now
-            return True
-        return False
-
-    def _collective_columns(self, records: list[tuple]) -> pb.CollectiveColumns:
-        arr = np.array(records, dtype=np.int64)
-        self._drained += len(records)
-        self._max_index = max(self._max_index, int(arr[:, 0].max()))
-        self._overflow = max(self._overflow, self._max_index + 1 - self._drained
-                             - len(self._rec.collectives))
-        rec = self._rec
-        start = rec.wall0 + (arr[:, 4] - rec.mono0_ns) * 1e-9
-        duration = (arr[:, 5] - arr[:, 4]) * 1e-9
-        return pb.CollectiveColumns(
-            op=arr[:, 1].astype("<u1").tobytes(), pg=arr[:, 2].astype("<u2").tobytes(),
-            seq=arr[:, 3].astype("<i8").tobytes(), start=start.astype("<f8").tobytes(),
-            duration=duration.astype("<f8").tobytes(), nbytes=arr[:, 6].astype("<i8").tobytes())
-
-    def _step_columns(self, steps: list[tuple]) -> pb.StepColumns:
-        rec = self._rec
-        cols = pb.StepColumns()
-        for step, t0, t1, data, fwd, bwd, opt, tokens, flops, blocked in steps:
-            cols.step.append(step)
-            cols.start.append(rec.to_unix(t0))
-            cols.duration.append((t1 - t0) * 1e-9)
-            self._recent_steps.append((t1 - t0) * 1e-9)
-            cols.data.append(data * 1e-9)
-            cols.forward.append(fwd * 1e-9)
-            cols.backward.append(bwd * 1e-9)
-            cols.optimizer.append(opt * 1e-9)
-            cols.tokens.append(tokens)
-            cols.flops.append(flops)
-            cols.wait.append(blocked * 1e-9)
-        return cols
+        return self._batches.build(self._checkpoints, self._recoveries, lambda: self.dropped_total)
 
     # -- sender ---------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -412,26 +320,8 @@ class AgentClient:
         yield pb.ReportMessage(goodbye=pb.Goodbye())  # closed on purpose: not a death
 
 
-def _seq_of(pg: object) -> int:
-    try:
-        return int(pg._get_sequence_number_for_group()) if pg is not None else -1  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001
-        return -1
-
-
 def _records_in(batch: pb.Batch) -> int:
     return len(batch.collectives.op) + len(batch.steps.step)
-
-
-def _drain(dq: object, limit: int) -> list[tuple]:
-    out = []
-    pop = dq.popleft  # type: ignore[attr-defined]
-    try:
-        for _ in range(limit):
-            out.append(pop())
-    except IndexError:
-        pass
-    return out
 
 
 def _describe(exc: grpc.RpcError) -> str:

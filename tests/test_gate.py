@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from conftest import wait_for
-from rankwatch.agent.gate import Gate, StreamLimits, _Watchdog
+from rankwatch.agent.gate import Gate, StreamLimits
+from rankwatch.agent.watchdog import Watchdog
 from rankwatch.proto import pb
 
 TOKEN = "gate-test-token"
@@ -26,7 +27,7 @@ REQUEST_TIMEOUT = 0.5
 # -- the watchdog ---------------------------------------------------------------------
 
 def test_watchdog_runs_due_callbacks_and_skips_cancelled_ones():
-    dog = _Watchdog()
+    dog = Watchdog()
     ran: list[str] = []
     done = threading.Event()
     dog.after(0.2, lambda: ran.append("late"))
@@ -39,7 +40,7 @@ def test_watchdog_runs_due_callbacks_and_skips_cancelled_ones():
 
 def test_an_earlier_deadline_armed_later_still_runs_on_time():
     """The thread sleeps towards the head; a new, earlier head must wake it."""
-    dog = _Watchdog()
+    dog = Watchdog()
     dog.after(30.0, lambda: None)
     time.sleep(0.05)   # the thread now sleeps towards 30 s
     fired = threading.Event()
@@ -50,7 +51,7 @@ def test_an_earlier_deadline_armed_later_still_runs_on_time():
 
 
 def test_cancelled_deadlines_are_dropped():
-    dog = _Watchdog()
+    dog = Watchdog()
     for _ in range(1000):
         dog.cancel(dog.after(0.05, lambda: pytest.fail("a cancelled deadline ran")))
     deadline = time.monotonic() + 5
