@@ -114,18 +114,21 @@ def test_a_users_own_hsdp_loop_regroups_in_process(tmp_path):
 def test_a_spare_joins_in_process_and_the_world_grows_back(tmp_path):
     """n2 is SIGKILLed and n0, n1 regroup in process; then a spare, n3, starts: it joins the
     running round in process (no torchrun restarts anyone), takes its state from a live
-    replica (the job keeps no checkpoints), and the three train to the end together."""
+    replica (the job keeps no checkpoints), and the three train to the end together.  The job
+    has a token, so every value the workers and the handlers read from the recovery store is
+    sealed with it (tests/test_recovery_seal.py refuses forged ones)."""
     out = tmp_path / "metrics"
     steps = 400
     args = ("--steps", str(steps), "--log-every", "0", "--replicate", "3", "--in-process-recovery",
             "--step-sleep", "0.02", "--metrics-out", str(out))
+    token = {"RANKWATCH_TOKEN": "spare-join-token"}
     with Cluster(tmp_path, 4) as c:
-        jobs = [c.torchrun(i, "2:3", 1, *args, launcher="rankwatch") for i in range(3)]
+        jobs = [c.torchrun(i, "2:3", 1, *args, launcher="rankwatch", env=token) for i in range(3)]
         rs = wait_for(lambda: _training(c, 3, 3, 15), 180, what="3 nodes training")
         c.kill_node(2, jobs[2], [r["pid"] for r in rs if r["node"] == "n2"])
         wait_for(lambda: any(i["kind"] == "restart" and i["detail"].get("tier") == "in_process"
                              for i in c.coordinator.status()["incidents"]), 60, what="the survivors regrouped")
-        spare = c.torchrun(3, "2:3", 1, *args, launcher="rankwatch")
+        spare = c.torchrun(3, "2:3", 1, *args, launcher="rankwatch", env=token)
         for job in (jobs[0], jobs[1], spare):
             assert job.wait(300) == 0
         status = c.coordinator.status()

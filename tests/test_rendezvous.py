@@ -24,6 +24,7 @@ from rankwatch.hooks.recovery_store import (
     JOIN_ENV,
     ROUND_ENV,
     STORE_ENV,
+    Seal,
     mark_regrouped,
 )
 from rankwatch.hooks.rendezvous import create_handler
@@ -147,7 +148,7 @@ def test_a_waiting_spare_joins_in_process_when_the_workers_leave_an_excluded_nod
         # The survivors' workers say they left it out 2 s later (a hung node's peers wait for
         # its worker's death first): longer than the spare's view of the round is cached.
         time.sleep(2.0)
-        mark_regrouped(workers, prefix, "n1", 1)
+        mark_regrouped(workers, prefix, "n1", 1, Seal(None))
         t.join(30)
         assert joined, "the spare joined"
         assert joined[0].world_size == 1 and os.environ[JOIN_ENV] == "1", "its workers join in process"
@@ -190,7 +191,7 @@ def test_a_node_restarting_its_workers_rejoins_in_process_once_the_others_leave_
         t.join(2.5)
         assert t.is_alive(), "n1 waits while the others agree"
         assert a.num_nodes_waiting() == 0, "n1 did not enter the stock rendezvous"
-        mark_regrouped(workers, prefix, "n1", 1)
+        mark_regrouped(workers, prefix, "n1", 1, Seal(None))
         workers.add(prefix + DECIDED_COUNT, 1)
         t.join(30)
         assert joined and joined[0].world_size == 1 and os.environ[JOIN_ENV] == "1", "its workers join in process"
