@@ -27,7 +27,7 @@ import grpc
 from rankwatch.address import Address
 from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.agent.decisions import Decision
-from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay
+from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay, silence_allowance
 from rankwatch.agent.incidents import Incident
 from rankwatch.agent.recoveries import is_in_process
 from rankwatch.agent.relay import node_reply
@@ -129,6 +129,7 @@ class JobLink:
         self.busy_failures = 0
         """Syncs in a row that a busy coordinator did not answer (see ``load_policy.retry_delay``)."""
         self._busy = False
+        self._tried: list[Address | None] = []   # the candidates of the last sync
         self._applied: set[str] = set()   # ids of the decisions this node has acted on
         self._seq = 0
         self._warned: set[str] = set()
@@ -183,8 +184,24 @@ class JobLink:
             except Exception:  # noqa: BLE001 - the agent never dies of a sync bug
                 log.exception("sync with the coordinator failed")
             self.busy_failures = 0 if self.last_ok != last_ok or not self._busy else self.busy_failures + 1
-            if self._stop.wait(retry_delay(self.busy_failures, self.interval, random.random(), LoadConfig())):
+            if self._wait_next():
                 return
+
+    def _wait_next(self) -> bool:
+        """Wait until the next sync is due; True when stopped.  Backing off a busy coordinator,
+        a new one elected meanwhile is tried at the next interval, not after the backoff."""
+        cfg = LoadConfig()
+        allowance = silence_allowance(self.interval, self.agent.config.policy.node_timeout_seconds, cfg)
+        delay = retry_delay(self.busy_failures, self.interval, random.random(), cfg, allowance)
+        if delay <= self.interval:
+            return self._stop.wait(delay)
+        deadline = time.monotonic() + delay
+        while (left := deadline - time.monotonic()) > 0:
+            if self._stop.wait(min(left, self.interval)):
+                return True
+            if self.election is not None and self._candidates() != self._tried:
+                return False
+        return False
 
     def _candidates(self) -> list[Address | None]:
         """Where to sync, in order; None is this agent itself."""
@@ -208,7 +225,7 @@ class JobLink:
         summary = self.agent.summary(self._next_seq())
         relay = self.agent.relay
         group = relay.group(summary) if relay is not None and relay.pending() else None
-        candidates = self._candidates()
+        candidates = self._tried = self._candidates()
         if group is None and self.relay_addr is not None and not self.acting:
             if self._via_relay(self.relay_addr, summary):
                 return

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from rankwatch.knobs import require_positive
 
 __all__ = ["Load", "LoadConfig", "first_sync_delay", "interval_floor", "node_silent", "overload", "quiet_until",
-           "retry_delay", "sync_interval"]
+           "retry_delay", "silence_allowance", "sync_interval"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,13 +112,18 @@ def quiet_until(now: float, interval: float, node_timeout: float, cfg: LoadConfi
     return now + max(node_timeout, cfg.silent_intervals * interval)
 
 
+def silence_allowance(interval: float, node_timeout: float, cfg: LoadConfig) -> float:
+    """Seconds without a summary after which a node syncing every ``interval`` is silent."""
+    return max(node_timeout, cfg.silent_intervals * interval)
+
+
 def node_silent(now: float, received_at: float, interval: float, node_timeout: float,
                 quiet: float, cfg: LoadConfig, syncs: int | None = None) -> bool:
     """Whether a node whose last summary arrived at ``received_at`` has gone silent
     (``syncs``: how many of its summaries this coordinator heard; None: enough)."""
     if now < quiet or (syncs is not None and syncs < cfg.min_syncs):
         return False
-    return now - received_at > max(node_timeout, cfg.silent_intervals * interval)
+    return now - received_at > silence_allowance(interval, node_timeout, cfg)
 
 
 def first_sync_delay(u: float, coordinates: bool, cfg: LoadConfig) -> float:
@@ -133,22 +138,26 @@ def first_sync_delay(u: float, coordinates: bool, cfg: LoadConfig) -> float:
     return 0.0 if coordinates else max(0.0, min(1.0, u)) * cfg.first_sync_spread
 
 
-def retry_delay(busy_failures: int, interval: float, u: float, cfg: LoadConfig) -> float:
+def retry_delay(busy_failures: int, interval: float, u: float, cfg: LoadConfig, allowance: float) -> float:
     """Seconds before a node's next sync, after ``busy_failures`` syncs in a row that a busy
     coordinator did not answer (its deadline passed, refused for capacity, cancelled), for
-    ``u`` drawn uniformly from [0, 1).
+    ``u`` drawn uniformly from [0, 1), and ``allowance``: how long a coordinator waits to hear
+    from this node before it calls it silent (:func:`silence_allowance`).
 
-    None: the interval.  Then the interval doubles with each, up to ``max_backoff`` of them
-    and ``max_interval``, and the node waits a random point in the upper half of that: a
+    None: the interval.  Then the interval doubles with each, up to ``max_backoff`` of them,
+    ``max_interval`` and a third of the allowance, and the node waits a random point in the
+    upper half of that: a
     coordinator swamped by a big job's first syncs sheds its callers, spread out, instead of
-    hearing them all again a quarter second later.  (Its load rules meanwhile keep it from
-    calling any of them silent.)  A coordinator that is gone (its connection refused) is no
+    hearing them all again a quarter second later.  Its load rules keep it from calling any
+    of them silent while it is overloaded; the bound by the allowance keeps a node's silence
+    short of that call once it no longer is (a wait, then a sync that runs out its deadline,
+    then the next).  A coordinator that is gone (its connection refused) is no
     reason to wait: the node tries the next candidate at its interval, so a failover is not
     slowed.
     """
     if busy_failures <= 0:
         return interval
-    top = min(cfg.max_interval, interval * min(cfg.max_backoff, 2.0 ** min(busy_failures, 32)))
+    top = min(cfg.max_interval, allowance / 3, interval * min(cfg.max_backoff, 2.0 ** min(busy_failures, 32)))
     return max(interval, top * (0.5 + 0.5 * max(0.0, min(1.0, u))))
 
 

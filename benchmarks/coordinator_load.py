@@ -53,7 +53,8 @@ import grpc
 import psutil
 
 from rankwatch.agent.incidents import Incident, IncidentLog
-from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay
+from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay, silence_allowance
+from rankwatch.agent.policyconfig import PolicyConfig
 from rankwatch.agent.ports import free_port
 from rankwatch.agent.relay import Relay, RelayUnavailable
 from rankwatch.agent.state import WORK_WINDOW
@@ -156,7 +157,9 @@ async def _drive(node: SimNode, by_addr: dict[str, SimNode], stubs: list, end: f
     while time.time() < end:
         if not node.silent:
             await _sync_once(node, by_addr, stub, md, stats)
-        await asyncio.sleep(retry_delay(node.busy_failures, node.interval, random.random(), LoadConfig()))
+        cfg = LoadConfig()
+        allowance = silence_allowance(node.interval, PolicyConfig().node_timeout_seconds, cfg)
+        await asyncio.sleep(retry_delay(node.busy_failures, node.interval, random.random(), cfg, allowance))
 
 
 async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats: Stats) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rankwatch.agent.load_policy import (Load, LoadConfig, first_sync_delay, interval_floor, node_silent, overload, quiet_until,
-                                         retry_delay, sync_interval)
+                                         retry_delay, silence_allowance, sync_interval)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -176,16 +176,26 @@ def test_a_sync_answered_after_its_deadline_counts_as_overload(tmp_path):
 
 
 def test_a_node_backs_off_a_busy_coordinator_spread_out_and_bounded():
-    assert retry_delay(0, 0.25, 0.9, CFG) == 0.25          # answered (or gone): the interval
-    assert retry_delay(1, 0.25, 0.0, CFG) == 0.25          # the upper half of twice the interval
-    assert retry_delay(1, 0.25, 1.0, CFG) == pytest.approx(0.5)
-    assert retry_delay(3, 0.25, 1.0, CFG) == pytest.approx(2.0)
-    assert retry_delay(3, 0.25, 0.0, CFG) == pytest.approx(1.0)
-    # Bounded by max_backoff intervals and by max_interval, however long it lasts.
-    assert retry_delay(1000, 0.25, 1.0, CFG) == pytest.approx(0.25 * CFG.max_backoff)
-    assert retry_delay(1000, 1.0, 1.0, CFG) == pytest.approx(CFG.max_interval)
+    far = 100.0   # a coordinator that waits long before it calls a node silent
+
+    def delay(failures: int, interval: float, u: float, allowance: float = far) -> float:
+        return retry_delay(failures, interval, u, CFG, allowance)
+
+    assert delay(0, 0.25, 0.9) == 0.25          # answered (or gone): the interval
+    assert delay(1, 0.25, 0.0) == 0.25          # the upper half of twice the interval
+    assert delay(1, 0.25, 1.0) == pytest.approx(0.5)
+    assert delay(3, 0.25, 1.0) == pytest.approx(2.0)
+    assert delay(3, 0.25, 0.0) == pytest.approx(1.0)
+    # Bounded by max_backoff intervals and by max_interval, however long it lasts...
+    assert delay(1000, 0.25, 1.0) == pytest.approx(0.25 * CFG.max_backoff)
+    assert delay(1000, 1.0, 1.0) == pytest.approx(CFG.max_interval)
+    # ... and by a third of the time the coordinator gives a node before it calls it silent,
+    # so a node that backs off is heard again before that, busy or not.
+    allowance = silence_allowance(0.25, 3.0, CFG)
+    assert allowance == 3.0 and delay(1000, 0.25, 1.0, allowance) == pytest.approx(1.0)
+    assert silence_allowance(2.0, 3.0, CFG) == 6.0 and delay(1000, 2.0, 1.0, 6.0) == pytest.approx(2.0)
     # Spread: nodes that failed together do not come back together.
-    delays = {round(retry_delay(4, 0.25, u / 10, CFG), 3) for u in range(10)}
+    delays = {round(delay(4, 0.25, u / 10), 3) for u in range(10)}
     assert len(delays) == 10 and min(delays) >= 2.0 and max(delays) <= 4.0
 
 
