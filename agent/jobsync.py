@@ -47,7 +47,6 @@ _BUSY = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_E
 _INCIDENTS_SENT = 50
 _MAX_CHANNELS = 16   # open channels to coordinator candidates and relays
 _MAX_INTERVAL = LoadConfig.max_interval   # the slowest sync a coordinator may ask for
-_SILENT_INTERVALS = LoadConfig.silent_intervals   # the coordinator is gone after this many intervals
 
 
 class CommandHub:
@@ -167,7 +166,7 @@ class JobLink:
 
     def coordinated(self, now: float) -> bool:
         """True while another agent coordinates this node and answers."""
-        timeout = max(self.agent.config.policy.node_timeout_seconds, _SILENT_INTERVALS * self.interval)
+        timeout = silence_allowance(self.interval, self.agent.config.policy.node_timeout_seconds, LoadConfig())
         return not self.acting and now - self.last_ok < timeout
 
     # -- the loop ---------------------------------------------------------------

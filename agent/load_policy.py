@@ -109,7 +109,7 @@ def overload(load: Load, cfg: LoadConfig) -> str | None:
 
 def quiet_until(now: float, interval: float, node_timeout: float, cfg: LoadConfig) -> float:
     """After overload at ``now``: the time before which no node is called silent."""
-    return now + max(node_timeout, cfg.silent_intervals * interval)
+    return now + silence_allowance(interval, node_timeout, cfg)
 
 
 def silence_allowance(interval: float, node_timeout: float, cfg: LoadConfig) -> float:
