@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import secrets
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -75,6 +76,13 @@ class Seal:
         from rankwatch.credentials import job_token
 
         return cls(job_token(env))
+
+    @classmethod
+    def unusable(cls) -> Seal:
+        """A seal under a random key, for a process whose token file cannot be read: it opens
+        nothing the job sealed, and nothing it seals opens anywhere else.  (Falling back to
+        no token would open forged values.)"""
+        return cls(secrets.token_hex(32))
 
     @property
     def on(self) -> bool:

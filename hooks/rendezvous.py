@@ -23,10 +23,9 @@ elastic agent does every restart; rankwatch only decides *who* and *when*:
   was in the wait list when a round filled up there: every healthy node then
   sees a waiting node, restarts, and the same happens again, a restart storm;
   and the stranded node times out after ``join_timeout``.)
-* a node of a round whose workers recover in process, whose torchrun restarts its
-  workers because one of them failed, waits for the other nodes' workers to leave it
-  out in process, and sends its new workers to join them there (as a spare's), so no
-  other node restarts.
+* a round whose workers recover in process (:mod:`.rdzv_inprocess`) is not restarted for
+  a node they already left out, and a spare, or a node whose torchrun restarts its workers,
+  sends its workers to join that round in process, so no other node restarts.
 
 Exclusions and the generation live in the rendezvous store under
 ``rankwatch/<run_id>/``.  Only the coordinator's decisions are written: a
@@ -65,25 +64,9 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rankwatch.address import AGENT_ENV, EXIT_NOTE_ENV, NODE_ID_ENV, Address
+from rankwatch.hooks.rdzv_inprocess import IN_PROCESS_WAIT, InProcessRound
 from rankwatch.hooks.rdzv_relay import DecisionRelay
-from rankwatch.hooks.recovery_store import (
-    ATTEMPTS_COUNT,
-    CAPABLE_KEY,
-    DECIDED_COUNT,
-    JOIN_ENV,
-    JOINED_COUNT,
-    REGROUPED_COUNT,
-    REGROUPED_NODE,
-    RESTARTING_KEY,
-    ROUND_ENV,
-    STORE_ENV,
-    ForgedValue,
-    Seal,
-    admitted_key,
-    etcd_endpoint,
-    regrouped_key,
-    round_key,
-)
+from rankwatch.hooks.recovery_store import Seal
 
 __all__ = ["BACKEND", "ETCD_BACKEND", "ExcludingRendezvousHandler", "create_etcd_handler", "create_handler",
            "etcd_handler_factory", "handler_factory"]
@@ -97,10 +80,6 @@ EXCLUDED_PREFIX = "excluded/"
 EXCLUSION_PREFIX = "exclusion/"  # exclusion/<generation> -> the node that generation excluded
 MEMBER_PREFIX = "rankwatch/member/"  # in a round's own store: one key per member node
 _LEAVE_TIMEOUT = timedelta(seconds=10)
-# A round whose workers recover in process: how long an exclusion waits for them to leave the
-# excluded node out (its relay kills its workers at once, which breaks their collectives)
-# before the handler restarts the round through torchrun after all.
-_IN_PROCESS_WAIT = 5.0
 _SPARE_POLL = 0.5
 # A node whose torchrun restarts its workers (one of them failed) waits this long for the
 # round's other workers to begin leaving it out in process, before restarting the round.
@@ -160,24 +139,18 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._node = node
         self._joined_generation = 0
         self._round_store: Store | None = None
-        self._raw_store = store
         self._round_nodes = 0
-        self._checked_in = 0  # nodes left out in process that this handler has read
         self._deferred: dict[int, float] = {}  # generation -> when a restart for it was first held
-        self._round_prefix: str | None = None  # this round's keys in the raw store, as the workers see them
-        self._endpoint = _tcp_endpoint(store)
         self._excluded: str | None = None
         self._store_trouble_logged = float("-inf")
         self._relay = DecisionRelay(self, agent, relay_interval) if agent is not None else None
-        self._tried_join = False
-        self._joined_in_process: str | None = None  # the round's prefix, once joined in process
-        self._admitted_at: bytes | None = None  # when this node last joined in process: its workers' last admission
         try:
-            self._seal = Seal.from_env(os.environ)   # the workers' values are sealed with the job's token
+            seal = Seal.from_env(os.environ)   # the workers' values are sealed with the job's token
         except ValueError as exc:
             log.warning("rankwatch: %s: the workers' marks in the recovery store will not open here; this "
                         "node restarts its workers through torchrun instead", exc)
-            self._seal = Seal("\0unreadable token file")
+            seal = Seal.unusable()
+        self._round = InProcessRound(store, inner.get_run_id(), node, seal, self._current_round)
 
     # -- the store ------------------------------------------------------------------
     @property
@@ -227,9 +200,9 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             _write_exit_note(why)
             raise RendezvousGracefulExitError(why)
         generation = self.generation()  # read before joining: a later exclusion is checked
-        rejoin = self._round_prefix is not None   # this node's torchrun restarts its workers
+        rejoin = self._round.prefix is not None   # this node's torchrun restarts its workers
         while True:
-            joined = self._join_in_process()
+            joined = self._round.join()
             if joined is not None:
                 self._joined_generation = generation
                 return joined
@@ -237,8 +210,8 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                 continue  # the round lost a node in process: join it the same way
             if rejoin:
                 rejoin = False
-                if self._round_nodes > 1 and self._await_room(f"node {self._node} restarts its workers",
-                                                              unless_idle=_REJOIN_GRACE):
+                if self._round_nodes > 1 and self._round.await_room(f"node {self._node} restarts its workers",
+                                                                    unless_idle=_REJOIN_GRACE):
                     continue  # the others left this node out in process: join them there
             try:
                 info = self._inner.next_rendezvous()
@@ -251,132 +224,34 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._joined_generation = generation
         self._round_store = info.store  # this round's own (prefixed) store
         self._round_nodes = info.world_size
-        self._checked_in = 0
-        self._export_recovery_store()
         try:
             self._round_store.set(MEMBER_PREFIX + self._node, "1")
         except Exception as exc:  # noqa: BLE001 - without it every exclusion restarts this round
             log.warning("rankwatch: could not record this node in the round (%s)", exc)
             self._round_store = None
+        self._round.export(self._stock_round(), self._round_store, info.world_size)
         return info
 
-    def _export_recovery_store(self) -> None:
-        """Name the rendezvous store and this round to the round's workers (they inherit this
-        process's environment): their in-process recovery agrees there."""
-        try:
-            round_ = int(self._inner._state_holder.state.round)
-        except Exception:  # noqa: BLE001 - private API: the workers fall back to their own store
-            round_ = None
-        if self._endpoint is None or round_ is None:
-            self._round_prefix = None
-            os.environ.pop(STORE_ENV, None)
-            os.environ.pop(ROUND_ENV, None)
-            return
-        self._round_prefix = f"rankwatch/{self.get_run_id()}/{round_key(round_)}"
-        os.environ[STORE_ENV] = self._endpoint
-        os.environ[ROUND_ENV] = self._round_prefix
-        os.environ.pop(JOIN_ENV, None)
-
-    # -- joining a round in process -----------------------------------------------------
-    def _join_room(self) -> str | None:
-        """The current round's key prefix when this node can join it in process: its workers
-        recover in process, it lost more nodes that way than have joined since, and it is
-        not restarting.  None otherwise (and always after one try: a second call for the
-        next rendezvous means this node's workers could not join, so join the usual way)."""
-        prefix = self._in_process_round()
-        return prefix if prefix is not None and self._has_room(prefix) else None
-
-    def _has_room(self, prefix: str) -> bool:
-        """The round under ``prefix`` lost more nodes in process than have joined it since."""
-        raw = self._raw_store
-        try:
-            return int(raw.add(prefix + REGROUPED_COUNT, 0)) > int(raw.add(prefix + JOINED_COUNT, 0))
-        except Exception as exc:  # noqa: BLE001 - a store hiccup: join the usual way
-            log.debug("rankwatch: no in-process join: %s", exc)
-            return False
-
-    def _in_process_round(self) -> str | None:
-        """The current round's key prefix when a node could join it in process (its workers
-        recover in process and it is not restarting), before it has room; None otherwise."""
-        if (self._tried_join and not self._admitted_since()) or self._endpoint is None:
-            return None
+    def _state(self, sync: bool = True) -> Any:
+        """The stock handler's view of the rendezvous (private API), synced with the store."""
         inner = self._inner
-        try:
+        if sync:
             with inner._heartbeat_lock:
                 inner._state_holder.sync()
-            state = inner._state_holder.state
-            if not state.complete or state.closed:
-                return None
-            prefix = f"rankwatch/{self.get_run_id()}/{round_key(int(state.round))}"
-            raw = self._raw_store
-            if not raw.check([prefix + CAPABLE_KEY]) or raw.check([prefix + RESTARTING_KEY]):
-                return None
-        except Exception as exc:  # noqa: BLE001 - private API or a store hiccup: join the usual way
-            log.debug("rankwatch: no in-process join: %s", exc)
-            return None
-        return prefix
+        return inner._state_holder.state
 
-    def _join_in_process(self) -> RendezvousInfo | None:
-        """Send this node's workers to join the round's survivors in process (see
-        :mod:`rankwatch.hooks.recovery`); None: join through the rendezvous as usual.
-
-        The node does not enter the stock rendezvous, so no node restarts its workers for
-        it.  Its torchrun gets a round of its own (one node, a private store) to start the
-        workers in; they learn their place in the job from the survivors."""
-        prefix = self._join_room()
-        if prefix is None:
-            return None
-        raw = self._raw_store
-        if int(raw.add(prefix + JOINED_COUNT, 1)) > int(raw.add(prefix + REGROUPED_COUNT, 0)):
-            raw.add(prefix + JOINED_COUNT, -1)  # another node took the room meanwhile
-            return None
-        from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
-        from torch.distributed.elastic.utils.distributed import get_free_port
-
-        assert self._endpoint is not None
-        self._tried_join = True
-        self._joined_in_process = prefix
-        self._admitted_at = self._admission(prefix)
-        self._round_prefix = prefix
-        os.environ[STORE_ENV] = self._endpoint
-        os.environ[ROUND_ENV] = prefix
-        os.environ[JOIN_ENV] = "1"
-        own = PrefixStore(f"rankwatch/{self.get_run_id()}/joining/{self._node}/{time.time_ns()}/", raw)
-        log.warning("rankwatch: node %s joins the running round in process (it lost a node that way); "
-                    "no node restarts its workers for it", self._node)
-        return RendezvousInfo(own, 0, 1, RendezvousStoreInfo(socket.getfqdn(), get_free_port()))
-
-    def _opened(self, key: str) -> bytes | None:
-        """The workers' value at ``key``; None when there is none, or it is forged."""
-        if not self._raw_store.check([key]):
-            return None
+    def _stock_round(self) -> int | None:
+        """The stock rendezvous's round number, as this node last read it."""
         try:
-            return self._seal.open(key, self._raw_store.get(key))
-        except ForgedValue as exc:
-            log.warning("rankwatch: ignored: %s", exc)
+            return int(self._state(sync=False).round)
+        except Exception:  # noqa: BLE001 - private API: the workers fall back to their own store
             return None
 
-    def _admission(self, prefix: str) -> bytes | None:
-        return self._opened(prefix + admitted_key(self._node))
-
-    def _admitted_since(self) -> bool:
-        """This node's workers were admitted in process since it last sent them to join: the
-        node is a member of the round like any other, and when a worker of it dies, it joins
-        again the same way.  Otherwise a second call means its workers could not join: join
-        the usual way."""
-        prefix = self._joined_in_process
-        if prefix is None:
-            return False
-        try:
-            now = self._admission(prefix)
-        except Exception as exc:  # noqa: BLE001 - a store hiccup: join the usual way
-            log.debug("rankwatch: no second in-process join: %s", exc)
-            return False
-        return now is not None and now != self._admitted_at
-
-    def _regrouped(self, node: str) -> bool:
-        """The round's workers left ``node`` out themselves (an in-process recovery)."""
-        return self._round_prefix is not None and self._opened(self._round_prefix + regrouped_key(node)) is not None
+    def _current_round(self) -> int | None:
+        """The stock rendezvous's round number, synced with the store, when that round is
+        complete and open; None otherwise."""
+        state = self._state()
+        return int(state.round) if state.complete and not state.closed else None
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join, as torchrun's agent asks between its worker checks.
@@ -396,56 +271,23 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                             "on, asking again", type(exc).__name__, exc)
             return 0
 
-    def _check_in_regrouped(self) -> None:
-        """Stand in, at torchrun's exit barrier, for each node the workers left out in process.
-
-        torchrun's agents wait at the end of a round until every node of the round checked
-        in there (up to 300 s); a node whose workers were left out in process is gone and
-        never does.  One survivor checks in for it (whichever gets there first)."""
-        if self._round_prefix is None or self._round_store is None:
-            return
-        count = int(self._raw_store.add(self._round_prefix + REGROUPED_COUNT, 0))
-        if count <= self._checked_in:
-            return
-        from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
-        from torch.distributed.elastic.utils.store import _barrier_nonblocking
-
-        for i in range(self._checked_in + 1, count + 1):
-            key = f"{self._round_prefix}{REGROUPED_NODE}{i}"
-            if not self._raw_store.check([key]):
-                return  # being written: the next check reads it
-            self._checked_in = i
-            opened = self._opened(key)
-            if opened is None:
-                continue   # forged: no check-in for a node the workers did not leave out
-            node = opened.decode(errors="replace")[:256]
-            if self._round_store.add(f"rankwatch/exit_check_in/{node}", 1) == 1:
-                _barrier_nonblocking(self._round_store, self._round_nodes, _TERMINAL_STATE_SYNC_ID)
-                log.warning("rankwatch: node %s was left out in process; checked in for it at "
-                            "torchrun's exit barrier", node)
-
     def _num_nodes_waiting(self) -> int:
-        if self._joined_in_process is not None:
+        if self._round.joined is not None:
             # Not in the stock round: nobody waits on this node.  It restarts only to leave
             # (excluded) or with the round (torchrun restarts it to admit a node).
-            restarting = self._raw_store.check([self._joined_in_process + RESTARTING_KEY])
-            return 1 if self.excluded() is not None or restarting else 0
+            return 1 if self.excluded() is not None or self._round.restarting() else 0
         waiting = self._nodes_waiting()
-        if not waiting and self._round_prefix is not None and self.excluded() is None \
-                and self._raw_store.check([self._round_prefix + RESTARTING_KEY]):
+        if not waiting and self.excluded() is None and self._round.restarting():
             # Another node of the round restarts its workers (to admit a node): this one's
             # workers wait to be stopped rather than regroup without it, so restart with it.
             return 1
-        if waiting and self._round_prefix is not None and self.excluded() is None:
-            # Before torchrun stops this node's workers: the others' workers, whose collectives
-            # that breaks, must not take it for a lost node and regroup without this one.  (An
-            # excluded node's restart is its leaving: the others do regroup without it.)
-            key = self._round_prefix + RESTARTING_KEY
-            self._raw_store.set(key, self._seal.seal(key, self._node))
+        if waiting and self.excluded() is None:
+            # (An excluded node's restart is its leaving: the others do regroup without it.)
+            self._round.mark_restarting()
         return waiting
 
     def _nodes_waiting(self) -> int:
-        self._check_in_regrouped()
+        self._round.check_in_regrouped()
         if self.excluded() is not None or self._restart_needed():
             return max(1, self._inner.num_nodes_waiting())
         waiting = self._inner.num_nodes_waiting()  # syncs the state _job_full reads
@@ -458,10 +300,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         node is not among them)."""
         inner = self._inner
         try:
-            if sync:
-                with inner._heartbeat_lock:
-                    inner._state_holder.sync()
-            state = inner._state_holder.state
+            state = self._state(sync)
             return (state.complete and not state.closed
                     and len(state.participants) >= inner._settings.max_nodes
                     and not (spare and inner._this_node in state.participants))
@@ -477,46 +316,16 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         while self._job_full():
             if self.excluded() is not None:
                 return False  # next_rendezvous's caller refuses it on its next call
-            if self._join_room() is not None:
+            if self._round.room() is not None:
                 return True
             time.sleep(_SPARE_POLL)
         # A node left the round.  If its workers recover in process, the survivors are
         # leaving it out now (an excluded node may leave the rendezvous before they say so):
         # join them there rather than restart every node's workers through the rendezvous.
-        if self._await_room(f"hot spare {self._node} sees room"):
+        if self._round.await_room(f"hot spare {self._node} sees room"):
             return True
         log.warning("rankwatch: a round has room; hot spare %s joins", self._node)
         return False
-
-    def _await_room(self, why: str, unless_idle: float | None = None) -> bool:
-        """While the round's workers recover in process (and it is not restarting), wait up
-        to ``_IN_PROCESS_WAIT`` s for them to leave a node out, so that this node can join
-        them in process.  True: there is room.  With ``unless_idle``: stop waiting once that
-        many seconds passed with no agreement under way among the round's workers.
-
-        Two nodes wait here: a spare that saw a node leave, and a node of the round whose
-        torchrun restarts its workers after one of them failed (its surviving workers are
-        left out with it, and the ones it starts again join as a spare's would).  Without
-        the wait, either would enter the stock rendezvous, and every node would restart.
-        A round that gives up on recovering in process is marked restarting, which ends
-        the wait at once."""
-        start = time.monotonic()
-        while (prefix := self._in_process_round()) is not None and time.monotonic() - start < _IN_PROCESS_WAIT:
-            if self._has_room(prefix):
-                log.warning("rankwatch: %s; the round's workers left a node out in process", why)
-                return True
-            if unless_idle is not None and time.monotonic() - start >= unless_idle and not self._agreeing(prefix):
-                break
-            time.sleep(_SPARE_POLL / 5)
-        return False
-
-    def _agreeing(self, prefix: str) -> bool:
-        """The round's workers are agreeing on a new membership now."""
-        raw = self._raw_store
-        try:
-            return int(raw.add(prefix + ATTEMPTS_COUNT, 0)) > int(raw.add(prefix + DECIDED_COUNT, 0))
-        except Exception:  # noqa: BLE001 - a store hiccup: do not hold the restart for it
-            return False
 
     def _restart_needed(self) -> bool:
         """True when an exclusion since this node joined concerns a member of its round."""
@@ -527,7 +336,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             node = self._excluded_by(g)
             if node is None or self._round_store is None:
                 return True  # unknown: restart, as is always safe
-            if self._round_store.check([MEMBER_PREFIX + node]) and not self._regrouped(node):
+            if self._round_store.check([MEMBER_PREFIX + node]) and not self._round.regrouped(node):
                 if not self._awaiting_in_process(g):
                     return True
                 return False  # asked again at torchrun's next check
@@ -538,7 +347,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
 
     def in_process(self) -> bool:
         """This round's workers recover in process (they said so in the store)."""
-        return self._round_prefix is not None and self._raw_store.check([self._round_prefix + CAPABLE_KEY])
+        return self._round.capable()
 
     def _awaiting_in_process(self, generation: int) -> bool:
         """Hold the restart for ``generation``'s exclusion while the workers may still leave the
@@ -546,10 +355,10 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         if not self.in_process():
             return False
         first = self._deferred.setdefault(generation, time.monotonic())
-        if time.monotonic() - first < _IN_PROCESS_WAIT:
+        if time.monotonic() - first < IN_PROCESS_WAIT:
             return True
         log.warning("rankwatch: the workers did not leave the excluded node out in process within "
-                    "%.0f s; restarting the round", _IN_PROCESS_WAIT)
+                    "%.0f s; restarting the round", IN_PROCESS_WAIT)
         return False
 
     def _excluded_by(self, generation: int) -> str | None:
@@ -570,7 +379,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         if self._relay is not None:
             self._relay.stop()
-        if self._joined_in_process is not None:
+        if self._round.joined is not None:
             return True  # never in the stock round: closing it would close it for the others
         if self._excluded is not None:
             # Leave now (a torchrun that gives up on its workers, --max-restarts 0, never asks
@@ -605,15 +414,3 @@ def _write_exit_note(why: str) -> None:
     except OSError as exc:  # the refusal stands; only the wrapper's exit code depends on it
         log.warning("rankwatch: could not write the exit note %s (%s)", path, exc)
 
-
-def _tcp_endpoint(store: Store) -> str | None:
-    """Where the workers reach the rendezvous store: ``HOST:PORT`` of a TCPStore (the c10d
-    backend's), ``etcd://HOST:PORT/PREFIX`` of an EtcdStore (etcd-v2's), else None."""
-    from torch.distributed import TCPStore
-
-    if not isinstance(store, TCPStore):
-        return etcd_endpoint(store)
-    try:
-        return f"{store.host}:{store.port}"
-    except Exception:  # noqa: BLE001
-        return None

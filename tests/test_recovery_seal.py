@@ -103,3 +103,35 @@ def test_a_forged_restarting_mark_fails_the_decision_and_changes_no_membership(s
     late.join(10)
     assert not decision.ok and "not sealed" in decision.error and "evil" not in decision.error
     assert not result["d"].ok and result["d"].error == decision.error
+
+
+def test_an_unreadable_token_gives_a_seal_that_opens_nothing():
+    """A node whose token file cannot be read must not fall back to the open, tokenless seal
+    (which takes any value as it is): its seal opens neither the job's values nor bare ones,
+    and what it seals opens nowhere else."""
+    job, unusable = Seal("s3cret"), Seal.unusable()
+    assert unusable.on
+    for raw in (job.seal("k", "v"), b"v", Seal.unusable().seal("k", "v")):
+        with pytest.raises(ForgedValue):
+            unusable.open("k", raw)
+    with pytest.raises(ForgedValue):
+        job.open("k", unusable.seal("k", "v"))
+
+
+def test_the_handler_treats_a_forged_mark_as_absent_and_warns_once(store, caplog):
+    """The rendezvous handler's reader of its round's marks, asked again at every poll as
+    torchrun's agent asks, against a mark a writer without the token left."""
+    from rankwatch.hooks.rdzv_inprocess import InProcessRound
+    from rankwatch.hooks.recovery_store import mark_regrouped
+
+    mine = InProcessRound(store, "job", "n0", Seal("s3cret"), current_round=lambda: 1)
+    mine.export(1, None, 2)
+    prefix = mine.prefix
+    assert prefix == PREFIX
+    mark_regrouped(store, prefix, "n1", 1, Seal(None))   # the forger "left n1 out"
+    with caplog.at_level("DEBUG", logger="rankwatch.hooks.rdzv_inprocess"):
+        assert not any(mine.regrouped("n1") for _ in range(5))
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "not sealed" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    mark_regrouped(store, prefix, "n2", 1, Seal("s3cret"))   # the workers left n2 out
+    assert mine.regrouped("n2")
