@@ -1,4 +1,4 @@
-"""A node agent's links to the rest of the job: its coordinator and its ranks' command streams.
+"""A node agent's link to the rest of the job: its coordinator.
 
 ``JobLink`` sends the node's summary to the coordinator a few times a second
 and applies the reply: the coordinator's decisions (checkpoint at a step,
@@ -6,20 +6,14 @@ exclusions, restart generations) and the job incidents that concern this node.
 The coordinator is the first reachable agent of the ``--coordinator`` list
 (in node-rank order), so the death of the coordinator's node hands the role on.
 With no list, the agent coordinates its own node alone.
-
-``CommandHub`` holds each rank's command stream (``Commands`` RPC): a
-checkpoint decision is sent to every rank, and replayed to a rank that
-connects later while its step is still ahead.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -37,7 +31,7 @@ if TYPE_CHECKING:
     from rankwatch.agent.election import Election
     from rankwatch.agent.server import Agent
 
-__all__ = ["CommandHub", "JobLink", "forward_checkpoint"]
+__all__ = ["JobLink", "forward_checkpoint", "summary_incidents"]
 
 log = logging.getLogger(__name__)
 
@@ -47,59 +41,6 @@ _BUSY = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_E
 _INCIDENTS_SENT = 50
 _MAX_CHANNELS = 16   # open channels to coordinator candidates and relays
 _MAX_INTERVAL = LoadConfig.max_interval   # the slowest sync a coordinator may ask for
-
-
-class CommandHub:
-    """Per-rank command queues; checkpoint decisions fan out to every rank."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queues: dict[int, queue.Queue] = {}
-        self._checkpoints: dict[str, pb.Command] = {}
-
-    def publish_checkpoint(self, decision: Decision) -> None:
-        cmd = pb.Command(id=decision.id, checkpoint=pb.CheckpointCommand(
-            step=decision.step, reason=decision.reason))
-        with self._lock:
-            if decision.id in self._checkpoints:
-                return
-            self._checkpoints[decision.id] = cmd
-            targets = list(self._queues.values())
-        for q in targets:
-            q.put(cmd)
-
-    def done(self, command_id: str) -> None:
-        """A rank of this node saved for ``command_id``: ranks connecting later need not."""
-        with self._lock:
-            self._checkpoints.pop(command_id, None)
-
-    def stream(self, rank: int, context: grpc.ServicerContext,
-               current_step: Callable[[], int]) -> Iterator[pb.Command]:
-        """Yield commands for ``rank`` until its stream closes."""
-        q: queue.Queue = queue.Queue()
-        with self._lock:
-            old = self._queues.get(rank)
-            self._queues[rank] = q
-            backlog = list(self._checkpoints.values())
-        if old is not None:
-            old.put(None)  # a restarted rank replaces its old stream
-        step = current_step()
-        for cmd in backlog:
-            if cmd.checkpoint.step > step:
-                q.put(cmd)
-        try:
-            while context.is_active():
-                try:
-                    cmd = q.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                if cmd is None:
-                    return
-                yield cmd
-        finally:
-            with self._lock:
-                if self._queues.get(rank) is q:
-                    del self._queues[rank]
 
 
 class JobLink:

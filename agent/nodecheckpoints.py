@@ -15,7 +15,7 @@ from typing import Any
 from rankwatch.agent import bounds, checkpoint_policy
 from rankwatch.agent.decisions import DecisionLog
 from rankwatch.agent.incidents import IncidentLog
-from rankwatch.agent.jobsync import CommandHub
+from rankwatch.agent.commands import CommandHub
 from rankwatch.agent.state import RankState
 from rankwatch.agent.validate import clean_text
 from rankwatch.proto import pb

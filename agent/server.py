@@ -38,7 +38,8 @@ from rankwatch.agent.nodecheckpoints import NodeCheckpoints
 from rankwatch.agent.gpu import GpuCollector, GpuMonitor, RankDevice
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.export.jobmetrics import JobCollector
-from rankwatch.agent.jobsync import CommandHub, JobLink, forward_checkpoint
+from rankwatch.agent.commands import CommandHub
+from rankwatch.agent.jobsync import JobLink, forward_checkpoint
 from rankwatch.agent.export.metrics import NodeCollector
 from rankwatch.agent.election import Election, parse_endpoints
 from rankwatch.agent.recoveries import RecoveryLog

@@ -29,9 +29,8 @@ disk.  This tier keeps the survivors' processes and their state in memory:
 **Joining.**  A spare or returning node that the rendezvous handler sends to a round which
 lost nodes in process (``RANKWATCH_RECOVERY_JOIN``) does not make torchrun restart anyone:
 its workers first pay a fresh process's one-time imports, then ask to join in the store
-and wait.  The survivors' rank 0 sees the request
-(a background poll, off the training thread) and, at its next step boundary, leaves the
-step as a failure would; every survivor then agrees with the joiners in, and the joiners
+and wait.  The survivors' rank 0 sees the request (:mod:`recovery_joins`, off the training
+thread) and, at its next step boundary, leaves the step as a failure would; every survivor then agrees with the joiners in, and the joiners
 take their state from a live replica, point to point, not from disk.  The world grows back.
 
 Whatever cannot be done in process (a partial node, a broken replica, no replica whole at
@@ -55,19 +54,19 @@ Use from a training loop (the harness does the same)::
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import importlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from rankwatch.hooks import recovery_net as net
-from rankwatch.hooks.recovery_decide import JOINER_BASE, MAX_MESSAGE, Decision, Job, Membership, admissible, decide
+from rankwatch.hooks.recovery_decide import MAX_MESSAGE, Decision, Job, Membership, decide
+from rankwatch.hooks.recovery_commit import StepCommit
+from rankwatch.hooks.recovery_joins import JoinWatch
 from rankwatch.hooks.recovery_round import RESTARTING, JobFinished, RecoveryFailed, Round
 from rankwatch.hooks.recovery_state import local_state, restore, transfer
 from rankwatch.hooks.recovery_store import JOIN_ENV, connect
@@ -82,9 +81,6 @@ _PEER_FAILURE_MARKERS = (
     "Write error", "Timed out waiting", "NCCL communicator was aborted", "ProcessGroupNCCL is aborted",
     "Socket Timeout", "Connection refused",
 )
-_JOIN_POLL = 0.5
-"""Seconds between rank 0's looks for workers asking to join (a background thread)."""
-_POLLER_STOP_SECONDS = 5.0   # the longest a process's exit waits for the join poller's store call
 
 
 def _warm_up() -> None:
@@ -139,10 +135,7 @@ class InProcessRecovery:
                  total_steps: int | None = None, env: Mapping[str, str] = os.environ) -> None:
         self._make = make
         self._total_steps = total_steps
-        self._commit = commit
-        self._commit_flag: Any = None
-        self._in_commit_failed = False   # the last failure came inside a commit: gradients whole
-        self._committing = True          # off while a rank finishes a step the others committed
+        self._commit = StepCommit(backend) if commit else None
         self._backend = backend
         self._monitor = monitor
         self._settle = settle
@@ -151,6 +144,7 @@ class InProcessRecovery:
         self._join_timeout = join_timeout
         self._env = env
         self._round: Round | None = None
+        self._joins: JoinWatch | None = None   # with a store: rank 0's watch for joiners
         self._baseline: set[tuple] = set()
         self._excluded_endpoints: set[tuple[str, int]] = set()
         self.membership: Membership | None = None
@@ -159,12 +153,7 @@ class InProcessRecovery:
         joiner, the step the survivors admitted it at (its loop goes on from there)."""
         self._report: dict[str, Any] | None = None
         self._liveness: net.Liveness | None = None
-        self._replica_size = 0
-        self._join_due = threading.Event()
-        self._poll_stop = threading.Event()
         self._breaking = False
-        self._recovering = False
-        self._settled_joiners: set[int] = set()
 
     # -- the start ------------------------------------------------------------------
     def start(self) -> Job:
@@ -174,18 +163,19 @@ class InProcessRecovery:
 
         try:
             self._round = Round(*connect(self._env), self._env, self._settle)
+            self._joins = JoinWatch(self._round, self._env, self._total_steps)
             self._excluded_endpoints = net.store_endpoints(self._env)
         except Exception as exc:  # noqa: BLE001 - training goes on; only this tier is off
             if self._env.get(JOIN_ENV):
                 raise RecoveryFailed(f"a joining worker needs the recovery store: {exc}") from exc
             log.warning("rankwatch: in-process recovery is off: no recovery store (%s)", exc)
-            self._round = None
+            self._round = self._joins = None
         # Connections opened from here on are the process groups' (and the worker store's,
         # used only to create them): a failure shuts them.
         self._baseline = net.tcp_sockets()
-        if self._round is not None and self._env.get(JOIN_ENV):
+        if self._joins is not None and self._env.get(JOIN_ENV):
             job = self._join()
-            self._start_poller()
+            self._joins.start()
             return job
         if not dist.is_initialized():
             dist.init_process_group(self._backend, timeout=self._timeout)
@@ -195,9 +185,9 @@ class InProcessRecovery:
             self._liveness = net.Liveness()
             self._round.register(rank, world, self._liveness.address)
         job = self._build(self.membership)
-        self._replica_size = job.replica_size
-        if self._round is not None:
-            self._start_poller()
+        if self._joins is not None:
+            self._joins.follow(rank, job.replica_size)
+            self._joins.start()
         return job
 
     # -- the hot path ---------------------------------------------------------------
@@ -206,40 +196,20 @@ class InProcessRecovery:
         recovery and returns its phases; else None.  On rank 0, with workers waiting to
         join, leaves the step here so that every survivor admits them (see the module)."""
         phases = self._finish_report(step) if self._report is not None else None
-        if self._join_due.is_set() and (self._total_steps is None or step < self._total_steps):
-            self._break_for_join(step)
+        if self._joins is not None and self._joins.due(step):
+            log.warning("rankwatch: leaving the training after step %d to admit joining workers", step)
+            self._breaking = True
+            shut = self._leave_step()
+            log.debug("rankwatch: shut %d connection(s) to admit joiners", shut)
         return phases
 
     def _build(self, membership: Membership) -> Job:
         """``make(membership)``, with the commit before each optimizer step."""
         job = self._make(membership)
-        if not self._commit or self._round is None:   # without a store no recovery needs it
+        if self._commit is None or self._round is None:   # without a store no recovery needs it
             return job
-        register = getattr(job.optimizer, "register_step_pre_hook", None)
-        if callable(register):
-            register(self._agree_to_step)
-        else:
-            log.warning("rankwatch: %s has no step pre-hooks: a worker lost mid-step may leave the "
-                        "survivors' shards steps apart (then torchrun's restart recovers)",
-                        type(job.optimizer).__name__)
+        self._commit.attach(job.optimizer)
         return job
-
-    def _agree_to_step(self, *_: Any) -> None:
-        """Every rank reached the optimizer step (the gradients are whole), or this raises
-        on every survivor, before any applies it."""
-        import torch
-        import torch.distributed as dist
-
-        if not self._committing:
-            return
-        if self._commit_flag is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" else "cpu"
-            self._commit_flag = torch.zeros(1, device=device)
-        try:
-            dist.all_reduce(self._commit_flag)
-        except BaseException:
-            self._in_commit_failed = True   # if another rank passed it, this one finishes the step
-            raise
 
     # -- a failure ------------------------------------------------------------------
     def recover(self, exc: BaseException, job: Job, completed: int) -> tuple[Job, int]:
@@ -250,14 +220,9 @@ class InProcessRecovery:
         torchrun restarts it).
         """
         breaking, self._breaking = self._breaking, False
-        self._recovering = True
-        try:
-            # Not a hang while it lasts: the agent gives a recovery its own, longer allowance.
-            with self._activity("recovery"):
-                return self._recover(exc, job, completed, breaking)
-        finally:
-            self._recovering = False
-            self._join_due.clear()  # a request seen meanwhile is this recovery's, or the next look's
+        # Not a hang while it lasts: the agent gives a recovery its own, longer allowance.
+        with self._activity("recovery"), self._joins.paused() if self._joins else contextlib.nullcontext():
+            return self._recover(exc, job, completed, breaking)
 
     def _recover(self, exc: BaseException, job: Job, completed: int, breaking: bool) -> tuple[Job, int]:
         if not breaking and not is_peer_failure(exc):
@@ -266,27 +231,27 @@ class InProcessRecovery:
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         shut = 0 if breaking else self._leave_step()
-        ready, self._in_commit_failed = self._in_commit_failed and not breaking, False
+        ready = self._commit is not None and self._commit.failed_inside() and not breaking
         assert self.membership is not None
         old = self.membership
         log.warning("rankwatch: rank %d: a collective failed at step %d (%s); shut %d connection(s) of "
                     "the failed groups; recovering in process", old.rank, completed + 1,
                     "admitting joiners" if breaking else str(exc).splitlines()[0][:MAX_MESSAGE], shut)
         try:
-            if self._round is None:
+            if self._round is None or self._joins is None:
                 raise RecoveryFailed("no recovery store")
             if old.generation >= self._max:
                 raise RecoveryFailed(f"{self._max} in-process recoveries already; leaving it to torchrun")
             shards = local_state(job)
             net.destroy_groups()
             phases["left_step"] = time.perf_counter() - t0
-            decision = self._round.agree(old, completed, job.replica_size, ready, self._settled_joiners)
+            decision = self._round.agree(old, completed, job.replica_size, ready, self._joins.settled)
             phases["agreed"] = time.perf_counter() - t0
             if not decision.ok:
                 raise RecoveryFailed(decision.error)
             me = old.members[old.rank]
-            if me in decision.finish:
-                shards = self._finish_step(job, completed)
+            if me in decision.finish and self._commit is not None:
+                shards = self._commit.finish_step(job, completed)
             if me not in decision.members:
                 if self._round.node in decision.dropped_nodes:
                     raise RecoveryFailed(f"node {self._round.node} lost a worker and is left out whole; "
@@ -317,8 +282,8 @@ class InProcessRecovery:
                 raise
             raise RecoveryFailed(error) from failure
         self.membership = new
-        self._replica_size = job.replica_size
-        self._settled_joiners |= {r for r in decision.members if r >= JOINER_BASE} | set(decision.refused)
+        self._joins.follow(new.rank, job.replica_size)
+        self._joins.settle(decision)
         self._report = {"caught": caught, "t0": t0, "step": decision.step, "old": old, "phases": phases}
         joined = [r for r in decision.members if r not in old.members]
         log.warning("rankwatch: recovered in process: rank %d -> %d of %d, without node(s) %s%s, from step %d "
@@ -340,7 +305,7 @@ class InProcessRecovery:
     def _join(self) -> Job:
         """Ask to join the round's survivors; wait until they admit this worker at a step
         boundary; build the job and take its state from a live replica."""
-        assert self._round is not None
+        assert self._round is not None and self._joins is not None
         _warm_up()   # before asking: the survivors pause from the moment they admit this worker
         self._liveness = net.Liveness()
         local_rank = int(self._env.get("LOCAL_RANK", "0"))
@@ -355,8 +320,8 @@ class InProcessRecovery:
         job = self._build(new)
         transfer(job, decision, new.rank, None)
         self.completed = decision.step
-        self._replica_size = job.replica_size
-        self._settled_joiners |= {r for r in decision.members if r >= JOINER_BASE} | set(decision.refused)
+        self._joins.follow(new.rank, job.replica_size)
+        self._joins.settle(decision)
         self._round.mark_admitted(gen)
         log.warning("rankwatch: joined in process as rank %d of %d at step %d", new.rank, new.world_size,
                     decision.step)
@@ -368,82 +333,8 @@ class InProcessRecovery:
         workers still asking to join that the job finished, so they exit cleanly (each gets
         :class:`JobFinished`) instead of waiting out ``join_timeout`` and failing their node.
         Never raises: the job's end does not depend on it."""
-        self._poll_stop.set()
-        if self._round is None or self.membership is None or self.membership.rank != 0:
-            return
-        try:
-            told = self._round.tell_finished(step, self._settled_joiners)
-            if told:
-                log.warning("rankwatch: the job finished at step %d; %d worker(s) asking to join "
-                            "were told to exit", step, told)
-        except Exception as exc:  # noqa: BLE001 - a joiner then times out, as without this call
-            log.warning("rankwatch: could not tell joining workers the job finished: %s", exc)
-
-    def _start_poller(self) -> None:
-        thread = threading.Thread(target=self._poll_joins, name="rankwatch-join-poll", daemon=True)
-        thread.start()
-        # Stopped before the interpreter finalises: a daemon thread still inside a store call
-        # then would be ended by pthread_exit in the middle of C++ code, which aborts the
-        # process ("terminate called without an active exception") after training ended.
-        atexit.register(self._stop_poller, thread)
-
-    def _stop_poller(self, thread: threading.Thread) -> None:
-        self._poll_stop.set()
-        thread.join(_POLLER_STOP_SECONDS)
-
-    def _poll_joins(self) -> None:
-        """Rank 0's background look for whole nodes asking to join (its own store client)."""
-        store = None
-        while not self._poll_stop.wait(_JOIN_POLL):
-            m = self.membership
-            if (m is None or m.rank != 0 or self._join_due.is_set() or self._recovering
-                    or self._replica_size <= 0):
-                continue
-            try:
-                if store is None:
-                    store, _ = connect(self._env)
-                assert self._round is not None
-                admitted, refused, _ = admissible(self._round.waiting_joiners(store, self._settled_joiners),
-                                                  self._replica_size)
-            except Exception as exc:  # noqa: BLE001 - a store hiccup: connect again at the next look
-                log.debug("rankwatch: looking for join requests: %s", exc)
-                store = None
-                continue
-            if admitted or refused:
-                log.warning("rankwatch: %d worker(s) ask to join; admitting them at the next step boundary",
-                            len(admitted) + len(refused))
-                self._join_due.set()
-
-    def _break_for_join(self, step: int) -> None:
-        """Leave the step on purpose (rank 0 only): every survivor's next collective fails,
-        and the recovery that follows admits the joiners."""
-        self._join_due.clear()
-        if self.membership is None or self.membership.rank != 0 or self._round is None:
-            return
-        try:  # the look was the poller's; make sure they still wait (a recovery may have let them in)
-            admitted, refused, _ = admissible(self._round.waiting_joiners(self._round.store, self._settled_joiners),
-                                              self._replica_size)
-        except Exception as exc:  # noqa: BLE001 - a store hiccup: the poller looks again
-            log.debug("rankwatch: checking join requests: %s", exc)
-            return
-        if not admitted and not refused:
-            return
-        log.warning("rankwatch: leaving the training after step %d to admit joining workers", step)
-        self._breaking = True
-        shut = self._leave_step()
-        log.debug("rankwatch: shut %d connection(s) to admit joiners", shut)
-
-    # -- agreement --------------------------------------------------------------------
-    def _finish_step(self, job: Job, completed: int) -> dict[str, Any]:
-        """Apply step ``completed + 1``, whose commit the others passed (this rank's gradients
-        for it are whole), and return the shards after it."""
-        log.warning("rankwatch: the others committed step %d; this rank applies it too", completed + 1)
-        self._committing = False
-        try:
-            job.optimizer.step()
-        finally:
-            self._committing = True
-        return local_state(job)
+        if self._joins is not None:
+            self._joins.finish(step)
 
     # -- parts ----------------------------------------------------------------------
     def _init_group(self, new: Membership) -> None:

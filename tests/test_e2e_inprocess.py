@@ -85,7 +85,8 @@ def test_a_users_own_hsdp_loop_regroups_in_process(tmp_path):
     """tests/data/user_hsdp_recovery.py, a user's loop written as the README shows it (its own
     model, mesh, HSDP and DataLoader): three nodes of two ranks, one replica per node.  n1 is
     SIGKILLed whole; n0's and n2's workers train on in their processes to the last step, and
-    the two replicas left stay equal."""
+    the two replicas left stay equal.  The job has a token: the user's loop recovers through
+    sealed values as the harness does."""
     from pathlib import Path
 
     out = tmp_path / "out"
@@ -93,7 +94,7 @@ def test_a_users_own_hsdp_loop_regroups_in_process(tmp_path):
     script = str(Path(__file__).parent / "data" / "user_hsdp_recovery.py")
     with Cluster(tmp_path, 3) as c:
         jobs = [c.torchrun(i, "2:3", 2, "--steps", str(steps), "--out", str(out), launcher="rankwatch",
-                           script=script)
+                           script=script, env={"RANKWATCH_TOKEN": "user-loop-token"})
                 for i in range(3)]
         before = _kill_and_finish(c, jobs, victim=1, nodes=3, ranks=6)
         status = c.coordinator.status()

@@ -66,15 +66,23 @@ def test_a_joiner_that_asks_after_the_end_exits_at_once(store):
     assert "joiner warmed: True" in out, out
 
 
-def test_no_joiner_is_let_in_after_the_last_step():
+def test_no_joiner_is_let_in_after_the_last_step(store):
     # After the last step the survivors' next collectives are the job's own end (a save, a
     # barrier): leaving "the step" there for a joiner would break them.  The request stays
-    # pending for finish() to answer.
-    from rankwatch.hooks.recovery import InProcessRecovery
+    # pending for finish() to answer.  Rank 0's real watch, its background look included.
+    from conftest import wait_for
 
-    tier = InProcessRecovery(lambda m: None, total_steps=5)
-    tier._join_due.set()   # as rank 0's poller leaves it when a worker asks to join
-    assert tier.stepped(5) is None
-    assert tier._join_due.is_set() and not tier._breaking
-    tier.stepped(4)        # before the last step the join is taken (here: nothing to break)
-    assert not tier._join_due.is_set()
+    from rankwatch.hooks.recovery_joins import JoinWatch
+    from rankwatch.hooks.recovery_round import Round
+
+    env = _env(store, RANKWATCH_NODE_ID="n0")
+    watch = JoinWatch(Round(store, "job/round/1/", env, settle=1.0), env, total_steps=5)
+    watch.follow(rank=0, replica_size=1)
+    watch.start()
+    Round(store, "job/round/1/", {**env, "RANKWATCH_NODE_ID": "n9"}, settle=1.0).ask_to_join("127.0.0.1:1", 0, 1)
+    wait_for(lambda: watch._due.is_set(), 10, what="rank 0's look saw the request")
+    assert not watch.due(5), "a joiner let in after the last step"
+    assert watch._due.is_set(), "the request stays pending"
+    assert watch.due(4), "before the last step the survivors leave the step to admit it"
+    assert not watch._due.is_set()
+    watch.finish(5)
