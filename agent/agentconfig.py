@@ -7,7 +7,7 @@ from pathlib import Path
 from rankwatch.address import Address
 from rankwatch.agent.coordinator import PolicyConfig
 from rankwatch.agent.election import parse_endpoints
-from rankwatch.agent.gate import StreamLimits
+from rankwatch.agent.streamlimits import StreamLimits
 from rankwatch.agent.gpu import GpuConfig
 from rankwatch.agent.hang import HangConfig
 from rankwatch.agent.rankexit import ExitConfig

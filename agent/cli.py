@@ -28,7 +28,7 @@ from rankwatch.agent.cli_args import build_parser
 
 if TYPE_CHECKING:
     from rankwatch.agent.straggler import StragglerConfig
-    from rankwatch.agent.gate import StreamLimits
+    from rankwatch.agent.streamlimits import StreamLimits
     from rankwatch.agent.tls import TlsConfig
 
 __all__ = ["main"]
@@ -112,7 +112,7 @@ def _tls_config(args: argparse.Namespace) -> TlsConfig | None:
 
 
 def _stream_limits(args: argparse.Namespace) -> StreamLimits:
-    from rankwatch.agent.gate import StreamLimits
+    from rankwatch.agent.streamlimits import StreamLimits
 
     knobs = {"total": args.max_streams, "per_peer": args.max_streams_per_peer,
              "reserve": args.control_reserve, "waiting_per_peer": args.max_waiting_per_peer}

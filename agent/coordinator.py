@@ -8,7 +8,7 @@ the number of nodes, not with the number of records.  The coordinator
 * runs the hang detector over every rank of the job, so a culprit on another
   node is named correctly (a node alone only sees its own ranks waiting);
 * runs the straggler detector across nodes;
-* calls a node dead when its ranks died or its agent went silent;
+* calls a node dead when its ranks died or its agent went silent (:mod:`.node_death`);
 * decides (the policy): exclude a dead node, a hung culprit's node or a node
   with a fatal GPU fault, and bump the restart generation, unless that would
   take the job below its minimum node count; checkpoint requests name the step
@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from rankwatch.agent import checkpoint_policy
+from rankwatch.agent import checkpoint_policy, node_death
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hangend import hang_end, steps_at
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
@@ -314,19 +314,14 @@ class Coordinator:
             for name, n in self.nodes.items():
                 if name in self.excluded or name in self.dead:
                     continue
-                ranks = n.summary.ranks
-                silent = self.view.silent(n, now)
-                all_died = bool(ranks) and all(not r.connected and not r.exited_cleanly and not r.alive
-                                               for r in ranks)
-                if not all_died:
-                    n.ranks_dead_since = None
-                elif n.ranks_dead_since is None:
-                    n.ranks_dead_since = now
-                crashed = (all_died and n.ranks_dead_since is not None
-                           and now - n.ranks_dead_since >= self.policy.crashed_grace_seconds)
+                # (any() stops at the first live node: cheap at thousands of nodes)
                 others_live = any(not self.view.silent(m, now) for k, m in self.nodes.items() if k != name)
-                if crashed or (silent and others_live):
-                    dead.append((name, "its agent went silent" if silent else "all its ranks died"))
+                why, n.ranks_dead_since = node_death.judge(
+                    now, silent=self.view.silent(n, now), others_live=others_live,
+                    ranks_died=node_death.all_ranks_died(n.summary.ranks), died_since=n.ranks_dead_since,
+                    grace=self.policy.crashed_grace_seconds)
+                if why is not None:
+                    dead.append((name, why))
             for name, _ in dead:
                 self.dead.add(name)
         for name, why in dead:

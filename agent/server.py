@@ -3,29 +3,27 @@
 An :class:`Agent` owns the node's state (:class:`NodeState`), its detectors
 (:class:`NodeWatch`), its link to the job (:class:`JobLink`, and the
 :class:`Coordinator` it runs when it is the coordinator), its logs, and its
-servers: gRPC (Unix socket, optional TCP; the RPCs are :mod:`.servicer`'s, what
-they show :mod:`.views`') and HTTP /metrics (the collectors of :mod:`.export`).
+servers (:mod:`.listeners`): gRPC (Unix socket, optional TCP; the RPCs are
+:mod:`.servicer`'s, what they show :mod:`.views`') and HTTP /metrics (the collectors
+of :mod:`.export`).
 It decides nothing itself: each decision lives in the module named for it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
-from concurrent import futures
 from datetime import timedelta
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from rankwatch.agent.export import otel
 from rankwatch.address import Address
 from rankwatch.agent.gate import Gate
 from rankwatch.agent.identity import RankStreams
-from rankwatch.peercred import CredListener, PeerCred
+from rankwatch.agent.listeners import Listeners
 from rankwatch.agent.coordinator import Coordinator
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.export.host import HostCollector
@@ -54,9 +52,6 @@ from rankwatch.status import status_dict
 __all__ = ["Agent", "AgentConfig"]
 
 log = logging.getLogger(__name__)
-
-_MAX_MESSAGE = 16 << 20
-_MAX_RPCS = 512
 
 
 class Agent:
@@ -98,13 +93,10 @@ class Agent:
                              Rejected("unauthenticated", f"{method} from {peer}")))
         self.registry.register(self.gate)
         self.rank_streams = RankStreams()
-        self._creds: list[CredListener] = []
-        self._grpc: grpc.Server | None = None
-        self._http: Any = None
-        self.metrics_port: int | None = None
-        self.tcp_ports: list[int] = []
+        self.servers = Listeners(config)
+        self.peer_cred = self.servers.peer_cred
+        """Who presented a nonce on a credentials socket (the servicer's Hello asks)."""
         self._stopped = threading.Event()
-        self._owns_sockets = False
         self._otel: otel.OtelExport | None = None
         self._snapshots = Snapshots(config.state_dir, lambda: status_dict(views.status_response(self)),
                                     lambda: self.incidents.run_id)
@@ -112,13 +104,10 @@ class Agent:
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
         # /metrics first: once gRPC answers, Status must report the metrics port.
-        if self.config.metrics_port is not None:
-            self._http, _ = start_http_server(self.config.metrics_port, self.config.metrics_addr,
-                                              registry=self.registry)
-            self.metrics_port = self._http.server_port
+        self.servers.serve_metrics(self.registry)
         self._otel = otel.install(self)
         try:
-            self._start_grpc()
+            self.servers.serve_grpc(Servicer(self).handlers(), self.gate)
             me = self.advertised()
             if me and (self.config.coordinators or self.config.election is not None):
                 self.relay = Relay(me, cfg=self.config.relay)   # a node of a job of several can relay
@@ -136,69 +125,20 @@ class Agent:
         log.info("agent %s serving gRPC on %s, /metrics on port %s", self.config.node_id,
                  ", ".join(map(str, self.config.listen)), self.metrics_port)
 
-    def _start_grpc(self) -> None:
-        server = grpc.server(
-            # Streams never take more than limits.total threads: the rest serve control calls.
-            futures.ThreadPoolExecutor(max_workers=self.gate.limits.threads,
-                                       thread_name_prefix="rankwatch-grpc"),
-            interceptors=(self.gate,),
-            maximum_concurrent_rpcs=_MAX_RPCS,
-            options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
-                     ("grpc.max_send_message_length", _MAX_MESSAGE),
-                     ("grpc.so_reuseport", 0)])
-        server.add_generic_rpc_handlers((Servicer(self).handlers(),))
-        # Sockets are made 0600 from the start (chmod below only confirms it): no moment with
-        # the process's default mode (the agent's threads create no other files meanwhile).
-        for addr in self.config.listen:
-            if addr.is_unix:
-                _prepare_socket_path(addr.path)  # type: ignore[arg-type]
-        umask = os.umask(0o177)
-        try:
-            self._bind(server)
-        finally:
-            os.umask(umask)
-        for addr in self.config.listen:
-            if addr.is_unix:
-                os.chmod(addr.path, 0o600)  # type: ignore[arg-type]
-                self._creds.append(CredListener(addr.path))  # type: ignore[arg-type]
-                self._creds[-1].start()
-        self._grpc = server
-        self._owns_sockets = True
-
-    def _bind(self, server: grpc.Server) -> None:
-        for addr in self.config.listen:
-            if addr.is_unix:
-                server.add_insecure_port(addr.grpc_target())
-            elif self.config.tls is not None:
-                self.tcp_ports.append(server.add_secure_port(addr.grpc_target(),
-                                                             self.config.tls.server_credentials()))
-            else:
-                self.tcp_ports.append(server.add_insecure_port(addr.grpc_target()))
-        server.start()
+    @property
+    def metrics_port(self) -> int | None:
+        """The port /metrics serves on (None: not served)."""
+        return self.servers.metrics_port
 
     def advertised(self) -> str:
         """This agent's address for the other agents ('' if it serves no TCP address)."""
-        if self.config.advertise is not None:
-            return self.config.advertise
-        tcp = next((a for a in self.config.listen if not a.is_unix), None)
-        if tcp is None or not self.tcp_ports:
-            return ""
-        host = tcp.host if tcp.host not in ("0.0.0.0", "::", "") else socket.getfqdn()
-        return f"{host}:{self.tcp_ports[0]}"
+        return self.servers.advertised()
 
     def _election(self, endpoints: str) -> Election:
         """Campaign for the job's coordinator key under this agent's TCP address."""
         election = Election(parse_endpoints(endpoints), self.config.job_id, self.advertised())
         self.decision_log.sink = election.decisions.append
         return election
-
-    def peer_cred(self, nonce: bytes) -> PeerCred | None:
-        """Who presented ``nonce`` on a credentials socket (rankwatch/peercred.py)."""
-        for listener in self._creds:
-            cred = listener.take(nonce)
-            if cred is not None:
-                return cred
-        return None
 
     def stop(self, grace: timedelta = timedelta(seconds=1)) -> None:
         self._stopped.set()
@@ -207,23 +147,10 @@ class Agent:
         if self._detector is not None:
             self._detector.join(2)
             self._snapshots.write()  # the last view, for status and diagnose once the agent is gone
-        if self._grpc is not None:
-            self._grpc.stop(grace.total_seconds()).wait()
-            self._grpc = None
-        for listener in self._creds:
-            listener.stop()
-        self._creds.clear()
+        self.servers.stop_grpc(grace)
         if self._otel is not None:
             self._otel.shutdown()
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
-        if self._owns_sockets:
-            for addr in self.config.listen:
-                if addr.is_unix and os.path.exists(addr.path):  # type: ignore[arg-type]
-                    os.unlink(addr.path)  # type: ignore[arg-type]
-            self._owns_sockets = False
+        self.servers.stop()
         self._stopped.set()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -364,23 +291,3 @@ class Agent:
     def _rank_pids(self) -> dict[int, int]:
         return {r.rank: r.pid for r in self.state.snapshot() if r.connected}
 
-
-def _prepare_socket_path(path: str) -> None:
-    """Make the socket's directory (0700 if we create it) and clear a stale socket.
-
-    Raises:
-        RuntimeError: another agent is listening on ``path``.
-    """
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        os.makedirs(parent, mode=0o700, exist_ok=True)
-    if os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # nobody home: a crashed agent's leftover
-        else:
-            raise RuntimeError(f"an agent is already listening on {path}")
-        finally:
-            probe.close()

@@ -57,7 +57,7 @@ from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_dela
 from rankwatch.agent.policyconfig import PolicyConfig
 from rankwatch.agent.ports import free_port
 from rankwatch.agent.relay import Relay, RelayUnavailable
-from rankwatch.agent.state import WORK_WINDOW
+from rankwatch.agent.rankrecord import WORK_WINDOW
 from rankwatch.agent.statedir import read_decisions
 from rankwatch.proto import pb, pb_grpc
 
