@@ -28,7 +28,7 @@ elastic agent does every restart; rankwatch only decides *who* and *when*:
   sends its workers to join that round in process, so no other node restarts.
 
 Exclusions and the generation live in the rendezvous store under
-``rankwatch/<run_id>/``.  Only the coordinator's decisions are written: a
+``rankwatch/<run_id>/`` (:mod:`.rdzv_exclusions`).  Only the coordinator's decisions are written: a
 relay thread in each node's torchrun (:mod:`.rdzv_relay`) polls its local
 agent, and the one whose agent is the coordinator writes them.  The relay also
 SIGKILLs this node's workers once the node is excluded, because torchrun waits
@@ -54,7 +54,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed import PrefixStore, Store
+from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousGracefulExitError,
     RendezvousHandler,
@@ -64,6 +64,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rankwatch.address import AGENT_ENV, EXIT_NOTE_ENV, NODE_ID_ENV, Address
+from rankwatch.hooks.rdzv_exclusions import Exclusions
 from rankwatch.hooks.rdzv_inprocess import IN_PROCESS_WAIT, InProcessRound
 from rankwatch.hooks.rdzv_relay import DecisionRelay
 from rankwatch.hooks.recovery_store import Seal
@@ -75,9 +76,6 @@ log = logging.getLogger(__name__)
 
 BACKEND = "rankwatch"
 ETCD_BACKEND = "rankwatch-etcd"
-GENERATION_KEY = "generation"
-EXCLUDED_PREFIX = "excluded/"
-EXCLUSION_PREFIX = "exclusion/"  # exclusion/<generation> -> the node that generation excluded
 MEMBER_PREFIX = "rankwatch/member/"  # in a round's own store: one key per member node
 _LEAVE_TIMEOUT = timedelta(seconds=10)
 _SPARE_POLL = 0.5
@@ -135,13 +133,12 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                  relay_interval: float = 0.25, backend: str = BACKEND) -> None:
         self._inner = inner
         self._backend = backend  # the name torchrun asked for: rankwatch or rankwatch-etcd
-        self._store = PrefixStore(f"rankwatch/{inner.get_run_id()}/", store)
+        self._exclusions = Exclusions(store, inner.get_run_id(), node)
         self._node = node
         self._joined_generation = 0
         self._round_store: Store | None = None
         self._round_nodes = 0
         self._deferred: dict[int, float] = {}  # generation -> when a restart for it was first held
-        self._excluded: str | None = None
         self._store_trouble_logged = float("-inf")
         self._relay = DecisionRelay(self, agent, relay_interval) if agent is not None else None
         try:
@@ -159,28 +156,15 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         return self._node
 
     def generation(self) -> int:
-        return int(self._store.add(GENERATION_KEY, 0))  # add(0) reads without blocking
+        return self._exclusions.generation()
 
     def excluded(self) -> str | None:
-        if self._excluded is None:
-            key = EXCLUDED_PREFIX + self._node
-            if self._store.check([key]):
-                self._excluded = self._store.get(key).decode(errors="replace") or "excluded"
-        return self._excluded
+        """Why this node is excluded; None while it is not."""
+        return self._exclusions.excluded()
 
     def write_decision(self, decision: dict[str, Any]) -> None:
         """Apply a coordinator decision to the store (idempotent)."""
-        if decision["kind"] != "exclude":
-            return
-        key = EXCLUDED_PREFIX + decision["node"]
-        if not self._store.check([key]):
-            self._store.set(key, decision["reason"] or "excluded")
-        self._store.set(f"{EXCLUSION_PREFIX}{decision['generation']}", decision["node"])
-        current = self.generation()
-        if decision["generation"] > current:
-            self._store.add(GENERATION_KEY, decision["generation"] - current)
-        log.warning("rankwatch: wrote %s (node %s, generation %d) to the rendezvous store",
-                    decision["id"], decision["node"], decision["generation"])
+        self._exclusions.write(decision)
 
     # -- RendezvousHandler ----------------------------------------------------------
     def get_backend(self) -> str:
@@ -333,7 +317,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         if current <= self._joined_generation:
             return False
         for g in range(self._joined_generation + 1, current + 1):
-            node = self._excluded_by(g)
+            node = self._exclusions.node_of(g)
             if node is None or self._round_store is None:
                 return True  # unknown: restart, as is always safe
             if self._round_store.check([MEMBER_PREFIX + node]) and not self._round.regrouped(node):
@@ -361,12 +345,6 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                     "%.0f s; restarting the round", IN_PROCESS_WAIT)
         return False
 
-    def _excluded_by(self, generation: int) -> str | None:
-        key = f"{EXCLUSION_PREFIX}{generation}"
-        if not self._store.check([key]):
-            return None
-        return self._store.get(key).decode(errors="replace")
-
     def is_closed(self) -> bool:
         return self._inner.is_closed()
 
@@ -381,7 +359,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             self._relay.stop()
         if self._round.joined is not None:
             return True  # never in the stock round: closing it would close it for the others
-        if self._excluded is not None:
+        if self._exclusions.reason is not None:
             # Leave now (a torchrun that gives up on its workers, --max-restarts 0, never asks
             # for the next round, where an excluded node leaves), so that a spare finds room
             # without waiting for this node's keep-alive to expire; and do not close the
