@@ -108,10 +108,7 @@ class Coordinator:
     # -- intake ---------------------------------------------------------------
     def sync(self, summary: pb.NodeSummary) -> pb.SyncReply:
         """Take one node's summary; reply with every decision and the node's job incidents."""
-        self.view.take(summary, self.clock())
-        if summary.run_id:
-            self.incidents.run_id = self.log.run_id = summary.run_id
-        self._adopt(summary)
+        self._take(summary, self.clock())
         reply = pb.SyncReply(coordinator=self.node_id, sync_interval_seconds=self.load.reply_interval(),
                              relay=self.relays.get(summary.node_id, ""))
         reply.decisions.extend(self._decisions_pb())
@@ -137,21 +134,16 @@ class Coordinator:
         reply = pb.GroupReply(coordinator=self.node_id, sync_interval_seconds=self.load.reply_interval())
         names = set()
         for summary, held in zip(group.nodes, group.held_seconds):
-            held = min(max(held, 0.0), _MAX_HELD) if held == held else _MAX_HELD
             try:
-                self.view.take(summary, now - held)
+                self._take(summary, now - _held(held))
             except ValueError as exc:
                 reply.refused.append(summary.node_id[:256])
                 refused(exc)
                 continue
             names.add(summary.node_id)
-            if summary.run_id:
-                self.incidents.run_id = self.log.run_id = summary.run_id
-            self._adopt(summary)
         for beat in group.beats:
-            held = min(max(beat.held_seconds, 0.0), _MAX_HELD) if beat.held_seconds == beat.held_seconds else _MAX_HELD
             try:
-                self.view.beat(beat, now - held)
+                self.view.beat(beat, now - _held(beat.held_seconds))
             except ValueError as exc:   # the relay sends this node whole next time
                 reply.refused.append(beat.node_id[:256])
                 refused(exc)
@@ -163,6 +155,13 @@ class Coordinator:
         for name in names:
             reply.relays[name] = relays.get(name, "")
         return reply
+
+    def _take(self, summary: pb.NodeSummary, at: float) -> None:
+        """One node's summary, as of ``at`` on this clock (raises ValueError if refused)."""
+        self.view.take(summary, at)
+        if summary.run_id:
+            self.incidents.run_id = self.log.run_id = summary.run_id
+        self._adopt(summary)
 
     def _decisions_pb(self) -> list[pb.Decision]:
         """Every decision, encoded once (the log only grows)."""
@@ -360,3 +359,8 @@ class Coordinator:
         for node in checkpoint_policy.evictions_due({n: step for n, (step, _) in self._evictions.items()}, saved):
             _, reason = self._evictions.pop(node)
             self.exclude(node, reason)
+
+
+def _held(seconds: float) -> float:
+    """A relay's word for how long it held a summary: within [0, _MAX_HELD]; NaN as the most."""
+    return min(max(seconds, 0.0), _MAX_HELD) if seconds == seconds else _MAX_HELD

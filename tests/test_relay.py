@@ -220,6 +220,18 @@ def test_the_coordinator_takes_a_group_and_refuses_a_bad_summary_alone():
     assert c.sync(pb.NodeSummary(node_id="n2", seq=6, sent_at=clock.t)).relay == "h1:1"
 
 
+def test_a_relays_held_time_is_bounded():
+    """A relay's word for how long it held each summary moves the node's arrival back, within
+    [0, 10] s: a negative time cannot put it in the future, and a huge or NaN one cannot make
+    a live node look silent for longer than that."""
+    clock = Clock()
+    clock.t = 1000.0
+    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(), clock=clock)
+    held = [-5.0, 1e12, float("nan"), 2.5]
+    c.sync_group(pb.GroupSummary(nodes=[_summary(f"n{i}") for i in range(1, 5)], held_seconds=held))
+    assert [c.nodes[f"n{i}"].received_at for i in range(1, 5)] == [1000.0, 990.0, 990.0, 997.5]
+
+
 # -- real agents ----------------------------------------------------------------------
 
 def _relayed(agent: AgentProcess) -> float:
