@@ -73,7 +73,7 @@ def test_a_coordinator_that_takes_over_continues_the_decision_log(job, monkeypat
         for d in fetch_status(n3.config.listen[0])["decisions"]:
             handler.write_decision(d)
             assert handler.generation() == d["generation"]
-        assert handler._excluded_by(2) == "n2"
+        assert handler._exclusions.node_of(2) == "n2"
     finally:
         handler.shutdown()
 
