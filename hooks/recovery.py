@@ -30,8 +30,9 @@ disk.  This tier keeps the survivors' processes and their state in memory:
 lost nodes in process (``RANKWATCH_RECOVERY_JOIN``) does not make torchrun restart anyone:
 its workers first pay a fresh process's one-time imports, then ask to join in the store
 and wait.  The survivors' rank 0 sees the request (:mod:`recovery_joins`, off the training
-thread) and, at its next step boundary, leaves the step as a failure would; every survivor then agrees with the joiners in, and the joiners
-take their state from a live replica, point to point, not from disk.  The world grows back.
+thread) and, at its next step boundary, leaves the step as a failure would; every survivor
+then agrees with the joiners in, and the joiners take their state from a live replica,
+point to point, not from disk.  The world grows back.
 
 Whatever cannot be done in process (a partial node, a broken replica, no replica whole at
 one step) fails the attempt on every survivor: :class:`RecoveryFailed` is raised, the
