@@ -25,7 +25,11 @@ on, and follows the coordinator's replies exactly as ``JobLink`` does: a node se
 a relay hands its summary to that relay, and a relay holding summaries sends them on
 in one ``SyncGroup`` call.  The relays are the agent's own ``Relay`` objects, run in
 this process (on a cluster each runs on its own node; here 32 relay processes would
-only share the same two cores).
+only share the same two cores).  ``--relay-process``: node 0 is a real ``rankwatch
+agent`` process instead (no ranks of its own), started first so that the coordinator
+puts it at the head of the first group; the nodes the coordinator sends to it sync
+with it over gRPC, as ``JobLink`` does, and their calls' latency is what a node sees
+through a relay (``Sync via a relay process``).
 
 Reported: node syncs done (direct or through a relay; asked for at 4 Hz), latency
 p50/p99 of the calls the coordinator served (``Sync`` and ``SyncGroup`` apart),
@@ -47,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -66,6 +71,7 @@ STEP = 0.1       # simulated seconds per step
 RPC_TIMEOUT = 1.0
 TOKEN = "load-test-token"
 BACKOFF = True   # --no-backoff: retry at the interval after a busy failure (as before load_policy.retry_delay)
+VIA_PROCESS = "Sync via a relay process"
 
 
 def _incidents(state: Path) -> list[Incident]:
@@ -134,7 +140,8 @@ class Stats:
     """What the nodes saw: latencies of the coordinator's calls by kind, failures, syncs done."""
 
     def __init__(self) -> None:
-        self.lat: dict[str, list[tuple[float, float]]] = {"Sync": [], "SyncGroup": []}
+        self.lat: dict[str, list[tuple[float, float]]] = {"Sync": [], "SyncGroup": [], VIA_PROCESS: []}
+        self.behind_process: set[str] = set()   # nodes that synced through the relay process
         self.fails: dict[str, int] = {}
         self.failed_at: list[float] = []
         self.done = 0         # node summaries the coordinator took, directly or in a group
@@ -149,21 +156,24 @@ class Stats:
         node.busy_failures = node.busy_failures + 1 if busy and BACKOFF else 0
 
 
-async def _drive(node: SimNode, by_addr: dict[str, SimNode], stubs: list, end: float, stats: Stats) -> None:
+async def _drive(node: SimNode, by_addr: dict[str, SimNode], stubs: list, end: float, stats: Stats,
+                 process: tuple[str, object] | None) -> None:
     # The first sync comes when a node agent's would (JobLink: spread over the first seconds).
     await asyncio.sleep(first_sync_delay(random.random(), False, LoadConfig()))
     md = (("authorization", f"Bearer {TOKEN}"),)
     stub = stubs[node.index % len(stubs)]
     while time.time() < end:
         if not node.silent:
-            await _sync_once(node, by_addr, stub, md, stats)
+            await _sync_once(node, by_addr, stub, md, stats, process)
         cfg = LoadConfig()
         allowance = silence_allowance(node.interval, PolicyConfig().node_timeout_seconds, cfg)
         await asyncio.sleep(retry_delay(node.busy_failures, node.interval, random.random(), cfg, allowance))
 
 
-async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats: Stats) -> None:
-    """One sync, as ``JobLink.sync_once``: as a relay, through a relay, or directly."""
+async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats: Stats,
+                     process: tuple[str, object] | None) -> None:
+    """One sync, as ``JobLink.sync_once``: as a relay, through a relay, or directly.
+    ``process``: (address, stub) of the relay agent process, if one runs."""
     summary = node.summary(time.time())
     if node.relay.pending():
         group = node.relay.group(summary)
@@ -191,6 +201,21 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
             return
         except RelayUnavailable:
             node.relay_addr = ""   # to the coordinator, at once
+    if process is not None and node.relay_addr == process[0]:
+        t_sent, t0 = time.time(), time.perf_counter()
+        try:
+            reply = await process[1].Sync(summary, timeout=RPC_TIMEOUT, metadata=md)  # type: ignore[attr-defined]
+        except grpc.aio.AioRpcError as exc:
+            stats.failed(exc, node)
+            node.relay_addr = ""   # the relay failed: the coordinator, at once (as JobLink)
+        else:
+            stats.lat[VIA_PROCESS].append((t_sent, time.perf_counter() - t0))
+            stats.behind_process.add(node.name)
+            node.busy_failures = 0
+            stats.done += 1   # handed on: the relay process's own SyncGroup calls carry it
+            stats.relayed += 1
+            node.apply(reply.sync_interval_seconds, reply.relay)
+            return
     t_sent, t0 = time.time(), time.perf_counter()
     try:
         reply = await stub.Sync(summary, timeout=RPC_TIMEOUT, metadata=md)
@@ -215,6 +240,32 @@ def _start_coordinator(tmp: Path, port: int, relay_args: list[str]) -> subproces
         stdout=open(tmp / "coord.log", "w"), stderr=subprocess.STDOUT)
 
 
+def _start_relay(tmp: Path, port: int, relay_port: int, metrics_port: int) -> subprocess.Popen:
+    """Node 0's agent as a real process: it syncs with the coordinator and relays on TCP."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--node-id", "sim00000",
+         "--listen", f"127.0.0.1:{relay_port}", "--listen", f"unix:{tmp / 'relay.sock'}",
+         "--coordinator", f"127.0.0.1:{port}", "--metrics-port", str(metrics_port),
+         "--state-dir", str(tmp / "relay-state"), "--gpu-source", "none"],
+        env={**os.environ, "RANKWATCH_TOKEN": TOKEN},
+        stdout=open(tmp / "relay.log", "w"), stderr=subprocess.STDOUT)
+
+
+def _coordinator_knows(sock: Path, node: str) -> bool:
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--json", "--agent",
+                          f"unix:{sock}"], capture_output=True, timeout=30)
+    return out.returncode == 0 and node in json.loads(out.stdout).get("nodes", {})
+
+
+def _relayed_by(metrics_port: int) -> float:
+    """The summaries the relay process sent on (its ``rankwatch_relayed_summaries_total``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("rankwatch_relayed_summaries_total"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def _wait_serving(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -229,7 +280,8 @@ def _wait_serving(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> N
     raise TimeoutError("coordinator did not start")
 
 
-async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Process) -> dict:
+async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Process,
+               relay: tuple[str, psutil.Process] | None = None) -> dict:
     born = time.time() - 30.0
     nodes = [SimNode(i, args.ranks, slow=i == args.slow, born=born) for i in range(args.nodes)]
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}",
@@ -237,12 +289,19 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
                 for _ in range(args.channels)]
     stubs = [pb_grpc.AgentStub(ch) for ch in channels]
     by_addr = {n.address: n for n in nodes}
+    process = None
+    if relay is not None:   # node 0 is the relay process: its own agent syncs it
+        channels.append(grpc.aio.insecure_channel(relay[0]))
+        process = (relay[0], pb_grpc.AgentStub(channels[-1]))
+        nodes[0].silent = True
+        relay_cpu0 = sum(relay[1].cpu_times()[:2])
     stats = Stats()
     start = time.time()
     end = start + args.seconds
     me = psutil.Process()
     cpu0, me0 = proc.cpu_times(), me.cpu_times()
-    tasks = [asyncio.create_task(_drive(n, by_addr, stubs, end, stats)) for n in nodes]
+    tasks = [asyncio.create_task(_drive(n, by_addr, stubs, end, stats, process))
+             for n in nodes if relay is None or n.index != 0]
     fault = {}
     fault_at = start + args.fault_at
     named = silenced = None
@@ -293,6 +352,10 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         latency[kind] = {"calls": len(every), "p50_ms": _ms(every, 0.5), "p99_ms": _ms(every, 0.99),
                          "steady_p50_ms": _ms(late, 0.5), "steady_p99_ms": _ms(late, 0.99)}
     expected = {nodes[i].name for i in (args.silence, args.stall) if i is not None}
+    via = None
+    if relay is not None:
+        via = {"nodes_behind_it": len(stats.behind_process),
+               "cores": round((sum(relay[1].cpu_times()[:2]) - relay_cpu0) / wall, 2)}
     excluded = [d["node"] for d in _exclusions(state)]
     flagged = sorted({i.node for i in _incidents(state) if i.kind == "straggler"})
     fails, failed_at = stats.fails, stats.failed_at
@@ -313,6 +376,7 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         "final_interval_s": round(max(n.interval for n in nodes), 2),
         "hang_named": named, "silent_excluded_after_s": silenced,
         "straggler_nodes_flagged": flagged,
+        "relay_process": via,
     }
 
 
@@ -339,15 +403,32 @@ def run(args: argparse.Namespace) -> dict:
         relay_args = ([] if args.relay_group is None else ["--relay-group", str(args.relay_group)]) + (
             [] if args.relay_min_nodes is None else ["--relay-min-nodes", str(args.relay_min_nodes)])
         coord = _start_coordinator(tmp, port, relay_args)
+        relay = None
         try:
             _wait_serving(port, coord)
-            result = asyncio.run(_run(args, port, tmp / "state", psutil.Process(coord.pid)))
+            if args.relay_process:
+                relay_port, metrics_port = free_port(), free_port()
+                relay = _start_relay(tmp, port, relay_port, metrics_port)
+                _wait_serving(relay_port, relay)
+                deadline = time.time() + 30
+                while not _coordinator_knows(tmp / "coord.sock", "sim00000"):   # heard: it heads a group
+                    if time.time() > deadline:
+                        raise TimeoutError("the coordinator never heard the relay process")
+                    time.sleep(0.2)
+            result = asyncio.run(_run(args, port, tmp / "state", psutil.Process(coord.pid),
+                                      None if relay is None else (f"127.0.0.1:{relay_port}",
+                                                                  psutil.Process(relay.pid))))
+            if relay is not None:
+                result["relay_process"]["sent_on"] = _relayed_by(metrics_port)
             # The default (summarised past 1,024 ranks) and the full view.
             result["status_json_seconds"], result["status_json_bytes"] = status_seconds(tmp / "coord.sock")
             result["status_all_ranks_seconds"], result["status_all_ranks_bytes"] = status_seconds(
                 tmp / "coord.sock", "--all-ranks")
             return result
         finally:
+            if relay is not None:
+                relay.terminate()
+                relay.wait(10)
             coord.terminate()
             try:
                 coord.wait(10)
@@ -370,6 +451,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pause", type=float, default=0.0, help="SIGSTOP the coordinator this long")
     p.add_argument("--relay-group", type=int, help="the coordinator's --relay-group (0: no relays)")
     p.add_argument("--relay-min-nodes", type=int, help="the coordinator's --relay-min-nodes")
+    p.add_argument("--relay-process", action="store_true",
+                   help="node 0 is a real agent process, relaying for the nodes the coordinator sends to it")
     p.add_argument("--no-backoff", action="store_true",
                    help="nodes retry a sync a busy coordinator did not answer at their interval")
     return p

@@ -90,6 +90,19 @@ def test_64_nodes_behind_relays_a_silent_one_is_excluded_and_no_healthy_one():
 
 
 @pytest.mark.e2e
+def test_nodes_behind_a_real_relay_process_are_answered_and_their_summaries_sent_on():
+    """Node 0 is a real agent process: the nodes of its group sync with it over gRPC, and
+    it hands every summary it took on to the coordinator in its own group calls."""
+    r = _load_args(relay_process=True, **_RELAYS)
+    via, lat = r["relay_process"], r["latency"]["Sync via a relay process"]
+    assert r["failed"] == 0 and r["healthy_excluded"] == [], r
+    assert via["nodes_behind_it"] == _RELAYS["relay_group"] - 1, via   # the first group, behind it
+    assert lat["calls"] > 0.8 * 15 * 4 * 6, lat   # every node of it at ~4 Hz after the start
+    assert via["sent_on"] >= 0.95 * lat["calls"], (via, lat)
+    assert lat["steady_p99_ms"] < 250, lat
+
+
+@pytest.mark.e2e
 def test_64_nodes_behind_relays_the_slow_node_is_flagged():
     """Windows of nodes behind different relays, sent whole at different times, still line up."""
     r = _load_args(slow=9, seconds=20.0, **_RELAYS)
