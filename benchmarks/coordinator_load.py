@@ -356,7 +356,8 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
     if relay is not None:
         via = {"nodes_behind_it": len(stats.behind_process),
                "cores": round((sum(relay[1].cpu_times()[:2]) - relay_cpu0) / wall, 2)}
-    excluded = [d["node"] for d in _exclusions(state)]
+    # (the simulated nodes stop syncing at the end: exclusions after it are theirs to have)
+    excluded = [d["node"] for d in _exclusions(state) if d["decided_at"] <= end]
     flagged = sorted({i.node for i in _incidents(state) if i.kind == "straggler"})
     fails, failed_at = stats.fails, stats.failed_at
     return {
