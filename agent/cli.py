@@ -80,7 +80,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                              election=args.election, job_id=args.job_id, advertise=args.advertise,
                              tls=tls, streams=streams, rank_grace=args.rank_grace,
                              status_max_ranks=args.status_max_ranks,
-                             relay=RelayConfig(group_size=args.relay_group, min_nodes=args.relay_min_nodes))
+                             relay=RelayConfig(group_size=args.relay_group, min_nodes=args.relay_min_nodes,
+                                               whole_every_intervals=args.relay_whole_every_intervals))
     except ValueError as exc:
         print(f"rankwatch agent: {exc}", file=sys.stderr)
         return 2

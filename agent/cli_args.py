@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: every node syncs with the coordinator; the coordinator's setting)")
     a.add_argument("--relay-min-nodes", type=int, default=128, metavar="N",
                    help="relays only in a job of at least N nodes (default 128)")
+    a.add_argument("--relay-whole-every-intervals", type=float, default=4.0, metavar="K",
+                   help="as a relay, send each node's summary whole at least every 2 s, or every K "
+                        "sync intervals when the coordinator asks for slower syncs (default 4; 0: "
+                        "every 2 s however slow)")
     a.add_argument("--status-max-ranks", type=int, default=DEFAULT_MAX_RANKS, metavar="N",
                    help=f"the most ranks a status answer lists unless asked for all: a bigger job's "
                         f"view lists the ranks not ok first (default {DEFAULT_MAX_RANKS})")

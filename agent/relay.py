@@ -105,7 +105,8 @@ class Relay:
                 raise RelayUnavailable(f"this relay holds {held_bytes} bytes of summaries already")
             self._bytes = held_bytes + size
             # A whole summary not sent yet stays whole (the newer one in its place).
-            whole = (held is not None and held[2]) or send_whole(now, sig, steps, self._whole.get(node), self.cfg)
+            whole = (held is not None and held[2]) or send_whole(now, sig, steps, self._whole.get(node), self.cfg,
+                                                                 reply.sync_interval_seconds)
             self._pending[node] = (summary, now, whole, sig, progress, steps, size)
             incidents = self._incidents.get(summary.node_id, ())
         return node_reply(reply, incidents, reply.relays.get(summary.node_id, self.address))

@@ -28,12 +28,15 @@ What a relay sends on for each node (:func:`send_whole`, pure): the whole summar
 anything the coordinator acts on at once changed since the last one it sent whole (a
 rank came, went, died, stopped or changed state; a collective has been in flight for
 over ``long_wait_seconds``; a new incident or decision), and at least every
-``whole_every_seconds`` or ``whole_every_steps`` completed steps, whichever comes
-first (the straggler detector lines the ranks' own-work windows up by step, and
+``whole_every_seconds`` (stretched to ``whole_every_intervals`` sync intervals when the
+coordinator asks for slower syncs) or ``whole_every_steps`` completed steps, whichever
+comes first (the straggler detector lines the ranks' own-work windows up by step, and
 nodes a whole window apart would leave it nothing to compare); otherwise a beat: the node was heard, and its ranks' latest
 progress.  A healthy job's summaries then cost the coordinator a beat seven times in
 eight at 4 Hz, and a hang, whose ranks wait in a collective, is sent whole within about a
-second of its start: well inside the hang allowance.
+second of its start: well inside the hang allowance.  The stretch matters under
+backpressure: with a fixed 2 s, every summary would go whole once the coordinator asks
+for syncs 2 s apart or more, and beats would stop saving it work just when it is busiest.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class RelayConfig:
     whole_every_steps: int = 16
     """... or every this many steps its ranks completed: a quarter of the 64-step own-work
     window a node sends, so the coordinator's copies of two nodes always share 48 steps."""
+    whole_every_intervals: float = 4.0
+    """... stretched to this many of the sync intervals the coordinator asks for, when that is
+    longer than ``whole_every_seconds`` (0: never stretched)."""
     long_wait_seconds: float = 1.0
     """A collective in flight this long makes a node's summary go whole at once."""
 
@@ -72,9 +78,9 @@ class RelayConfig:
         if self.group_size < 0 or self.group_size == 1 or self.min_nodes < 2:
             raise ValueError("RelayConfig needs group_size 0 (off) or >= 2, and min_nodes >= 2")
         if (not self.every_seconds > 0 or not self.whole_every_seconds >= 0 or not self.long_wait_seconds > 0
-                or self.whole_every_steps < 1):
+                or self.whole_every_steps < 1 or not 0 <= self.whole_every_intervals <= 64):
             raise ValueError("RelayConfig needs every_seconds > 0, whole_every_seconds >= 0, "
-                             "whole_every_steps >= 1, long_wait_seconds > 0")
+                             "whole_every_steps >= 1, long_wait_seconds > 0, 0 <= whole_every_intervals <= 64")
 
 
 def assign(nodes: Iterable[tuple[str, str, bool]], cfg: RelayConfig,
@@ -151,14 +157,16 @@ def signature(s: pb.NodeSummary, cfg: RelayConfig) -> tuple[Signature, float, in
 
 
 def send_whole(now: float, sig: Signature, steps: int, last: tuple[float, Signature, int] | None,
-               cfg: RelayConfig) -> bool:
+               cfg: RelayConfig, interval: float = 0.0) -> bool:
     """Whether a relay sends a node's summary whole (else a beat).
 
     ``last``: (when, signature, steps) of the last summary it sent whole for the node
-    (None: none yet, or the coordinator asked for one).
+    (None: none yet, or the coordinator asked for one).  ``interval``: the sync interval
+    the coordinator last asked for (seconds).
     """
     if last is None:
         return True
     at, last_sig, last_steps = last
-    return (now - at >= cfg.whole_every_seconds or sig != last_sig
+    every = max(cfg.whole_every_seconds, cfg.whole_every_intervals * min(max(interval, 0.0), 60.0))
+    return (now - at >= every or sig != last_sig
             or not 0 <= steps - last_steps < cfg.whole_every_steps)

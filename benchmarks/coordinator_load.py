@@ -62,12 +62,13 @@ from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_dela
 from rankwatch.agent.policyconfig import PolicyConfig
 from rankwatch.agent.ports import free_port
 from rankwatch.agent.relay import Relay, RelayUnavailable
+from rankwatch.agent.relay_policy import RelayConfig
 from rankwatch.agent.rankrecord import WORK_WINDOW
 from rankwatch.agent.statedir import read_decisions
 from rankwatch.proto import pb, pb_grpc
 
 WINDOW = WORK_WINDOW   # own-work window per rank, as the node agent sends it (64 steps)
-STEP = 0.1       # simulated seconds per step
+STEP = 0.1       # simulated seconds per step (--step-seconds)
 RPC_TIMEOUT = 1.0
 TOKEN = "load-test-token"
 BACKOFF = True   # --no-backoff: retry at the interval after a busy failure (as before load_policy.retry_delay)
@@ -87,11 +88,11 @@ def _exclusions(state: Path) -> list[dict]:
 class SimNode:
     """One node's agent: 8 ranks that step every ``STEP`` seconds until a fault."""
 
-    def __init__(self, index: int, ranks: int, slow: bool, born: float) -> None:
+    def __init__(self, index: int, ranks: int, slow: bool, born: float, relay_cfg: RelayConfig) -> None:
         self.name = f"sim{index:05d}"
         self.index, self.ranks, self.slow, self.born = index, ranks, slow, born
         self.address = f"10.{index >> 16 & 255}.{index >> 8 & 255}.{index & 255}:9479"   # never dialled
-        self.relay = Relay(self.address)   # this node as its group's relay, as its agent would be
+        self.relay = Relay(self.address, cfg=relay_cfg)   # this node as its group's relay, as its agent would be
         self.relay_addr = ""               # where the coordinator told it to sync
         self.seq = 0
         self.interval = 0.25
@@ -101,11 +102,11 @@ class SimNode:
         self.silent = False
         self.pids = [10_000_000 + index * 64 + r for r in range(ranks)]
         self._built: tuple | None = None   # (step, stalled, behind) the ranks show
-        own = 0.08 * (1.25 if slow else 1.0)
+        own = 0.8 * STEP * (1.25 if slow else 1.0)
         self._ranks = [pb.RankSummary(
             rank=index * ranks + r, pid=self.pids[r], step_seconds=STEP, activity="train", connected=True,
             alive=True, local_rank=r, state="ok", own_work=[own + random.random() * 1e-3 for _ in range(WINDOW)],
-            data_wait=[1e-3] * WINDOW, comm_wait=[0.02] * WINDOW, tokens_per_second=4096.0)
+            data_wait=[1e-3] * WINDOW, comm_wait=[0.2 * STEP] * WINDOW, tokens_per_second=4096.0)
             for r in range(ranks)]
 
     def summary(self, now: float) -> pb.NodeSummary:
@@ -240,13 +241,14 @@ def _start_coordinator(tmp: Path, port: int, relay_args: list[str]) -> subproces
         stdout=open(tmp / "coord.log", "w"), stderr=subprocess.STDOUT)
 
 
-def _start_relay(tmp: Path, port: int, relay_port: int, metrics_port: int) -> subprocess.Popen:
+def _start_relay(tmp: Path, port: int, relay_port: int, metrics_port: int, whole_every: float) -> subprocess.Popen:
     """Node 0's agent as a real process: it syncs with the coordinator and relays on TCP."""
     return subprocess.Popen(
         [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--node-id", "sim00000",
          "--listen", f"127.0.0.1:{relay_port}", "--listen", f"unix:{tmp / 'relay.sock'}",
          "--coordinator", f"127.0.0.1:{port}", "--metrics-port", str(metrics_port),
-         "--state-dir", str(tmp / "relay-state"), "--gpu-source", "none"],
+         "--state-dir", str(tmp / "relay-state"), "--gpu-source", "none",
+         "--relay-whole-every-intervals", str(whole_every)],
         env={**os.environ, "RANKWATCH_TOKEN": TOKEN},
         stdout=open(tmp / "relay.log", "w"), stderr=subprocess.STDOUT)
 
@@ -283,7 +285,8 @@ def _wait_serving(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> N
 async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Process,
                relay: tuple[str, psutil.Process] | None = None) -> dict:
     born = time.time() - 30.0
-    nodes = [SimNode(i, args.ranks, slow=i == args.slow, born=born) for i in range(args.nodes)]
+    relay_cfg = RelayConfig(whole_every_intervals=args.relay_whole_every_intervals)
+    nodes = [SimNode(i, args.ranks, slow=i == args.slow, born=born, relay_cfg=relay_cfg) for i in range(args.nodes)]
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}",
                                           options=[("grpc.max_receive_message_length", 64 << 20)])
                 for _ in range(args.channels)]
@@ -395,21 +398,23 @@ def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    global BACKOFF
+    global BACKOFF, STEP
     BACKOFF = not getattr(args, "no_backoff", False)
+    STEP = args.step_seconds
     with tempfile.TemporaryDirectory(prefix="rw-load-") as d:
         tmp = Path(args.keep) if args.keep else Path(d)
         tmp.mkdir(parents=True, exist_ok=True)
         port = free_port()
         relay_args = ([] if args.relay_group is None else ["--relay-group", str(args.relay_group)]) + (
-            [] if args.relay_min_nodes is None else ["--relay-min-nodes", str(args.relay_min_nodes)])
+            [] if args.relay_min_nodes is None else ["--relay-min-nodes", str(args.relay_min_nodes)]) + [
+            "--relay-whole-every-intervals", str(args.relay_whole_every_intervals)]
         coord = _start_coordinator(tmp, port, relay_args)
         relay = None
         try:
             _wait_serving(port, coord)
             if args.relay_process:
                 relay_port, metrics_port = free_port(), free_port()
-                relay = _start_relay(tmp, port, relay_port, metrics_port)
+                relay = _start_relay(tmp, port, relay_port, metrics_port, args.relay_whole_every_intervals)
                 _wait_serving(relay_port, relay)
                 deadline = time.time() + 30
                 while not _coordinator_knows(tmp / "coord.sock", "sim00000"):   # heard: it heads a group
@@ -452,6 +457,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pause", type=float, default=0.0, help="SIGSTOP the coordinator this long")
     p.add_argument("--relay-group", type=int, help="the coordinator's --relay-group (0: no relays)")
     p.add_argument("--relay-min-nodes", type=int, help="the coordinator's --relay-min-nodes")
+    p.add_argument("--relay-whole-every-intervals", type=float, default=RelayConfig().whole_every_intervals,
+                   help="the relays' (0: a node goes whole every 2 s however slow the syncs)")
+    p.add_argument("--step-seconds", type=float, default=STEP, help="simulated seconds per training step")
     p.add_argument("--relay-process", action="store_true",
                    help="node 0 is a real agent process, relaying for the nodes the coordinator sends to it")
     p.add_argument("--no-backoff", action="store_true",

@@ -4,9 +4,11 @@ The same job (three ranks under ``torchrun --standalone``, HSDP ``--replicate 3`
 harness's default model) runs in pairs, the two arms back to back in alternating order,
 so both see the same machine; each run's median step time (after 20 warm-up steps) is
 compared within its pair.  An A/A control labels two identical runs without the tier as
-the two arms, to show the noise floor.
+the two arms, to show the noise floor.  ``--commit-runs K`` adds K runs with the tier
+whose step commits are timed (``timed_commit.py``): the wait in the commit per step, an
+upper bound on its cost that step-time ratios this noisy cannot resolve.
 
-    python benchmarks/inprocess_overhead.py --pairs 6 --steps 300
+    python benchmarks/inprocess_overhead.py --pairs 6 --steps 300 --commit-runs 3
 """
 
 from __future__ import annotations
@@ -21,17 +23,24 @@ import tempfile
 from pathlib import Path
 
 
-def run(steps: int, tier: bool, tmp: Path) -> float:
+def run(steps: int, tier: bool, tmp: Path, timed: bool = False, aligned: bool = False
+        ) -> float | tuple[float, float]:
+    """The median step time (and with ``timed``, the median wait in the step commit)."""
     out = tmp / ("on" if tier else "off")
+    out.mkdir(exist_ok=True)
+    entry = [str(Path(__file__).with_name("timed_commit.py"))] if timed else ["-m", "rankwatch.hooks.train"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           "-m", "rankwatch.hooks.train", "--steps", str(steps), "--log-every", "0", "--replicate", "3",
-           "--no-rankwatch", "--metrics-out", str(out), *(["--in-process-recovery"] if tier else [])]
+           *entry, "--steps", str(steps), "--log-every", "0", "--replicate", "3",
+           "--no-rankwatch", "--metrics-out", str(out), *(["--in-process-recovery"] if tier else []),
+           *(["--commit-out", str(out)] if timed else []), *(["--commit-aligned"] if aligned else [])]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
-    times = []
+    times, waits = [], []
     for rank in range(3):
         times += json.loads((out / f"rank{rank}.json").read_text())["step_times"][20:]
-    return statistics.median(times)
+        if timed:
+            waits += json.loads((out / f"commit{rank}.json").read_text())[20:]
+    return (statistics.median(times), statistics.median(waits)) if timed else statistics.median(times)
 
 
 def per_step_cost(n: int = 1_000_000) -> float:
@@ -49,6 +58,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--commit-runs", type=int, default=0, help="runs with the step commit timed")
     args = p.parse_args()
     print(f"the tier's own work per step: {per_step_cost() * 1e9:.0f} ns", flush=True)
     ratios, controls = [], []
@@ -62,6 +72,14 @@ def main() -> int:
             controls.append(a / b)
             print(f"pair {i}: with {got[True] * 1e3:.2f} ms, without {got[False] * 1e3:.2f} ms, "
                   f"ratio {ratios[-1]:.3f}; A/A {controls[-1]:.3f}", flush=True)
+        for i in range(args.commit_runs):
+            step, wait = run(args.steps, True, tmp, timed=True)
+            _, own = run(args.steps, True, tmp, timed=True, aligned=True)
+            print(f"commit run {i}: median step {step * 1e3:.2f} ms; median wait in the commit "
+                  f"{wait * 1e6:.0f} us ({wait / step:.2%} of a step); the commit after a barrier "
+                  f"{own * 1e6:.0f} us ({own / step:.2%})", flush=True)
+    if not ratios:
+        return 0
     print(f"with/without: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
           f"A/A control: median {statistics.median(controls):.3f} "
           f"(range {min(controls):.3f}-{max(controls):.3f})")

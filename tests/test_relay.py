@@ -80,6 +80,26 @@ def test_a_summary_goes_whole_when_what_the_detectors_act_on_changed():
     assert send_whole(10.5, signature(news, cfg)[0], 20, last, cfg)
 
 
+def test_under_backpressure_a_node_goes_whole_every_few_intervals_not_every_sync():
+    """Nodes told to sync every 3 s: a fixed 2 s would send every summary whole; the relay
+    stretches it to 4 intervals, and what the detectors act on still goes whole at once."""
+    cfg = RelayConfig(whole_every_seconds=2.0, whole_every_intervals=4.0)
+    sig, _, _ = signature(_ranked("n1", 1, 100.0, 99.9, steps_completed=20), cfg)
+    last = (10.0, sig, 20)
+    beat = signature(_ranked("n1", 2, 103.0, 102.9), cfg)[0]
+    assert send_whole(13.0, beat, 22, last, cfg, interval=0.25), "at 4 Hz: whole every 2 s, as before"
+    assert not send_whole(13.0, beat, 22, last, cfg, interval=3.0), "at 3 s: a beat"
+    assert not send_whole(21.9, beat, 22, last, cfg, interval=3.0)
+    assert send_whole(22.0, beat, 22, last, cfg, interval=3.0), "... whole after 4 intervals"
+    assert send_whole(13.0, beat, 20 + cfg.whole_every_steps, last, cfg, interval=3.0), "the steps still count"
+    stopped = signature(_ranked("n1", 2, 103.0, 102.9, stopped=True), cfg)[0]
+    assert send_whole(13.0, stopped, 22, last, cfg, interval=3.0), "a change still goes whole at once"
+    off = RelayConfig(whole_every_seconds=2.0, whole_every_intervals=0.0)
+    assert send_whole(13.0, beat, 22, last, off, interval=3.0), "0: never stretched"
+    assert not send_whole(13.0, beat, 22, last, cfg, interval=1e9), "an absurd interval is bounded..."
+    assert send_whole(10.0 + 240.0, beat, 22, last, cfg, interval=1e9), "... at 4 x 60 s"
+
+
 def test_a_relay_sends_beats_between_wholes_and_a_refused_beat_goes_whole_next():
     clock = Clock()
     relay = Relay("h1:1", cfg=RelayConfig(whole_every_seconds=1.0), clock=clock)
