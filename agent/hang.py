@@ -43,10 +43,13 @@ class HangConfig:
     own waits; past them it gives up to torchrun's restart."""
     silence_seconds: float = 2.0
     """A rank whose stream has sent nothing for this long is silent (stopped or gone)."""
+    stale_copy_seconds: float = 10.0
+    """The coordinator waits for current copies of every node's ranks at most this long past
+    the allowance before it names a culprit from the copies it has (see :func:`detect_hang`)."""
 
     def __post_init__(self) -> None:
         require_positive(self, "floor_seconds", "step_multiple", "first_step_seconds", "checkpoint_seconds",
-                         "eval_seconds", "recovery_seconds", "silence_seconds")
+                         "eval_seconds", "recovery_seconds", "silence_seconds", "stale_copy_seconds")
 
     def allowance(self, r: RankProgress) -> float:
         if r.activity == "checkpoint":
@@ -83,6 +86,10 @@ class RankProgress:
     own: Sequence[float] = ()
     data: Sequence[float] = ()
     wait: Sequence[float] = ()
+    current: bool = True
+    """False: the coordinator's copy of this rank predates its latest progress (its node moved
+    on since the copy was sent whole; only beats said so).  Its sequence numbers and in-flight
+    collective are then older than the rank's."""
 
 
 @dataclass(kw_only=True)
@@ -114,8 +121,14 @@ def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangV
     stalled_for = min(now - r.progress_at for r in live)
     if stalled_for < allowance:
         return None
-    silent = [r for r in live if not r.connected or now - r.last_seen > cfg.silence_seconds]
-    waiting = [r for r in live if r not in silent]
+    silent, waiting = [], []   # (one pass: ``r in silent`` would compare dataclasses, n x m)
+    for r in live:
+        (silent if not r.connected or now - r.last_seen > cfg.silence_seconds else waiting).append(r)
+    if stalled_for < allowance + cfg.stale_copy_seconds and any(not r.current for r in waiting):
+        # A copy older than its rank's last progress would show that rank behind the others on
+        # sequence numbers it has long passed: wait for every node's current copy (a relay
+        # sends a stalled node whole within about a second and an interval), within a bound.
+        return None
     if not waiting and all(r.alive is False for r in silent):
         # Every process is gone (a crash of all, or torchrun restarting the workers): nothing
         # waits on anything, so nothing hangs.  Whether their nodes are dead is judged by the

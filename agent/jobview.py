@@ -46,6 +46,7 @@ class NodeView:
     syncs: int = 1          # summaries this coordinator heard from it (beats too)
     seq: int = 0            # its latest summary's or beat's seq and sending time
     sent_at: float = 0.0
+    moved_since_copy: bool = False   # a beat said its ranks progressed after ``summary`` was sent
 
 
 class JobView:
@@ -116,9 +117,10 @@ class JobView:
             best = min(offset, prev.best_offset)
             self.load.heard(offset - best, len(self.nodes))
             latest = b.latest_progress + offset if b.latest_progress > 0 else prev.latest_progress
+            moved = prev.moved_since_copy or b.latest_progress > prev.summary.sent_at   # (the node's clock)
             self.nodes[b.node_id] = replace(prev, received_at=now, offset=offset, interval=self.load.reply_interval(),
                                             best_offset=best, latest_progress=latest, syncs=prev.syncs + 1,
-                                            seq=b.seq, sent_at=b.sent_at)
+                                            seq=b.seq, sent_at=b.sent_at, moved_since_copy=moved)
 
     # -- readers ------------------------------------------------------------------
     def silent(self, n: NodeView, now: float) -> bool:
@@ -175,7 +177,7 @@ class JobView:
                               if r.HasField("inflight") else None),
                     stacks=r.stacks if r.stacks and fresh else None,
                     flight_recorder=_flight_recorder(r), pid=r.pid, alive=r.alive, stopped=r.stopped,
-                    own=r.own_work, data=r.data_wait, wait=r.comm_wait))
+                    own=r.own_work, data=r.data_wait, wait=r.comm_wait, current=not n.moved_since_copy))
         return Snapshot(ranks=out, scope="job", nodes=names,
                         silent_nodes=frozenset(name for name, _, silent in nodes if silent))
 

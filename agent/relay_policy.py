@@ -27,7 +27,8 @@ The rules (:func:`assign`, pure):
 What a relay sends on for each node (:func:`send_whole`, pure): the whole summary when
 anything the coordinator acts on at once changed since the last one it sent whole (a
 rank came, went, died, stopped or changed state; a collective has been in flight for
-over ``long_wait_seconds``; a new incident or decision), and at least every
+over ``long_wait_seconds``; its ranks stopped moving for that long; a new incident or
+decision), and at least every
 ``whole_every_seconds`` (stretched to ``whole_every_intervals`` sync intervals when the
 coordinator asks for slower syncs) or ``whole_every_steps`` completed steps, whichever
 comes first (the straggler detector lines the ranks' own-work windows up by step, and
@@ -153,7 +154,10 @@ def signature(s: pb.NodeSummary, cfg: RelayConfig) -> tuple[Signature, float, in
     decisions = (len(s.decisions), s.decisions[-1].id if s.decisions else "")
     progress = max((r.progress_at for r in s.ranks if not r.exited_cleanly), default=0.0)
     steps = max((r.steps_completed for r in s.ranks), default=0)
-    return (ranks, incidents, decisions, s.run_id), progress, steps
+    # A node whose ranks stopped moving goes whole once: the hang detector names a culprit
+    # only from current copies of every node (one behind the others may wait in nothing).
+    stalled = progress > 0 and progress <= waiting_since
+    return (ranks, incidents, decisions, s.run_id, stalled), progress, steps
 
 
 def send_whole(now: float, sig: Signature, steps: int, last: tuple[float, Signature, int] | None,

@@ -118,3 +118,20 @@ def test_an_in_process_recovery_has_its_own_allowance():
     assert detect_hang(30.0, [rank(0, seqs={"0": 3}), rank(1, seqs={"0": 1})], cfg) is not None
     v = detect_hang(61.0, regrouping, cfg)
     assert v is not None and v.allowance == 60.0
+
+
+def test_a_copy_older_than_its_ranks_progress_is_no_evidence_of_being_behind():
+    """A coordinator's copy of a node sent before its ranks moved on (only beats said they
+    did) shows sequence numbers they have long passed.  The culprit is named once every copy
+    is current, or from the copies at hand after ``stale_copy_seconds`` past the allowance."""
+    waiting = {"op": "all_reduce", "group": "0", "seq": 31, "since": 3.0}
+    job = [rank(0, seqs={"0": 31}, inflight=waiting, progress_at=3.0, last_seen=20.0),
+           rank(1, seqs={"0": 30}, progress_at=2.9, last_seen=20.0),          # truly behind
+           rank(2, seqs={"0": 25}, progress_at=1.5, last_seen=20.0)]          # an old copy
+    job[2].current = False
+    assert detect_hang(9.0, job, CFG) is None, "rank 2's old copy would be named: wait for its current one"
+    late = detect_hang(3.0 + CFG.floor_seconds + CFG.stale_copy_seconds + 0.1, job, CFG)
+    assert late is not None and late.culprit.rank == 2, "past the bound, the copies at hand decide"
+    job[2] = rank(2, seqs={"0": 31}, inflight=waiting, progress_at=3.0, last_seen=20.0)
+    v = detect_hang(9.0, job, CFG)
+    assert v is not None and v.culprit.rank == 1 and "behind" in v.reason

@@ -80,6 +80,19 @@ def test_a_summary_goes_whole_when_what_the_detectors_act_on_changed():
     assert send_whole(10.5, signature(news, cfg)[0], 20, last, cfg)
 
 
+def test_a_node_whose_ranks_stopped_moving_goes_whole_once():
+    """A node one collective behind a hung job waits in nothing, so no in-flight wait sends it
+    whole; its ranks' progress stopping does, once (the hang detector needs its current copy)."""
+    cfg = RelayConfig(whole_every_seconds=2.0, long_wait_seconds=1.0)
+    moving = signature(_ranked("n1", 1, 100.0, 99.9), cfg)[0]
+    last = (10.0, moving, 20)
+    assert not send_whole(10.5, signature(_ranked("n1", 2, 100.5, 99.6), cfg)[0], 20, last, cfg), "0.9 s: a beat"
+    stalled = signature(_ranked("n1", 3, 101.0, 99.9), cfg)[0]
+    assert send_whole(11.0, stalled, 20, last, cfg), "1.1 s without progress: whole"
+    assert not send_whole(11.5, signature(_ranked("n1", 4, 105.0, 99.9), cfg)[0], 20, (11.0, stalled, 20), cfg), \
+        "still stalled: beats again"
+
+
 def test_under_backpressure_a_node_goes_whole_every_few_intervals_not_every_sync():
     """Nodes told to sync every 3 s: a fixed 2 s would send every summary whole; the relay
     stretches it to 4 intervals, and what the detectors act on still goes whole at once."""
@@ -111,7 +124,7 @@ def test_a_relay_sends_beats_between_wholes_and_a_refused_beat_goes_whole_next()
         sent.append(([s.node_id for s in g.nodes[1:]], [b.node_id for b in g.beats]))
         return g
 
-    relay.take(_ranked("n2", 1, 1000.0, 999.0))
+    relay.take(_ranked("n2", 1, 1000.0, 999.5))
     flush()
     clock.t += 0.25
     relay.take(_ranked("n2", 2, 1000.25, 1000.2))
@@ -199,6 +212,26 @@ def test_a_relay_holds_a_bounded_number_of_bytes():
 
 
 # -- the coordinator's side ---------------------------------------------------------
+
+def test_a_beat_after_progress_marks_the_coordinators_copy_as_old_until_the_next_whole():
+    clock = Clock()
+    clock.t = 1000.0
+    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(), clock=clock,
+                    relay=RelayConfig(group_size=2, min_nodes=2))
+    c.sync(_ranked("n1", 1, 1000.0, 999.8))
+
+    def current() -> list[bool]:
+        return [r.current for r in c.view.snapshot(clock.t).ranks]
+
+    assert current() == [True]
+    beat = pb.NodeBeat(node_id="n1", seq=2, sent_at=1000.25, latest_progress=999.9)
+    c.sync_group(pb.GroupSummary(nodes=[_summary("n9", sent_at=1000.25)], held_seconds=[0.0], beats=[beat]))
+    assert current() == [True], "no progress since the copy was sent"
+    beat = pb.NodeBeat(node_id="n1", seq=3, sent_at=1000.5, latest_progress=1000.4)
+    c.sync_group(pb.GroupSummary(nodes=[_summary("n9", 2, sent_at=1000.5)], held_seconds=[0.0], beats=[beat]))
+    assert current() == [False], "its ranks moved after the copy: the copy is old"
+    c.sync(_ranked("n1", 4, 1000.75, 1000.7))
+    assert current() == [True], "a whole summary is current again"
 
 def test_the_coordinator_takes_a_group_and_refuses_a_bad_summary_alone():
     clock = Clock()
