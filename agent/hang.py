@@ -121,7 +121,8 @@ def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangV
     stalled_for = min(now - r.progress_at for r in live)
     if stalled_for < allowance:
         return None
-    silent, waiting = [], []   # (one pass: ``r in silent`` would compare dataclasses, n x m)
+    silent: list[RankProgress] = []   # one pass: ``r in silent`` would compare dataclasses, n x m
+    waiting: list[RankProgress] = []
     for r in live:
         (silent if not r.connected or now - r.last_seen > cfg.silence_seconds else waiting).append(r)
     if stalled_for < allowance + cfg.stale_copy_seconds and any(not r.current for r in waiting):

@@ -88,7 +88,7 @@ def _exclusions(state: Path) -> list[dict]:
 class SimNode:
     """One node's agent: 8 ranks that step every ``STEP`` seconds until a fault."""
 
-    def __init__(self, index: int, ranks: int, slow: bool, born: float, relay_cfg: RelayConfig) -> None:
+    def __init__(self, index: int, ranks: int, slow: bool, born: float, relay_cfg: RelayConfig | None = None) -> None:
         self.name = f"sim{index:05d}"
         self.index, self.ranks, self.slow, self.born = index, ranks, slow, born
         self.address = f"10.{index >> 16 & 255}.{index >> 8 & 255}.{index & 255}:9479"   # never dialled
