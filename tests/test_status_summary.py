@@ -36,18 +36,20 @@ def coordinator(tmp_path_factory):
     agent = AgentProcess(tmp / "coord.sock", node="coord",
                          extra=("--listen", str(tcp), "--coordinator", str(tcp), "--gpu-source", "none",
                                 "--status-max-ranks", str(LIMIT))).start()
-    wait_for(lambda: agent.status()["coordinator"], 15, what="the agent coordinating")
-    born = time.time() - 5
-    with open_channel(tcp, ClientCredentials(None)) as ch:
-        stub = pb_grpc.AgentStub(ch)
-        for i in range(NODES):
-            summary = SimNode(i, RANKS, slow=False, born=born).summary(time.time())
-            summary.run_id = ""
-            if i == 4:  # the last rank of node 4 is hung, as its node agent says
-                summary.ranks[-1].state = "hung"
-            stub.Sync(summary, timeout=10)
-    yield agent
-    agent.stop()
+    try:   # (a setup that fails leaves no agent behind)
+        wait_for(lambda: agent.status()["coordinator"], 15, what="the agent coordinating")
+        born = time.time() - 5
+        with open_channel(tcp, ClientCredentials(None)) as ch:
+            stub = pb_grpc.AgentStub(ch)
+            for i in range(NODES):
+                summary = SimNode(i, RANKS, slow=False, born=born).summary(time.time())
+                summary.run_id = ""
+                if i == 4:  # the last rank of node 4 is hung, as its node agent says
+                    summary.ranks[-1].state = "hung"
+                stub.Sync(summary, timeout=10)
+        yield agent
+    finally:
+        agent.stop()
 
 
 def _cli(agent: AgentProcess, *flags: str) -> subprocess.CompletedProcess:
