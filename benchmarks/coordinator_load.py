@@ -230,27 +230,26 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
     node.apply(reply.sync_interval_seconds, reply.relay)
 
 
-def _start_coordinator(tmp: Path, port: int, relay_args: list[str]) -> subprocess.Popen:
-    addr = f"127.0.0.1:{port}"
-    env = dict(os.environ)
+def _start_agent(tmp: Path, name: str, port: int, coordinator: int, *extra: str) -> subprocess.Popen:
+    """A real ``rankwatch agent`` named ``name``, serving TCP on ``port`` and ``tmp/<name>.sock``,
+    syncing with the coordinator on ``coordinator``; its log in ``tmp/<name>.log``."""
     return subprocess.Popen(
-        [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--node-id", "coord", "--listen", addr,
-         "--listen", f"unix:{tmp / 'coord.sock'}", "--coordinator", addr, "--metrics-port", "0",
-         "--state-dir", str(tmp / "state"), "--gpu-source", "none", *relay_args],
-        env={**env, "RANKWATCH_TOKEN": TOKEN},   # as a job runs it: every node holds the token
-        stdout=open(tmp / "coord.log", "w"), stderr=subprocess.STDOUT)
+        [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--node-id", name,
+         "--listen", f"127.0.0.1:{port}", "--listen", f"unix:{tmp / f'{name}.sock'}",
+         "--coordinator", f"127.0.0.1:{coordinator}", "--gpu-source", "none", *extra],
+        env={**os.environ, "RANKWATCH_TOKEN": TOKEN},   # as a job runs it: every node holds the token
+        stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+
+
+def _start_coordinator(tmp: Path, port: int, relay_args: list[str]) -> subprocess.Popen:
+    return _start_agent(tmp, "coord", port, port, "--metrics-port", "0", "--state-dir", str(tmp / "state"),
+                        *relay_args)
 
 
 def _start_relay(tmp: Path, port: int, relay_port: int, metrics_port: int, whole_every: float) -> subprocess.Popen:
     """Node 0's agent as a real process: it syncs with the coordinator and relays on TCP."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--node-id", "sim00000",
-         "--listen", f"127.0.0.1:{relay_port}", "--listen", f"unix:{tmp / 'relay.sock'}",
-         "--coordinator", f"127.0.0.1:{port}", "--metrics-port", str(metrics_port),
-         "--state-dir", str(tmp / "relay-state"), "--gpu-source", "none",
-         "--relay-whole-every-intervals", str(whole_every)],
-        env={**os.environ, "RANKWATCH_TOKEN": TOKEN},
-        stdout=open(tmp / "relay.log", "w"), stderr=subprocess.STDOUT)
+    return _start_agent(tmp, "sim00000", relay_port, port, "--metrics-port", str(metrics_port),
+                        "--state-dir", str(tmp / "relay-state"), "--relay-whole-every-intervals", str(whole_every))
 
 
 def _coordinator_knows(sock: Path, node: str) -> bool:
@@ -272,14 +271,14 @@ def _wait_serving(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> N
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"coordinator exited with {proc.returncode}")
+            raise RuntimeError(f"the agent on port {port} exited with {proc.returncode}")
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             try:
                 grpc.channel_ready_future(ch).result(timeout=0.5)
                 return
             except grpc.FutureTimeoutError:
                 continue
-    raise TimeoutError("coordinator did not start")
+    raise TimeoutError(f"the agent on port {port} did not start")
 
 
 async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Process,
