@@ -27,7 +27,6 @@ What the coordinator knows of the job (the nodes' summaries, on its clock) is
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -47,7 +46,7 @@ from rankwatch.agent.jobstragglers import JobStragglers
 from rankwatch.agent import relay_policy
 from rankwatch.agent.relay import MAX_GROUP
 from rankwatch.agent.relay_policy import RelayConfig
-from rankwatch.agent.validate import Rejected, check_label
+from rankwatch.agent.validate import Rejected
 from rankwatch.agent.straggler import StragglerConfig
 from rankwatch.proto import pb
 
@@ -57,9 +56,6 @@ log = logging.getLogger(__name__)
 
 _DECISION_KINDS = ("exclude", "checkpoint")
 _DECISIONS_ADOPTED = 256   # the most decisions taken from one summary
-_PENDING_SECONDS = 15.0
-"""How long a node sent to a relay at its first sync holds its place before it is heard
-through it (its relay sends it on within an interval or two; five seconds at the most)."""
 _MAX_HELD = 10.0   # seconds a relay may say it held a summary (more is taken as this)
 
 
@@ -108,29 +104,13 @@ class Coordinator:
         self.relays: dict[str, str] = {}
         """Node -> the relay it syncs through ('' or absent: this coordinator; relay_policy)."""
         self._relays_at = float("-inf")
-        self._relay_lock = threading.Lock()   # placing new nodes against drawing the groups again
-        self._groups: dict[str, int] = {}     # relay address -> nodes in its group (relay_policy.room)
-        self._pending: dict[str, float] = {}
-        """Node -> when its first sync was answered with a relay, not taken; until it is heard
-        through the relay (then it is a node like any other) or for ``_PENDING_SECONDS``."""
 
     # -- intake ---------------------------------------------------------------
     def sync(self, summary: pb.NodeSummary) -> pb.SyncReply:
-        """Take one node's summary; reply with every decision and the node's job incidents.
-
-        While relays are in use, a node's first sync is placed in a group at once
-        (:func:`relay_policy.place`): sent to a group with room, it is answered with its relay
-        and its summary is not taken (the relay sends it on), so a big job's start costs the
-        coordinator a reply per node, not a summary checked and kept; a node that comes back
-        directly (it could not reach that relay) is taken as usual."""
-        now = self.clock()
-        placed = self._first_contact(summary, now)
-        if not placed:
-            self._take(summary, now)
-            if placed == "":
-                self._start_group(summary)
+        """Take one node's summary; reply with every decision and the node's job incidents."""
+        self._take(summary, self.clock())
         reply = pb.SyncReply(coordinator=self.node_id, sync_interval_seconds=self.load.reply_interval(),
-                             relay=placed or self.relays.get(summary.node_id, ""))
+                             relay=self.relays.get(summary.node_id, ""))
         reply.decisions.extend(self._decisions_pb())
         reply.incidents.extend(inc.to_pb() for inc in self.incidents.items_for(node=summary.node_id))
         return reply
@@ -175,30 +155,6 @@ class Coordinator:
         for name in names:
             reply.relays[name] = relays.get(name, "")
         return reply
-
-    def _first_contact(self, summary: pb.NodeSummary, now: float) -> str | None:
-        """A relay's address for a node new to this coordinator while relays are in use ('':
-        it starts a group as its relay; None: neither, or not a first contact)."""
-        name = summary.node_id
-        if not self.relays or name in self.relays or name in self.nodes or name in self._pending:
-            return None
-        check_label(name, "node_id", "malformed")
-        with self._relay_lock:
-            if name in self.relays or len(self._pending) >= self.policy.max_nodes:
-                return None
-            placed = relay_policy.place(self._groups, summary.relay_address, self.relay)
-            if placed:
-                self._groups[placed] += 1
-                self._pending[name] = now
-                self.relays = {**self.relays, name: placed}   # copied: readers hold no lock
-            return placed
-
-    def _start_group(self, summary: pb.NodeSummary) -> None:
-        """The node just taken relays for the next nodes new to this coordinator."""
-        with self._relay_lock:
-            if summary.node_id not in self.relays and summary.relay_address not in self._groups:
-                self._groups[summary.relay_address] = 1
-                self.relays = {**self.relays, summary.node_id: ""}
 
     def _take(self, summary: pb.NodeSummary, at: float) -> None:
         """One node's summary, as of ``at`` on this clock (raises ValueError if refused)."""
@@ -305,9 +261,7 @@ class Coordinator:
         self._check_evictions()
         self.restarts.check(now, self.job_incidents())
         # Nodes not in any group yet (a big job starting) are placed at the next tick.
-        relays = self.relays   # (nodes sent to a relay at their first sync are in it, not in nodes yet)
-        ungrouped = (len(self.nodes) > self.relay.min_nodes
-                     and len(self.nodes) - 1 > sum(n in relays for n in list(self.nodes)))
+        ungrouped = len(self.nodes) > self.relay.min_nodes and len(self.nodes) - 1 > len(self.relays)
         if ungrouped or now - self._relays_at >= self.relay.every_seconds:
             self._relays_at = now
             self._assign_relays(now)
@@ -320,19 +274,11 @@ class Coordinator:
             nodes = [(name, n.summary.relay_address, name not in excluded and name not in self.dead
                       and not self.view.silent(n, now))
                      for name, n in self.nodes.items() if name != self.node_id]
-        with self._relay_lock:
-            known = {name for name, _, _ in nodes}
-            # Nodes sent to a relay at their first sync and not yet heard through it keep their
-            # place (never relays themselves: not heard); gone ones give it up after a while.
-            self._pending = {name: at for name, at in self._pending.items()
-                             if name not in known and now - at < _PENDING_SECONDS}
-            relays = relay_policy.assign(nodes + [(name, "", False) for name in self._pending], self.relay,
-                                         self.relays)
-            if bool(relays) != bool(self.relays):
-                log.warning("nodes now sync %s", f"through {sum(1 for a in relays.values() if not a)} relay(s)"
-                            if relays else "with the coordinator directly")
-            self.relays = relays
-            self._groups = relay_policy.room(relays, {name: a for name, a, _ in nodes})
+        relays = relay_policy.assign(nodes, self.relay, self.relays)
+        if bool(relays) != bool(self.relays):
+            log.warning("nodes now sync %s", f"through {sum(1 for a in relays.values() if not a)} relay(s)"
+                        if relays else "with the coordinator directly")
+        self.relays = relays
         self.load.callers = relay_policy.callers(relays, len(nodes) + 1) if relays else None
 
     def _check_hang(self, now: float, verdicts: Verdicts) -> None:

@@ -42,7 +42,7 @@ for syncs 2 s apart or more, and beats would stop saving it work just when it is
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +51,7 @@ from rankwatch.proto import pb
 Signature = tuple[Any, ...]
 """What of a summary the coordinator acts on at once (:func:`signature`)."""
 
-__all__ = ["RelayConfig", "Signature", "assign", "callers", "place", "room", "send_whole", "signature"]
+__all__ = ["RelayConfig", "Signature", "assign", "callers", "send_whole", "signature"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,32 +137,6 @@ def assign(nodes: Iterable[tuple[str, str, bool]], cfg: RelayConfig,
         for m in members:
             out[m] = "" if m == relay else addr[relay]
     return out
-
-
-def room(assigned: Mapping[str, str], addresses: Mapping[str, str]) -> dict[str, int]:
-    """Each group's size (its relay counted), by its relay's address (``addresses``: node ->
-    the address it relays on)."""
-    out = {addresses[r]: 1 for r, a in assigned.items() if a == "" and addresses.get(r)}
-    for a in assigned.values():
-        if a in out:
-            out[a] += 1
-    return out
-
-
-def place(groups: Mapping[str, int], own_address: str, cfg: RelayConfig) -> str | None:
-    """Where a node new to the coordinator syncs from its first reply on, while relays are in
-    use, so that a big job's start is not thousands of nodes syncing with the coordinator
-    directly until the next :func:`assign`.
-
-    ``groups``: each group's size by its relay's address (:func:`room`).  Returns the address
-    of the fullest group with room, other than the node's own (groups fill before new ones start; ties by address); else
-    ``''`` when the node gave an address to relay on: it starts a group of its own, as its
-    relay; else None: it syncs with the coordinator directly until :func:`assign` places it.
-    """
-    open_groups = [(size, addr) for addr, size in groups.items() if size < cfg.group_size and addr != own_address]
-    if open_groups:
-        return min(open_groups, key=lambda g: (-g[0], g[1]))[1]
-    return "" if own_address else None
 
 
 def callers(assigned: dict[str, str], nodes: int) -> int:

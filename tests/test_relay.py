@@ -18,7 +18,7 @@ from rankwatch.agent.incidents import IncidentLog
 from rankwatch.agent.ports import free_port
 from rankwatch.agent.bounds import MAX_SUMMARY_BYTES
 from rankwatch.agent.relay import MAX_GROUP, Relay, RelayUnavailable
-from rankwatch.agent.relay_policy import RelayConfig, assign, callers, place, room, send_whole, signature
+from rankwatch.agent.relay_policy import RelayConfig, assign, callers, send_whole, signature
 from rankwatch.agent.validate import Rejected
 from rankwatch.proto import pb
 
@@ -47,18 +47,6 @@ def test_no_relays_in_a_small_job_when_off_or_without_addresses():
     assert assign([(n, "", True) for n, _, _ in nodes], RelayConfig(group_size=2, min_nodes=2)) == {}
     with pytest.raises(ValueError):
         RelayConfig(group_size=1)
-
-
-def test_a_new_node_goes_to_the_fullest_group_with_room_else_starts_one():
-    got = {"n0": "", "n1": "h0:1", "n2": "", "n3": "h2:1", "n4": "h2:1", "n5": ""}
-    groups = room(got, {"n0": "h0:1", "n2": "h2:1", "n5": "h5:1", "n1": "h1:1"})
-    assert groups == {"h0:1": 2, "h2:1": 3, "h5:1": 1}
-    cfg = RelayConfig(group_size=4, min_nodes=2)
-    assert place(groups, "h9:1", cfg) == "h2:1", "the fullest group with room fills first"
-    assert place(groups, "h2:1", cfg) == "h0:1", "never a node's own address"
-    full = {"h0:1": 4, "h2:1": 4}
-    assert place(full, "h9:1", cfg) == "", "no room: it starts a group, as its relay"
-    assert place(full, "", cfg) is None, "no address to relay on: directly"
 
 
 def _ranked(node: str, seq: int, sent_at: float, progress: float, **rank) -> pb.NodeSummary:
@@ -283,42 +271,6 @@ def test_the_coordinator_takes_a_group_and_refuses_a_bad_summary_alone():
     c.evaluate()
     assert c.relays == {"n1": "", "n2": "h1:1", "n3": ""}
     assert c.sync(pb.NodeSummary(node_id="n2", seq=6, sent_at=clock.t)).relay == "h1:1"
-
-
-def test_a_new_nodes_first_sync_is_answered_with_its_relay_and_not_taken():
-    """While relays are in use, a node new to the coordinator is placed at its first sync:
-    sent to a group with room, its summary is not taken (its relay sends it on); it keeps
-    that place at the next drawing of the groups until heard through the relay; a node that
-    comes back directly is taken; with every group full, a new node starts a group."""
-    clock = Clock()
-    clock.t = 1000.0
-    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(), clock=clock,
-                    relay=RelayConfig(group_size=3, min_nodes=2))
-    for n in ("n1", "n2"):
-        assert c.sync(pb.NodeSummary(node_id=n, seq=1, sent_at=clock.t, relay_address=f"h{n[1]}:1")).relay == ""
-    c.evaluate()
-    assert c.relays == {"n1": "", "n2": "h1:1"}
-    reply = c.sync(pb.NodeSummary(node_id="n3", seq=1, sent_at=clock.t, relay_address="h3:1"))
-    assert reply.relay == "h1:1" and "n3" not in c.nodes, "placed, not taken"
-    assert c.sync(pb.NodeSummary(node_id="n4", seq=1, sent_at=clock.t, relay_address="h4:1")).relay == "", \
-        "n1's group is full: n4 starts one, and is taken"
-    assert "n4" in c.nodes
-    assert c.sync(pb.NodeSummary(node_id="n5", seq=1, sent_at=clock.t)).relay == "h4:1"
-    clock.t += 1.5
-    c.evaluate()
-    assert (c.relays["n3"], c.relays["n5"]) == ("h1:1", "h4:1"), "their places are kept until heard"
-    # n3 is heard through its relay; n5 could not reach its relay and comes back directly.
-    c.sync_group(pb.GroupSummary(nodes=[pb.NodeSummary(node_id="n3", seq=2, sent_at=clock.t)], held_seconds=[0.0]))
-    assert c.sync(pb.NodeSummary(node_id="n5", seq=2, sent_at=clock.t)).relay == "h4:1"
-    assert {"n3", "n5"} <= set(c.nodes)
-    with pytest.raises(Rejected):
-        c.sync(pb.NodeSummary(node_id="bad\nid", seq=1, sent_at=clock.t))
-    # A placed node never heard from again gives its place up.
-    c.sync(pb.NodeSummary(node_id="n6", seq=1, sent_at=clock.t, relay_address="h6:1"))
-    assert "n6" in c.relays and "n6" not in c.nodes
-    clock.t += 20.0
-    c.evaluate()
-    assert "n6" not in c.relays
 
 
 def test_a_relays_held_time_is_bounded():
