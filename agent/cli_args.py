@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "X times faster without it (default 1.25; inf never evicts)")
     a.add_argument("--min-nodes", type=int, default=1, metavar="N",
                    help="never exclude a node if fewer would remain (torchrun's --nnodes MIN)")
+    a.add_argument("--silent-burst-nodes", type=int, default=4, metavar="N",
+                   help="more nodes than N (and than --silent-burst-share of the job) silent at once "
+                        "are the coordinator's or the network's trouble: none is excluded for its "
+                        "silence alone (default 4)")
+    a.add_argument("--silent-burst-share", type=float, default=0.02, metavar="F",
+                   help="see --silent-burst-nodes (default 0.02: 2%% of the job's nodes)")
     a.add_argument("--gpu-source", type=_gpu_source, default="auto", metavar="{auto,nvml,none,script:PATH}",
                    help="GPU health: NVML, none, or a fault script (JSON); auto (default) uses NVML "
                         "if it initialises, else none")

@@ -104,6 +104,7 @@ class Coordinator:
         self.relays: dict[str, str] = {}
         """Node -> the relay it syncs through ('' or absent: this coordinator; relay_policy)."""
         self._relays_at = float("-inf")
+        self._silent_burst = False   # many nodes silent together (said once per burst)
 
     # -- intake ---------------------------------------------------------------
     def sync(self, summary: pb.NodeSummary) -> pb.SyncReply:
@@ -309,20 +310,33 @@ class Coordinator:
 
     def _check_dead(self, now: float) -> None:
         with self.lock:
+            excluded = self.excluded
+            included = [(name, n) for name, n in self.nodes.items() if name not in excluded]
+            quiet = {name for name, n in included if self.view.silent(n, now)}
+            counts = node_death.silence_is_evidence(len(quiet), len(included),
+                                                    burst_share=self.policy.silent_burst_share,
+                                                    burst_nodes=self.policy.silent_burst_nodes)
             dead = []
-            for name, n in self.nodes.items():
-                if name in self.excluded or name in self.dead:
+            for name, n in included:
+                if name in self.dead:
                     continue
-                # (any() stops at the first live node: cheap at thousands of nodes)
-                others_live = any(not self.view.silent(m, now) for k, m in self.nodes.items() if k != name)
                 why, n.ranks_dead_since = node_death.judge(
-                    now, silent=self.view.silent(n, now), others_live=others_live,
+                    now, silent=name in quiet, silence_counts=counts,
                     ranks_died=node_death.all_ranks_died(n.summary.ranks), died_since=n.ranks_dead_since,
                     grace=self.policy.crashed_grace_seconds)
                 if why is not None:
                     dead.append((name, why))
             for name, _ in dead:
                 self.dead.add(name)
+        burst = len(quiet) > 1 and not counts
+        if burst != self._silent_burst:
+            self._silent_burst = burst
+            if burst:
+                log.warning("%d of %d nodes went silent together: taken for the coordinator's or the "
+                            "network's trouble, not for that many dead nodes; none is excluded for its "
+                            "silence while this lasts", len(quiet), len(included))
+            else:
+                log.info("the burst of silent nodes is over")
         for name, why in dead:
             log.warning("node %s is dead: %s", name, why)
             if self.policy.exclude_dead:

@@ -13,6 +13,11 @@ class PolicyConfig:
     """Never exclude a node if fewer than this many would remain (torchrun's --nnodes MIN)."""
     node_timeout_seconds: float = 3.0
     """A node whose agent has not synced for this long is silent."""
+    silent_burst_share: float = 0.02
+    """More nodes than this share of the job (and than ``silent_burst_nodes``) silent at once
+    are not taken for that many dead nodes: none is excluded for its silence alone
+    (:func:`~rankwatch.agent.node_death.silence_is_evidence`)."""
+    silent_burst_nodes: int = 4
     exclude_hung: bool = True
     exclude_dead: bool = True
     exclude_gpu_fatal: bool = True
@@ -38,3 +43,5 @@ class PolicyConfig:
             raise ValueError("PolicyConfig.min_nodes must be at least 1")
         if not self.node_timeout_seconds > 0 or not self.checkpoint_lead_seconds > 0:
             raise ValueError("PolicyConfig timeouts must be positive")
+        if not 0 <= self.silent_burst_share <= 1 or self.silent_burst_nodes < 1:
+            raise ValueError("PolicyConfig needs 0 <= silent_burst_share <= 1 and silent_burst_nodes >= 1")

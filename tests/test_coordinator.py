@@ -75,6 +75,35 @@ def test_never_below_min_nodes_and_a_silent_node_is_dead():
 
 
 
+def test_a_burst_of_silent_nodes_is_not_that_many_dead_nodes():
+    """Ten nodes; five fall silent together (more than --silent-burst-nodes 4 and 2 %): the
+    coordinator excludes none of them for that.  Once four of them are back, the one still
+    silent is excluded."""
+    c, clock = make(PolicyConfig(node_timeout_seconds=3))
+    names = [f"n{i}" for i in range(10)]
+    seq = 0
+
+    def sync(nodes):
+        nonlocal seq
+        seq += 1
+        for n in nodes:
+            c.sync(summary(n, seq, clock.t, [dict(rank=int(n[1]), step=5, progress_at=clock.t,
+                                                  last_seen=clock.t)]))
+
+    for _ in range(3):   # heard steadily: only such a node can fall silent
+        clock.t += 0.25
+        sync(names)
+    for _ in range(5):
+        clock.t += 1
+        sync(names[:5])
+        c.evaluate()
+    assert set(c.node_states().values()) == {"ok"} and c.excluded == {}
+    clock.t += 1
+    sync(names[:9])   # n5-n8 are back; n9 is still silent
+    c.evaluate()
+    assert set(c.excluded) == {"n9"}
+
+
 def test_ranks_killed_by_a_restart_are_not_a_dead_node_unless_none_come_back():
     c, clock = make(PolicyConfig(min_nodes=1, crashed_grace_seconds=15))
     dead = dict(connected=False, alive=False, exited_cleanly=False)
