@@ -66,7 +66,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     try:
         policy = PolicyConfig(min_nodes=args.min_nodes,
                               evict_straggler_speedup=args.evict_straggler_speedup,
-                              silent_burst_nodes=args.silent_burst_nodes, silent_burst_share=args.silent_burst_share)
+                              silent_burst_nodes=args.silent_burst_nodes, silent_burst_share=args.silent_burst_share,
+                              silent_burst_seconds=args.silent_burst_seconds)
         token = load_token(args.token_file)
         tls = _tls_config(args)
         streams = _stream_limits(args)

@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "silence alone (default 4)")
     a.add_argument("--silent-burst-share", type=float, default=0.02, metavar="F",
                    help="see --silent-burst-nodes (default 0.02: 2%% of the job's nodes)")
+    a.add_argument("--silent-burst-seconds", type=float, default=30.0, metavar="SECONDS",
+                   help="a node excluded for its silence counts in the burst this long, so that at "
+                        "most the burst's size are excluded for silence in that time (default 30)")
     a.add_argument("--gpu-source", type=_gpu_source, default="auto", metavar="{auto,nvml,none,script:PATH}",
                    help="GPU health: NVML, none, or a fault script (JSON); auto (default) uses NVML "
                         "if it initialises, else none")

@@ -105,6 +105,7 @@ class Coordinator:
         """Node -> the relay it syncs through ('' or absent: this coordinator; relay_policy)."""
         self._relays_at = float("-inf")
         self._silent_burst = False   # many nodes silent together (said once per burst)
+        self._silenced: dict[str, float] = {}   # node judged dead for its silence -> when (recent ones)
 
     # -- intake ---------------------------------------------------------------
     def sync(self, summary: pb.NodeSummary) -> pb.SyncReply:
@@ -313,7 +314,12 @@ class Coordinator:
             excluded = self.excluded
             included = [(name, n) for name, n in self.nodes.items() if name not in excluded]
             quiet = {name for name, n in included if self.view.silent(n, now)}
-            counts = node_death.silence_is_evidence(len(quiet), len(included),
+            # Nodes excluded for their silence lately count with those silent now: a burst
+            # whose nodes fall silent one evaluation apart is still one burst.
+            window = self.policy.silent_burst_seconds
+            self._silenced = {k: t for k, t in self._silenced.items() if now - t < window and k in self.nodes}
+            gone = [k for k in self._silenced if k in excluded]
+            counts = node_death.silence_is_evidence(len(quiet) + len(gone), len(included) + len(gone),
                                                     burst_share=self.policy.silent_burst_share,
                                                     burst_nodes=self.policy.silent_burst_nodes)
             dead = []
@@ -326,15 +332,18 @@ class Coordinator:
                     grace=self.policy.crashed_grace_seconds)
                 if why is not None:
                     dead.append((name, why))
+                    if name in quiet and counts:
+                        self._silenced[name] = now
             for name, _ in dead:
                 self.dead.add(name)
-        burst = len(quiet) > 1 and not counts
+        burst = len(quiet) + len(gone) > 1 and not counts
         if burst != self._silent_burst:
             self._silent_burst = burst
             if burst:
-                log.warning("%d of %d nodes went silent together: taken for the coordinator's or the "
-                            "network's trouble, not for that many dead nodes; none is excluded for its "
-                            "silence while this lasts", len(quiet), len(included))
+                log.warning("%d of %d nodes went silent together (%d of them already excluded): taken for "
+                            "the coordinator's or the network's trouble, not for that many dead nodes; none "
+                            "is excluded for its silence while this lasts", len(quiet) + len(gone),
+                            len(included) + len(gone), len(gone))
             else:
                 log.info("the burst of silent nodes is over")
         for name, why in dead:

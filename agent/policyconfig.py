@@ -18,6 +18,10 @@ class PolicyConfig:
     are not taken for that many dead nodes: none is excluded for its silence alone
     (:func:`~rankwatch.agent.node_death.silence_is_evidence`)."""
     silent_burst_nodes: int = 4
+    silent_burst_seconds: float = 30.0
+    """A node excluded for its silence still counts as silent in the burst for this long, so
+    that nodes falling silent one evaluation apart are counted together: at most the burst's
+    size are excluded for silence in any such window."""
     exclude_hung: bool = True
     exclude_dead: bool = True
     exclude_gpu_fatal: bool = True
@@ -43,5 +47,6 @@ class PolicyConfig:
             raise ValueError("PolicyConfig.min_nodes must be at least 1")
         if not self.node_timeout_seconds > 0 or not self.checkpoint_lead_seconds > 0:
             raise ValueError("PolicyConfig timeouts must be positive")
-        if not 0 <= self.silent_burst_share <= 1 or self.silent_burst_nodes < 1:
-            raise ValueError("PolicyConfig needs 0 <= silent_burst_share <= 1 and silent_burst_nodes >= 1")
+        if not 0 <= self.silent_burst_share <= 1 or self.silent_burst_nodes < 1 or not self.silent_burst_seconds >= 0:
+            raise ValueError("PolicyConfig needs 0 <= silent_burst_share <= 1, silent_burst_nodes >= 1 and "
+                             "silent_burst_seconds >= 0")

@@ -104,6 +104,35 @@ def test_a_burst_of_silent_nodes_is_not_that_many_dead_nodes():
     assert set(c.excluded) == {"n9"}
 
 
+def test_nodes_falling_silent_one_at_a_time_are_one_burst():
+    """Ten nodes fall silent one evaluation apart: a node excluded for its silence counts in
+    the burst for --silent-burst-seconds, so four are excluded and the fifth is held; once
+    the window has passed, silence is evidence again."""
+    c, clock = make(PolicyConfig(node_timeout_seconds=3, silent_burst_seconds=30))
+    names = [f"n{i}" for i in range(10)]
+    seq = 0
+
+    def sync(nodes):
+        nonlocal seq
+        seq += 1
+        for n in nodes:
+            c.sync(summary(n, seq, clock.t, [dict(rank=int(n[1]), step=5, progress_at=clock.t,
+                                                  last_seen=clock.t)]))
+
+    for _ in range(3):   # heard steadily: only such a node can fall silent
+        clock.t += 0.25
+        sync(names)
+    for k in range(11):   # n9, n8, ... n5 stop syncing one second apart; n0-n4 sync on
+        clock.t += 1
+        sync(names[:max(5, 9 - k)])
+        c.evaluate()
+    assert set(c.excluded) == {"n9", "n8", "n7", "n6"}, "the fifth in the window is held"
+    clock.t += 31   # the window passes; n5 is still silent
+    sync(names[:5])
+    c.evaluate()
+    assert set(c.excluded) == {"n9", "n8", "n7", "n6", "n5"}
+
+
 def test_ranks_killed_by_a_restart_are_not_a_dead_node_unless_none_come_back():
     c, clock = make(PolicyConfig(min_nodes=1, crashed_grace_seconds=15))
     dead = dict(connected=False, alive=False, exited_cleanly=False)
