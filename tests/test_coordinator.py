@@ -75,12 +75,9 @@ def test_never_below_min_nodes_and_a_silent_node_is_dead():
 
 
 
-def test_a_burst_of_silent_nodes_is_not_that_many_dead_nodes():
-    """Ten nodes; five fall silent together (more than --silent-burst-nodes 4 and 2 %): the
-    coordinator excludes none of them for that.  Once four of them are back, the one still
-    silent is excluded."""
-    c, clock = make(PolicyConfig(node_timeout_seconds=3))
-    names = [f"n{i}" for i in range(10)]
+def _ten_nodes_heard_steadily(c, clock, names):
+    """Sync every node of ``names`` three times (only a node heard steadily can fall silent);
+    returns ``sync(nodes)``, which syncs those nodes once more at the clock's time."""
     seq = 0
 
     def sync(nodes):
@@ -90,9 +87,19 @@ def test_a_burst_of_silent_nodes_is_not_that_many_dead_nodes():
             c.sync(summary(n, seq, clock.t, [dict(rank=int(n[1]), step=5, progress_at=clock.t,
                                                   last_seen=clock.t)]))
 
-    for _ in range(3):   # heard steadily: only such a node can fall silent
+    for _ in range(3):
         clock.t += 0.25
         sync(names)
+    return sync
+
+
+def test_a_burst_of_silent_nodes_is_not_that_many_dead_nodes():
+    """Ten nodes; five fall silent together (more than --silent-burst-nodes 4 and 2 %): the
+    coordinator excludes none of them for that.  Once four of them are back, the one still
+    silent is excluded."""
+    c, clock = make(PolicyConfig(node_timeout_seconds=3))
+    names = [f"n{i}" for i in range(10)]
+    sync = _ten_nodes_heard_steadily(c, clock, names)
     for _ in range(5):
         clock.t += 1
         sync(names[:5])
@@ -110,18 +117,7 @@ def test_nodes_falling_silent_one_at_a_time_are_one_burst():
     the window has passed, silence is evidence again."""
     c, clock = make(PolicyConfig(node_timeout_seconds=3, silent_burst_seconds=30))
     names = [f"n{i}" for i in range(10)]
-    seq = 0
-
-    def sync(nodes):
-        nonlocal seq
-        seq += 1
-        for n in nodes:
-            c.sync(summary(n, seq, clock.t, [dict(rank=int(n[1]), step=5, progress_at=clock.t,
-                                                  last_seen=clock.t)]))
-
-    for _ in range(3):   # heard steadily: only such a node can fall silent
-        clock.t += 0.25
-        sync(names)
+    sync = _ten_nodes_heard_steadily(c, clock, names)
     for k in range(11):   # n9, n8, ... n5 stop syncing one second apart; n0-n4 sync on
         clock.t += 1
         sync(names[:max(5, 9 - k)])
