@@ -12,6 +12,12 @@ progress for longer than its allowance:
 Then the culprit is localised: a rank whose stream went silent (its whole
 process is stopped or gone) while others wait, else the rank behind on a group's collective
 sequence numbers, else the rank stuck longest outside a collective.
+
+One piece of evidence outranks silence: a rank still heard, whose copy is current, that
+sits outside any collective and has not entered the collective the others wait in (its
+group's sequence number is below the one they wait at).  That collective cannot finish
+without it, whatever a silent rank did; and a rank can look silent when its node's reports
+were lost to an overloaded coordinator or network rather than to a stopped process.
 """
 
 from __future__ import annotations
@@ -136,7 +142,14 @@ def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangV
         # nodes' own rule (all ranks died, past a grace for the restart).
         return None
     collective = _waited_collective(waiting)
-    if silent:
+    holding = _holding_up(waiting, collective) if silent else None
+    if holding is not None:
+        assert collective is not None
+        culprit = holding
+        reason = (f"behind the others on collective sequence numbers of group {collective['group']}: it has "
+                  f"not entered the collective they wait in (sequence {collective['seq']}) and waits in none; "
+                  f"{len(silent)} rank(s) went silent meanwhile")
+    elif silent:
         culprit = min(silent, key=lambda r: (r.last_seen, r.rank))
         reason = "its stream went silent while the others wait"
     else:
@@ -168,6 +181,18 @@ def _waited_collective(waiting: list[RankProgress]) -> dict[str, Any] | None:
         return None
     op, group, seq = max(set(keys), key=keys.count)
     return {"op": op, "group": group, "seq": seq, "source": source}
+
+
+def _holding_up(waiting: list[RankProgress], collective: dict[str, Any] | None) -> RankProgress | None:
+    """The rank stalled longest of those heard, current, inside no collective and behind the
+    sequence number of the collective the others wait in (from the hooks' records: the Flight
+    Recorder numbers its entries its own way)."""
+    if collective is None or collective["source"] != "hooks" or collective["seq"] < 0:
+        return None
+    group, seq = collective["group"], collective["seq"]
+    stuck = [r for r in waiting
+             if r.inflight is None and r.current and r.group_seqs.get(group, seq) < seq]
+    return min(stuck, key=lambda r: (r.progress_at, r.rank)) if stuck else None
 
 
 def _behind_on_sequence(ranks: list[RankProgress]) -> tuple[RankProgress, str] | None:

@@ -135,3 +135,27 @@ def test_a_copy_older_than_its_ranks_progress_is_no_evidence_of_being_behind():
     job[2] = rank(2, seqs={"0": 31}, inflight=waiting, progress_at=3.0, last_seen=20.0)
     v = detect_hang(9.0, job, CFG)
     assert v is not None and v.culprit.rank == 1 and "behind" in v.reason
+
+
+def test_a_rank_holding_up_the_waited_collective_outranks_a_silent_one():
+    """A node can look silent because its reports were lost to an overloaded coordinator.  A
+    rank still heard, its copy current, inside no collective and short of the one the others
+    wait in, holds that collective up whatever the silent rank did: it is named."""
+    waiting = {"op": "all_reduce", "group": "0", "seq": 9, "since": 3.0}
+    def job(**holder):
+        return [rank(0, seqs={"0": 9}, inflight=waiting, progress_at=3.0, last_seen=20.0),
+                rank(1, seqs={"0": 9}, inflight=waiting, progress_at=3.0, last_seen=12.0),  # silent
+                rank(2, seqs={"0": 9}, inflight=waiting, progress_at=3.0, last_seen=20.0),
+                rank(3, **{"seqs": {"0": 8}, "progress_at": 2.9, "last_seen": 20.0, **holder})]
+    v = detect_hang(20.0, job(), CFG)
+    assert v is not None and v.culprit.rank == 3 and v.silent == [1]
+    assert "has not entered the collective they wait in (sequence 9)" in v.reason
+    # Without that evidence, the silent rank is named as before: the rank short of the
+    # collective but waiting in another one (it may wait on the silent rank there) ...
+    other = {"op": "all_gather", "group": "1", "seq": 4, "since": 2.9}
+    assert detect_hang(20.0, job(inflight=other), CFG).culprit.rank == 1
+    # ... or one that entered it, or one whose copy is not current.
+    assert detect_hang(20.0, job(seqs={"0": 9}), CFG).culprit.rank == 1
+    old = job()
+    old[3].current = False
+    assert detect_hang(3.0 + CFG.floor_seconds + CFG.stale_copy_seconds + 0.1, old, CFG).culprit.rank == 1
