@@ -17,7 +17,9 @@ One piece of evidence outranks silence: a rank still heard, whose copy is curren
 sits outside any collective and has not entered the collective the others wait in (its
 group's sequence number is below the one they wait at).  That collective cannot finish
 without it, whatever a silent rank did; and a rank can look silent when its node's reports
-were lost to an overloaded coordinator or network rather than to a stopped process.
+were lost to an overloaded coordinator or network rather than to a stopped process.  Among
+silent ranks, one whose last (current) report shows it short of that collective, and in no
+other, is named before the others.
 """
 
 from __future__ import annotations
@@ -142,16 +144,19 @@ def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangV
         # nodes' own rule (all ranks died, past a grace for the restart).
         return None
     collective = _waited_collective(waiting)
-    holding = _holding_up(waiting, collective) if silent else None
-    if holding is not None:
-        assert collective is not None
-        culprit = holding
+    heard = _holding_up(waiting, collective) if silent else None
+    if heard is not None and collective is not None:
+        culprit = heard
         reason = (f"behind the others on collective sequence numbers of group {collective['group']}: it has "
                   f"not entered the collective they wait in (sequence {collective['seq']}) and waits in none; "
                   f"{len(silent)} rank(s) went silent meanwhile")
     elif silent:
-        culprit = min(silent, key=lambda r: (r.last_seen, r.rank))
+        short = _holding_up(silent, collective)
+        culprit = short or min(silent, key=lambda r: (r.last_seen, r.rank))
         reason = "its stream went silent while the others wait"
+        if short is not None and collective is not None:
+            reason += (f", and its last report shows it short of the collective they wait in "
+                       f"(group {collective['group']}, sequence {collective['seq']})")
     else:
         behind = _behind_on_sequence(live)
         if behind is not None:
@@ -183,14 +188,14 @@ def _waited_collective(waiting: list[RankProgress]) -> dict[str, Any] | None:
     return {"op": op, "group": group, "seq": seq, "source": source}
 
 
-def _holding_up(waiting: list[RankProgress], collective: dict[str, Any] | None) -> RankProgress | None:
-    """The rank stalled longest of those heard, current, inside no collective and behind the
-    sequence number of the collective the others wait in (from the hooks' records: the Flight
-    Recorder numbers its entries its own way)."""
+def _holding_up(ranks: list[RankProgress], collective: dict[str, Any] | None) -> RankProgress | None:
+    """The rank stalled longest of ``ranks`` whose copies are current, inside no collective and
+    behind the sequence number of the collective the others wait in (from the hooks' records:
+    the Flight Recorder numbers its entries its own way)."""
     if collective is None or collective["source"] != "hooks" or collective["seq"] < 0:
         return None
     group, seq = collective["group"], collective["seq"]
-    stuck = [r for r in waiting
+    stuck = [r for r in ranks
              if r.inflight is None and r.current and r.group_seqs.get(group, seq) < seq]
     return min(stuck, key=lambda r: (r.progress_at, r.rank)) if stuck else None
 

@@ -329,7 +329,9 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
             hangs = [i for i in _incidents(state) if i.kind == "hang"]
             if hangs:
                 named = {"seconds": round(hangs[0].detected_at - fault["at"], 2), "node": hangs[0].node,
-                         "rank": hangs[0].rank}
+                         "rank": hangs[0].rank, "reason": str(hangs[0].detail.get("reason", ""))[:200],
+                         "silent_ranks": (len(hangs[0].detail["silent_ranks"])   # None: cut from a big incident
+                                          if hangs[0].detail.get("silent_ranks") is not None else None)}
         if fault and args.silence is not None and silenced is None:
             gone = [d for d in _exclusions(state) if d["node"] == nodes[args.silence].name]
             if gone:

@@ -159,3 +159,22 @@ def test_a_rank_holding_up_the_waited_collective_outranks_a_silent_one():
     old = job()
     old[3].current = False
     assert detect_hang(3.0 + CFG.floor_seconds + CFG.stale_copy_seconds + 0.1, old, CFG).culprit.rank == 1
+
+
+def test_a_silent_rank_short_of_the_waited_collective_is_named_before_other_silent_ones():
+    """When the rank holding the collective up is itself silent (its node's reports lost too),
+    its last current copy still shows it short of the collective: it is named, not the rank
+    silent longest."""
+    waiting = {"op": "all_reduce", "group": "0", "seq": 9, "since": 3.0}
+    def job(**holder):
+        return [rank(0, seqs={"0": 9}, inflight=waiting, progress_at=3.0, last_seen=20.0),
+                rank(1, seqs={"0": 9}, inflight=waiting, progress_at=3.0, last_seen=11.0),  # silent longest
+                rank(2, seqs={"0": 9}, inflight=waiting, progress_at=3.0, last_seen=20.0),
+                rank(3, **{"seqs": {"0": 8}, "progress_at": 2.9, "last_seen": 14.0, **holder})]
+    v = detect_hang(20.0, job(), CFG)
+    assert v is not None and v.culprit.rank == 3 and v.silent == [1, 3]
+    assert "went silent" in v.reason and "short of the collective they wait in" in v.reason
+    assert detect_hang(20.0, job(seqs={"0": 9}), CFG).culprit.rank == 1, "it had entered it"
+    old = job()
+    old[3].current = False
+    assert detect_hang(20.0, old, CFG).culprit.rank == 1, "its copy is older than its progress"
