@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from rankwatch.agent import checkpoint_policy, node_death
+from rankwatch.agent import checkpoint_policy, load_policy, node_death
 from rankwatch.agent.decisions import Decision, DecisionLog
 from rankwatch.agent.hangend import hang_end, steps_at
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
@@ -252,8 +252,7 @@ class Coordinator:
             hang_due = now - self._hang_checked >= every
         stragglers_due = now - self._stragglers_at >= every
         verdicts = evaluate(now, self.snapshot(now), self.hang) if hang_due or stragglers_due else None
-        if verdicts is not None and hang_due and now >= self.load.quiet:
-            # (stale summaries after the coordinator's own stall are no evidence)
+        if verdicts is not None and hang_due and self._hang_evidence(now, verdicts):
             self._hang_checked = now
             self._check_hang(now, verdicts)
         if verdicts is not None and stragglers_due:
@@ -282,6 +281,18 @@ class Coordinator:
                         if relays else "with the coordinator directly")
         self.relays = relays
         self.load.callers = relay_policy.callers(relays, len(nodes) + 1) if relays else None
+
+    def _hang_evidence(self, now: float, verdicts: Verdicts) -> bool:
+        """Whether this evaluation may open or close a hang: summaries that arrived late
+        after the coordinator's own overload are no evidence, except a new verdict the ranks'
+        own reports show (:func:`load_policy.hang_shown_by_reports`)."""
+        if now >= self.load.quiet:
+            return True
+        found = verdicts.hang
+        if self._open_hang is not None or found is None:
+            return False
+        v = found.verdict
+        return load_policy.hang_shown_by_reports(now, self.load.quiet, v.reported_for, v.allowance, v.by_silence)
 
     def _check_hang(self, now: float, verdicts: Verdicts) -> None:
         if self.restarts.restarting(now, self.policy.restart_quiet_seconds):

@@ -94,6 +94,9 @@ class RankProgress:
     own: Sequence[float] = ()
     data: Sequence[float] = ()
     wait: Sequence[float] = ()
+    reported_at: float | None = None
+    """Agent clock: the rank's last message as its node reported it (the coordinator's
+    ``last_seen`` runs on from there while the node is heard); None: ``last_seen``."""
     current: bool = True
     """False: the coordinator's copy of this rank predates its latest progress (its node moved
     on since the copy was sent whole; only beats said so).  Its sequence numbers and in-flight
@@ -108,6 +111,12 @@ class HangVerdict:
     allowance: float
     collective: dict[str, Any] | None     # what the others wait in: {op, seq, group}
     silent: list[int]
+    reported_for: float = 0.0
+    """The shortest stall any rank still heard showed in its last report (its last message
+    less its last progress, both on its node's clock): how long the ranks themselves say they
+    stood still, whatever the lag before their reports arrived.  0 when no rank is heard."""
+    by_silence: bool = False
+    """The culprit was named for its silence alone (not for a report of its own)."""
 
 
 def hang_possible(now: float, latest_progress: float, cfg: HangConfig) -> bool:
@@ -144,6 +153,7 @@ def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangV
         # nodes' own rule (all ranks died, past a grace for the restart).
         return None
     collective = _waited_collective(waiting)
+    by_silence = False
     heard = _holding_up(waiting, collective) if silent else None
     if heard is not None and collective is not None:
         culprit = heard
@@ -153,6 +163,7 @@ def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangV
     elif silent:
         short = _holding_up(silent, collective)
         culprit = short or min(silent, key=lambda r: (r.last_seen, r.rank))
+        by_silence = short is None
         reason = "its stream went silent while the others wait"
         if short is not None and collective is not None:
             reason += (f", and its last report shows it short of the collective they wait in "
@@ -168,7 +179,9 @@ def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangV
             reason = ("stuck outside any collective while the others wait" if outside
                       else "every rank is inside a collective; the longest stalled is named")
     return HangVerdict(culprit=culprit, reason=reason, stalled_for=stalled_for, allowance=allowance,
-                       collective=collective, silent=[r.rank for r in silent])
+                       collective=collective, silent=[r.rank for r in silent],
+                       reported_for=min((_reported(r) - r.progress_at for r in waiting), default=0.0),
+                       by_silence=by_silence)
 
 
 def _waited_collective(waiting: list[RankProgress]) -> dict[str, Any] | None:
@@ -186,6 +199,10 @@ def _waited_collective(waiting: list[RankProgress]) -> dict[str, Any] | None:
         return None
     op, group, seq = max(set(keys), key=keys.count)
     return {"op": op, "group": group, "seq": seq, "source": source}
+
+
+def _reported(r: RankProgress) -> float:
+    return r.last_seen if r.reported_at is None else r.reported_at
 
 
 def _holding_up(ranks: list[RankProgress], collective: dict[str, Any] | None) -> RankProgress | None:

@@ -170,6 +170,9 @@ class JobView:
                     # under backpressure), a rank it saw is not silent for the coordinator either.
                     last_seen=min(r.last_seen + n.offset, n.received_at) if silent_node
                     else r.last_seen + n.offset + (now - n.received_at),
+                    # The rank's own last word: its last message, carried on to the node's
+                    # latest beat (a beat goes only while nothing about the ranks changed).
+                    reported_at=r.last_seen + n.offset + max(0.0, n.sent_at - n.summary.sent_at),
                     connected=r.connected and not silent_node, exited_cleanly=r.exited_cleanly,
                     group_seqs=r.group_seqs,   # read only: no copy (16,384 of them)
                     inflight=({"op": r.inflight.op, "group": r.inflight.group,

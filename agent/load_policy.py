@@ -16,6 +16,11 @@ rules keep an overloaded coordinator from harming the job:
   their callers had given up on them, or it heard under half the summaries due while busy, no node is called silent, and for a grace period after it,
   so every node gets a fair chance to be heard.  Positive evidence (a node that
   reports its ranks dead, a hang's culprit, a fatal GPU fault) still acts.
+* **A hang is acted on while overloaded only as the ranks report it.**  A late
+  coordinator sees every rank's progress late, so a job that trains can look hung to
+  it.  Until its quiet period ends, a hang verdict stands only if every rank still
+  heard reported itself, at its own last report, stalled past the allowance, and the
+  culprit was not named for its silence alone (:func:`hang_shown_by_reports`).
 * **Only a node heard steadily can fall silent.**  A node is called silent only after
   this coordinator heard ``min_syncs`` of its summaries.  When thousands of nodes
   join at once (a job's start, a new coordinator taking over), syncs fail at the door
@@ -30,8 +35,8 @@ from dataclasses import dataclass
 
 from rankwatch.knobs import require_positive
 
-__all__ = ["Load", "LoadConfig", "first_sync_delay", "interval_floor", "node_silent", "overload", "quiet_until",
-           "retry_delay", "silence_allowance", "sync_interval"]
+__all__ = ["Load", "LoadConfig", "first_sync_delay", "hang_shown_by_reports", "interval_floor", "node_silent",
+           "overload", "quiet_until", "retry_delay", "silence_allowance", "sync_interval"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +129,15 @@ def node_silent(now: float, received_at: float, interval: float, node_timeout: f
     if now < quiet or (syncs is not None and syncs < cfg.min_syncs):
         return False
     return now - received_at > silence_allowance(interval, node_timeout, cfg)
+
+
+def hang_shown_by_reports(now: float, quiet: float, reported_for: float, allowance: float,
+                          by_silence: bool) -> bool:
+    """Whether a hang verdict may be acted on at ``now``: always once the quiet period after
+    the coordinator's overload (``quiet``) is over; before that, only when the ranks still
+    heard reported themselves stalled ``reported_for`` seconds, past the ``allowance``, and
+    the culprit was not named for its silence alone."""
+    return now >= quiet or (not by_silence and reported_for >= allowance)
 
 
 def first_sync_delay(u: float, coordinates: bool, cfg: LoadConfig) -> float:

@@ -306,3 +306,33 @@ def test_a_node_heard_once_then_refused_is_not_called_dead():
     c.sync(summary("n0", 4, clock.t, [dict(rank=0, step=9, progress_at=clock.t, last_seen=clock.t)]))
     c.evaluate()
     assert c.node_states()["n1"] != "dead" and c.excluded == {}
+
+
+def test_an_overloaded_coordinator_acts_only_on_a_hang_its_ranks_report():
+    """While the coordinator is in its quiet period after overload, summaries arrive late and a
+    training job can look hung to it.  It opens a hang only when the heard ranks' own reports
+    show them stalled past the allowance and the culprit is not named for its silence alone."""
+    def job(reported, n1_heard=True):
+        c, clock = make()
+        t = clock.t
+        for seq, at in ((1, t), (2, t + reported)):
+            clock.t = at
+            c.sync(summary("n0", seq, at, [dict(rank=0, step=50, progress_at=t, last_seen=at, group_seqs={"0": 900},
+                                                inflight=pb.InFlight(op="all_reduce", group="0", seq=900, since=t))]))
+            c.sync(summary("n1", seq, at,    # (a rank whose stream fell silent at its node: last_seen t)
+                           [dict(rank=1, step=50, progress_at=t, last_seen=at if n1_heard else t,
+                                 group_seqs={"0": 899 if n1_heard else 900})]))
+        clock.t = t + 8
+        c.load.quiet = clock.t + 60   # the grace after the coordinator's own overload
+        c.evaluate()
+        return c, clock, [i for i in c.incidents.items if i.kind == "hang"]
+
+    _, _, hangs = job(reported=6.0)   # both ranks said they stood still 6 s (allowance 5 s)
+    assert [(h.node, h.rank) for h in hangs] == [("n1", 1)]
+    _, _, hangs = job(reported=3.0)   # their last reports came 3 s into the stall: the rest is lag
+    assert hangs == []
+    c, clock, hangs = job(reported=6.0, n1_heard=False)   # rank 1 silent, its last report not short
+    assert hangs == [], "a culprit named for its silence alone waits for the quiet period's end"
+    clock.t = c.load.quiet
+    c.evaluate()
+    assert [(h.node, h.rank) for h in c.incidents.items if h.kind == "hang"] == [("n1", 1)]

@@ -178,3 +178,21 @@ def test_a_silent_rank_short_of_the_waited_collective_is_named_before_other_sile
     old = job()
     old[3].current = False
     assert detect_hang(20.0, old, CFG).culprit.rank == 1, "its copy is older than its progress"
+
+
+def test_a_verdict_says_how_long_the_heard_ranks_reported_themselves_stalled():
+    """``reported_for`` is the ranks' own account (last message less last progress), not the
+    detector's clock less their progress, which grows with any lag before the reports arrive."""
+    waiting = {"op": "all_reduce", "group": "0", "seq": 9, "since": 3.0}
+    job = [rank(0, seqs={"0": 9}, inflight=waiting, progress_at=3.0, last_seen=9.5),
+           rank(1, seqs={"0": 9}, inflight=waiting, progress_at=2.0, last_seen=10.0),
+           rank(2, seqs={"0": 8}, progress_at=2.5, last_seen=10.0)]
+    v = detect_hang(11.0, job, CFG)
+    assert v is not None and v.stalled_for == 8.0 and v.reported_for == 6.5 and not v.by_silence
+    job[2].last_seen = 1.0   # silent, and its last report was before the stall
+    v = detect_hang(11.0, job, CFG)
+    assert v.culprit.rank == 2 and v.reported_for == 6.5 and not v.by_silence, "short of it: its own report"
+    job[2].group_seqs = {"0": 9}
+    v = detect_hang(11.0, job, CFG)
+    assert v.culprit.rank == 2 and v.by_silence, "named for its silence alone"
+    assert detect_hang(11.0, [rank(0, last_seen=1.0), rank(1, last_seen=1.5)], CFG).reported_for == 0.0

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.agent.load_policy import (Load, LoadConfig, first_sync_delay, interval_floor, node_silent, overload, quiet_until,
-                                         retry_delay, silence_allowance, sync_interval)
+from rankwatch.agent.load_policy import (Load, LoadConfig, first_sync_delay, hang_shown_by_reports, interval_floor,
+                                         node_silent, overload, quiet_until, retry_delay, silence_allowance,
+                                         sync_interval)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -242,3 +243,13 @@ def test_a_node_agent_backs_off_while_its_coordinator_is_busy_and_not_when_it_is
     finally:
         node.stop(timedelta(seconds=0.5))
         coord.stop(timedelta(seconds=0.5))
+
+
+def test_an_overloaded_coordinator_acts_only_on_a_hang_the_ranks_report():
+    # Quiet period over: any verdict stands.
+    assert hang_shown_by_reports(20.0, quiet=15.0, reported_for=0.0, allowance=5.0, by_silence=True)
+    # Before its end: the heard ranks must have reported the stall themselves ...
+    assert hang_shown_by_reports(10.0, quiet=15.0, reported_for=5.0, allowance=5.0, by_silence=False)
+    assert not hang_shown_by_reports(10.0, quiet=15.0, reported_for=4.9, allowance=5.0, by_silence=False)
+    # ... and the culprit must not be named for its silence alone.
+    assert not hang_shown_by_reports(10.0, quiet=15.0, reported_for=9.0, allowance=5.0, by_silence=True)

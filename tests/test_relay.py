@@ -233,6 +233,29 @@ def test_a_beat_after_progress_marks_the_coordinators_copy_as_old_until_the_next
     c.sync(_ranked("n1", 4, 1000.75, 1000.7))
     assert current() == [True], "a whole summary is current again"
 
+def test_beats_carry_a_stalled_nodes_own_account_of_its_stall():
+    """A stalled node behind a relay goes whole once, then beats: each beat says its ranks
+    have not moved as of its sending, so the ranks' reported stall grows with the beats
+    (an overloaded coordinator acts on a hang only on that account)."""
+    clock = Clock()
+    clock.t = 1000.0
+    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(), clock=clock,
+                    relay=RelayConfig(group_size=2, min_nodes=2))
+    c.sync(_ranked("n1", 1, 1000.0, 999.0, last_seen=1000.0))
+
+    def reported() -> float:
+        (r,) = c.view.snapshot(clock.t).ranks
+        return r.reported_at - r.progress_at
+
+    assert reported() == pytest.approx(1.0)
+    for seq, at in enumerate((1002.0, 1004.0, 1006.0), start=2):
+        clock.t = at
+        beat = pb.NodeBeat(node_id="n1", seq=seq, sent_at=at, latest_progress=999.0)
+        c.sync_group(pb.GroupSummary(nodes=[_summary("n9", seq, sent_at=at)], held_seconds=[0.0], beats=[beat]))
+    clock.t = 1030.0   # the coordinator's clock runs on; the ranks' own account does not
+    assert reported() == pytest.approx(7.0)
+
+
 def test_the_coordinator_takes_a_group_and_refuses_a_bad_summary_alone():
     clock = Clock()
     clock.t = 1000.0
