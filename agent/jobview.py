@@ -171,8 +171,10 @@ class JobView:
                     last_seen=min(r.last_seen + n.offset, n.received_at) if silent_node
                     else r.last_seen + n.offset + (now - n.received_at),
                     # The rank's own last word: its last message, carried on to the node's
-                    # latest beat (a beat goes only while nothing about the ranks changed).
-                    reported_at=r.last_seen + n.offset + max(0.0, n.sent_at - n.summary.sent_at),
+                    # latest beat while no beat said its ranks moved (a beat goes only while
+                    # nothing else about them changed).
+                    reported_at=r.last_seen + n.offset + (0.0 if n.moved_since_copy
+                                                          else max(0.0, n.sent_at - n.summary.sent_at)),
                     connected=r.connected and not silent_node, exited_cleanly=r.exited_cleanly,
                     group_seqs=r.group_seqs,   # read only: no copy (16,384 of them)
                     inflight=({"op": r.inflight.op, "group": r.inflight.group,

@@ -254,6 +254,9 @@ def test_beats_carry_a_stalled_nodes_own_account_of_its_stall():
         c.sync_group(pb.GroupSummary(nodes=[_summary("n9", seq, sent_at=at)], held_seconds=[0.0], beats=[beat]))
     clock.t = 1030.0   # the coordinator's clock runs on; the ranks' own account does not
     assert reported() == pytest.approx(7.0)
+    beat = pb.NodeBeat(node_id="n1", seq=5, sent_at=1030.0, latest_progress=1029.0)
+    c.sync_group(pb.GroupSummary(nodes=[_summary("n9", 5, sent_at=1030.0)], held_seconds=[0.0], beats=[beat]))
+    assert reported() == pytest.approx(1.0), "its ranks moved since the copy: the copy's own word only"
 
 
 def test_the_coordinator_takes_a_group_and_refuses_a_bad_summary_alone():
