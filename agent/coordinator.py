@@ -315,8 +315,9 @@ class Coordinator:
         self._hang_steps = steps_at(ranks)
         self._on_incident(hang)
         v = found.verdict
-        log.warning("JOB HANG: rank %d on node %s %s; others wait in %s", found.rank, found.node,
-                    v.reason, v.collective)
+        log.warning("JOB HANG: rank %d on node %s %s; others wait in %s%s", found.rank, found.node,
+                    v.reason, v.collective, f" (named while overloaded: the heard ranks reported themselves "
+                                            f"stalled {v.reported_for:.1f}s)" if now < self.load.quiet else "")
         if self.policy.exclude_hung and self.exclude(found.node, f"hang: rank {found.rank} {v.reason}"):
             self.incidents.resolve(hang.id, self.clock())  # the restart takes over from here
 
