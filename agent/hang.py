@@ -24,6 +24,7 @@ other, is named before the others.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,7 +198,9 @@ def _waited_collective(waiting: list[RankProgress]) -> dict[str, Any] | None:
         source = "flight_recorder"
     if not keys:
         return None
-    op, group, seq = max(set(keys), key=keys.count)
+    # (one count per key: ``keys.count`` per distinct key is quadratic when each tensor-parallel
+    # group waits in its own collective; ties go to the key seen first)
+    (op, group, seq), _ = Counter(keys).most_common(1)[0]
     return {"op": op, "group": group, "seq": seq, "source": source}
 
 
@@ -218,14 +221,20 @@ def _holding_up(ranks: list[RankProgress], collective: dict[str, Any] | None) ->
 
 
 def _behind_on_sequence(ranks: list[RankProgress]) -> tuple[RankProgress, str] | None:
+    """The rank furthest behind its group's top sequence number, and the group (ties: the
+    first group by name, then the first rank in ``ranks``' order)."""
+    members: dict[str, list[tuple[int, RankProgress]]] = {}
+    for r in ranks:   # one pass: a job with a tensor-parallel group per node has thousands of groups
+        for g, seq in r.group_seqs.items():
+            members.setdefault(g, []).append((seq, r))
     worst = None
-    for group in sorted({g for r in ranks for g in r.group_seqs}):
-        members = [r for r in ranks if group in r.group_seqs]
-        if len(members) < 2:
+    for group in sorted(members):
+        seqs = members[group]
+        if len(seqs) < 2:
             continue
-        top = max(r.group_seqs[group] for r in members)
-        for r in members:
-            gap = top - r.group_seqs[group]
+        top = max(seq for seq, _ in seqs)
+        for seq, r in seqs:
+            gap = top - seq
             if gap > 0 and (worst is None or gap > worst[0]):
                 worst = (gap, r, group)
     return (worst[1], worst[2]) if worst else None

@@ -7,7 +7,10 @@ keeps, with 5 % noise.  For each size, the median over ``--repeats`` of the
 process CPU time per call of:
 
 * ``detect_hang`` with every rank progressing (the common case) and with the
-  job stalled (a culprit to localise over 4 process groups);
+  job stalled (a culprit to localise over 4 process groups, or with ``--layout 3d``
+  over a world group, a tensor-parallel group per node of 8 and 8 data-parallel
+  groups: thousands of groups at thousands of ranks, each node's ranks waiting in
+  their own group's collective);
 * ``StragglerDetector.update`` on a clean job (new steps each call), and with
   one rank flagged (scores and hysteresis run on every call);
 * ``score``, which the agent also calls once per evaluation for the slowdown gauge.
@@ -41,18 +44,20 @@ def _cpu_per_call(fn: Callable[[int], object], calls: int, repeats: int) -> floa
     return statistics.median(per)
 
 
-def _progress(n: int, now: float, stalled: bool) -> list[RankProgress]:
-    groups = {f"pg{g}": 1000 for g in range(4)}
+def _progress(n: int, now: float, stalled: bool, layout: str = "flat") -> list[RankProgress]:
     out = []
     for r in range(n):
-        seqs = dict(groups)
+        if layout == "3d":
+            seqs, waits = {"world": 1000, f"tp{r // 8}": 1000, f"dp{r % 8}": 1000}, f"tp{r // 8}"
+        else:
+            seqs, waits = {f"pg{g}": 1000 for g in range(4)}, "pg2"
         if stalled and r == n // 2:
-            seqs["pg2"] = 999
+            seqs[waits] = 999
         out.append(RankProgress(rank=r, node=f"n{r // 8}", step=500, step_seconds=0.1,
                                 steps_completed=500, activity="train",
                                 progress_at=now - (30.0 if stalled else 0.05), last_seen=now - 0.05,
                                 connected=True, group_seqs=seqs,
-                                inflight={"op": "all_reduce", "group": "pg2", "seq": 1000, "since": now - 30}))
+                                inflight={"op": "all_reduce", "group": waits, "seq": 1000, "since": now - 30}))
     return out
 
 
@@ -71,10 +76,12 @@ def _work_stream(n: int, calls: int, slow_rank: int | None, rng: np.random.Gener
     return out
 
 
-def measure(n: int, repeats: int, rng: np.random.Generator) -> dict[str, float]:
+def measure(n: int, repeats: int, rng: np.random.Generator, layout: str = "flat") -> dict[str, float]:
     cfg_h = HangConfig()
     now = time.time()
-    ok, stalled = _progress(n, now, False), _progress(n, now, True)
+    ok, stalled = _progress(n, now, False, layout), _progress(n, now, True, layout)
+    verdict = detect_hang(now, stalled, cfg_h)
+    assert verdict is not None and verdict.culprit.rank == n // 2, "the stalled job's culprit"
     calls = max(3, 2000 // n)
     row = {
         "hang_ok": _cpu_per_call(lambda i: detect_hang(now, ok, cfg_h), calls, repeats),
@@ -98,13 +105,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 32, 128, 512, 1024])
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--layout", choices=("flat", "3d"), default="flat",
+                    help="process groups: 4 over every rank, or world + per-node TP + 8 DP groups")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     cols = ("hang_ok", "hang_stalled", "straggler_clean", "straggler_flagged", "score")
     print("| ranks | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for n in args.ranks:
-        row = measure(n, args.repeats, rng)
+        row = measure(n, args.repeats, rng, args.layout)
         print(f"| {n} | " + " | ".join(f"{row[c] * 1e3:.3f} ms" for c in cols) + " |", flush=True)
 
 

@@ -196,3 +196,34 @@ def test_a_verdict_says_how_long_the_heard_ranks_reported_themselves_stalled():
     v = detect_hang(11.0, job, CFG)
     assert v.culprit.rank == 2 and v.by_silence, "named for its silence alone"
     assert detect_hang(11.0, [rank(0, last_seen=1.0), rank(1, last_seen=1.5)], CFG).reported_for == 0.0
+
+
+def test_behind_on_sequence_in_a_job_of_many_groups():
+    """A world group, a tensor-parallel group per node of 8 and 8 data-parallel groups (the
+    detector reads every group's members in one pass): the largest gap is named; on a tie,
+    the first group by name, then the first rank."""
+    def job(gaps):
+        ranks = []
+        for r in range(64):
+            seqs = {"world": 50, f"tp{r // 8}": 70, f"dp{r % 8}": 90}
+            for (who, group), gap in gaps.items():
+                if who == r:
+                    seqs[group] -= gap
+            ranks.append(rank(r, last_seen=10.0, seqs=seqs))
+        return ranks
+    v = detect_hang(10.0, job({(37, "dp5"): 2, (12, "tp1"): 2}), CFG)
+    assert v.culprit.rank == 37 and v.reason.endswith("group dp5"), "a tie: dp5 sorts before tp1"
+    v = detect_hang(10.0, job({(37, "dp5"): 2, (12, "tp1"): 3}), CFG)
+    assert v.culprit.rank == 12 and v.reason.endswith("group tp1")
+    v = detect_hang(10.0, job({(5, "dp5"): 1, (13, "dp5"): 1}), CFG)
+    assert v.culprit.rank == 5, "a tie within a group: the first rank"
+
+
+def test_the_waited_collective_is_the_one_most_ranks_wait_in():
+    def waits(group, seq):
+        return {"op": "all_reduce", "group": group, "seq": seq, "since": 0.0}
+    ranks = [rank(r, last_seen=10.0, inflight=waits(f"tp{r // 2}", 7)) for r in range(6)]
+    ranks += [rank(6, last_seen=10.0, inflight=waits("tp1", 7))]
+    assert detect_hang(10.0, ranks, CFG).collective["group"] == "tp1"
+    ranks[-1].inflight = waits("tp9", 7)
+    assert detect_hang(10.0, ranks, CFG).collective["group"] == "tp0", "a tie: the first seen"
