@@ -222,22 +222,23 @@ def _holding_up(ranks: list[RankProgress], collective: dict[str, Any] | None) ->
 
 def _behind_on_sequence(ranks: list[RankProgress]) -> tuple[RankProgress, str] | None:
     """The rank furthest behind its group's top sequence number, and the group (ties: the
-    first group by name, then the first rank in ``ranks``' order)."""
-    members: dict[str, list[tuple[int, RankProgress]]] = {}
-    for r in ranks:   # one pass: a job with a tensor-parallel group per node has thousands of groups
+    first group by name, then the first rank in ``ranks``' order).
+
+    Two passes over the ranks' groups, whatever their number: a job with a tensor-parallel
+    group per node has thousands, and a pass over every rank per group was quadratic."""
+    top: dict[str, int] = {}
+    for r in ranks:
         for g, seq in r.group_seqs.items():
-            members.setdefault(g, []).append((seq, r))
-    worst = None
-    for group in sorted(members):
-        seqs = members[group]
-        if len(seqs) < 2:
-            continue
-        top = max(seq for seq, _ in seqs)
-        for seq, r in seqs:
-            gap = top - seq
-            if gap > 0 and (worst is None or gap > worst[0]):
-                worst = (gap, r, group)
-    return (worst[1], worst[2]) if worst else None
+            t = top.get(g)
+            if t is None or seq > t:
+                top[g] = seq
+    gap, worst, group = 0, None, ""
+    for r in ranks:
+        for g, seq in r.group_seqs.items():
+            d = top[g] - seq
+            if d > gap or (d == gap and d > 0 and g < group):
+                gap, worst, group = d, r, g
+    return (worst, group) if worst is not None else None
 
 
 def flight_recorder_evidence(ranks: list[RankProgress]) -> dict[str, dict] | None:

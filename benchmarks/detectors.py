@@ -76,7 +76,8 @@ def _work_stream(n: int, calls: int, slow_rank: int | None, rng: np.random.Gener
     return out
 
 
-def measure(n: int, repeats: int, rng: np.random.Generator, layout: str = "flat") -> dict[str, float]:
+def measure(n: int, repeats: int, rng: np.random.Generator, layout: str = "flat",
+            hang_only: bool = False) -> dict[str, float]:
     cfg_h = HangConfig()
     now = time.time()
     ok, stalled = _progress(n, now, False, layout), _progress(n, now, True, layout)
@@ -87,6 +88,8 @@ def measure(n: int, repeats: int, rng: np.random.Generator, layout: str = "flat"
         "hang_ok": _cpu_per_call(lambda i: detect_hang(now, ok, cfg_h), calls, repeats),
         "hang_stalled": _cpu_per_call(lambda i: detect_hang(now, stalled, cfg_h), calls, repeats),
     }
+    if hang_only:
+        return row
     cfg = StragglerConfig(warmup_steps=0)
     for name, slow in (("straggler_clean", None), ("straggler_flagged", n // 3)):
         warm = 60  # calls before timing: the slow rank gets flagged in these
@@ -107,13 +110,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--layout", choices=("flat", "3d"), default="flat",
                     help="process groups: 4 over every rank, or world + per-node TP + 8 DP groups")
+    ap.add_argument("--hang-only", action="store_true", help="only the hang detector's columns")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    cols = ("hang_ok", "hang_stalled", "straggler_clean", "straggler_flagged", "score")
+    cols: tuple[str, ...] = ("hang_ok", "hang_stalled")
+    if not args.hang_only:
+        cols += ("straggler_clean", "straggler_flagged", "score")
     print("| ranks | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for n in args.ranks:
-        row = measure(n, args.repeats, rng, args.layout)
+        row = measure(n, args.repeats, rng, args.layout, args.hang_only)
         print(f"| {n} | " + " | ".join(f"{row[c] * 1e3:.3f} ms" for c in cols) + " |", flush=True)
 
 
