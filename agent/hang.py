@@ -13,7 +13,7 @@ Then the culprit is localised: a rank whose stream went silent (its whole
 process is stopped or gone) while others wait, else the rank behind on a group's collective
 sequence numbers, else the rank stuck longest outside a collective.
 
-One piece of evidence outranks silence: a rank still heard, whose copy is current, that
+Evidence of its own outranks silence: a rank still heard, whose copy is current, that
 sits outside any collective and has not entered the collective the others wait in (its
 group's sequence number is below the one they wait at).  That collective cannot finish
 without it, whatever a silent rank did; and a rank can look silent when its node's reports
