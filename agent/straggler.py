@@ -125,7 +125,10 @@ class StragglerDetector:
         if x is not None:
             self._accumulate(full, x[:, x.shape[1] - new:])
         if not self.flagged and max(self._cusum.values(), default=0.0) < self.cfg.evidence:
-            return []  # the common case: nothing to confirm or to clear
+            # The common case: nothing to confirm or to clear.  No rank has the evidence, so
+            # no confirmation holds on: a later burst starts its hold afresh.
+            self._ready.clear()
+            return []
         if w is None or w.own.shape[1] < self.cfg.window:
             w = recent_window(full, last, self.cfg.window)
             x = log_ratios(w, self.cfg.clip)

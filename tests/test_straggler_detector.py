@@ -426,3 +426,23 @@ def test_scoring_only_the_candidates_changes_no_event(seed):
     assert _events_key(got) == _events_key(want)
     assert any(ev.kind == "flagged" for _, ev in got) and any(ev.kind == "cleared" for _, ev in got)
     assert any(ev.scope == "node" for _, ev in got)
+
+
+def test_two_short_bursts_do_not_add_up_to_a_held_slowdown():
+    # Rank 1 is 50 % slower for 9 steps at step 100 and again at step 200 (0.1 s steps, so
+    # each burst is confirmed for well under the 1 s hold).  Between them every CUSUM falls
+    # below the evidence; the first burst's confirmation must end there, or the second burst
+    # is flagged the moment it is confirmed, as if it had held since step 108.
+    n = 300
+    own = [[0.05] * n for _ in range(4)]
+    own[1] = [0.075 if 100 <= t < 109 or 200 <= t < 209 else 0.05 for t in range(n)]
+    det = StragglerDetector(CFG)
+    confirmed = []
+    for t in range(1, n + 1):
+        flags = [ev for ev in det.update([work(r, own[r][:t]) for r in range(4)], t) if ev.kind == "flagged"]
+        assert not flags, f"flagged at step {t}: {flags[0].score}"
+        if det._ready:
+            confirmed.append(t)
+    # Both bursts were confirmed (the test would pass vacuously otherwise), each briefly.
+    assert any(100 < t < 120 for t in confirmed) and any(200 < t < 220 for t in confirmed), confirmed
+    assert len(confirmed) < 2 * math.ceil(CFG.hold_seconds / 0.1), confirmed
