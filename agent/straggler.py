@@ -19,7 +19,7 @@ that is slow for everyone cancels out):
   flagged once its CUSUM reaches ``evidence`` *and* its windowed slowdown is at
   least ``1 + threshold`` *and* its excess is at least ``min_excess_seconds`` a step
   (a few percent of a millisecond step is scheduling noise), once that has held for
-  ``hold_seconds`` of step time (a burst of another process is shorter);
+  ``hold_seconds`` of step time, start to start (a burst of another process is shorter);
 * hysteresis: a flagged rank is cleared only after ``clear_after`` steps with
   its slowdown below ``1 + clear_threshold``; at once if it now works less than
   the others (slowdown below 1) while another flagged rank works more: the
@@ -239,7 +239,7 @@ class StragglerDetector:
             waiting = len(nodes) > 1 and len(members) > 1 and all(
                 r in slow or r in self.flagged for r in members)
             for rank in ready:
-                held = (last - self._ready[rank]) * by_rank[rank].step_seconds >= cfg.hold_seconds
+                held = (last - self._ready[rank]) * step_period(by_rank[rank], cfg.window) >= cfg.hold_seconds
                 if held and (not waiting or last - self._ready[rank] >= cfg.node_grace):
                     events.append(self._raise([scores[rank]], by_rank, "rank", [rank]))
         return events
@@ -259,3 +259,16 @@ class StragglerDetector:
     def cost_ratio(self, step_seconds: float) -> float:
         """The job's speed-up if the currently flagged stragglers were gone (1 = none)."""
         return cost_ratio(list(self.flagged.values()), step_seconds)
+
+
+def step_period(r: RankWork, n: int) -> float:
+    """Seconds from one of the rank's step starts to the next, the median over its last ``n``:
+    its step time as the job feels it, time outside the step scope included (a loader fetched
+    before ``with mon.step(n):`` adds 30 ms to a 5 ms scope).  The hold is counted in it;
+    ``step_seconds`` (the scope's time) where the starts are unknown."""
+    if r.start is not None and len(r.start) >= 3:
+        gaps = np.diff(np.asarray(r.start[-n:], dtype=float))
+        gaps = gaps[np.isfinite(gaps)]
+        if gaps.size:
+            return max(float(np.median(gaps)), r.step_seconds)
+    return r.step_seconds

@@ -446,3 +446,22 @@ def test_two_short_bursts_do_not_add_up_to_a_held_slowdown():
     # Both bursts were confirmed (the test would pass vacuously otherwise), each briefly.
     assert any(100 < t < 120 for t in confirmed) and any(200 < t < 220 for t in confirmed), confirmed
     assert len(confirmed) < 2 * math.ceil(CFG.hold_seconds / 0.1), confirmed
+
+
+def test_the_hold_is_counted_start_to_start_when_time_goes_outside_the_step_scope():
+    # Rank 2 fetches its batch before its 4 ms step scope opens, 30 ms from step 60: the job
+    # steps every 35 ms, though each scope lasts 5 ms.  The 1 s hold is 29 of those steps; in
+    # scope time it would be 200, and the rank would be flagged only after step 260.
+    n, onset = 300, 60
+    period = [0.005 if t < onset else 0.035 for t in range(n)]
+    t0 = np.cumsum([0.0] + period[:-1])
+    late = [[0.03 if r == 2 and t >= onset else 0.0 for t in range(n)] for r in range(3)]
+    starts = [[float(t0[t]) + late[r][t] for t in range(n)] for r in range(3)]
+    gaps = [[0.001 + late[r][t] for t in range(n)] for r in range(3)]
+    det, events = StragglerDetector(CFG), []
+    for t in range(1, n + 1):
+        ranks = [work(r, [0.004] * t, step_s=0.005, start=starts[r][:t], gap=gaps[r][:t]) for r in range(3)]
+        events += [(t, ev) for ev in det.update(ranks, t) if ev.kind == "flagged"]
+    assert [(ev.ranks, ev.score.cause) for _, ev in events] == [([2], "data")], events
+    hold = math.ceil(CFG.hold_seconds / 0.035)
+    assert events[0][0] <= onset + CFG.window + hold, events[0][0]
