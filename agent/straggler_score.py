@@ -54,12 +54,14 @@ class StragglerConfig:
     """A rank is flagged only while its excess is at least this (seconds per step): below it,
     a ratio over a short step is the host's scheduling noise (a 5 ms step on a shared CPU
     starts 1 ms late now and then, 20 %), not a rank that holds the job up."""
-    hold_seconds: float = 1.0
-    """Once confirmed, a slowdown must last this long in step time before it is flagged:
-    with millisecond steps the step-count evidence is over in tens of milliseconds, within
-    one burst of another process on the rank's core.  A second: four ranks sharing two cores
-    made one of them 19 % slower for over a quarter of a second in a run with no straggler,
-    and a straggler worth acting on costs the job far more than a second."""
+    hold_seconds: float = 2.0
+    """Once confirmed, a slowdown must last this long in step time (start to start) before it
+    is flagged: with millisecond steps the step-count evidence is over in tens of
+    milliseconds, within one burst of another process on the rank's core.  Two seconds: four
+    ranks sharing two cores made one of them 19 % slower for over a quarter of a second in a
+    run with no straggler, and 12 % slower for over a second in 2 of 60 clean runs (a busy
+    hyperthread sibling shows as compute, not as run delay); a straggler worth acting on
+    costs the job far more than two seconds."""
 
     def __post_init__(self) -> None:
         if self.window < 3:

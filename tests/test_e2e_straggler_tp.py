@@ -11,6 +11,7 @@ peer in FSDP's collectives; the others wait in turn, and none of them is flagged
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,7 +59,7 @@ def test_a_clean_tp_run_flags_no_one(tmp_path, shape, run):
         # the script's mesh is (dp, tp), row-major: rank = dp * tp + tp_rank
         assert _mesh(ranks) == {r: divmod(r, tp) for r in range(nproc)}, ranks
         assert sorted(r["step"] for r in ranks) == [300] * nproc
-        assert _stragglers(agent) == [], [(i["rank"], i["step"], i["detail"]) for i in _stragglers(agent)]
+        assert _stragglers(agent) == [], json.dumps([(i["rank"], i["step"], i["detail"]) for i in _stragglers(agent)])
         assert {r["state"] for r in ranks} == {"ok"}, ranks
     finally:
         agent.stop()

@@ -13,7 +13,7 @@ from rankwatch.agent.starvation import StarvationTracker, run_delay_seconds
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, cost_ratio, score
 from rankwatch.agent.straggler_score import _loo_median
 
-CFG = StragglerConfig(warmup_steps=0)
+CFG = StragglerConfig(warmup_steps=0, hold_seconds=1.0)  # the mechanism at a 1 s hold (the default is longer)
 N = 64  # steps the agent keeps per rank
 
 
