@@ -55,7 +55,7 @@ from rankwatch.agent.straggler_score import (
 )
 
 __all__ = ["CAUSES", "RankWork", "Score", "StragglerConfig", "StragglerDetector", "StragglerEvent",
-           "cost_ratio", "score"]
+           "cost_ratio", "score", "step_period"]
 
 
 @dataclass(kw_only=True)
