@@ -182,7 +182,8 @@ class JobView:
                               if r.HasField("inflight") else None),
                     stacks=r.stacks if r.stacks and fresh else None,
                     flight_recorder=_flight_recorder(r), pid=r.pid, alive=r.alive, stopped=r.stopped,
-                    own=r.own_work, data=r.data_wait, wait=r.comm_wait, current=not n.moved_since_copy))
+                    own=r.own_work, data=r.data_wait, wait=r.comm_wait, period=r.step_period,
+                    current=not n.moved_since_copy))
         return Snapshot(ranks=out, scope="job", nodes=names,
                         silent_nodes=frozenset(name for name, _, silent in nodes if silent))
 

@@ -24,7 +24,8 @@ from rankwatch.agent.rankstate import next_state
 from rankwatch.agent.starvation import StarvationTracker
 from rankwatch.agent.state import NodeState, RankState, _pid_alive
 from rankwatch.agent.stepstarts import StepStarts
-from rankwatch.agent.straggler import StragglerConfig, StragglerDetector, score
+from rankwatch.agent.straggler import StragglerConfig, StragglerDetector, period_of, score
+from rankwatch.agent.validate import MAX_DURATION
 
 __all__ = ["NodeWatch", "process_state", "snapshot"]
 
@@ -90,6 +91,12 @@ class NodeWatch:
         """(flagged rank -> cause, the job's step-time cost ratio), for /metrics."""
         self._marked_at: dict[int, float] = {}   # rank -> when a job verdict marked it hung
         self._job_stragglers: set[int] = set()   # ranks the coordinator flags as stragglers
+
+    def step_period(self, rank: int, step_seconds: float) -> float:
+        """The rank's step time from start to start (its summary carries it to the coordinator,
+        whose straggler hold is counted in it; :func:`.straggler.period_of`), within the
+        coordinator's range for a duration (a job paused for days must not void the summary)."""
+        return min(period_of(self._step_starts.latest(rank), step_seconds, self.straggler.window), MAX_DURATION)
 
     # -- hang -------------------------------------------------------------------
     def check_hang(self, now: float) -> Incident | None:

@@ -64,6 +64,12 @@ class StepStarts:
         extra = held[1] - completed
         return gaps[:len(gaps) - extra] if extra else gaps
 
+    def latest(self, rank: int) -> list[float]:
+        """The rank's step starts held, oldest first, whatever its completed count."""
+        with self._lock:
+            held = self._starts.get(rank)
+            return list(held[2]) if held is not None else []
+
     def for_rank(self, rank: int, completed: int) -> list[float] | None:
         """The rank's step starts with the last one at step ``completed``, or None if not held."""
         with self._lock:

@@ -45,6 +45,7 @@ turns them into flags over time (:class:`StragglerDetector`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,7 +56,7 @@ from rankwatch.agent.straggler_score import (
 )
 
 __all__ = ["CAUSES", "RankWork", "Score", "StragglerConfig", "StragglerDetector", "StragglerEvent",
-           "cost_ratio", "score", "step_period"]
+           "cost_ratio", "period_of", "score", "step_period"]
 
 
 @dataclass(kw_only=True)
@@ -264,11 +265,20 @@ class StragglerDetector:
 def step_period(r: RankWork, n: int) -> float:
     """Seconds from one of the rank's step starts to the next, the median over its last ``n``:
     its step time as the job feels it, time outside the step scope included (a loader fetched
-    before ``with mon.step(n):`` adds 30 ms to a 5 ms scope).  The hold is counted in it;
-    ``step_seconds`` (the scope's time) where the starts are unknown."""
-    if r.start is not None and len(r.start) >= 3:
-        gaps = np.diff(np.asarray(r.start[-n:], dtype=float))
+    before ``with mon.step(n):`` adds 30 ms to a 5 ms scope).  The hold is counted in it.
+    Without the starts (the coordinator has none), the period the rank's node measured
+    (``r.period``); without that either, ``step_seconds`` (the scope's time)."""
+    if r.start is not None:
+        return period_of(r.start, r.step_seconds, n)
+    return max(r.period, r.step_seconds)
+
+
+def period_of(starts: Sequence[float], step_seconds: float, n: int) -> float:
+    """The median interval between the last ``n`` of ``starts`` (Unix times, oldest first),
+    never less than ``step_seconds``; ``step_seconds`` where fewer than three are known."""
+    if len(starts) >= 3:
+        gaps = np.diff(np.asarray(list(starts)[-n:], dtype=float))
         gaps = gaps[np.isfinite(gaps)]
         if gaps.size:
-            return max(float(np.median(gaps)), r.step_seconds)
-    return r.step_seconds
+            return max(float(np.median(gaps)), step_seconds)
+    return step_seconds

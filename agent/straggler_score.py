@@ -99,6 +99,7 @@ class RankWork:
     delay: list[float] | None = None
     start: list[float] | None = None
     gap: list[float] | None = None        # time before each step since the previous one ended
+    period: float = 0.0                   # start to start, as the rank's node measured it (0: unknown)
 
 
 @dataclass(kw_only=True)

@@ -77,6 +77,7 @@ def _check_rank_summary(r: pb.RankSummary, now: float) -> None:
     if r.HasField("world_rank") and not 0 <= r.world_rank < MAX_WORLD_SIZE:
         raise Rejected("invalid_value", f"world_rank {r.world_rank} out of range")
     check_duration(r.step_seconds, "step_seconds")
+    check_duration(r.step_period, "step_period")
     for t, what in ((r.progress_at, "progress_at"), (r.last_seen, "last_seen"), (r.stacks_at, "stacks_at")):
         check_timestamp(t, what, now)
     check_label(r.activity, "activity")

@@ -131,7 +131,8 @@ def node_summary(agent: Agent, seq: int) -> pb.NodeSummary:
             flight_recorder=json.dumps(fr) if fr else "",
             phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
             op_latency=oplatency.to_pb(r.op_latency), backend=r.backend,
-            collectives=int(r.collective_counts.sum()), world_size=r.world_size)
+            collectives=int(r.collective_counts.sum()), world_size=r.world_size,
+            step_period=agent.watch.step_period(r.rank, r.step_seconds))
         if r.world_rank is not None:
             rs.world_rank = r.world_rank
         if inflight:

@@ -294,6 +294,40 @@ def test_a_job_straggler_is_resolved_when_the_node_recovers():
     assert len([i for i in c.incidents.items if i.kind == "straggler"]) == 1
 
 
+@pytest.mark.parametrize("sent_period", [True, False])
+def test_the_job_straggler_hold_is_counted_in_the_period_the_node_sends(sent_period):
+    # Each node's only rank fetches its batch outside its step scope: 5 (n0) and 10 ms (n1)
+    # of scope time, 40 ms from step start to step start.  The 2 s hold is 50 of those steps;
+    # counted in scope time, it would be 200.  A node that sends no period (an older agent)
+    # is held in scope time, as before.
+    from rankwatch.agent.straggler import StragglerConfig
+
+    c, clock = make(PolicyConfig(evict_straggler_speedup=100.0),  # flag only, never evict
+                    straggler=StragglerConfig(warmup_steps=0))
+    assert c.stragglers.cfg.hold_seconds == 2.0
+    t = clock.t
+    flagged_at = None
+    for seq in range(1, 151):
+        done = 40 + seq
+        clock.t = t + seq * 0.04
+        for node, rank, own in (("n0", 0, 0.005), ("n1", 1, 0.010)):
+            extra = {"step_period": 0.04} if sent_period else {}
+            c.sync(summary(node, seq, clock.t, [dict(rank=rank, step=done, steps_completed=done,
+                                                     progress_at=clock.t, last_seen=clock.t,
+                                                     step_seconds=own, own_work=[own] * 16,
+                                                     comm_wait=[0.0] * 16, data_wait=[0.0] * 16,
+                                                     **extra)]))
+        c.evaluate()
+        if flagged_at is None and any(i.kind == "straggler" for i in c.incidents.items):
+            flagged_at = seq
+    if sent_period:
+        (inc,) = [i for i in c.incidents.items if i.kind == "straggler"]
+        assert (inc.node, inc.rank) == ("n1", 1)
+        assert flagged_at is not None and 50 <= flagged_at <= 80, flagged_at
+    else:
+        assert flagged_at is None, f"held in scope time, flagged only after ~200 steps, not {flagged_at}"
+
+
 def test_a_node_heard_once_then_refused_is_not_called_dead():
     # Thousands of nodes joining at once: n1 was heard once, then its syncs failed at the door.
     c, clock = make(PolicyConfig(min_nodes=1, node_timeout_seconds=3))

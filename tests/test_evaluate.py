@@ -141,3 +141,24 @@ def test_progress_after_a_hang_resolves_it_and_the_rank_is_ok_again():
     (inc,) = log.items
     assert inc.resolved_at == now[0] and inc.detail["outcome"] == "resumed"
     assert st.ranks[0].state == "ok"
+
+
+def test_the_summary_carries_each_ranks_period_from_step_start_to_step_start(tmp_path):
+    """The coordinator has no step starts: the node sends the period it measured from them,
+    and the coordinator's straggler inputs carry it (the hold is counted in it)."""
+    agent = Agent(AgentConfig(node_id="n0", listen=[Address(path=str(tmp_path / "a.sock"))],
+                              metrics_port=None, hang=HANG))
+    st = agent.state
+    r0 = st.hello(hello(0, os.getpid()))
+    n, t0 = 20, time.time() - 5
+    cols = pb.StepColumns(step=list(range(n)), start=[t0 + 0.04 * i for i in range(n)], duration=[0.005] * n,
+                          data=[0.0] * n, forward=[0.0] * n, backward=[0.0] * n, optimizer=[0.0] * n,
+                          tokens=[0] * n, flops=[0.0] * n)
+    st.ingest(r0, pb.Batch(seq=1, steps=cols))   # a loader outside the step scope: 5 ms of 40
+    (sent,) = agent.summary(1).ranks
+    assert sent.step_seconds == pytest.approx(0.005) and sent.step_period == pytest.approx(0.04)
+    coordinator = Coordinator("c", incidents=IncidentLog(None), hang=HANG,
+                              policy=PolicyConfig(node_timeout_seconds=600))
+    coordinator.sync(agent.summary(2))
+    (work,) = evaluate(time.time(), coordinator.snapshot(time.time()), HANG).work
+    assert work.period == pytest.approx(0.04) and work.step_seconds == pytest.approx(0.005)

@@ -171,6 +171,7 @@ def test_sync_summaries_out_of_range_get_invalid_argument_and_status_answers(age
            summary(4, progress_at=1e300), summary(5, group_seqs={"0": 2**62}),
            summary(6, stacks="x" * (validate.MAX_STACKS + 1)),
            summary(7, flight_recorder=json.dumps({"completed": {"0": 2**62}})),
+           summary(15, step_period=-1.0), summary(16, step_period=math.nan),
            pb.NodeSummary(node_id="intruder", seq=8, sent_at=math.nan),
            pb.NodeSummary(node_id="in\ntruder", seq=9, sent_at=now),
            pb.NodeSummary(node_id="intruder", seq=10, sent_at=now, incidents=[pb.Incident(
