@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from conftest import AgentProcess, parse_metrics, torchrun, wait_for
+from conftest import AgentProcess, parse_metrics, torchrun
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor
 from rankwatch.agent.gpu.base import RECOVERY_ACTIONS, THROTTLE_REASONS
 from rankwatch.agent.gpu.nvml import NvmlSource

@@ -22,7 +22,6 @@ from conftest import AgentProcess, parse_metrics, wait_for
 from rankstream import REPORT, Stream, hello
 from rankwatch.agent import validate, validate_stream, validate_sync
 from rankwatch.agent.jobsync import forward_checkpoint
-from rankwatch.hooks.recorder import OPS
 from rankwatch.proto import pb, pb_grpc
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent import futures
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -275,8 +274,8 @@ def test_missing_exporter_package_logs_once_and_agent_runs(clean_env, tmp_path, 
     clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
     # An import of a module whose sys.modules entry is None raises ImportError: the package
     # is as good as absent.
-    for signal in ("trace", "metric"):
-        clean_env.setitem(sys.modules, f"opentelemetry.exporter.otlp.proto.grpc.{signal}_exporter", None)
+    for kind in ("trace", "metric"):
+        clean_env.setitem(sys.modules, f"opentelemetry.exporter.otlp.proto.grpc.{kind}_exporter", None)
     agent = thread_agent(tmp_path)
     try:
         assert agent._otel is None and not otel_listeners(agent)
