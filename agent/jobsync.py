@@ -166,6 +166,7 @@ class JobLink:
         relay = self.agent.relay
         group = relay.group(summary) if relay is not None and relay.pending() else None
         candidates = self._tried = self._candidates()
+        busy = False   # a candidate answered busy (not that it was unreachable)
         if group is None and self.relay_addr is not None and not self.acting:
             if self._via_relay(self.relay_addr, summary):
                 return
@@ -189,7 +190,8 @@ class JobLink:
                         relay.answered(group_reply)   # type: ignore[union-attr]
                         reply = self._own_reply(group_reply, summary.node_id)
                 except grpc.RpcError as exc:
-                    self._busy = self._busy or exc.code() in _BUSY
+                    busy = busy or exc.code() in _BUSY
+                    self._busy = self._busy or busy
                     if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                         self._warn_once(f"coordinator {addr} refused this node's token: {exc.details()}")
                     log.debug("coordinator candidate %s: %s", addr, exc.code().name)
@@ -198,8 +200,8 @@ class JobLink:
             self.last_ok = time.time()
             self.apply(reply)
             return
-        if relay is not None:
-            relay.lost_coordinator()   # its group's nodes go to the coordinator themselves
+        if relay is not None:   # its group's nodes go to the coordinator themselves, unless it is only busy
+            relay.unanswered(group, busy=busy)
         if self.last_ok and time.time() - self.last_ok > 5:
             log.warning("no coordinator answers (%s)", ", ".join(map(str, candidates)) or "none elected")
 

@@ -162,7 +162,25 @@ class Relay:
         group.incidents.extend(reply.incidents)
         self.answered(group)
 
+    def unanswered(self, group: pb.GroupSummary | None, busy: bool) -> None:
+        """The coordinator did not answer this relay's last call (``group``: its ``SyncGroup``,
+        None for a plain ``Sync``).
+
+        The summaries ``group`` carried whole go whole again next time: the coordinator may
+        never have taken them, and beats would only move a copy it lacks.  A *busy*
+        coordinator (the call's deadline passed, it was cancelled or refused for capacity) is
+        still there: the relay goes on answering its nodes from the last reply until that is
+        stale (:meth:`take`), rather than sending its whole group to the coordinator directly
+        at the moment the coordinator is busiest.  One that could not be reached at all:
+        the group's nodes are refused at once (:meth:`lost_coordinator`).
+        """
+        with self._lock:
+            for summary in group.nodes[1:] if group is not None else ():
+                self._whole.pop(summary.node_id, None)
+        if not busy:
+            self.lost_coordinator()
+
     def lost_coordinator(self) -> None:
-        """The coordinator did not answer: refuse the group's nodes until it does."""
+        """The coordinator cannot be reached: refuse the group's nodes until it answers."""
         with self._lock:
             self._reply = None

@@ -72,6 +72,8 @@ STEP = 0.1       # simulated seconds per step (--step-seconds)
 RPC_TIMEOUT = 1.0
 TOKEN = "load-test-token"
 BACKOFF = True   # --no-backoff: retry at the interval after a busy failure (as before load_policy.retry_delay)
+RELAY_KEEPS_ON = True   # --relay-refuses-when-busy: a relay whose call failed busy refuses its nodes at once
+_BUSY = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 VIA_PROCESS = "Sync via a relay process"
 
 
@@ -152,8 +154,7 @@ class Stats:
     def failed(self, exc: grpc.aio.AioRpcError, node: SimNode) -> None:
         self.fails[exc.code().name] = self.fails.get(exc.code().name, 0) + 1
         self.failed_at.append(time.time())
-        busy = exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              grpc.StatusCode.CANCELLED)
+        busy = exc.code() in _BUSY
         node.busy_failures = node.busy_failures + 1 if busy and BACKOFF else 0
 
 
@@ -183,7 +184,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
             reply = await stub.SyncGroup(group, timeout=RPC_TIMEOUT, metadata=md)
         except grpc.aio.AioRpcError as exc:
             stats.failed(exc, node)
-            node.relay.lost_coordinator()
+            node.relay.unanswered(group, busy=RELAY_KEEPS_ON and exc.code() in _BUSY)   # as JobLink
             return
         stats.lat["SyncGroup"].append((t_sent, time.perf_counter() - t0))
         node.busy_failures = 0
@@ -399,8 +400,9 @@ def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    global BACKOFF, STEP
+    global BACKOFF, RELAY_KEEPS_ON, STEP
     BACKOFF = not getattr(args, "no_backoff", False)
+    RELAY_KEEPS_ON = not getattr(args, "relay_refuses_when_busy", False)
     STEP = args.step_seconds
     with tempfile.TemporaryDirectory(prefix="rw-load-") as d:
         tmp = Path(args.keep) if args.keep else Path(d)
@@ -465,6 +467,9 @@ def parser() -> argparse.ArgumentParser:
                    help="node 0 is a real agent process, relaying for the nodes the coordinator sends to it")
     p.add_argument("--no-backoff", action="store_true",
                    help="nodes retry a sync a busy coordinator did not answer at their interval")
+    p.add_argument("--relay-refuses-when-busy", action="store_true",
+                   help="a relay whose SyncGroup a busy coordinator did not answer refuses its nodes at once, "
+                        "sending them to the coordinator directly (as before Relay.unanswered)")
     return p
 
 

@@ -196,6 +196,41 @@ def test_a_relay_answers_only_from_a_fresh_coordinator_reply():
         relay.take(_summary("n2", 4))
 
 
+def test_a_busy_coordinator_keeps_the_relay_answering_and_what_it_missed_goes_whole_again():
+    # A SyncGroup past its deadline is a busy coordinator, not a gone one: refusing the group
+    # here would send its 63 nodes to the coordinator directly, at the moment it is busiest.
+    clock = Clock()
+    relay = Relay("h1:1", fresh_seconds=2.0, cfg=RelayConfig(whole_every_seconds=10.0), clock=clock)
+    relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
+    relay.take(_ranked("n2", 1, 1000.0, 999.9))
+    relay.take(_ranked("n3", 1, 1000.0, 999.9))
+    g = relay.group(_summary("n1"))
+    assert [s.node_id for s in g.nodes[1:]] == ["n2", "n3"]
+    relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
+    clock.t += 0.25
+    relay.take(_ranked("n2", 2, 1000.25, 1000.2))
+    g = relay.group(_summary("n1", 2))
+    assert [b.node_id for b in g.beats] == ["n2"] and not g.nodes[1:], "n2 was sent whole lately: a beat"
+    clock.t += 0.25
+    relay.take(_ranked("n3", 2, 1000.5, 1000.4, stopped=True))   # what the detectors act on: whole
+    failed = relay.group(_summary("n1", 3))
+    assert [s.node_id for s in failed.nodes[1:]] == ["n3"]
+    relay.unanswered(failed, busy=True)   # deadline exceeded
+    clock.t += 0.25
+    assert relay.take(_ranked("n2", 3, 1000.75, 1000.7)).coordinator == "n0", "still answering"
+    relay.take(_ranked("n3", 3, 1000.75, 1000.4, stopped=True))
+    g = relay.group(_summary("n1", 4))
+    assert [s.node_id for s in g.nodes[1:]] == ["n3"], "the copy the coordinator missed goes whole again"
+    assert [b.node_id for b in g.beats] == ["n2"]
+    clock.t += 2.5   # no answer for longer than the reply stays fresh: refused, as before
+    with pytest.raises(RelayUnavailable):
+        relay.take(_ranked("n2", 4, 1003.25, 1003.2))
+    relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
+    relay.unanswered(None, busy=False)   # unreachable: refused at once
+    with pytest.raises(RelayUnavailable):
+        relay.take(_ranked("n2", 5, 1003.5, 1003.4))
+
+
 def test_a_relay_holds_a_bounded_number_of_bytes():
     relay = Relay("h1:1", max_bytes=1000)
     relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
