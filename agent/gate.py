@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 _STREAMS = ("Report", "Commands")   # the long-lived RPCs that hold a server thread
 _LOG_EVERY = 10.0                   # seconds between log lines per refusal reason
-_CAPACITY = ("streams_total", "waiting", "no_request")   # refusals for lack of room in all
+_CAPACITY = ("streams_total", "waiting", "no_request", "expired")   # refusals for lack of room in all
 
 
 class Gate(grpc.ServerInterceptor):
@@ -217,7 +217,14 @@ class Gate(grpc.ServerInterceptor):
                     del self._waiting[key]
 
     def _await_request(self, method: str, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        """The one request message; the call is cancelled if it has not come by ``request_timeout``."""
+        """The one request message; the call is cancelled if it has not come by ``request_timeout``.
+
+        A call whose caller is gone by the time a server thread takes it up (its deadline
+        passed in the server's queue, or it was cancelled) is not served: nobody waits for the
+        reply, and serving it would spend the agent's time when it has least, making the calls
+        queued behind it late too.  It is refused as ``expired``, a refusal for lack of
+        capacity, which a coordinator counts as its own overload (``load_policy.overload``)."""
+        self._shed_if_gone(method, context)
         timer = self._watchdog.after(self._request_seconds, lambda: self._overdue(method, context, "request"))
         try:
             request = next(requests, None)
@@ -225,7 +232,15 @@ class Gate(grpc.ServerInterceptor):
             self._watchdog.cancel(timer)
         if request is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method} needs one request message")
+        self._shed_if_gone(method, context)
         return request
+
+    def _shed_if_gone(self, method: str, context: grpc.ServicerContext) -> None:
+        remaining = context.time_remaining()
+        if (remaining is not None and remaining <= 0) or not context.is_active():
+            self._refuse("expired", f"{method} from {context.peer()}: its caller's deadline passed "
+                                    "before a server thread could serve it")
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} expired in the agent's queue")
 
     def _overdue(self, method: str, context: grpc.ServicerContext, what: str) -> None:
         if context.is_active():
@@ -282,7 +297,7 @@ class Gate(grpc.ServerInterceptor):
             refused = dict(self.refused)
             streams = self._open
         c = CounterMetricFamily("rankwatch_rpcs_refused", "Calls the agent refused at its door, by reason "
-                                "(unauthenticated, streams_total, streams_per_peer, no_hello, waiting, no_request)",
+                                "(unauthenticated, streams_total, streams_per_peer, no_hello, waiting, no_request, expired)",
                                 labels=["node", "reason"])
         for reason, n in sorted(refused.items()):
             c.add_metric([self.node, reason], n)

@@ -189,6 +189,66 @@ def test_a_sync_answered_after_its_deadline_counts_as_overload(tmp_path):
         agent.stop(timedelta(seconds=0.5))
 
 
+def test_a_sync_whose_caller_is_gone_before_a_server_thread_takes_it_is_shed(tmp_path):
+    """A real coordinator on real gRPC with three server threads.  The test holds the
+    coordinator's lock, so three syncs wait inside their handlers; a fourth waits in the
+    server's queue until its caller's deadline has passed.  When the lock is let go, the three
+    are taken (late), and the fourth is not served: it is refused as ``expired``, and the
+    coordinator finds itself overloaded by it."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import grpc
+
+    from conftest import wait_for
+    from rankwatch.address import Address
+    from rankwatch.agent.server import Agent, AgentConfig
+    from rankwatch.agent.streamlimits import StreamLimits
+    from rankwatch.proto import pb, pb_grpc
+
+    sock = Address(path=str(tmp_path / "c.sock"))
+    agent = Agent(AgentConfig(node_id="n0", listen=[sock], metrics_port=None, coordinators=[sock],
+                              streams=StreamLimits(total=1, reserve=2)))
+    agent.start()
+    channel = grpc.insecure_channel(sock.grpc_target())
+    try:
+        wait_for(agent.is_coordinator, 10, what="the agent to coordinate")
+        stub = pb_grpc.AgentStub(channel)
+        view, load = agent.coordinator.view, agent.coordinator.load
+        codes: dict[str, grpc.StatusCode] = {}
+
+        def call(node: str, timeout: float) -> None:
+            try:
+                stub.Sync(pb.NodeSummary(node_id=node, seq=1, sent_at=time.time()), timeout=timeout)
+                codes[node] = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                codes[node] = exc.code()
+
+        with agent.coordinator.lock:
+            held = [threading.Thread(target=call, args=(f"n{i}", 30.0)) for i in (1, 2, 3)]
+            for t in held:
+                t.start()
+            # Each held call has a server thread (the pool starts one per call up to its size).
+            wait_for(lambda: sum(t.name.startswith("rankwatch-grpc") for t in threading.enumerate()) >= 3, 10,
+                     what="three server threads, each serving a held sync")
+            queued = threading.Thread(target=call, args=("n4", 0.5))
+            queued.start()
+            queued.join(10)
+            assert codes.get("n4") == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert agent.gate.refused.get("expired", 0) == 0, "no thread was free to see it yet"
+        for t in held:
+            t.join(10)
+        assert all(codes[n] == grpc.StatusCode.OK for n in ("n1", "n2", "n3")), codes
+        wait_for(lambda: agent.gate.refused.get("expired", 0) == 1, 10, what="the queued sync refused as expired")
+        assert {"n1", "n2", "n3"} <= set(view.nodes) and "n4" not in view.nodes, sorted(view.nodes)
+        wait_for(lambda: load.overloaded is not None, 10, what="the coordinator to find itself overloaded")
+        assert "refused 1 calls" in load.overloaded, load.overloaded
+    finally:
+        channel.close()
+        agent.stop(timedelta(seconds=0.5))
+
+
 def test_a_node_backs_off_a_busy_coordinator_spread_out_and_bounded():
     far = 100.0   # a coordinator that waits long before it calls a node silent
 
