@@ -243,21 +243,21 @@ class Coordinator:
         self._check_dead(now)
         self._check_gpu(now)
         # Snapshotting every rank is the costly part at thousands of ranks: only while a hang
-        # is possible at all, or the straggler detector is due (once per sync interval).
-        # An open hang is checked for its end once per interval; a new one only when possible.
+        # is possible at all.  An open hang is checked for its end once per interval; a new one
+        # only when possible.  The straggler detector (once per sync interval) reads its inputs
+        # from each node's latest whole summary, kept between runs (JobView.straggler_work).
         every = max(1.0, self.load.interval)
         if self._open_hang is None:
             hang_due = hang_possible(now, self.view.latest_progress(), self.hang)
         else:
             hang_due = now - self._hang_checked >= every
-        stragglers_due = now - self._stragglers_at >= every
-        verdicts = evaluate(now, self.snapshot(now), self.hang) if hang_due or stragglers_due else None
-        if verdicts is not None and hang_due and self._hang_evidence(now, verdicts):
+        verdicts = evaluate(now, self.snapshot(now), self.hang) if hang_due else None
+        if verdicts is not None and self._hang_evidence(now, verdicts):
             self._hang_checked = now
             self._check_hang(now, verdicts)
-        if verdicts is not None and stragglers_due:
+        if now - self._stragglers_at >= every:
             self._stragglers_at = now
-            for f in self.stragglers.update(now, verdicts.work):
+            for f in self.stragglers.update(now, self.view.straggler_work(now)):
                 self._plan_eviction(f.node, f.speedup, f.cause)
         self._check_evictions()
         self.restarts.check(now, self.job_incidents())

@@ -10,7 +10,11 @@ Medians over repeats, in µs per call, single-threaded, no network:
 - the request deadline alone (``Watchdog.after`` + ``cancel``);
 - the range check of a node's summary (8 ranks, shaped as ``coordinator_load.py`` sends it);
 - ``Coordinator.sync`` for that summary (the range check included), 2,048 nodes known;
-- decoding the summary from its bytes.
+- decoding the summary from its bytes;
+- the coordinator's straggler inputs for 2,048 nodes of 8 ranks (µs per *evaluation*, not
+  per sync): built from a snapshot of every rank, as before ``JobView.straggler_work``; read
+  by it with nothing sent whole since its last run (kept); and with every node read again
+  (the most a run can cost: every node sent whole since).
 
 ``--profile`` prints the top of a cProfile of the gate and of ``Coordinator.sync``.
 
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from coordinator_load import TOKEN, SimNode
 from rankwatch.agent import validate_sync
 from rankwatch.agent.coordinator import Coordinator
+from rankwatch.agent.evaluate import evaluate
 from rankwatch.agent.gate import Gate
 from rankwatch.agent.watchdog import Watchdog
 from rankwatch.agent.incidents import IncidentLog
@@ -63,6 +68,9 @@ class _Context:
 
     def is_active(self) -> bool:
         return True
+
+    def time_remaining(self) -> float:
+        return 1.0
 
     def cancel(self) -> None:
         pass
@@ -178,6 +186,18 @@ def main() -> None:
         ("range check of an 8-rank summary", per_call(lambda: validate_sync.check_summary(summary), 2_000)),
         ("Coordinator.sync (2,048 nodes), less making the summary", per_call(sync, 2_000) - per_call(make, 2_000)),
         ("decode the summary", per_call(lambda: pb.NodeSummary.FromString(data), 20_000)),
+    ]
+    now = time.time()
+
+    def read_all() -> None:
+        coord.view._work.clear()
+        coord.view.straggler_work(now)
+
+    rows += [
+        ("straggler inputs, 2,048 nodes: from a snapshot", per_call(
+            lambda: evaluate(now, coord.snapshot(now), coord.hang).work, 5)),
+        ("straggler inputs, 2,048 nodes: kept (nothing new)", per_call(lambda: coord.view.straggler_work(now), 5)),
+        ("straggler inputs, 2,048 nodes: every node read again", per_call(read_all, 5)),
     ]
     if args.served:
         us, rate = served(args.served, gated=not args.no_gate)

@@ -328,6 +328,36 @@ def test_the_job_straggler_hold_is_counted_in_the_period_the_node_sends(sent_per
         assert flagged_at is None, f"held in scope time, flagged only after ~200 steps, not {flagged_at}"
 
 
+def test_the_straggler_inputs_are_the_snapshots_read_once_per_whole_summary():
+    from rankwatch.agent.evaluate import evaluate
+
+    c, clock = make(PolicyConfig(min_nodes=1))
+    t = clock.t
+
+    def sync(node, seq, own, connected=True):
+        c.sync(summary(node, seq, clock.t, [dict(rank=int(node[1]), step=seq, steps_completed=seq, connected=connected,
+                                                 progress_at=clock.t, last_seen=clock.t, own_work=[own] * 4,
+                                                 comm_wait=[0.0] * 4, data_wait=[0.0] * 4, step_period=0.3)]))
+
+    def rows(work):
+        return sorted((w.rank, w.node, list(w.own), w.completed, w.step_seconds, w.period) for w in work)
+
+    for n, own in (("n0", 0.1), ("n1", 0.2), ("n2", 0.3)):
+        sync(n, 1, own)
+    sync("n3", 1, 0.4, connected=False)   # a rank its node no longer hears
+    work = c.view.straggler_work(t)
+    assert rows(work) == rows(evaluate(t, c.snapshot(t), c.hang).work)
+    assert [w.node for w in work] == ["n0", "n1", "n2"]
+    clock.t += 0.25
+    sync("n1", 2, 0.25)   # a new whole summary: read again; the others are kept as they were
+    again = c.view.straggler_work(clock.t)
+    assert rows(again) == rows(evaluate(clock.t, c.snapshot(clock.t), c.hang).work)
+    assert [w.completed for w in again] == [1, 2, 1] and list(again[1].own) == [0.25] * 4
+    assert again[0] is work[0] and again[2] is work[2]
+    c.exclude("n2", "test")
+    assert [w.node for w in c.view.straggler_work(clock.t)] == ["n0", "n1"]
+
+
 def test_a_node_heard_once_then_refused_is_not_called_dead():
     # Thousands of nodes joining at once: n1 was heard once, then its syncs failed at the door.
     c, clock = make(PolicyConfig(min_nodes=1, node_timeout_seconds=3))
