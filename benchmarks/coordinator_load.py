@@ -383,7 +383,24 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         "hang_named": named, "silent_excluded_after_s": silenced,
         "straggler_nodes_flagged": flagged,
         "relay_process": via,
+        "started_at": start,
     }
+
+
+_STORY = ("overloaded", "back to normal", "nodes now sync", "silent together", "burst", "is dead")
+
+
+def _exclusion_story(tmp: Path, start: float, seconds: float) -> dict:
+    """The exclusions decided during the run (seconds after the start, and why), and the
+    coordinator's log lines about its load and about dead nodes until the end (at most 80)."""
+    end = start + seconds
+    decided = [{"node": d["node"], "at_s": round(d["decided_at"] - start, 2), "reason": d["reason"]}
+               for d in _exclusions(tmp / "state") if d["decided_at"] <= end]
+    lines = []
+    for line in (tmp / "coord.log").read_text(errors="replace").splitlines():
+        if any(word in line for word in _STORY):
+            lines.append(line[:300])
+    return {"decisions": decided[:80], "log": lines[:80]}
 
 
 def _ms(sorted_seconds: list[float], q: float) -> float | None:
@@ -429,6 +446,8 @@ def run(args: argparse.Namespace) -> dict:
                                                                   psutil.Process(relay.pid))))
             if relay is not None:
                 result["relay_process"]["sent_on"] = _relayed_by(metrics_port)
+            if result["healthy_excluded"]:   # what the coordinator said about it, kept with the figures
+                result["healthy_excluded_why"] = _exclusion_story(tmp, result["started_at"], result["seconds"])
             # The default (summarised past 1,024 ranks) and the full view.
             result["status_json_seconds"], result["status_json_bytes"] = status_seconds(tmp / "coord.sock")
             result["status_all_ranks_seconds"], result["status_all_ranks_bytes"] = status_seconds(
