@@ -13,6 +13,14 @@ interleaves with the training collectives.  DCP's coordinator (rank 0) writes
 completes after that, so rank 0 writes ``COMPLETE`` from its completion
 callback.  One save is in flight at a time: a save that comes due while the
 previous one is still writing waits for it.
+
+DCP reports a failed save (a full disk, a peer lost mid-save) as
+``CheckpointException``, which derives from ``BaseException``: an ``except
+Exception`` lets it through.  Here it becomes :class:`SaveFailed` (a
+``RuntimeError`` carrying DCP's message, which names each rank's failure) in
+the training thread, and a failed record in the background, so that a failed
+save is reported, an in-process recovery still recognises a lost peer in it,
+and the next save never waits for a write that will not finish.
 """
 
 from __future__ import annotations
@@ -32,14 +40,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["Checkpointer", "SaveRecord", "latest_complete"]
+__all__ = ["Checkpointer", "SaveFailed", "SaveRecord", "latest_complete"]
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
+_ERROR_CHARS = 4000   # DCP's message holds every failed rank's traceback
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class SaveFailed(RuntimeError):
+    """A save that DCP failed (its ``CheckpointException``, as an ordinary exception)."""
 
 
 def latest_complete(root: Path) -> tuple[int, Path] | None:
@@ -138,7 +152,10 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         marker = json.dumps({"step": step, **(extra or {})})
         if not self.asynchronous:
-            dcp.save(state, checkpoint_id=str(rec.path))
+            try:
+                dcp.save(state, checkpoint_id=str(rec.path))
+            except CheckpointException as exc:
+                raise SaveFailed(str(exc)) from exc
             dist.barrier()
             if rank == 0:
                 self._complete(rec.path, marker)
@@ -148,7 +165,10 @@ class Checkpointer:
             return rec
         if self._group is None:
             self.setup()
-        future = dcp.async_save(state, checkpoint_id=str(rec.path), process_group=self._group)
+        try:
+            future = dcp.async_save(state, checkpoint_id=str(rec.path), process_group=self._group)
+        except CheckpointException as exc:
+            raise SaveFailed(str(exc)) from exc
         if not isinstance(future, Future):  # an AsyncSaveResponse (a non-default stager)
             future = future.upload_completion
         written = threading.Event()
@@ -159,18 +179,20 @@ class Checkpointer:
 
     def _done(self, rec: SaveRecord, future: Future, t0: float, marker: str | None,
               written: threading.Event) -> None:
-        """The background write finished (on the writer thread)."""
+        """The background write finished (on the writer thread); whatever happened, the save
+        is recorded and ``written`` set, or the next save would wait for it for ever."""
         try:
             future.result()
             if marker is not None:
                 self._complete(rec.path, marker)
-        except Exception as exc:  # noqa: BLE001 - reported through finished(); no marker written
-            rec.error = f"{type(exc).__name__}: {exc}"
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported through finished()
+            rec.error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
             log.error("rankwatch: checkpoint of step %d failed: %s", rec.step, rec.error)
-        rec.completed_after = time.perf_counter() - t0
-        with self._lock:
-            self._finished.append(rec)
-        written.set()
+        finally:
+            rec.completed_after = time.perf_counter() - t0
+            with self._lock:
+                self._finished.append(rec)
+            written.set()
 
     def finished(self) -> list[SaveRecord]:
         """Saves that completed (or failed) since the last call; cheap, call it every step."""
