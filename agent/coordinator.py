@@ -65,6 +65,8 @@ class Coordinator:
         incidents: the coordinator agent's incident log (job-level incidents go there).
         decisions: the agent's decision log (default: a new one in memory).
         clock: injected for tests.
+        load_clocks: ``(wall, cpu)``: the monotonic and CPU clocks its load is measured on
+            (injected for tests; :class:`LoadMeter`).
     """
 
     def __init__(self, node_id: str, *, incidents: IncidentLog, decisions: DecisionLog | None = None,
@@ -72,7 +74,8 @@ class Coordinator:
                  policy: PolicyConfig | None = None, clock=time.time,
                  on_incident: Callable[[Incident], None] | None = None, load: LoadConfig | None = None,
                  tick_seconds: float = 0.25, refusals: Callable[[], int] | None = None,
-                 relay: RelayConfig | None = None) -> None:
+                 relay: RelayConfig | None = None,
+                 load_clocks: tuple[Callable[[], float], Callable[[], float]] | None = None) -> None:
         self.node_id = node_id
         self.tick_seconds = tick_seconds
         """How often the agent calls :meth:`evaluate`."""
@@ -88,7 +91,10 @@ class Coordinator:
         self._open_hang: str | None = None   # the open job hang incident's id
         self._hang_steps: dict[tuple[str, int], int] = {}   # each rank's completed steps at the verdict
         self.load = LoadMeter(load or LoadConfig(), tick_seconds, self.policy.node_timeout_seconds,
-                              refusals or (lambda: 0))
+                              refusals or (lambda: 0),
+                              lambda n: node_death.burst_size(n, burst_share=self.policy.silent_burst_share,
+                                                              burst_nodes=self.policy.silent_burst_nodes),
+                              *([load_clocks] if load_clocks else []))
         """Its own load, the interval nodes sync at, and when silence is no evidence."""
         self.view = JobView(self.log, self.load, self.policy.max_nodes)
         """The nodes' summaries, on this clock."""
@@ -239,7 +245,9 @@ class Coordinator:
     def evaluate(self) -> None:
         """Run the job-wide detectors and the policy once."""
         now = self.clock()
-        self.load.measure(now, self.lock, lambda: [n.interval for n in self.nodes.values()])
+        excluded = self.excluded   # summaries are due from the nodes neither excluded nor dead
+        self.load.measure(now, self.lock, lambda: [n.interval for name, n in self.nodes.items()
+                                                   if name not in excluded and name not in self.dead])
         self._check_dead(now)
         self._check_gpu(now)
         # Snapshotting every rank is the costly part at thousands of ranks: only while a hang

@@ -13,8 +13,13 @@ rules keep an overloaded coordinator from harming the job:
   shows overload (:func:`overload`): its own loop ran late (it was paused or
   starved), its process is saturating a core, summaries arrive late against
   each node's best, it refused calls for lack of capacity, it answered syncs after
-  their callers had given up on them, or it heard under half the summaries due while busy, no node is called silent, and for a grace period after it,
-  so every node gets a fair chance to be heard.  Positive evidence (a node that
+  their callers had given up on them, or it heard under half the summaries due, either
+  while busy or with more nodes' worth missing than ever die at once (the burst rule's
+  size, :func:`~rankwatch.agent.node_death.burst_size`), no node is called silent, and
+  for a grace period after it, so every node gets a fair chance to be heard.  (A job-wide
+  shortfall while the coordinator idles is the network's or the senders' trouble: each
+  evaluation then finds only a trickle of nodes past their silence allowance, under the
+  burst rule's size, and would exclude them one by one.)  Positive evidence (a node that
   reports its ranks dead, a hang's culprit, a fatal GPU fault) still acts.
 * **A hang is acted on while overloaded only as the ranks report it.**  A late
   coordinator sees every rank's progress late, so a job that trains can look hung to
@@ -31,6 +36,7 @@ rules keep an overloaded coordinator from harming the job:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rankwatch.knobs import require_positive
@@ -93,10 +99,13 @@ class Load:
     saw a failure, and the node may look silent, because the coordinator was slow."""
     heard: float = 1.0
     """Summaries received over those the nodes were told to send in the window."""
+    nodes: int = 0
+    """Nodes the summaries were due from (neither dead nor excluded)."""
 
 
-def overload(load: Load, cfg: LoadConfig) -> str | None:
-    """Why the coordinator is itself a bottleneck now, or None."""
+def overload(load: Load, cfg: LoadConfig, burst: float = math.inf) -> str | None:
+    """Why the coordinator is itself a bottleneck now, or None.  ``burst``: the most nodes
+    taken for dead at once (:func:`~rankwatch.agent.node_death.burst_size` of the job)."""
     if load.loop_lag >= cfg.lag_seconds:
         return f"its own loop ran {load.loop_lag:.1f}s late (paused or starved)"
     if load.cores >= cfg.busy_cores:
@@ -109,6 +118,9 @@ def overload(load: Load, cfg: LoadConfig) -> str | None:
         return f"it answered {load.late} syncs after their callers' deadlines"
     if load.heard < 0.5 and load.cores >= cfg.target_cores:
         return f"it heard {load.heard:.0%} of the summaries due while busy ({load.cores:.2f} cores)"
+    if load.heard < 0.5 and (missing := (1.0 - load.heard) * load.nodes) > burst:
+        return (f"it heard {load.heard:.0%} of the summaries due: {missing:.0f} nodes' worth missing, "
+                f"more than the {burst:.0f} taken for dead at once")
     return None
 
 

@@ -13,6 +13,7 @@ be called silent.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -34,11 +35,17 @@ class LoadMeter:
         tick_seconds: how often the coordinator evaluates (its loop's lag is measured against it).
         node_timeout: a node is never silent before this (``PolicyConfig.node_timeout_seconds``).
         refusals: calls the agent refused for lack of capacity so far (a counter).
+        burst: the most of N nodes taken for dead at once (:func:`node_death.burst_size`).
+        clocks: ``(wall, cpu)``, the monotonic and the process CPU clocks it reads (for tests).
     """
 
     def __init__(self, cfg: LoadConfig, tick_seconds: float, node_timeout: float,
-                 refusals: Callable[[], int]) -> None:
+                 refusals: Callable[[], int], burst: Callable[[int], float] = lambda n: math.inf,
+                 clocks: tuple[Callable[[], float], Callable[[], float]] = (time.monotonic, time.process_time),
+                 ) -> None:
         self.cfg = cfg
+        self._burst = burst
+        self._wall, self._cpu = clocks
         self.tick_seconds = tick_seconds
         self.node_timeout = node_timeout
         self._refusals = refusals
@@ -57,7 +64,7 @@ class LoadMeter:
         """Calls per sync round while nodes sync through relays (None: one per node)."""
         self._late = 0
         self._late_lock = threading.Lock()
-        self._tick = (time.monotonic(), time.process_time(), 0, 0, 0)   # (wall, cpu, syncs, refused, late) then
+        self._tick = (self._wall(), self._cpu(), 0, 0, 0)   # (wall, cpu, syncs, refused, late) then
         self._last_eval: float | None = None   # time.monotonic() of the last measure()
 
     def heard(self, delay: float, nodes: int) -> None:
@@ -88,9 +95,9 @@ class LoadMeter:
 
     def measure(self, now: float, lock: threading.Lock, node_intervals: Callable[[], list[float]]) -> None:
         """Measure the load once a window is full; set the interval; hold off silence verdicts
-        while overloaded.  ``node_intervals()`` (read under ``lock``) gives each known node's
-        last interval."""
-        wall, cpu = time.monotonic(), time.process_time()
+        while overloaded.  ``node_intervals()`` (read under ``lock``) gives the last interval of
+        each node summaries are due from (neither dead nor excluded)."""
+        wall, cpu = self._wall(), self._cpu()
         lag = 0.0 if self._last_eval is None else max(0.0, wall - self._last_eval - self.tick_seconds)
         self._last_eval = wall
         w0, c0, s0, r0, l0 = self._tick
@@ -109,14 +116,15 @@ class LoadMeter:
         cores = (cpu - c0) / (wall - w0)
         load = load_policy.Load(cores=cores, loop_lag=lag,
                                 sync_delay=delays[len(delays) // 2] if delays else 0.0,
-                                refused=refused - r0, late=late - l0, heard=min(1.0, (synced - s0) / due) if due > 0 else 1.0)
+                                refused=refused - r0, late=late - l0,
+                                heard=min(1.0, (synced - s0) / due) if due > 0 else 1.0, nodes=len(intervals))
         interval = max(load_policy.sync_interval(self.interval, load, self.cfg),
                        load_policy.interval_floor(self._callers(len(intervals)), self.cfg))
         if interval != self.interval:
             log.info("nodes now sync every %.2fs (%d nodes, %.0f syncs/s, %.2f cores)", interval,
                      len(intervals), (synced - s0) / (wall - w0), cores)
             self.interval = interval
-        why = load_policy.overload(load, self.cfg)
+        why = load_policy.overload(load, self.cfg, self._burst(len(intervals)))
         if why is not None:
             if self.overloaded is None:
                 log.warning("coordinator overloaded: %s; no node is called silent until it recovers", why)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["all_ranks_died", "judge", "silence_is_evidence"]
+__all__ = ["all_ranks_died", "burst_size", "judge", "silence_is_evidence"]
 
 
 def all_ranks_died(ranks: Iterable[Any]) -> bool:
@@ -42,7 +42,13 @@ def silence_is_evidence(silent: int, nodes: int, *, burst_share: float, burst_no
     stops evicting in a zone where most nodes look down, for the same reason.)  A rack that
     dies whole stays under both in a big job; positive evidence (ranks reported dead, a hang's
     culprit, a fatal GPU fault) acts whatever this says."""
-    return silent < nodes and silent <= max(burst_nodes, burst_share * nodes)
+    return silent < nodes and silent <= burst_size(nodes, burst_share=burst_share, burst_nodes=burst_nodes)
+
+
+def burst_size(nodes: int, *, burst_share: float, burst_nodes: int) -> float:
+    """The most of ``nodes`` nodes taken for dead at once; more falling silent together is
+    the coordinator's or the network's trouble (also :func:`load_policy.overload`'s scope)."""
+    return max(burst_nodes, burst_share * nodes)
 
 
 def judge(now: float, *, silent: bool, silence_counts: bool, ranks_died: bool,

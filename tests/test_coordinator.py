@@ -400,3 +400,58 @@ def test_an_overloaded_coordinator_acts_only_on_a_hang_its_ranks_report():
     clock.t = c.load.quiet
     c.evaluate()
     assert [(h.node, h.rank) for h in c.incidents.items if h.kind == "hang"] == [("n1", 1)]
+
+
+def _trickle(others_all_heard: bool, excluded: tuple[str, ...] = ()):
+    """20 nodes of one rank each, heard every 0.25 s for 2 s.  Then n18 and n19 fall
+    silent, and the others are heard either all (a job that lost two nodes) or two per
+    tick in turn (each every 2.25 s, inside the 3 s allowance: the trickle an idle
+    coordinator hears when the senders or the network fail most syncs)."""
+    clock = Clock()
+    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(), clock=clock,
+                    load_clocks=(clock, lambda: 0.0))   # its own CPU idle throughout
+    names = [f"n{i}" for i in range(20)]
+    seq = dict.fromkeys(names, 0)
+
+    def heard(name):
+        seq[name] += 1
+        i = names.index(name)
+        t = clock.t
+        c.sync(summary(name, seq[name], t, [dict(rank=i, step=seq[name], progress_at=t, last_seen=t)]))
+
+    for tick in range(8):
+        clock.t += 0.25
+        for name in names:
+            heard(name)
+        c.evaluate()
+    for name in excluded:
+        c.exclude(name, "a fatal GPU fault")
+    live = [n for n in names[:18] if n not in excluded]
+    for tick in range(60):
+        clock.t += 0.25
+        for name in live if others_all_heard else [live[(2 * tick) % len(live)], live[(2 * tick + 1) % len(live)]]:
+            heard(name)
+        c.evaluate()
+    return c
+
+
+def test_an_idle_coordinator_hearing_a_job_wide_trickle_excludes_no_node():
+    """Hearing a tenth of what is due, with 18 nodes' worth missing (more than the 4 the burst
+    rule takes for dead at once), is the coordinator's or the network's trouble even while
+    its CPU idles: each evaluation finds only a node or two past the allowance, under the
+    burst rule's size, and would have excluded them one by one."""
+    c = _trickle(others_all_heard=False)
+    assert c.excluded == {}, c.excluded
+    assert c.load.overloaded is not None and "nodes' worth missing" in c.load.overloaded
+    # A job whose other nodes are all heard has lost two nodes: those are excluded.
+    c = _trickle(others_all_heard=True)
+    assert set(c.excluded) == {"n18", "n19"} and c.load.overloaded is None
+
+
+def test_summaries_are_due_only_from_the_nodes_neither_excluded_nor_dead():
+    """Twelve nodes excluded for other reasons stop syncing: their silence is no shortfall.
+    (Counted as due, the eight live nodes would be heard at 40 %, 12 nodes' worth missing,
+    and the coordinator would hold off every silence verdict for as long as the job runs.)"""
+    c = _trickle(others_all_heard=True, excluded=tuple(f"n{i}" for i in range(6, 18)))
+    assert c.load.overloaded is None
+    assert set(c.excluded) == {f"n{i}" for i in range(6, 20)}   # n18, n19 for their silence

@@ -33,6 +33,18 @@ def test_overload_has_three_kinds_of_evidence():
     assert overload(Load(cores=0.2, loop_lag=0.0, sync_delay=0.0, heard=0.3), CFG) is None
 
 
+def test_a_job_wide_shortfall_is_overload_whatever_the_cpu_reads_beyond_the_burst_size():
+    """Under half the summaries due heard, while idle: overload only when more nodes' worth
+    are missing than the burst rule takes for dead at once (a small job that lost half its
+    nodes has lost them)."""
+    idle_short = Load(cores=0.1, loop_lag=0.0, sync_delay=0.0, heard=0.3, nodes=6)
+    assert "4 nodes' worth missing" in overload(idle_short, CFG, burst=4)   # 4.2 missing > 4
+    assert overload(Load(cores=0.1, loop_lag=0.0, sync_delay=0.0, heard=0.3, nodes=5), CFG, burst=4) is None
+    assert overload(Load(cores=0.1, loop_lag=0.0, sync_delay=0.0, heard=0.6, nodes=2048), CFG, burst=41) is None
+    assert "heard 10%" in overload(Load(cores=0.1, loop_lag=0.0, sync_delay=0.0, heard=0.1, nodes=2048), CFG,
+                                   burst=41)
+    assert overload(idle_short, CFG) is None   # no burst size given: the old rule
+
 def test_nodes_slow_down_under_load_and_speed_up_again():
     busy = Load(cores=0.8, loop_lag=0.0, sync_delay=0.0)
     assert sync_interval(0.25, busy, CFG) == pytest.approx(0.375)
