@@ -249,7 +249,8 @@ class Coordinator:
         self.load.measure(now, self.lock, lambda: [n.interval for name, n in self.nodes.items()
                                                    if name not in excluded and name not in self.dead])
         self._check_dead(now)
-        self._check_gpu(now)
+        reported = self.job_incidents()   # parsed from every node's summary: once a tick
+        self._check_gpu(reported)
         # Snapshotting every rank is the costly part at thousands of ranks: only while a hang
         # is possible at all.  An open hang is checked for its end once per interval; a new one
         # only when possible.  The straggler detector (once per sync interval) reads its inputs
@@ -267,8 +268,8 @@ class Coordinator:
             self._stragglers_at = now
             for f in self.stragglers.update(now, self.view.straggler_work(now)):
                 self._plan_eviction(f.node, f.speedup, f.cause)
-        self._check_evictions()
-        self.restarts.check(now, self.job_incidents())
+        self._check_evictions(reported)
+        self.restarts.check(now, reported)
         # Nodes not in any group yet (a big job starting) are placed at the next tick.
         ungrouped = len(self.nodes) > self.relay.min_nodes and len(self.nodes) - 1 > len(self.relays)
         if ungrouped or now - self._relays_at >= self.relay.every_seconds:
@@ -371,9 +372,9 @@ class Coordinator:
             if self.policy.exclude_dead:
                 self.exclude(name, f"node dead: {why}")
 
-    def _check_gpu(self, now: float) -> None:
+    def _check_gpu(self, reported: list[Incident]) -> None:
         excluded = self.excluded
-        faults = [(i.node, i.detail) for i in self.job_incidents()
+        faults = [(i.node, i.detail) for i in reported
                   if i.kind == "gpu_fault" and i.node not in excluded]
         fatal = [(name, d) for name, d in faults if d.get("action") in FATAL_ACTIONS]  # takes the node out
         for name, detail in fatal:
@@ -394,10 +395,10 @@ class Coordinator:
         self._evictions[node] = (d.step, reason)
         log.warning("%s; evicting it after the checkpoint at step %d", reason, d.step)
 
-    def _check_evictions(self) -> None:
+    def _check_evictions(self, reported: list[Incident]) -> None:
         if not self._evictions:
             return
-        saved = [i.step for i in self.job_incidents() + self.incidents.items
+        saved = [i.step for i in reported + self.incidents.items
                  if i.kind == "checkpoint" and i.detail.get("ok")]
         for node in checkpoint_policy.evictions_due({n: step for n, (step, _) in self._evictions.items()}, saved):
             _, reason = self._evictions.pop(node)
