@@ -25,6 +25,7 @@ and the next save never waits for a write that will not finish.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["Checkpointer", "SaveFailed", "SaveRecord", "latest_complete"]
+__all__ = ["Checkpointer", "LoadFailed", "SaveFailed", "SaveRecord", "complete_checkpoints", "latest_complete"]
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,15 @@ class SaveFailed(RuntimeError):
     """A save that DCP failed (its ``CheckpointException``, as an ordinary exception)."""
 
 
-def latest_complete(root: Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint under ``root`` as ``(step, path)``, or None."""
-    best = None
+class LoadFailed(RuntimeError):
+    """Complete checkpoints exist, and none of them could be loaded."""
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints under ``root`` as ``(step, path)``, newest first."""
+    found = []
     if not root.is_dir():
-        return None
+        return found
     for entry in root.iterdir():
         m = _STEP_DIR.match(entry.name)
         if not m or not (entry / MARKER).is_file():
@@ -70,9 +75,14 @@ def latest_complete(root: Path) -> tuple[int, Path] | None:
         except (ValueError, KeyError, OSError):
             log.warning("rankwatch: ignoring checkpoint %s with an unreadable marker", entry)
             continue
-        if best is None or step > best[0]:
-            best = (step, entry)
-    return best
+        found.append((step, entry))
+    return sorted(found, key=lambda sp: sp[0], reverse=True)
+
+
+def latest_complete(root: Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint under ``root`` as ``(step, path)``, or None."""
+    found = complete_checkpoints(root)
+    return found[0] if found else None
 
 
 @dataclass
@@ -217,11 +227,46 @@ class Checkpointer:
         self._prune()
 
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, dict]:
-        """Load the newest complete checkpoint; return ``(step, extra)``, or ``(0, {})``."""
-        found = latest_complete(self.root)
-        if found is None:
-            return 0, {}
-        step, path = found
+        """Load the newest complete checkpoint that every rank can read; return ``(step, extra)``,
+        or ``(0, {})`` when there is none (collective: every rank calls it).
+
+        A complete checkpoint that fails to load on any rank (a shard cut short or corrupted
+        after its marker was written, an unreadable RNG file) is skipped by every rank alike,
+        and the one before it is tried: a restart must not fail on the same bad checkpoint
+        every time.  Rank 0 renames the bad one's marker to ``COMPLETE.unreadable`` (its
+        files are kept for a look).  Raises :class:`LoadFailed` if complete checkpoints exist
+        and none loads: starting again from step 0 would lose the run's progress silently.
+        """
+        found = complete_checkpoints(self.root)
+        errors = []
+        for step, path in found:
+            try:
+                extra = self._load_one(path, model, optimizer)
+                error = ""
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on, then the next
+                error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
+            # Every rank moves on together: a failure on one rank fails the load for all.
+            said: list[str] = [""] * dist.get_world_size()
+            dist.all_gather_object(said, error)
+            failed = [(r, e) for r, e in enumerate(said) if e]
+            if not failed:
+                log.info("rankwatch: resumed from %s (step %d)", path, step)
+                return step, extra
+            rank, why = failed[0]
+            log.error("rankwatch: checkpoint %s could not be loaded (rank %d: %s); trying the one before it",
+                      path, rank, why.splitlines()[0][:500])
+            errors.append(f"{path.name}: {why.splitlines()[0][:500]}")
+            if dist.get_rank() == 0:
+                with contextlib.suppress(OSError):
+                    os.replace(path / MARKER, path / f"{MARKER}.unreadable")
+            dist.barrier()   # no rank lists the checkpoints again before the marker is gone
+        if errors:
+            raise LoadFailed(f"none of the {len(found)} complete checkpoint(s) in {self.root} could be loaded: "
+                             + "; ".join(errors))
+        return 0, {}
+
+    def _load_one(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        extra = json.loads((path / MARKER).read_text())
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
@@ -230,9 +275,7 @@ class Checkpointer:
         rng = path / f"rng_rank{dist.get_rank()}.pt"
         if rng.is_file():  # absent when resuming at a larger world size
             torch.set_rng_state(torch.load(rng, weights_only=True)["cpu"])
-        extra = json.loads((path / MARKER).read_text())
-        log.info("rankwatch: resumed from %s (step %d)", path, step)
-        return step, extra
+        return extra
 
     def _prune(self) -> None:
         complete = sorted(

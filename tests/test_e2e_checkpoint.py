@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import torchrun
-from rankwatch.hooks.checkpoint import MARKER
+from rankwatch.hooks.checkpoint import MARKER, complete_checkpoints
 
 pytestmark = pytest.mark.e2e
 
@@ -159,3 +159,37 @@ def test_checkpoint_sync_blocks_the_training_thread_until_written(agent_proc, tm
         end = d["started_at"] + d["seconds"]
         late = {f.name: round(f.stat().st_mtime - end, 4) for f in files if f.stat().st_mtime > end}
         assert not late, f"written after the training thread went on (s): {late}"
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_and_the_one_before_it_loaded(tmp_path):
+    # A shard of the newest complete checkpoint is cut short on disk after its marker was
+    # written (a storage fault).  The restarted job must not fail on it at every restart:
+    # every rank skips it alike, loads the one before it and trains on, and the steps after
+    # it are trained again exactly as the first run trained them.
+    ckpt = tmp_path / "ckpt"
+    common = ("--checkpoint-interval", "5", "--no-rankwatch", "--dim", "128", "--hidden-dim", "512")
+    first = run(tmp_path, "first", 20, ckpt, *common)
+    newest = ckpt / "step_00000020"
+    shards = sorted(newest.glob("*.distcp"))
+    assert (newest / MARKER).exists() and shards
+    shards[-1].write_bytes(shards[-1].read_bytes()[:100])
+    again = run(tmp_path, "again", 25, ckpt, *common)
+    log = (tmp_path / "again.log").read_text()
+    assert "checkpoint" in log and "step_00000020 could not be loaded" in log, log[-3000:]
+    assert again["start"] == 15
+    assert again["losses"][:5] == pytest.approx(first["losses"][15:20], rel=1e-5)
+    # The bad one's marker was set aside, and step 20 was saved again whole.
+    assert (newest / f"{MARKER}.unreadable").exists()
+    assert [step for step, _ in complete_checkpoints(ckpt)] == [25, 20, 15]
+
+
+def test_no_loadable_checkpoint_fails_the_job_instead_of_starting_over(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = ("--checkpoint-interval", "5", "--no-rankwatch", "--dim", "128", "--hidden-dim", "512")
+    run(tmp_path, "first", 10, ckpt, *common)
+    for shard in ckpt.glob("step_*/*.distcp"):
+        shard.write_bytes(b"")
+    job = torchrun(2, "--steps", "15", "--checkpoint-dir", str(ckpt), *common, log=tmp_path / "again.log")
+    assert job.wait(180) != 0
+    log = (tmp_path / "again.log").read_text()
+    assert "LoadFailed: none of the 2 complete checkpoint(s)" in log, log[-3000:]
