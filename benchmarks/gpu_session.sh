@@ -5,6 +5,8 @@
 #   benchmarks/gpu_session.sh loop      # step-time overhead on a GPU-bound own loop (A/A, A/B, baseline)
 #   benchmarks/gpu_session.sh overhead  # step-time overhead on the harness, one GPU (A/A, A/B, pairs)
 #   benchmarks/gpu_session.sh noise     # clean GPU step noise and the straggler replay over it
+#   benchmarks/gpu_session.sh ckpt      # DCP saves and resumes on NCCL, a corrupt newest checkpoint,
+#                                       # the in-process tier's start on NCCL, two NCCL ranks on one GPU
 #
 # Results go to $OUT (default benchmarks/out/gpu).  Where the machine has no network, wheels
 # for what its Python lacks can wait in .whl/ (installed with --no-deps into /tmp/site).
@@ -20,7 +22,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || exit 1
 # A GPU-sized harness model: about 25 M parameters, 4,096 tokens a step.
-MODEL="--dim 512 --layers 4 --heads 8 --hidden-dim 2048 --vocab 8192 --seq-len 512 --batch-size 8"
+MODEL=${MODEL:-"--dim 512 --layers 4 --heads 8 --hidden-dim 2048 --vocab 8192 --seq-len 512 --batch-size 8"}
 
 case "${1:-check}" in
   check)
@@ -48,5 +50,39 @@ case "${1:-check}" in
       2>&1 | tee "$OUT/replay_2000.md")
     (cd benchmarks && timeout 60 $PY replay.py --data "$OUT/gpu_noise.npz" --steps 100000 --trials 1 \
       2>&1 | head -3 | tee "$OUT/replay_100000.md")
+    ;;
+  ckpt)
+    CK=/tmp/rw-ckpt; rm -rf "$CK"; mkdir -p "$CK"
+    run() {  # run <name> <steps> [harness args...]: the harness on NCCL, one rank
+      local name=$1 steps=$2; shift 2
+      timeout 200 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m rankwatch.hooks.train \
+        --steps "$steps" --log-every 0 --no-rankwatch --checkpoint-dir "$CK/ckpt" --checkpoint-interval 10 \
+        --metrics-out "$CK/$name" $MODEL "$@" > "$OUT/ckpt_$name.log" 2>&1
+      echo "$name: exit $? start $($PY -c "import json; print(json.load(open('$CK/$name/rank0.json'))['start'])" 2>&1 | tail -1)"
+    }
+    run first 40 --in-process-recovery
+    run resumed 60
+    ls "$CK/ckpt"
+    $PY - "$CK/ckpt/step_00000060" <<'PY'
+import pathlib, sys
+shards = sorted(pathlib.Path(sys.argv[1]).glob("*.distcp"))
+shards[-1].write_bytes(shards[-1].read_bytes()[:100])
+print("cut short:", shards[-1])
+PY
+    run past_corrupt 70
+    grep -h "could not be loaded\|resumed from" "$OUT/ckpt_past_corrupt.log" | cut -c1-300
+    ls "$CK/ckpt" "$CK/ckpt/step_00000060"
+    cat > "$CK/two.py" <<'PY'
+import os, torch, torch.distributed as dist
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+t = torch.ones(4, device="cuda") * (dist.get_rank() + 1)
+dist.all_reduce(t)
+torch.cuda.synchronize()
+print("rank", dist.get_rank(), "all_reduce", t.tolist())
+dist.destroy_process_group()
+PY
+    timeout 90 $PY -m torch.distributed.run --standalone --nproc-per-node 2 "$CK/two.py" > "$OUT/two_on_one.log" 2>&1
+    echo "two NCCL ranks on one GPU: exit $?"; grep -h -m3 "all_reduce\|Duplicate\|ncclInvalidUsage" "$OUT/two_on_one.log" | cut -c1-300
     ;;
 esac

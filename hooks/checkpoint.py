@@ -253,9 +253,12 @@ class Checkpointer:
                 log.info("rankwatch: resumed from %s (step %d)", path, step)
                 return step, extra
             rank, why = failed[0]
+            # DCP's message opens with the failed ranks and ends with the cause.
+            lines = why.strip().splitlines()
+            why = lines[-1] if lines[0].startswith("CheckpointException") else lines[0]
             log.error("rankwatch: checkpoint %s could not be loaded (rank %d: %s); trying the one before it",
-                      path, rank, why.splitlines()[0][:500])
-            errors.append(f"{path.name}: {why.splitlines()[0][:500]}")
+                      path, rank, why[:500])
+            errors.append(f"{path.name}: {why[:500]}")
             if dist.get_rank() == 0:
                 with contextlib.suppress(OSError):
                     os.replace(path / MARKER, path / f"{MARKER}.unreadable")
