@@ -5,6 +5,7 @@
 #   benchmarks/gpu_session.sh loop      # step-time overhead on a GPU-bound own loop (A/A, A/B, baseline)
 #   benchmarks/gpu_session.sh overhead  # step-time overhead on the harness, one GPU (A/A, A/B, pairs)
 #   benchmarks/gpu_session.sh noise     # clean GPU step noise and the straggler replay over it
+#   benchmarks/gpu_session.sh tier      # the in-process tier's steady cost on one GPU (A/B, A/A)
 #   benchmarks/gpu_session.sh ckpt      # DCP saves and resumes on NCCL, a corrupt newest checkpoint,
 #                                       # the in-process tier's start on NCCL, two NCCL ranks on one GPU
 #
@@ -50,6 +51,10 @@ case "${1:-check}" in
       2>&1 | tee "$OUT/replay_2000.md")
     (cd benchmarks && timeout 60 $PY replay.py --data "$OUT/gpu_noise.npz" --steps 100000 --trials 1 \
       2>&1 | head -3 | tee "$OUT/replay_100000.md")
+    ;;
+  tier)
+    timeout 560 $PY benchmarks/inprocess_overhead.py --nproc 1 --pairs 4 --steps 400 \
+      --harness-args "$MODEL" 2>&1 | tee "$OUT/tier_overhead.md"
     ;;
   ckpt)
     CK=/tmp/rw-ckpt; rm -rf "$CK"; mkdir -p "$CK"

@@ -9,6 +9,10 @@ whose step commits are timed (``timed_commit.py``): the wait in the commit per s
 upper bound on its cost that step-time ratios this noisy cannot resolve.
 
     python benchmarks/inprocess_overhead.py --pairs 6 --steps 300 --commit-runs 3
+
+On a GPU machine (NCCL; one GPU holds one rank of a job), ``--nproc 1 --harness-args
+"<model>"`` gives the tier's cost on a GPU-bound step: its per-step host work and the
+commit's enqueue, without a cross-rank wait.
 """
 
 from __future__ import annotations
@@ -16,11 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+
+NPROC = 3
+HARNESS: list[str] = []
 
 
 def run(steps: int, tier: bool, tmp: Path, timed: bool = False, aligned: bool = False
@@ -29,14 +38,14 @@ def run(steps: int, tier: bool, tmp: Path, timed: bool = False, aligned: bool = 
     out = tmp / ("on" if tier else "off")
     out.mkdir(exist_ok=True)
     entry = [str(Path(__file__).with_name("timed_commit.py"))] if timed else ["-m", "rankwatch.hooks.train"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           *entry, "--steps", str(steps), "--log-every", "0", "--replicate", "3",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
+           *entry, "--steps", str(steps), "--log-every", "0", "--replicate", str(NPROC), *HARNESS,
            "--no-rankwatch", "--metrics-out", str(out), *(["--in-process-recovery"] if tier else []),
            *(["--commit-out", str(out)] if timed else []), *(["--commit-aligned"] if aligned else [])]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
     times, waits = [], []
-    for rank in range(3):
+    for rank in range(NPROC):
         times += json.loads((out / f"rank{rank}.json").read_text())["step_times"][20:]
         if timed:
             waits += json.loads((out / f"commit{rank}.json").read_text())[20:]
@@ -59,7 +68,11 @@ def main() -> int:
     p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--commit-runs", type=int, default=0, help="runs with the step commit timed")
+    p.add_argument("--nproc", type=int, default=3, help="ranks (HSDP: one replica each)")
+    p.add_argument("--harness-args", default="", help="more harness arguments (a model size)")
     args = p.parse_args()
+    global NPROC, HARNESS
+    NPROC, HARNESS = args.nproc, shlex.split(args.harness_args)
     print(f"the tier's own work per step: {per_step_cost() * 1e9:.0f} ns", flush=True)
     ratios, controls = [], []
     with tempfile.TemporaryDirectory() as d:
