@@ -273,7 +273,11 @@ class InProcessRecovery:
             error = f"{type(failure).__name__}: {failure}"[:MAX_MESSAGE]
             log.error("rankwatch: in-process recovery failed (%s); the worker exits for torchrun's restart",
                       error)
-            self._send(caught, completed, old, old, phases, ok=False, error=error)
+            # torchrun may stop this worker any moment now (another survivor's exit starts its
+            # restart): the report reaches the agent first, a SIGTERM waiting meanwhile.
+            with net.deferred_termination():
+                self._send(caught, completed, old, old, phases, ok=False, error=error)
+                self._deliver_reports()
             if RESTARTING in error:
                 # torchrun stops this worker itself: exiting first would read as a failure of
                 # its own (and spend one of --max-restarts).
@@ -375,6 +379,18 @@ class InProcessRecovery:
                       ok=ok, error=error, rank_after=new.rank)
         except Exception as exc:  # noqa: BLE001 - reporting never breaks training
             log.warning("rankwatch: could not report the recovery: %s", exc)
+
+    def _deliver_reports(self) -> None:
+        """Send what the monitor holds and end its stream, waiting (boundedly) for the agent to
+        read it: the worker exits next, and a report still buffered would die with it.  The
+        monitor reports nothing after this."""
+        close = getattr(self._monitor, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - reporting never breaks the exit
+            log.warning("rankwatch: could not deliver the recovery report: %s", exc)
 
     @property
     def last_phases(self) -> dict[str, float] | None:
