@@ -6,6 +6,8 @@
 #   benchmarks/gpu_session.sh overhead  # step-time overhead on the harness, one GPU (A/A, A/B, pairs)
 #   benchmarks/gpu_session.sh noise     # clean GPU step noise and the straggler replay over it
 #   benchmarks/gpu_session.sh tier      # the in-process tier's steady cost on one GPU (A/B, A/A)
+#   benchmarks/gpu_session.sh commit    # the step commit's host wait on NCCL (A/B, A/A), and the tier
+#                                       # on the harness with it
 #   benchmarks/gpu_session.sh ckpt      # DCP saves and resumes on NCCL, a corrupt newest checkpoint,
 #                                       # the in-process tier's start on NCCL, two NCCL ranks on one GPU
 #
@@ -55,6 +57,14 @@ case "${1:-check}" in
   tier)
     timeout 560 $PY benchmarks/inprocess_overhead.py --nproc 1 --pairs 4 --steps 400 \
       --harness-args "$MODEL" 2>&1 | tee "$OUT/tier_overhead.md"
+    ;;
+  commit)
+    timeout 240 $PY benchmarks/commit_cost.py --steps 2000 --item-every 0 2>&1 | tee "$OUT/commit_cost_noitem.md"
+    timeout 240 $PY benchmarks/commit_cost.py --steps 400 --block 10 --batch 65536 2>&1 | tee "$OUT/commit_cost_long.md"
+    timeout 240 $PY benchmarks/commit_cost.py --steps 2000 --item-every 1 2>&1 | tee "$OUT/commit_cost_item.md"
+    timeout 100 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m rankwatch.hooks.train \
+      --steps 40 --log-every 10 --no-rankwatch --in-process-recovery $MODEL > "$OUT/commit_tier.log" 2>&1
+    echo "tier on NCCL: exit $?"; grep -i "step 40\|error\|commit" "$OUT/commit_tier.log" | head -5
     ;;
   ckpt)
     CK=/tmp/rw-ckpt; rm -rf "$CK"; mkdir -p "$CK"

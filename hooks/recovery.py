@@ -66,7 +66,7 @@ from typing import Any
 
 from rankwatch.hooks import recovery_net as net
 from rankwatch.hooks.recovery_decide import MAX_MESSAGE, Decision, Job, Membership, decide
-from rankwatch.hooks.recovery_commit import StepCommit
+from rankwatch.hooks.recovery_commit import CommitIncomplete, StepCommit
 from rankwatch.hooks.recovery_joins import JoinWatch
 from rankwatch.hooks.recovery_round import RESTARTING, JobFinished, RecoveryFailed, Round
 from rankwatch.hooks.recovery_state import local_state, restore, transfer
@@ -104,6 +104,8 @@ def is_peer_failure(exc: BaseException) -> bool:
 
     if isinstance(exc, RecoveryFailed):
         return False
+    if isinstance(exc, CommitIncomplete):
+        return True
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_FAILURE_MARKERS)
@@ -134,6 +136,8 @@ class InProcessRecovery:
                  settle: float = 1.0, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
                  max_recoveries: int = 8, join_timeout: float = 600.0, commit: bool = True,
                  total_steps: int | None = None, env: Mapping[str, str] = os.environ) -> None:
+        if backend == "nccl":
+            net.nccl_errors_to_caller()
         self._make = make
         self._total_steps = total_steps
         self._commit = StepCommit(backend) if commit else None

@@ -3,10 +3,22 @@
 A worker lost in the middle of a step (its node's other workers live on a moment) can
 leave some survivors' shards a step ahead of the others', and then no replica is whole at
 one step.  So before each optimizer step, every rank agrees in one all-reduce of one
-element over the world (an optimizer step pre-hook): a rank that passes it knows every
-rank's gradients for the step are whole.  When the all-reduce fails on a rank whose peers
+element over the world (an optimizer step pre-hook): each rank adds 1 once its own
+gradients for the step are whole, so a rank that reads the whole world's sum knows every
+rank's gradients are whole.  When the commit does not complete on a rank whose peers
 passed it, that rank finishes the step in the recovery (:meth:`StepCommit.finish_step`),
-and the survivors agree on the step after it.
+and the survivors agree on the step after it.  What one rank's read means is
+:func:`outcome`.
+
+**On NCCL** the all-reduce only enqueues work, and the optimizer step's kernels queue
+behind it on the GPU.  Were a peer lost mid-step, the communicators aborted (by the
+watchdog at the groups' timeout, or by the recovery) would end the all-reduce early, and
+those queued kernels would then apply the step from partial gradients.  So on NCCL the
+host waits for the commit's result before the optimizer step is enqueued: one GPU
+synchronisation a step, while the tier is on (its cost: BENCHMARKS.md).  An abort also
+lets whatever was queued before the commit run on as if complete, so on NCCL nothing
+proves this rank's gradients whole after a failure: a rank whose commit failed never
+finishes the step itself, and takes the step from a replica that applied it instead.
 """
 
 from __future__ import annotations
@@ -17,14 +29,37 @@ from typing import Any
 from rankwatch.hooks.recovery_decide import Job
 from rankwatch.hooks.recovery_state import local_state
 
-__all__ = ["StepCommit"]
+__all__ = ["FAILED_BEFORE", "FAILED_INSIDE", "PASSED", "CommitIncomplete", "StepCommit", "outcome"]
 
 log = logging.getLogger(__name__)
+
+PASSED = "passed"
+FAILED_INSIDE = "failed inside"   # this rank's gradients are whole; the others may have passed
+FAILED_BEFORE = "failed before"   # this rank's gradients are not whole
+
+
+class CommitIncomplete(RuntimeError):
+    """The step commit did not complete on this rank (a peer lost, or the communicators
+    aborted): the step is not applied here.  The in-process tier's business."""
+
+
+def outcome(total: float, world_size: int, reached: bool) -> str:
+    """What this rank's read of the commit means.
+
+    Args:
+        total: the all-reduced flag, each rank's 1 summed (partial if the commit was cut short).
+        world_size: the ranks that take part.
+        reached: this rank's own part ran, its gradients for the step whole.
+    """
+    if total == world_size:
+        return PASSED
+    return FAILED_INSIDE if reached else FAILED_BEFORE
 
 
 class StepCommit:
     """Args:
-        backend: the process groups' backend (``nccl`` puts the flag on this rank's GPU).
+        backend: the process groups' backend (``nccl`` puts the flag on this rank's GPU,
+            and makes the host wait for the commit: see the module).
     """
 
     def __init__(self, backend: str) -> None:
@@ -71,8 +106,18 @@ class StepCommit:
         if self._flag is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" else "cpu"
             self._flag = torch.zeros(1, device=device)
+        # Gloo runs the step on this thread: being here proves this rank's gradients whole.
+        # On NCCL an abort lets what was queued before the commit run on as if complete.
+        reached = self._backend != "nccl"
+        self._flag.fill_(1.0)
         try:
             dist.all_reduce(self._flag)
+            total = float(self._flag.item())   # on NCCL, the host waits for the commit here
         except BaseException:
-            self._failed_inside = True   # if another rank passed it, this one finishes the step
+            self._failed_inside = reached   # then it finishes the step if the others passed
             raise
+        world = dist.get_world_size()
+        verdict = outcome(total, world, reached)
+        if verdict != PASSED:
+            self._failed_inside = verdict == FAILED_INSIDE
+            raise CommitIncomplete(f"the step commit did not complete on this rank ({total:g} of {world} ranks)")

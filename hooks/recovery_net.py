@@ -16,8 +16,8 @@ import signal
 import socket
 from collections.abc import Iterator, Mapping
 
-__all__ = ["Liveness", "abort_nccl", "destroy_groups", "refused", "shut_group_sockets", "store_endpoints",
-           "tcp_sockets"]
+__all__ = ["Liveness", "abort_nccl", "destroy_groups", "nccl_errors_to_caller", "refused", "shut_group_sockets",
+           "store_endpoints", "tcp_sockets"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,26 @@ def shut_group_sockets(baseline: set[tuple], keep: set[tuple[str, int]]) -> int:
         finally:
             s.detach()  # the fd stays the group's to close
     return shut
+
+
+ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_ABORT_ONLY = "2"        # abort the communicators, keep the process
+_TORCHRUN_DEFAULT = "1"  # what torchrun gives its workers unless told otherwise: abort, then exit
+
+
+def nccl_errors_to_caller() -> None:
+    """Make NCCL's watchdog abort a failed or timed-out collective's communicators and leave
+    the process alive, so that the training thread sees the failure (in the step commit,
+    :mod:`recovery_commit`) and the tier recovers in process.  torchrun's own setting (1)
+    and PyTorch's default (3) end the process, and then only torchrun's restart recovers.
+    Takes effect for process groups created after it."""
+    mode = os.environ.get(ASYNC_ERROR_HANDLING)
+    if mode == _ABORT_ONLY:
+        return
+    os.environ[ASYNC_ERROR_HANDLING] = _ABORT_ONLY
+    log.log(logging.INFO if mode in (None, _TORCHRUN_DEFAULT) else logging.WARNING,
+            "rankwatch: %s=%s (was %s): NCCL's watchdog aborts a failed collective and leaves the worker "
+            "to the in-process recovery", ASYNC_ERROR_HANDLING, _ABORT_ONLY, mode or "unset")
 
 
 def abort_nccl() -> None:

@@ -1,0 +1,68 @@
+"""The step commit (``hooks/recovery_commit.py``): what one rank's read of it means, the
+commit on a real gloo group, and the NCCL watchdog mode the tier asks for."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rankwatch.hooks import recovery_net as net
+from rankwatch.hooks.recovery import is_peer_failure
+from rankwatch.hooks.recovery_commit import (FAILED_BEFORE, FAILED_INSIDE, PASSED, CommitIncomplete, StepCommit,
+                                             outcome)
+
+
+@pytest.mark.parametrize("total, world, reached, expected", [
+    (4.0, 4, True, PASSED),           # every rank added its 1
+    (3.0, 4, True, FAILED_INSIDE),    # cut short after this rank's part: its gradients are whole
+    (1.0, 4, True, FAILED_INSIDE),    # only its own 1 (NCCL: aborted before the reduction)
+    (1.0, 4, False, FAILED_BEFORE),   # NCCL: the step failed before this rank reached the commit
+    (4.0, 4, False, PASSED),          # the whole world's sum proves every rank was there
+    (5.0, 4, True, FAILED_INSIDE),    # garbage is never a pass
+    (0.0, 1, False, FAILED_BEFORE),
+])
+def test_what_a_read_of_the_commit_means(total, world, reached, expected):
+    assert outcome(total, world, reached) == expected
+
+
+def test_a_commit_that_did_not_complete_is_a_peer_failure_for_the_tier():
+    assert is_peer_failure(CommitIncomplete("the step commit did not complete on this rank (1 of 4 ranks)"))
+
+
+@pytest.fixture
+def one_rank_world(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+def test_each_optimizer_step_passes_the_commit_on_a_real_group(one_rank_world):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    commit = StepCommit("gloo")
+    commit.attach(opt)
+    for _ in range(3):
+        before = model.weight.detach().clone()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()           # raises CommitIncomplete unless the world's sum came back
+        opt.zero_grad()
+        assert not torch.equal(model.weight, before)   # the step applied
+    assert not commit.failed_inside()
+
+
+def test_the_tier_asks_nccl_to_abort_a_failed_collective_without_ending_the_process(monkeypatch, caplog):
+    for before in (None, "1", "3"):   # unset, torchrun's own setting, PyTorch's default
+        if before is None:
+            monkeypatch.delenv(net.ASYNC_ERROR_HANDLING, raising=False)
+        else:
+            monkeypatch.setenv(net.ASYNC_ERROR_HANDLING, before)
+        with caplog.at_level(logging.INFO):
+            net.nccl_errors_to_caller()
+        assert os.environ[net.ASYNC_ERROR_HANDLING] == "2"
+        assert f"(was {before or 'unset'})" in caplog.text
