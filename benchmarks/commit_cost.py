@@ -8,7 +8,8 @@ the host wait for its result before the optimizer step is enqueued
 (``hooks/recovery_commit.py``), so what it costs is the GPU's idle time while the host
 catches up.  The loop is a user's: a bf16 MLP, forward, backward, Adam (foreach), and, with
 ``--item-every N``, the loss read on the host every N steps (0: never, the commit's worst
-case).  Two model sizes: ``--dim``/``--layers`` give a GPU-bound step, and a small one a
+case); ``--fused`` takes fused Adam, which the commit gates on the device instead, with
+no host wait.  Two model sizes: ``--dim``/``--layers`` give a GPU-bound step, and a small one a
 launch-bound step.  Each figure is the median over block pairs of (block with) / (block without); the A/A control labels blocks the
 same way with the commit on throughout.  A block's last step waits for the GPU, so each
 block's figure is its wall time (the sum of its steps): a loop that never reads the loss
@@ -41,7 +42,8 @@ def _loop(args: argparse.Namespace, dim: int, layers: int, batch: int):
     for _ in range(layers):
         blocks += [torch.nn.Linear(dim, dim, bias=False), torch.nn.GELU()]
     model = torch.nn.Sequential(*blocks).to(device=args.device, dtype=dtype)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-5, foreach=True)
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-5, fused=True) if args.fused
+           else torch.optim.Adam(model.parameters(), lr=1e-5, foreach=True))
     commit = StepCommit("nccl" if args.device == "cuda" else "gloo")
     commit.attach(opt)
     x = torch.randn(batch, dim, device=args.device, dtype=dtype)
@@ -90,6 +92,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--steps", type=int, default=2000, help="steps per half (A/A, then A/B)")
     ap.add_argument("--block", type=int, default=20)
+    ap.add_argument("--fused", action="store_true",
+                    help="fused Adam: the commit gates it on the device, with no host wait")
     ap.add_argument("--item-every", type=int, default=0, help="read the loss on the host every N steps")
     ap.add_argument("--dim", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=4)
@@ -101,7 +105,7 @@ def main() -> None:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"file://{tmp}/store",
                                 rank=0, world_size=1, timeout=timedelta(seconds=60))
         try:
-            print(f"device {args.device}, loss read every {args.item_every or 'never'} step(s), "
+            print(f"device {args.device}, {'fused' if args.fused else 'foreach'} Adam, loss read every {args.item_every or 'never'} step(s), "
                   f"{os.environ.get('TORCH_NCCL_ASYNC_ERROR_HANDLING', 'default')} error handling")
             print("| model | arm | mean step | ratio (IQR) |\n|---|---|---|---|")
             _measure(args, f"MLP {args.dim}x{args.layers}, batch {args.batch}", args.dim, args.layers, args.batch)

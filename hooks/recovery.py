@@ -247,6 +247,11 @@ class InProcessRecovery:
                 raise RecoveryFailed("no recovery store")
             if old.generation >= self._max:
                 raise RecoveryFailed(f"{self._max} in-process recoveries already; leaving it to torchrun")
+            skipped = self._commit.unapplied() if self._commit is not None else 0
+            if skipped:   # the device skipped steps the host saw return (their commits failed)
+                log.warning("rankwatch: the last %d optimizer step(s) were skipped on the device: completed "
+                            "step %d, not %d", skipped, completed - skipped, completed)
+                completed -= skipped
             shards = local_state(job)
             net.destroy_groups()
             phases["left_step"] = time.perf_counter() - t0

@@ -13,12 +13,21 @@ and the survivors agree on the step after it.  What one rank's read means is
 **On NCCL** the all-reduce only enqueues work, and the optimizer step's kernels queue
 behind it on the GPU.  Were a peer lost mid-step, the communicators aborted (by the
 watchdog at the groups' timeout, or by the recovery) would end the all-reduce early, and
-those queued kernels would then apply the step from partial gradients.  So on NCCL the
-host waits for the commit's result before the optimizer step is enqueued: one GPU
-synchronisation a step, while the tier is on (its cost: BENCHMARKS.md).  An abort also
-lets whatever was queued before the commit run on as if complete, so on NCCL nothing
-proves this rank's gradients whole after a failure: a rank whose commit failed never
-finishes the step itself, and takes the step from a replica that applied it instead.
+those queued kernels would then apply the step from partial gradients.  Two gates:
+
+* **On the device**, for optimizers that skip a step on the GPU when told to (fused Adam,
+  AdamW, SGD: those AMP's scaler drives through ``found_inf``): the commit hands the
+  optimizer ``found_inf = (sum != world size)`` and the host runs on.  A step cut short is
+  then skipped on the device, and a device counter of the steps that passed tells the
+  recovery how many of the steps the host saw return were really applied
+  (:meth:`StepCommit.unapplied`).
+* **On the host**, for every other optimizer: the host reads the commit's result before
+  the optimizer step is enqueued.  One GPU synchronisation a step (BENCHMARKS.md).
+
+An abort also lets whatever was queued before the commit run on as if complete, so on
+NCCL nothing proves this rank's gradients whole after a failure: a rank whose commit
+failed never finishes the step itself, and takes the step from a replica that applied it
+instead.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from typing import Any
 from rankwatch.hooks.recovery_decide import Job
 from rankwatch.hooks.recovery_state import local_state
 
-__all__ = ["FAILED_BEFORE", "FAILED_INSIDE", "PASSED", "CommitIncomplete", "StepCommit", "outcome"]
+__all__ = ["FAILED_BEFORE", "FAILED_INSIDE", "PASSED", "CommitIncomplete", "StepCommit", "gates_on_device", "outcome"]
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +68,17 @@ def outcome(total: float, world_size: int, reached: bool) -> str:
 class StepCommit:
     """Args:
         backend: the process groups' backend (``nccl`` puts the flag on this rank's GPU,
-            and makes the host wait for the commit: see the module).
+            and gates the step on the device or the host: see the module).
+        device_gate: gate optimizers that can skip a step on the device that way (default:
+            on NCCL; on gloo the host learns the commit's outcome at no cost).
     """
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, device_gate: bool | None = None) -> None:
         self._backend = backend
+        self._device_gate = backend == "nccl" if device_gate is None else device_gate
         self._flag: Any = None
+        self._passed: Any = None   # on the device: commits that passed (the device gate)
+        self._returned = 0         # optimizer steps that returned to the host, gated on the device
         self._on = True            # off while a rank finishes a step the others committed
         self._failed_inside = False  # the last failure came inside a commit: gradients whole
 
@@ -73,6 +87,7 @@ class StepCommit:
         register = getattr(optimizer, "register_step_pre_hook", None)
         if callable(register):
             register(self._agree)
+            optimizer.register_step_post_hook(self._after)
         else:
             log.warning("rankwatch: %s has no step pre-hooks: a worker lost mid-step may leave the "
                         "survivors' shards steps apart (then torchrun's restart recovers)",
@@ -95,9 +110,25 @@ class StepCommit:
             self._on = True
         return local_state(job)
 
-    def _agree(self, *_: Any) -> None:
+    def unapplied(self) -> int:
+        """Of the optimizer steps that returned to the host since the last call, how many the
+        device skipped because their commit did not complete (0 without the device gate).
+        Waits for the device: call it in a recovery, after the communicators are aborted."""
+        import torch
+
+        if self._passed is None or not self._returned:
+            return 0
+        if self._passed.is_cuda:
+            torch.cuda.synchronize()
+        passed = int(self._passed.item())
+        self._passed.zero_()
+        lag, self._returned = max(0, self._returned - passed), 0
+        return lag
+
+    def _agree(self, optimizer: Any, *_: Any) -> None:
         """Every rank reached the optimizer step (the gradients are whole), or this raises
-        on every survivor, before any applies it."""
+        on every survivor (or, with the device gate, the step is skipped on the device),
+        before any applies it."""
         import torch
         import torch.distributed as dist
 
@@ -106,6 +137,9 @@ class StepCommit:
         if self._flag is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" else "cpu"
             self._flag = torch.zeros(1, device=device)
+        if self._device_gate and gates_on_device(optimizer):
+            self._gate_on_device(optimizer)
+            return
         # Gloo runs the step on this thread: being here proves this rank's gradients whole.
         # On NCCL an abort lets what was queued before the commit run on as if complete.
         reached = self._backend != "nccl"
@@ -121,3 +155,37 @@ class StepCommit:
         if verdict != PASSED:
             self._failed_inside = verdict == FAILED_INSIDE
             raise CommitIncomplete(f"the step commit did not complete on this rank ({total:g} of {world} ranks)")
+
+    def _gate_on_device(self, optimizer: Any) -> None:
+        """Hand the optimizer ``found_inf``: it skips the step on the device unless the
+        commit completed (with a scaler's own ``found_inf``, either one skips it)."""
+        import torch
+        import torch.distributed as dist
+
+        if self._passed is None:
+            self._passed = torch.zeros(1, dtype=torch.int64, device=self._flag.device)
+        self._flag.fill_(1.0)
+        dist.all_reduce(self._flag)   # raises only if the groups are already gone
+        passed = self._flag == dist.get_world_size()
+        self._passed += passed
+        skip = (~passed).to(torch.float32).reshape(())   # a 0-dim tensor, as a scaler hands it
+        theirs = getattr(optimizer, "found_inf", None)
+        optimizer._rankwatch_found_inf = theirs
+        optimizer.found_inf = skip if theirs is None else torch.maximum(theirs.to(torch.float32), skip)
+
+    def _after(self, optimizer: Any, *_: Any) -> None:
+        """Give the optimizer back the ``found_inf`` it had (a scaler's, or none)."""
+        if not hasattr(optimizer, "_rankwatch_found_inf"):
+            return
+        theirs = optimizer.__dict__.pop("_rankwatch_found_inf")
+        if theirs is None:
+            optimizer.__dict__.pop("found_inf", None)
+        else:
+            optimizer.found_inf = theirs
+        self._returned += 1
+
+
+def gates_on_device(optimizer: Any) -> bool:
+    """The optimizer skips a step on the device given ``found_inf`` (fused Adam, AdamW, SGD)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and \
+        bool(getattr(optimizer, "defaults", {}).get("fused"))

@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             with torch.device("meta"):
                 model = Transformer(cfg)
             model = parallelize(model, mesh, dims).to_empty(device=dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
+        # On a GPU the fused AdamW: the step commit then gates it on the device, without a
+        # host synchronisation (hooks/recovery_commit.py).
+        opt = (torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True) if dev == "cuda"
+               else torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False))
         if ckpt:
             ckpt.regroup() if m.generation else ckpt.setup()
         return Job(model=model, optimizer=opt, replica_size=dims.replica_size,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from rankwatch.hooks import recovery_net as net
 from rankwatch.hooks.recovery import is_peer_failure
 from rankwatch.hooks.recovery_commit import (FAILED_BEFORE, FAILED_INSIDE, PASSED, CommitIncomplete, StepCommit,
-                                             outcome)
+                                             gates_on_device, outcome)
 
 
 @pytest.mark.parametrize("total, world, reached, expected", [
@@ -66,3 +66,76 @@ def test_the_tier_asks_nccl_to_abort_a_failed_collective_without_ending_the_proc
             net.nccl_errors_to_caller()
         assert os.environ[net.ASYNC_ERROR_HANDLING] == "2"
         assert f"(was {before or 'unset'})" in caplog.text
+
+
+def _fused_job(commit: StepCommit):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    commit.attach(opt)
+    return model, opt
+
+
+def _step(model, opt) -> None:
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_a_fused_optimizer_is_gated_on_the_device_and_steps_when_the_commit_passed(one_rank_world):
+    commit = StepCommit("gloo", device_gate=True)    # on NCCL this is the default
+    model, opt = _fused_job(commit)
+    assert gates_on_device(opt)
+    for _ in range(3):
+        before = model.weight.detach().clone()
+        _step(model, opt)
+        assert not torch.equal(model.weight, before)   # applied
+    assert not hasattr(opt, "found_inf")               # handed back as it was: none
+    assert commit.unapplied() == 0                     # every step the host saw was applied
+    assert float(next(iter(opt.state.values()))["step"]) == 3
+
+
+def test_a_scalers_found_inf_still_skips_the_gated_step_and_is_handed_back(one_rank_world):
+    commit = StepCommit("gloo", device_gate=True)
+    model, opt = _fused_job(commit)
+    _step(model, opt)
+    theirs = torch.tensor(1.0)                          # as AMP's scaler sets it: an overflow
+    opt.found_inf = theirs
+    before = model.weight.detach().clone()
+    _step(model, opt)
+    assert torch.equal(model.weight, before)            # skipped on the device
+    assert opt.found_inf is theirs
+    assert float(next(iter(opt.state.values()))["step"]) == 1   # the skipped step is not counted
+    # The device counted the skipped step's commit as passed: the scaler skipped it, not a
+    # failure, so the recovery is told of no unapplied step.
+    assert commit.unapplied() == 0
+
+
+def test_an_optimizer_that_cannot_skip_on_the_device_is_not_gated_there():
+    model = torch.nn.Linear(4, 1)
+    assert not gates_on_device(torch.optim.AdamW(model.parameters(), foreach=False))
+    assert not gates_on_device(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert gates_on_device(torch.optim.SGD(model.parameters(), lr=0.1, fused=True))
+
+
+@pytest.mark.gpu
+def test_on_nccl_a_fused_optimizer_steps_through_the_device_gate_without_a_host_wait(tmp_path):
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = torch.nn.Linear(64, 64, device="cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+        commit = StepCommit("nccl")
+        commit.attach(opt)
+        x = torch.ones(8, 64, device="cuda")
+        for _ in range(5):
+            before = model.weight.detach().clone()
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            assert not torch.equal(model.weight, before)
+        assert commit._passed is not None          # it went through the device gate
+        assert commit.unapplied() == 0
+        assert float(next(iter(opt.state.values()))["step"]) == 5
+    finally:
+        dist.destroy_process_group()
