@@ -94,7 +94,7 @@ class Coordinator:
                               refusals or (lambda: 0),
                               lambda n: node_death.burst_size(n, burst_share=self.policy.silent_burst_share,
                                                               burst_nodes=self.policy.silent_burst_nodes),
-                              *([load_clocks] if load_clocks else []))
+                              load_clocks)
         """Its own load, the interval nodes sync at, and when silence is no evidence."""
         self.view = JobView(self.log, self.load, self.policy.max_nodes)
         """The nodes' summaries, on this clock."""

@@ -107,6 +107,7 @@ class DecisionLog:
         self._lock = threading.Lock()
         self._items: list[Decision] = []
         self._ids: set[str] = set()
+        self._excluded: dict[str, str] = {}   # node -> its first exclusion's reason, kept as they come
         self._seq = 0
         self._generation = 0
         self.sink: Callable[[Decision], None] | None = None
@@ -127,11 +128,8 @@ class DecisionLog:
     @property
     def excluded(self) -> dict[str, str]:
         """Excluded node -> why (its first exclusion's reason)."""
-        out: dict[str, str] = {}
-        for d in self.items:
-            if d.kind == "exclude":
-                out.setdefault(d.node, d.reason)
-        return out
+        with self._lock:
+            return dict(self._excluded)
 
     def knows(self, decision_id: str) -> bool:
         return decision_id in self._ids
@@ -152,9 +150,7 @@ class DecisionLog:
             tag = f"{self.run_id}/" if self.run_id else ""
             d = Decision(id=f"{tag}{kind}-{self._seq}", kind=kind, node=node, generation=self._generation,
                          step=step, reason=reason, decided_at=now, run_id=self.run_id, seq=self._seq)
-            self._items.append(d)
-            self._ids.add(d.id)
-            self._write(d)
+            self._append(d)
         if self.sink is not None:
             try:
                 self.sink(d)
@@ -172,13 +168,19 @@ class DecisionLog:
             for d in decisions:
                 if d.id in self._ids:
                     continue
-                self._ids.add(d.id)
-                self._items.append(d)
+                self._append(d)
                 self._seq = max(self._seq, d.seq)
                 self._generation = max(self._generation, d.generation)
-                self._write(d)
                 fresh.append(d)
         return fresh
+
+    def _append(self, d: Decision) -> None:
+        """Keep and write ``d`` (the lock held)."""
+        self._items.append(d)
+        self._ids.add(d.id)
+        if d.kind == "exclude":
+            self._excluded.setdefault(d.node, d.reason)
+        self._write(d)
 
     def _write(self, d: Decision) -> None:
         if self.writer is not None:

@@ -41,11 +41,10 @@ class LoadMeter:
 
     def __init__(self, cfg: LoadConfig, tick_seconds: float, node_timeout: float,
                  refusals: Callable[[], int], burst: Callable[[int], float] = lambda n: math.inf,
-                 clocks: tuple[Callable[[], float], Callable[[], float]] = (time.monotonic, time.process_time),
-                 ) -> None:
+                 clocks: tuple[Callable[[], float], Callable[[], float]] | None = None) -> None:
         self.cfg = cfg
         self._burst = burst
-        self._wall, self._cpu = clocks
+        self._wall, self._cpu = clocks or (time.monotonic, time.process_time)
         self.tick_seconds = tick_seconds
         self.node_timeout = node_timeout
         self._refusals = refusals
