@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import quantile  # noqa: E402
+from overhead import block_ratios, quantile  # noqa: E402
 
 from rankwatch.hooks.recovery_commit import StepCommit  # noqa: E402
 
@@ -63,12 +63,6 @@ def _loop(args: argparse.Namespace, dim: int, layers: int, batch: int):
     return commit, step
 
 
-def _block_ratios(times: list[float], arms: list[bool], block: int) -> list[float]:
-    """Per pair of consecutive blocks (with, then without): the ratio of their wall times."""
-    sums = [(arms[i], sum(times[i:i + block])) for i in range(0, len(times) - block + 1, block)]
-    return [a / b for (on, a), (off, b) in zip(sums[::2], sums[1::2]) if on and not off]
-
-
 def _measure(args: argparse.Namespace, label: str, dim: int, layers: int, batch: int) -> None:
     commit, step = _loop(args, dim, layers, batch)
     for n in range(50):
@@ -81,7 +75,7 @@ def _measure(args: argparse.Namespace, label: str, dim: int, layers: int, batch:
             times.append(step(i))
             arms.append(on)
         commit._on = True
-        r = _block_ratios(times, arms, args.block)
+        r = block_ratios(times, arms, args.block, whole=True)
         print(f"| {label} | {'A/A control' if control else 'with / without commit'} | "
               f"{sum(times) / len(times) * 1e3:.3f} ms | {statistics.median(r):.4f} "
               f"({quantile(r, 0.25):.4f}-{quantile(r, 0.75):.4f}, {len(r)} pairs) |", flush=True)

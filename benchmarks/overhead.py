@@ -72,10 +72,11 @@ def ab_job(tmp: Path, agent: AgentProcess, steps: int, block: int = 10, control:
           f"IQR {quantile(ratios, 0.25):.3f}-{quantile(ratios, 0.75):.3f}) |", flush=True)
 
 
-def block_ratios(times: list[float], arms: list[bool], block: int) -> list[float]:
+def block_ratios(times: list[float], arms: list[bool], block: int, whole: bool = False) -> list[float]:
     """Per pair of consecutive blocks (on, then off): the ratio of their median steps,
-    each block's first step left out (it pays for the switch)."""
-    blocks = [(arms[i], statistics.median(times[i + 1:i + block]))
+    each block's first step left out (it pays for the switch); ``whole``: of their wall
+    times (the sums of all their steps), for loops whose single steps time only enqueueing."""
+    blocks = [(arms[i], sum(times[i:i + block]) if whole else statistics.median(times[i + 1:i + block]))
               for i in range(0, len(times) - block + 1, block)]
     return [on / off for (a, on), (b, off) in zip(blocks[::2], blocks[1::2]) if a and not b]
 

@@ -79,6 +79,7 @@ class StepCommit:
         self._flag: Any = None
         self._passed: Any = None   # on the device: commits that passed (the device gate)
         self._returned = 0         # optimizer steps that returned to the host, gated on the device
+        self._theirs: tuple[Any, Any] | None = None   # (optimizer, the found_inf it had) during a step
         self._on = True            # off while a rank finishes a step the others committed
         self._failed_inside = False  # the last failure came inside a commit: gradients whole
 
@@ -170,16 +171,16 @@ class StepCommit:
         self._passed += passed
         skip = (~passed).to(torch.float32).reshape(())   # a 0-dim tensor, as a scaler hands it
         theirs = getattr(optimizer, "found_inf", None)
-        optimizer._rankwatch_found_inf = theirs
+        self._theirs = (optimizer, theirs)
         optimizer.found_inf = skip if theirs is None else torch.maximum(theirs.to(torch.float32), skip)
 
     def _after(self, optimizer: Any, *_: Any) -> None:
         """Give the optimizer back the ``found_inf`` it had (a scaler's, or none)."""
-        if not hasattr(optimizer, "_rankwatch_found_inf"):
+        if self._theirs is None or self._theirs[0] is not optimizer:
             return
-        theirs = optimizer.__dict__.pop("_rankwatch_found_inf")
+        theirs, self._theirs = self._theirs[1], None
         if theirs is None:
-            optimizer.__dict__.pop("found_inf", None)
+            del optimizer.found_inf
         else:
             optimizer.found_inf = theirs
         self._returned += 1

@@ -3,9 +3,13 @@ commit on a real gloo group, and the NCCL watchdog mode the tier asks for."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +143,20 @@ def test_on_nccl_a_fused_optimizer_steps_through_the_device_gate_without_a_host_
         assert float(next(iter(opt.state.values()))["step"]) == 5
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_a_users_own_loop_trains_on_nccl_through_the_tier_and_its_device_gate(tmp_path):
+    """The README's loop (tests/data/user_hsdp_recovery.py) on NCCL under a real torchrun:
+    the tier sets the watchdog to abort without ending the worker, and fused AdamW steps
+    through the device gate, every step applied once."""
+    script = Path(__file__).parent / "data" / "user_hsdp_recovery.py"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                          str(script), "--device", "cuda", "--steps", "12", "--out", str(tmp_path / "out")],
+                         env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    assert record["applied"] == list(range(1, 13))
+    assert record["recoveries"] == []
+    assert record["nccl_error_handling"] == "2"   # torchrun gave it 1: the watchdog would end the worker

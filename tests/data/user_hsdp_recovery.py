@@ -7,7 +7,7 @@ group, the tier's ``start``/``recover``/``stepped`` around the loop, and the Mon
 ``step``/``mark``.  The global batch is kept after a node's loss by accumulating more
 micro-batches on the ranks left.
 
-``--out DIR`` writes ``rank<R>.json`` per worker (R: its rank at the start; a worker that
+``--device cuda`` runs it on NCCL, one GPU per worker, with fused AdamW.  ``--out DIR`` writes ``rank<R>.json`` per worker (R: its rank at the start; a worker that
 joined the running round later writes ``joiner<PID>.json``): its pid, the
 steps it applied in order, the world it ended in, its recoveries, and a digest of its
 parameters' bytes (equal on every replica).
@@ -64,10 +64,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--global-batch", type=int, default=MICRO * 6, help="samples per step, all ranks together")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--until-world", type=int, default=0,
                    help="train past --steps (up to 4x) until the world has this many ranks again")
     args = p.parse_args()
     torch.set_num_threads(1)
+    dev = args.device
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])   # one replica per node, sharded within it
     # The job's global batch is the user's setting, as in any training config (a worker that
     # joins later sees only its own node's WORLD_SIZE in its environment).
@@ -75,14 +79,14 @@ def main() -> None:
 
     def make(membership: Membership) -> Job:
         world = dist.get_world_size()
-        mesh = init_device_mesh("cpu", (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(dev, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(0)
         with torch.device("meta") if membership.generation else contextlib.nullcontext():
-            model = Net()
+            model = Net().to(dev)
         fully_shard(model, mesh=mesh)
         if membership.generation:
-            model.to_empty(device="cpu")   # the tier copies the weights back from memory
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model.to_empty(device=dev)   # the tier copies the weights back from memory
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True if dev == "cuda" else None)
         return Job(model=model, optimizer=opt, replica_size=per_node, extra={"mesh": mesh})
 
     limit = args.steps * 4 if args.until_world else args.steps
@@ -96,7 +100,7 @@ def main() -> None:
         return iter(DataLoader(rest, batch_size=MICRO, sampler=sampler))
 
     # The last step is known only without --until-world (then a joiner may come in at any step).
-    tier = InProcessRecovery(make, backend="gloo", total_steps=None if args.until_world else args.steps)
+    tier = InProcessRecovery(make, backend="nccl" if dev == "cuda" else "gloo", total_steps=None if args.until_world else args.steps)
     job = tier.start()
     done = tier.completed                   # 0, or the step a joining worker came in at
     mon = rw.init(mesh=job.extra["mesh"])   # after start(): it made the process group
@@ -123,7 +127,7 @@ def main() -> None:
             with mon.step(done + 1):
                 for _ in range(accum):
                     x, y = next(loader)
-                    (F.cross_entropy(job.model(x), y) / accum).backward()
+                    (F.cross_entropy(job.model(x.to(dev)), y.to(dev)) / accum).backward()
                 mon.mark("backward")
                 job.optimizer.step()
                 job.optimizer.zero_grad()
@@ -140,13 +144,14 @@ def main() -> None:
     tier.finish(done)
     digest = hashlib.sha1()
     for param in job.model.parameters():
-        digest.update(param.detach().full_tensor().numpy().tobytes())
+        digest.update(param.detach().full_tensor().cpu().numpy().tobytes())
     args.out.mkdir(parents=True, exist_ok=True)
     # A worker that joined a running round (a spare's, or a restarted node's) names its file apart.
     name = f"joiner{os.getpid()}" if joined else f"rank{first_rank}"
     (args.out / f"{name}.json").write_text(json.dumps({
         "pid": os.getpid(), "applied": applied, "world_size": dist.get_world_size(),
-        "recoveries": recoveries, "digest": digest.hexdigest()}))
+        "recoveries": recoveries, "digest": digest.hexdigest(),
+        "nccl_error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")}))
     mon.close()
     dist.destroy_process_group()
 
