@@ -82,7 +82,9 @@ def main() -> None:
         mesh = init_device_mesh(dev, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(0)
         with torch.device("meta") if membership.generation else contextlib.nullcontext():
-            model = Net().to(dev)
+            model = Net()
+        if not membership.generation:
+            model.to(dev)
         fully_shard(model, mesh=mesh)
         if membership.generation:
             model.to_empty(device=dev)   # the tier copies the weights back from memory
