@@ -208,6 +208,14 @@ class InProcessRecovery:
             log.debug("rankwatch: shut %d connection(s) to admit joiners", shut)
         return phases
 
+    def carry(self, values: Any) -> bool:
+        """Call before ``job.optimizer.step()`` with numbers your loop sums over the world
+        every step anyway (a 1-element tensor of its loss for the log, a token count; on the
+        commit's device): the step's commit sums them in its own all-reduce, in place, so
+        the tier adds no collective to the step.  False: no commit runs (the tier is off,
+        or ``commit=False``); sum them yourself."""
+        return self._commit is not None and self._commit.carry(values)
+
     def _build(self, membership: Membership) -> Job:
         """``make(membership)``, with the commit before each optimizer step."""
         job = self._make(membership)

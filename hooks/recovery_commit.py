@@ -28,6 +28,11 @@ An abort also lets whatever was queued before the commit run on as if complete, 
 NCCL nothing proves this rank's gradients whole after a failure: a rank whose commit
 failed never finishes the step itself, and takes the step from a replica that applied it
 instead.
+
+**Values carried in the commit** (:meth:`StepCommit.carry`): a loop that all-reduces a few
+numbers every step anyway (its loss for the log, a token count) can hand them to the
+commit, which sums them over the world in the same all-reduce.  The tier then adds no
+collective to the step.
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ class StepCommit:
         self._theirs: tuple[Any, Any] | None = None   # (optimizer, the found_inf it had) during a step
         self._on = True            # off while a rank finishes a step the others committed
         self._failed_inside = False  # the last failure came inside a commit: gradients whole
+        self._attached = False     # an optimizer's pre-hook runs the commit
+        self._carried: Any = None  # values to sum in the next commit (:meth:`carry`)
 
     def attach(self, optimizer: Any) -> None:
         """Agree before each of ``optimizer``'s steps (a new job's optimizer, after each build)."""
@@ -89,10 +96,22 @@ class StepCommit:
         if callable(register):
             register(self._agree)
             optimizer.register_step_post_hook(self._after)
+            self._attached = True
         else:
             log.warning("rankwatch: %s has no step pre-hooks: a worker lost mid-step may leave the "
                         "survivors' shards steps apart (then torchrun's restart recovers)",
                         type(optimizer).__name__)
+
+    def carry(self, values: Any) -> bool:
+        """Sum ``values`` (a floating-point tensor on the commit's device: the CPU on gloo,
+        this rank's GPU on NCCL) over the world in the next commit, in place, instead of in
+        a collective of the caller's own.  They are summed in float32, and read summed once
+        the optimizer step has returned; if it raised, they are not.  False: no commit will
+        run (none attached), and the caller sums them itself."""
+        if not self._attached:
+            return False
+        self._carried = values
+        return True
 
     def failed_inside(self) -> bool:
         """The failure being recovered came inside a commit (and forget it for the next one):
@@ -133,21 +152,32 @@ class StepCommit:
         import torch
         import torch.distributed as dist
 
+        carried, self._carried = self._carried, None
         if not self._on:
             return
         if self._flag is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" else "cpu"
             self._flag = torch.zeros(1, device=device)
+        # The flag first, then the carried values: one all-reduce for both.
+        sent = self._flag if carried is None else torch.cat([self._flag, carried.detach().reshape(-1).float()])
+        sent[0] = 1.0
         if self._device_gate and gates_on_device(optimizer):
-            self._gate_on_device(optimizer)
-            return
+            self._gate_on_device(optimizer, sent)
+        else:
+            self._agree_on_host(sent)
+        if carried is not None:
+            carried.copy_(sent[1:].view(carried.shape))
+
+    def _agree_on_host(self, sent: Any) -> None:
+        """Raise unless the commit's all-reduce of ``sent`` (its flag first) completed."""
+        import torch.distributed as dist
+
         # Gloo runs the step on this thread: being here proves this rank's gradients whole.
         # On NCCL an abort lets what was queued before the commit run on as if complete.
         reached = self._backend != "nccl"
-        self._flag.fill_(1.0)
         try:
-            dist.all_reduce(self._flag)
-            total = float(self._flag.item())   # on NCCL, the host waits for the commit here
+            dist.all_reduce(sent)
+            total = float(sent[0].item())   # on NCCL, the host waits for the commit here
         except BaseException:
             self._failed_inside = reached   # then it finishes the step if the others passed
             raise
@@ -157,17 +187,17 @@ class StepCommit:
             self._failed_inside = verdict == FAILED_INSIDE
             raise CommitIncomplete(f"the step commit did not complete on this rank ({total:g} of {world} ranks)")
 
-    def _gate_on_device(self, optimizer: Any) -> None:
+    def _gate_on_device(self, optimizer: Any, sent: Any) -> None:
         """Hand the optimizer ``found_inf``: it skips the step on the device unless the
-        commit completed (with a scaler's own ``found_inf``, either one skips it)."""
+        commit's all-reduce of ``sent`` (its flag first) completed (with a scaler's own
+        ``found_inf``, either one skips it)."""
         import torch
         import torch.distributed as dist
 
         if self._passed is None:
             self._passed = torch.zeros(1, dtype=torch.int64, device=self._flag.device)
-        self._flag.fill_(1.0)
-        dist.all_reduce(self._flag)   # raises only if the groups are already gone
-        passed = self._flag == dist.get_world_size()
+        dist.all_reduce(sent)   # raises only if the groups are already gone
+        passed = sent[:1] == dist.get_world_size()
         self._passed += passed
         skip = (~passed).to(torch.float32).reshape(())   # a 0-dim tensor, as a scaler hands it
         theirs = getattr(optimizer, "found_inf", None)

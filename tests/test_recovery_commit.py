@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from rankwatch.hooks import recovery_net as net
 from rankwatch.hooks.recovery import is_peer_failure
@@ -160,3 +161,43 @@ def test_a_users_own_loop_trains_on_nccl_through_the_tier_and_its_device_gate(tm
     assert record["applied"] == list(range(1, 13))
     assert record["recoveries"] == []
     assert record["nccl_error_handling"] == "2"   # torchrun gave it 1: the watchdog would end the worker
+
+
+def _carrying_rank(rank: int, store_path: str, out: str) -> None:
+    """Two ranks, two optimizers (host and device gate): each step carries [rank + 1, step]
+    in the commit; what comes back is compared with a plain all-reduce of the same values."""
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    got = []
+    for gate in (False, True):
+        commit = StepCommit("gloo", device_gate=gate)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=gate or None)
+        assert not commit.carry(torch.zeros(1))    # nothing attached: no commit runs, sum it yourself
+        commit.attach(opt)
+        for step in range(1, 4):
+            model(torch.ones(2, 4)).sum().backward()
+            carried = torch.tensor([rank + 1.0, float(step)])
+            own = carried.clone()
+            assert commit.carry(carried)
+            opt.step()
+            opt.zero_grad()
+            dist.all_reduce(own)
+            assert torch.equal(carried, own), (carried, own)
+            got.append(carried.tolist())
+        before = model.weight.detach().clone()
+        _step(model, opt)                          # nothing carried: the commit alone, as ever
+        assert not torch.equal(model.weight, before)
+        assert commit.unapplied() == 0
+    Path(out, f"rank{rank}.json").write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+def test_values_carried_in_the_commit_come_back_summed_over_the_world(tmp_path):
+    """Real gloo, two ranks: a loop's per-step sums ride in the commit's one all-reduce,
+    through the host check and through the device gate alike."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_carrying_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    want = [[3.0, 2.0 * s] for s in (1, 2, 3)] * 2
+    assert json.loads((tmp_path / "rank0.json").read_text()) == want
+    assert json.loads((tmp_path / "rank1.json").read_text()) == want
