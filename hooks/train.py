@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         try:
             with m.step(step + 1, tokens=tokens, flops=flops):
-                loss = train_step(m, job, batches, accum, args, cfg.vocab_size, dev, rank, step, record)
+                loss, summed = train_step(m, job, batches, accum, args, cfg.vocab_size, dev, rank, step, record,
+                                          tier.carry if tier is not None else None)
                 done = step + 1
                 m.mark("optimizer")
                 if args.step_sleep:
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             record.step_times.append(time.perf_counter() - t0)
             record.arms.append(ab.on)
             record.losses.append(loss.item())
-            after_step(mon, job, ckpt, ckpt_extra, args, dev, rank, step, record)
+            after_step(mon, job, ckpt, ckpt_extra, args, dev, rank, step, record, summed)
         except Exception as exc:
             if tier is None:
                 raise

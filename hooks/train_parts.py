@@ -44,9 +44,10 @@ class RunRecord:
 
 
 def train_step(m: Any, job: Job, batches: Any, accum: int, args: Any, vocab: int, dev: str, rank: int,
-               step: int, record: RunRecord) -> torch.Tensor:
+               step: int, record: RunRecord, carry: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Step ``step + 1``'s data, forward, backward and optimizer step, marked for ``m``;
-    returns the step's mean loss (detached)."""
+    returns the step's mean loss (detached) and, when ``carry`` (the in-process tier's)
+    took it into the step commit, the loss summed over the world (else None)."""
     micro = [next(batches).to(dev) for _ in range(accum)]
     if slow := _slowdown_from(args.fault, "slow_data", rank, step + 1):
         time.sleep(slow * _usual(record.step_times))
@@ -67,26 +68,36 @@ def train_step(m: Any, job: Job, batches: Any, accum: int, args: Any, vocab: int
     del logits, part
     loss = loss / accum
     m.mark("backward")
+    # The loss for the log rides in the tier's step commit (one all-reduce for both), except
+    # at a step where a rank is to skip the loss's own all-reduce (the desync fault).
+    summed = loss.reshape(1).clone()
+    if carry is None or _faults_at(args.fault, "skip_collective", -1, step + 1, any_rank=True) or not carry(summed):
+        summed = None
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
-    return loss
+    return loss, summed
 
 
 def after_step(mon: Any, job: Job, ckpt: Checkpointer | None, ckpt_extra: dict, args: Any, dev: str,
-               rank: int, step: int, record: RunRecord) -> None:
+               rank: int, step: int, record: RunRecord, summed: torch.Tensor | None = None) -> None:
     """After step ``step + 1``: the dp-mean loss for the log, the injected faults that come
-    between steps, and the saves (on schedule, or asked for by the agent)."""
+    between steps, and the saves (on schedule, or asked for by the agent).  ``summed``: the
+    loss summed over the world in the step commit (TP ranks hold the same loss, so the
+    world's mean is the dp mean); None: one small all-reduce on the dp group here."""
     mesh, dims = job.extra["mesh"], job.extra["dims"]
-    # The dp-mean loss for the log: one small all-reduce per step on the dp group.
-    mean_loss = torch.tensor([record.losses[-1]], device=dev)
-    if skip := _faults_at(args.fault, "skip_collective", rank, step + 1):
-        time.sleep(skip)  # this rank never issues the all-reduce the others wait in
+    if summed is not None:
+        dp_mean = summed.item() / dist.get_world_size()
     else:
-        dist.all_reduce(mean_loss, group=dp_mesh(mesh).get_group())
-    record.dp_means.append(mean_loss.item() / dims.dp)
+        mean_loss = torch.tensor([record.losses[-1]], device=dev)
+        if skip := _faults_at(args.fault, "skip_collective", rank, step + 1):
+            time.sleep(skip)  # this rank never issues the all-reduce the others wait in
+        else:
+            dist.all_reduce(mean_loss, group=dp_mesh(mesh).get_group())
+        dp_mean = mean_loss.item() / dims.dp
+    record.dp_means.append(dp_mean)
     if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
         log.info("step %d loss %.4f (dp mean %.4f) step_time %.4fs", step + 1, record.losses[-1],
-                 mean_loss.item() / dims.dp, record.step_times[-1])
+                 dp_mean, record.step_times[-1])
     if slow := _faults_at(args.fault, "slow_checkpoint", rank, step + 1):
         with mon.activity("checkpoint"):
             time.sleep(slow)
@@ -116,8 +127,8 @@ def _injected_sleep_in_forward(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def _faults_at(faults: list, kind: str, rank: int, step: int) -> float:
-    return sum(s for k, r, st, s in faults if k == kind and st == step and r in (rank, -1))
+def _faults_at(faults: list, kind: str, rank: int, step: int, any_rank: bool = False) -> float:
+    return sum(s for k, r, st, s in faults if k == kind and st == step and (any_rank or r in (rank, -1)))
 
 
 def _slowdown_from(faults: list, kind: str, rank: int, step: int) -> float:
