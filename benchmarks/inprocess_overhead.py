@@ -32,21 +32,30 @@ NPROC = 3
 HARNESS: list[str] = []
 
 
-def run(steps: int, tier: bool, tmp: Path, timed: bool = False, aligned: bool = False
-        ) -> float | tuple[float, float]:
-    """The median step time (and with ``timed``, the median wait in the step commit)."""
+OWN_REDUCE = "own"   # the tier on, the harness's loss summed in an all-reduce of its own (not carried)
+
+
+def run(steps: int, tier: bool | str, tmp: Path, timed: bool = False, aligned: bool = False,
+        whole: bool = False) -> float | tuple[float, float]:
+    """The median step time (and with ``timed``, the median wait in the step commit).
+    ``whole``: the median start-to-start interval instead (the whole iteration: the step and
+    what follows it, the loss's all-reduce for the log among it).  ``tier``: True, False or
+    :data:`OWN_REDUCE`."""
     out = tmp / ("on" if tier else "off")
     out.mkdir(exist_ok=True)
     entry = [str(Path(__file__).with_name("timed_commit.py"))] if timed else ["-m", "rankwatch.hooks.train"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
            *entry, "--steps", str(steps), "--log-every", "0", "--replicate", str(NPROC), *HARNESS,
            "--no-rankwatch", "--metrics-out", str(out), *(["--in-process-recovery"] if tier else []),
+           *(["--recovery-own-loss-reduce"] if tier == OWN_REDUCE else []),
            *(["--commit-out", str(out)] if timed else []), *(["--commit-aligned"] if aligned else [])]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
     times, waits = [], []
     for rank in range(NPROC):
-        times += json.loads((out / f"rank{rank}.json").read_text())["step_times"][20:]
+        got = json.loads((out / f"rank{rank}.json").read_text())
+        starts = got["step_starts"]
+        times += [b - a for a, b in zip(starts, starts[1:])][20:] if whole else got["step_times"][20:]
         if timed:
             waits += json.loads((out / f"commit{rank}.json").read_text())[20:]
     return (statistics.median(times), statistics.median(waits)) if timed else statistics.median(times)
@@ -70,21 +79,33 @@ def main() -> int:
     p.add_argument("--commit-runs", type=int, default=0, help="runs with the step commit timed")
     p.add_argument("--nproc", type=int, default=3, help="ranks (HSDP: one replica each)")
     p.add_argument("--harness-args", default="", help="more harness arguments (a model size)")
+    p.add_argument("--whole", action="store_true",
+                   help="time whole iterations (step start to step start), not the step scope: the "
+                        "harness's loss all-reduce after the step counts too")
+    p.add_argument("--own-reduce-arm", action="store_true",
+                   help="a third arm: the tier on, the loss summed in its own all-reduce (not carried)")
     args = p.parse_args()
     global NPROC, HARNESS
     NPROC, HARNESS = args.nproc, shlex.split(args.harness_args)
     print(f"the tier's own work per step: {per_step_cost() * 1e9:.0f} ns", flush=True)
-    ratios, controls = [], []
+    ratios, own_ratios, controls = [], [], []
+    arms: list[bool | str] = [True, False] + ([OWN_REDUCE] if args.own_reduce_arm else [])
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for i in range(args.pairs):
-            order = (True, False) if i % 2 == 0 else (False, True)
-            got = {arm: run(args.steps, arm, tmp) for arm in order}
+            order = arms[i % len(arms):] + arms[:i % len(arms)]   # each arm first in turn
+            if i % 2:
+                order.reverse()
+            got = {arm: run(args.steps, arm, tmp, whole=args.whole) for arm in order}
             ratios.append(got[True] / got[False])
-            a, b = run(args.steps, False, tmp), run(args.steps, False, tmp)
+            a, b = run(args.steps, False, tmp, whole=args.whole), run(args.steps, False, tmp, whole=args.whole)
             controls.append(a / b)
+            own = ""
+            if OWN_REDUCE in got:
+                own_ratios.append(got[OWN_REDUCE] / got[False])
+                own = f", with its own loss all-reduce {got[OWN_REDUCE] * 1e3:.2f} ms (ratio {own_ratios[-1]:.3f})"
             print(f"pair {i}: with {got[True] * 1e3:.2f} ms, without {got[False] * 1e3:.2f} ms, "
-                  f"ratio {ratios[-1]:.3f}; A/A {controls[-1]:.3f}", flush=True)
+                  f"ratio {ratios[-1]:.3f}{own}; A/A {controls[-1]:.3f}", flush=True)
         for i in range(args.commit_runs):
             step, wait = run(args.steps, True, tmp, timed=True)
             _, own = run(args.steps, True, tmp, timed=True, aligned=True)
@@ -96,6 +117,9 @@ def main() -> int:
     print(f"with/without: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
           f"A/A control: median {statistics.median(controls):.3f} "
           f"(range {min(controls):.3f}-{max(controls):.3f})")
+    if own_ratios:
+        print(f"with its own loss all-reduce/without: median {statistics.median(own_ratios):.3f} "
+              f"(range {min(own_ratios):.3f}-{max(own_ratios):.3f})")
     return 0
 
 

@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--in-process-recovery", action="store_true",
                    help="when a node is lost, the surviving workers regroup and train on in process "
                         "(needs --replicate > 1); what cannot be recovered so falls back to torchrun")
+    p.add_argument("--recovery-own-loss-reduce", action="store_true",
+                   help="with --in-process-recovery, sum the loss for the log in an all-reduce of its own "
+                        "after the step rather than in the step commit (the tier's cost before it carried it)")
     p.add_argument("--recovery-settle", type=float, default=1.0,
                    help="seconds the survivors wait for a silent member that is not proven dead "
                         "(a process that is gone is left out at once)")
@@ -193,16 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_extra = {"world_size": world, "dp": job.extra["dims"].dp, "global_batch": global_batch}
     record = RunRecord()
     ab = ABSwitch(mon, args.ab_block)
+    carry = tier.carry if tier is not None and not args.recovery_own_loss_reduce else None
     done = start  # optimizer steps applied
     while done < args.steps:
         step = done
         rank = dist.get_rank()
         m = ab.monitor_for(step - start)
         t0 = time.perf_counter()
+        record.step_starts.append(t0)
         try:
             with m.step(step + 1, tokens=tokens, flops=flops):
                 loss, summed = train_step(m, job, batches, accum, args, cfg.vocab_size, dev, rank, step, record,
-                                          tier.carry if tier is not None else None)
+                                          carry)
                 done = step + 1
                 m.mark("optimizer")
                 if args.step_sleep:

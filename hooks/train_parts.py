@@ -32,6 +32,7 @@ class RunRecord:
     """What this worker's run measured, written with ``--metrics-out`` (the tests read it)."""
 
     step_times: list[float] = field(default_factory=list)
+    step_starts: list[float] = field(default_factory=list)   # perf_counter at each step's start
     losses: list[float] = field(default_factory=list)
     arms: list[bool] = field(default_factory=list)        # rankwatch on for the step (A/B blocks)
     dp_means: list[float] = field(default_factory=list)
@@ -40,7 +41,8 @@ class RunRecord:
 
     def write(self, out: Path, first_rank: int, start: int, model: torch.nn.Module) -> None:
         _write_metrics(out, first_rank, start, self.step_times, self.losses, self.arms, self.dp_means,
-                       self.saves, self.recoveries, dist.get_rank(), dist.get_world_size(), _digest(model))
+                       self.saves, self.recoveries, dist.get_rank(), dist.get_world_size(), _digest(model),
+                       self.step_starts)
 
 
 def train_step(m: Any, job: Job, batches: Any, accum: int, args: Any, vocab: int, dev: str, rank: int,
@@ -225,7 +227,7 @@ def _digest(model: torch.nn.Module) -> str:
 def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
                    losses: list[float], arms: list[bool], dp_means: list[float],
                    saves: list[dict], recoveries: list[dict], rank_now: int, world_now: int,
-                   digest: str) -> None:
+                   digest: str, step_starts: list[float]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fr = {}
     try:
@@ -234,6 +236,7 @@ def _write_metrics(out: Path, rank: int, start: int, step_times: list[float],
         log.warning("no Flight Recorder dump: %s", exc)
     with open(out / f"rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "pid": os.getpid(), "start": start, "step_times": step_times,
+                   "step_starts": step_starts,
                    "losses": losses, "dp_mean_losses": dp_means, "rankwatch_on": arms,
                    "checkpoints": saves, "recoveries": recoveries, "rank_now": rank_now,
                    "world_size_now": world_now, "param_digest": digest,
