@@ -21,7 +21,7 @@ import grpc
 from rankwatch.address import Address
 from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.agent.decisions import Decision
-from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay, silence_allowance, sync_deadline
+from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay, silence_allowance
 from rankwatch.agent.incidents import Incident
 from rankwatch.agent.recoveries import is_in_process
 from rankwatch.agent.relay import node_reply
@@ -36,7 +36,6 @@ __all__ = ["JobLink", "forward_checkpoint", "summary_incidents"]
 log = logging.getLogger(__name__)
 
 _RPC_TIMEOUT = 1.0
-"""A relay answers from its last reply at once; a coordinator's deadline follows its interval."""
 _BUSY = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
 """A coordinator that answers a sync so is busy, not gone: the node backs off (``retry_delay``)."""
 _INCIDENTS_SENT = 50
@@ -181,14 +180,13 @@ class JobLink:
                 self._took_role(True, addr)
             else:
                 stub = pb_grpc.AgentStub(self._channel(addr))
-                deadline = sync_deadline(self.interval, LoadConfig())   # a busy coordinator's queue is deeper
                 try:
                     if group is None:
-                        reply = stub.Sync(summary, timeout=deadline)
+                        reply = stub.Sync(summary, timeout=_RPC_TIMEOUT)
                         if relay is not None:
                             relay.answered_directly(reply)
                     else:
-                        group_reply = stub.SyncGroup(group, timeout=deadline)
+                        group_reply = stub.SyncGroup(group, timeout=_RPC_TIMEOUT)
                         relay.answered(group_reply)   # type: ignore[union-attr]
                         reply = self._own_reply(group_reply, summary.node_id)
                 except grpc.RpcError as exc:

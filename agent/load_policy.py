@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from rankwatch.knobs import require_positive
 
 __all__ = ["Load", "LoadConfig", "first_sync_delay", "hang_shown_by_reports", "interval_floor", "node_silent",
-           "overload", "quiet_until", "retry_delay", "silence_allowance", "sync_deadline", "sync_interval"]
+           "overload", "quiet_until", "retry_delay", "silence_allowance", "sync_interval"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,15 +73,13 @@ class LoadConfig:
     max_backoff: float = 16.0
     """A node whose syncs a busy coordinator did not answer waits at most this many of its
     intervals (and never more than ``max_interval``) before the next (:func:`retry_delay`)."""
-    min_sync_deadline: float = 1.0
-    """A node gives the coordinator at least this long to answer a sync (:func:`sync_deadline`)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.base_interval <= self.max_interval:
             raise ValueError("LoadConfig needs 0 < base_interval <= max_interval")
         require_positive(self, "target_cores", "busy_cores", "lag_seconds", "delay_seconds",
                          "max_syncs_per_second", "silent_intervals", "min_syncs", "first_sync_spread",
-                         "max_backoff", "min_sync_deadline")
+                         "max_backoff")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,26 +185,6 @@ def retry_delay(busy_failures: int, interval: float, u: float, cfg: LoadConfig, 
         return interval
     top = min(cfg.max_interval, allowance / 3, interval * min(cfg.max_backoff, 2.0 ** min(busy_failures, 32)))
     return max(interval, top * (0.5 + 0.5 * max(0.0, min(1.0, u))))
-
-
-def sync_deadline(interval: float, cfg: LoadConfig) -> float:
-    """Seconds a node syncing every ``interval`` gives the coordinator (or its relay's
-    ``SyncGroup``) to answer one sync: the interval, never under ``min_sync_deadline`` and
-    never over ``max_interval``.
-
-    A coordinator that asks for slower syncs does so because it is busy, and the calls in
-    its queue then wait longer.  An answer that comes within the interval is in time for
-    everything the node does with it (its next sync is due no sooner), whereas a caller that
-    gives up after a fixed second throws away work the coordinator has already queued or
-    done, counts a failure, backs off, and sends the same summary again.  The node's loop
-    sends one sync at a time, so a longer wait is itself backpressure: it sends no faster
-    than it is answered.  What it costs: a coordinator that hangs holds a node up to one
-    interval before the next candidate is tried, and only while that coordinator itself
-    asked for long intervals; one that is gone refuses the connection at once.  The bound
-    against the silence allowance holds: with :func:`retry_delay`'s wait (at most a third
-    of the allowance) a failed sync and the wait after it take at most two thirds of it.
-    """
-    return max(cfg.min_sync_deadline, min(cfg.max_interval, interval))
 
 
 def interval_floor(nodes: int, cfg: LoadConfig) -> float:

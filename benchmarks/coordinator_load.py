@@ -58,7 +58,7 @@ import grpc
 import psutil
 
 from rankwatch.agent.incidents import Incident, IncidentLog
-from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay, silence_allowance, sync_deadline
+from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay, silence_allowance
 from rankwatch.agent.policyconfig import PolicyConfig
 from rankwatch.agent.ports import free_port
 from rankwatch.agent.relay import Relay, RelayUnavailable
@@ -71,7 +71,6 @@ WINDOW = WORK_WINDOW   # own-work window per rank, as the node agent sends it (6
 STEP = 0.1       # simulated seconds per step (--step-seconds)
 RPC_TIMEOUT = 1.0
 TOKEN = "load-test-token"
-FIXED_DEADLINE = False   # --fixed-deadline: 1 s for every call to the coordinator (as before load_policy.sync_deadline)
 BACKOFF = True   # --no-backoff: retry at the interval after a busy failure (as before load_policy.retry_delay)
 RELAY_KEEPS_ON = True   # --relay-refuses-when-busy: a relay whose call failed busy refuses its nodes at once
 _BUSY = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
@@ -182,7 +181,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
         group = node.relay.group(summary)
         t_sent, t0 = time.time(), time.perf_counter()
         try:
-            reply = await stub.SyncGroup(group, timeout=_deadline(node), metadata=md)
+            reply = await stub.SyncGroup(group, timeout=RPC_TIMEOUT, metadata=md)
         except grpc.aio.AioRpcError as exc:
             stats.failed(exc, node)
             node.relay.unanswered(group, busy=RELAY_KEEPS_ON and exc.code() in _BUSY)   # as JobLink
@@ -221,7 +220,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
             return
     t_sent, t0 = time.time(), time.perf_counter()
     try:
-        reply = await stub.Sync(summary, timeout=_deadline(node), metadata=md)
+        reply = await stub.Sync(summary, timeout=RPC_TIMEOUT, metadata=md)
     except grpc.aio.AioRpcError as exc:
         stats.failed(exc, node)
         return
@@ -230,11 +229,6 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
     stats.done += 1
     node.relay.answered_directly(reply)
     node.apply(reply.sync_interval_seconds, reply.relay)
-
-
-def _deadline(node: SimNode) -> float:
-    """How long a call to the coordinator may take, as ``JobLink`` gives it."""
-    return RPC_TIMEOUT if FIXED_DEADLINE else sync_deadline(node.interval, LoadConfig())
 
 
 def _start_agent(tmp: Path, name: str, port: int, coordinator: int, *extra: str) -> subprocess.Popen:
@@ -423,9 +417,8 @@ def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    global BACKOFF, FIXED_DEADLINE, RELAY_KEEPS_ON, STEP
+    global BACKOFF, RELAY_KEEPS_ON, STEP
     BACKOFF = not getattr(args, "no_backoff", False)
-    FIXED_DEADLINE = getattr(args, "fixed_deadline", False)
     RELAY_KEEPS_ON = not getattr(args, "relay_refuses_when_busy", False)
     STEP = args.step_seconds
     with tempfile.TemporaryDirectory(prefix="rw-load-") as d:
@@ -493,9 +486,6 @@ def parser() -> argparse.ArgumentParser:
                    help="node 0 is a real agent process, relaying for the nodes the coordinator sends to it")
     p.add_argument("--no-backoff", action="store_true",
                    help="nodes retry a sync a busy coordinator did not answer at their interval")
-    p.add_argument("--fixed-deadline", action="store_true",
-                   help="every call to the coordinator gets 1 s, whatever interval it asked for "
-                        "(as before load_policy.sync_deadline)")
     p.add_argument("--relay-refuses-when-busy", action="store_true",
                    help="a relay whose SyncGroup a busy coordinator did not answer refuses its nodes at once, "
                         "sending them to the coordinator directly (as before Relay.unanswered)")
