@@ -61,6 +61,30 @@ def run(steps: int, tier: bool | str, tmp: Path, timed: bool = False, aligned: b
     return (statistics.median(times), statistics.median(waits)) if timed else statistics.median(times)
 
 
+def ab_run(steps: int, tmp: Path, block: int, *flags: str) -> float:
+    """One run of ``commit_ab.py`` (the tier on, its commit on and off in blocks of ``block``
+    steps): the median over ranks of each rank's median iteration (start to start) in the
+    "on" blocks over its median in the "off" blocks, after 20 warm-up steps."""
+    out = tmp / "ab"
+    out.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
+           str(Path(__file__).with_name("commit_ab.py")), "--steps", str(steps), "--log-every", "0",
+           "--replicate", str(NPROC), *HARNESS, "--no-rankwatch", "--metrics-out", str(out),
+           "--in-process-recovery", "--ab-out", str(out), "--ab-steps", str(block), *flags]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    ratios = []
+    for rank in range(NPROC):
+        starts = json.loads((out / f"rank{rank}.json").read_text())["step_starts"]
+        arms = json.loads((out / f"ab{rank}.json").read_text())
+        its = [(arm, b - a) for arm, a, b in zip(arms, starts, starts[1:])][20:]
+        on, off = [t for arm, t in its if arm], [t for arm, t in its if not arm]
+        if "--ab-aa" in flags:   # both arms off: label the blocks as they would have been
+            on, off = ([t for i, (_, t) in enumerate(its, 20) if (i // block) % 2 == k] for k in (0, 1))
+        ratios.append(statistics.median(on) / statistics.median(off))
+    return statistics.median(ratios)
+
+
 def per_step_cost(n: int = 1_000_000) -> float:
     """Seconds the training thread spends on the tier per step when nothing fails: the
     ``tier.stepped(done)`` call (the try/except around the step costs nothing in CPython 3.11)."""
@@ -84,6 +108,10 @@ def main() -> int:
                         "harness's loss all-reduce after the step counts too")
     p.add_argument("--own-reduce-arm", action="store_true",
                    help="a third arm: the tier on, the loss summed in its own all-reduce (not carried)")
+    p.add_argument("--ab-runs", type=int, default=0,
+                   help="runs of commit_ab.py: the commit on and off in blocks within one run, with an "
+                        "A/A run and a run with the loss in its own all-reduce each time")
+    p.add_argument("--ab-steps", type=int, default=10, help="steps per block in --ab-runs")
     args = p.parse_args()
     global NPROC, HARNESS
     NPROC, HARNESS = args.nproc, shlex.split(args.harness_args)
@@ -112,6 +140,15 @@ def main() -> int:
             print(f"commit run {i}: median step {step * 1e3:.2f} ms; median wait in the commit "
                   f"{wait * 1e6:.0f} us ({wait / step:.2%} of a step); the commit after a barrier "
                   f"{own * 1e6:.0f} us ({own / step:.2%})", flush=True)
+        ab: dict[str, list[float]] = {"on/off": [], "A/A": [], "own all-reduce on/off": []}
+        for i in range(args.ab_runs):
+            ab["on/off"].append(ab_run(args.steps, tmp, args.ab_steps))
+            ab["A/A"].append(ab_run(args.steps, tmp, args.ab_steps, "--ab-aa"))
+            ab["own all-reduce on/off"].append(ab_run(args.steps, tmp, args.ab_steps, "--ab-own-reduce"))
+            print(f"ab run {i}: " + ", ".join(f"{k} {v[-1]:.4f}" for k, v in ab.items()), flush=True)
+        if args.ab_runs:
+            print("in-run blocks, medians: " + ", ".join(
+                f"{k} {statistics.median(v):.4f} ({min(v):.4f}-{max(v):.4f})" for k, v in ab.items()))
     if not ratios:
         return 0
     print(f"with/without: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
