@@ -72,9 +72,11 @@ def train_step(m: Any, job: Job, batches: Any, accum: int, args: Any, vocab: int
     m.mark("backward")
     # The loss for the log rides in the tier's step commit (one all-reduce for both), except
     # at a step where a rank is to skip the loss's own all-reduce (the desync fault).
-    summed = loss.reshape(1).clone()
-    if carry is None or _faults_at(args.fault, "skip_collective", -1, step + 1, any_rank=True) or not carry(summed):
-        summed = None
+    summed = None
+    if carry is not None and not _faults_at(args.fault, "skip_collective", -1, step + 1, any_rank=True):
+        summed = loss.reshape(1).clone()
+        if not carry(summed):
+            summed = None
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
     return loss, summed
