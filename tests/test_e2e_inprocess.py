@@ -108,6 +108,11 @@ def test_a_users_own_hsdp_loop_regroups_in_process(tmp_path):
         assert rec["world_size"] == 4 and 15 <= rec["step"] < steps, rec
         assert list(rec["phases"]) == list(_PHASES), rec
     assert len({d["digest"] for d in got.values()}) == 1   # both replicas left, bit for bit
+    # The loop's loss for the log rode in the tier's commit: every rank read the world's sum
+    # (their own losses differ: each has its own data), before the loss of n1 and after it.
+    by_step = [dict(zip(d["applied"], d["mean_losses"])) for d in got.values()]
+    common = set.intersection(*(set(b) for b in by_step))
+    assert len(common) >= steps - 2 and all(b[s] == by_step[0][s] for b in by_step for s in common)
     recs = [i for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
     assert len(recs) == 1 and recs[0]["detail"]["dropped_nodes"] == ["n1"], recs
 

@@ -9,7 +9,7 @@ micro-batches on the ranks left.
 
 ``--device cuda`` runs it on NCCL, one GPU per worker, with fused AdamW.  ``--out DIR`` writes ``rank<R>.json`` per worker (R: its rank at the start; a worker that
 joined the running round later writes ``joiner<PID>.json``): its pid, the
-steps it applied in order, the world it ended in, its recoveries, and a digest of its
+steps it applied in order and their world-mean losses (summed in the tier's commit), the world it ended in, its recoveries, and a digest of its
 parameters' bytes (equal on every replica).
 """
 
@@ -110,6 +110,7 @@ def main() -> None:
     first_rank = dist.get_rank()
     joined = tier.membership is not None and tier.membership.generation > 0   # came in later
     applied, recoveries, loader = [], [], None
+    mean_losses: list[float] = []   # the world's mean loss of each applied step, for the log
     whole_at: int | None = None   # with --until-world: the step the world was whole again at
 
     def more(done: int) -> bool:
@@ -127,15 +128,22 @@ def main() -> None:
             loader = loader or batches(done)
             accum = max(1, global_batch // (MICRO * dist.get_world_size()))
             with mon.step(done + 1):
+                step_loss = torch.zeros(1, device=dev)
                 for _ in range(accum):
                     x, y = next(loader)
-                    (F.cross_entropy(job.model(x.to(dev)), y.to(dev)) / accum).backward()
+                    loss = F.cross_entropy(job.model(x.to(dev)), y.to(dev)) / accum
+                    loss.backward()
+                    step_loss += loss.detach()
                 mon.mark("backward")
+                carried = tier.carry(step_loss)   # the loss for the log rides in the tier's commit
                 job.optimizer.step()
                 job.optimizer.zero_grad()
                 mon.mark("optimizer")
+            if not carried:
+                dist.all_reduce(step_loss)
             done += 1
             applied.append(done)
+            mean_losses.append(step_loss.item() / dist.get_world_size())
             if (phases := tier.stepped(done)) is not None:
                 recoveries[-1]["phases"] = phases
         except Exception as exc:  # noqa: BLE001 - recover() re-raises what is not a lost peer
@@ -151,7 +159,7 @@ def main() -> None:
     # A worker that joined a running round (a spare's, or a restarted node's) names its file apart.
     name = f"joiner{os.getpid()}" if joined else f"rank{first_rank}"
     (args.out / f"{name}.json").write_text(json.dumps({
-        "pid": os.getpid(), "applied": applied, "world_size": dist.get_world_size(),
+        "pid": os.getpid(), "applied": applied, "mean_losses": mean_losses, "world_size": dist.get_world_size(),
         "recoveries": recoveries, "digest": digest.hexdigest(),
         "nccl_error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")}))
     mon.close()
