@@ -110,6 +110,10 @@ class StepCommit:
         run (none attached), and the caller sums them itself."""
         if not self._attached:
             return False
+        device = "cuda" if self._backend == "nccl" else "cpu"
+        if getattr(getattr(values, "device", None), "type", None) != device:
+            raise ValueError(f"carry takes a tensor on the step commit's device ({device} on {self._backend}), "
+                             f"not {type(values).__name__} on {getattr(values, 'device', 'no device')}")
         self._carried = values
         return True
 

@@ -52,6 +52,9 @@ def test_each_optimizer_step_passes_the_commit_on_a_real_group(one_rank_world):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     commit = StepCommit("gloo")
     commit.attach(opt)
+    for wrong in (torch.zeros(1, device="meta"), [1.0]):   # not on the commit's device: said, nothing kept
+        with pytest.raises(ValueError, match="the step commit's device"):
+            commit.carry(wrong)
     for _ in range(3):
         before = model.weight.detach().clone()
         model(torch.ones(2, 4)).sum().backward()
