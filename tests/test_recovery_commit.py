@@ -192,6 +192,7 @@ def _carrying_rank(rank: int, store_path: str, out: str) -> None:
         assert not torch.equal(model.weight, before)
         assert commit.unapplied() == 0
     Path(out, f"rank{rank}.json").write_text(json.dumps(got))
+    dist.barrier()   # neither rank tears the group down while the other still talks on it
     dist.destroy_process_group()
 
 
