@@ -9,6 +9,8 @@ node 1's torchrun and agent live on.
   other worker to restart both; nodes 0 and 2 leave node 1 out in process and train on
   at world 4; the two workers node 1 starts again join them in process, at a step
   boundary, and the world is 6 again.
+* ``inprocess-loop`` (``-foreach``, ``-fused``): ``inprocess`` with the harness's
+  ``--adamw`` set so (its default is ``fused``).
 * ``restart``: the same job without it.  Node 1's restart enters the rendezvous, and
   every node's torchrun restarts its workers, which load the newest checkpoint (every
   20 steps).
@@ -42,7 +44,8 @@ from multinode import Cluster  # noqa: E402  (the tests' multi-node launcher)
 def _once(tmp: Path, mode: str, timeout: float) -> dict:
     flags = ("--steps", "100000", "--log-every", "0", "--replicate", "3",
              "--checkpoint-dir", f"{tmp}/ck", "--checkpoint-interval", "20",
-             *(("--in-process-recovery",) if mode == "inprocess" else ()))
+             *(("--in-process-recovery",) if mode.startswith("inprocess") else ()),
+             *(("--adamw", mode.split("-", 1)[1]) if "-" in mode else ()))
     with Cluster(tmp, 3) as c:
         for i in range(3):
             c.torchrun(i, "2:3", 2, *flags, launcher="rankwatch")
@@ -53,7 +56,7 @@ def _once(tmp: Path, mode: str, timeout: float) -> dict:
         others_old = {r["pid"] for r in ranks if r["node"] != "n1"}
         killed = time.time()
         os.kill(victim["pid"], signal.SIGKILL)
-        if mode == "inprocess":
+        if mode.startswith("inprocess"):
             lost = _wait("the others training again", lambda: _recovery(c, 4, killed), timeout)
             others = lost["started_at"] + lost["phases"]["first_step"] - killed
             back = _wait("world 6 training", lambda: _recovery(c, 6, killed), timeout)

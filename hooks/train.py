@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden-dim", type=int, default=128)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--adamw", choices=("fused", "foreach", "loop"), default="fused",
+                   help="AdamW's implementation: fused (one op per step, the default), foreach, or a "
+                        "loop over the parameters")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s per rank for MFU (default: device table; none on CPU)")
@@ -142,10 +145,13 @@ def main(argv: list[str] | None = None) -> int:
             with torch.device("meta"):
                 model = Transformer(cfg)
             model = parallelize(model, mesh, dims).to_empty(device=dev)
-        # On a GPU the fused AdamW: the step commit then gates it on the device, without a
-        # host synchronisation (hooks/recovery_commit.py).
-        opt = (torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True) if dev == "cuda"
-               else torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False))
+        # The fused AdamW by default, on a GPU and on the CPU alike.  On a GPU the step commit
+        # gates it on the device, without a host synchronisation (hooks/recovery_commit.py).
+        # Either way it is one DTensor op per step, not ~8 per parameter: DTensor works out
+        # each op's sharding again for a new generation's mesh, so after an in-process
+        # recovery the loop's first optimizer step cost 10-20x a usual one (BENCHMARKS.md).
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.adamw == "fused",
+                                foreach=args.adamw == "foreach")
         if ckpt:
             ckpt.regroup() if m.generation else ckpt.setup()
         return Job(model=model, optimizer=opt, replica_size=dims.replica_size,
