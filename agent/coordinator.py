@@ -27,6 +27,7 @@ What the coordinator knows of the job (the nodes' summaries, on its clock) is
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -109,6 +110,9 @@ class Coordinator:
         self.relay = relay or RelayConfig()
         self.relays: dict[str, str] = {}
         """Node -> the relay it syncs through ('' or absent: this coordinator; relay_policy)."""
+        self._groups: dict[str, tuple[str, int]] = {}
+        """Relay node -> (its address, its group's size): where a new node is placed."""
+        self._relay_lock = threading.Lock()   # the assignment, the groups and placements
         self._relays_at = float("-inf")
         self._silent_burst = False   # many nodes silent together (said once per burst)
         self._silenced: dict[str, float] = {}   # node judged dead for its silence -> when (recent ones)
@@ -116,9 +120,13 @@ class Coordinator:
     # -- intake ---------------------------------------------------------------
     def sync(self, summary: pb.NodeSummary) -> pb.SyncReply:
         """Take one node's summary; reply with every decision and the node's job incidents."""
-        self._take(summary, self.clock())
+        now = self.clock()
+        self._take(summary, now)
+        relay = self.relays.get(summary.node_id)
+        if relay is None and self._groups and summary.node_id != self.node_id:
+            relay = self._place(summary)
         reply = pb.SyncReply(coordinator=self.node_id, sync_interval_seconds=self.load.reply_interval(),
-                             relay=self.relays.get(summary.node_id, ""))
+                             relay=relay or "")
         reply.decisions.extend(self._decisions_pb())
         reply.incidents.extend(inc.to_pb() for inc in self.incidents.items_for(node=summary.node_id))
         return reply
@@ -284,12 +292,32 @@ class Coordinator:
             nodes = [(name, n.summary.relay_address, name not in excluded and name not in self.dead
                       and not self.view.silent(n, now))
                      for name, n in self.nodes.items() if name != self.node_id]
-        relays = relay_policy.assign(nodes, self.relay, self.relays)
-        if bool(relays) != bool(self.relays):
-            log.warning("nodes now sync %s", f"through {sum(1 for a in relays.values() if not a)} relay(s)"
-                        if relays else "with the coordinator directly")
-        self.relays = relays
+        addresses = {name: addr for name, addr, _ in nodes}
+        with self._relay_lock:
+            relays = relay_policy.assign(nodes, self.relay, self.relays)
+            if bool(relays) != bool(self.relays):
+                log.warning("nodes now sync %s", f"through {sum(1 for a in relays.values() if not a)} relay(s)"
+                            if relays else "with the coordinator directly")
+            self.relays = relays
+            self._groups = {r: (addresses[r], size)
+                            for r, size in relay_policy.group_sizes(relays, addresses).items()}
         self.load.callers = relay_policy.callers(relays, len(nodes) + 1) if relays else None
+
+    def _place(self, summary: pb.NodeSummary) -> str:
+        """A node new to the coordinator (not its own), put in a group at its first sync
+        (:func:`relay_policy.place`); the address of the relay it syncs through next, or ''."""
+        name = summary.node_id
+        eligible = bool(summary.relay_address) and name not in self.excluded and name not in self.dead
+        with self._relay_lock:
+            if name in self.relays or not self._groups:
+                return self.relays.get(name, "")
+            relay = relay_policy.place(name, eligible, {r: n for r, (_, n) in self._groups.items()}, self.relay)
+            if relay is None:
+                return ""
+            addr, size = self._groups.get(relay, (summary.relay_address, 0))
+            self._groups[relay] = (addr, size + 1)
+            self.relays[name] = "" if relay == name else addr
+            return self.relays[name]
 
     def _hang_evidence(self, now: float, verdicts: Verdicts) -> bool:
         """Whether this evaluation may open or close a hang: summaries that arrived late

@@ -23,6 +23,12 @@ The rules (:func:`assign`, pure):
   no verdict.
 * A relay syncs with the coordinator itself, as does every node of a group without an
   eligible relay.
+* Once groups exist, a node new to the coordinator is placed at its first sync
+  (:func:`place`, pure), so that the reply to that sync already names its relay: the
+  node syncs with the coordinator directly once, not until the next assignment.  In
+  the join of a 2,048-node job that halves the direct syncs, which are what a busy
+  coordinator fails.  It goes where :func:`assign` would put it (the first group with
+  room, else a new group behind it if it is eligible), and the next assignment keeps it.
 
 What a relay sends on for each node (:func:`send_whole`, pure): the whole summary when
 anything the coordinator acts on at once changed since the last one it sent whole (a
@@ -51,7 +57,7 @@ from rankwatch.proto import pb
 Signature = tuple[Any, ...]
 """What of a summary the coordinator acts on at once (:func:`signature`)."""
 
-__all__ = ["RelayConfig", "Signature", "assign", "callers", "send_whole", "signature"]
+__all__ = ["RelayConfig", "Signature", "assign", "callers", "group_sizes", "place", "send_whole", "signature"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +143,35 @@ def assign(nodes: Iterable[tuple[str, str, bool]], cfg: RelayConfig,
         for m in members:
             out[m] = "" if m == relay else addr[relay]
     return out
+
+
+def group_sizes(assigned: dict[str, str], addresses: dict[str, str]) -> dict[str, int]:
+    """Each relay node's group size (the relay included) in an assignment of :func:`assign`;
+    ``addresses``: node -> the address it relays on."""
+    by_addr = {addresses.get(relay, ""): relay for relay, a in assigned.items() if a == ""}
+    sizes = {relay: 1 for relay in by_addr.values()}
+    for a in assigned.values():
+        if a and (relay := by_addr.get(a)) is not None:
+            sizes[relay] += 1
+    return sizes
+
+
+def place(name: str, eligible: bool, sizes: dict[str, int], cfg: RelayConfig) -> str | None:
+    """The relay node for a node new to the coordinator, between two :func:`assign` runs:
+    ``name`` itself when it starts a new group (it relays), None when it syncs with the
+    coordinator directly (no groups yet, or all full and it cannot relay).
+
+    ``sizes``: each current relay's group size (:func:`group_sizes`; updated by the caller
+    as it places nodes); ``eligible``: the node could relay (it gave an address, and the
+    coordinator hears it).  The first group with room is filled first, in relay order, as
+    :func:`assign` fills them.
+    """
+    if cfg.group_size == 0 or not sizes:
+        return None
+    relay = min((r for r, n in sizes.items() if n < cfg.group_size), default=None)
+    if relay is not None:
+        return relay
+    return name if eligible else None
 
 
 def callers(assigned: dict[str, str], nodes: int) -> int:

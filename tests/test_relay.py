@@ -334,6 +334,35 @@ def test_the_coordinator_takes_a_group_and_refuses_a_bad_summary_alone():
     assert c.sync(pb.NodeSummary(node_id="n2", seq=6, sent_at=clock.t)).relay == "h1:1"
 
 
+def test_a_node_new_to_a_grouped_job_is_named_its_relay_in_its_first_reply():
+    """Once groups exist, a node's first sync is its only direct one: the reply names the
+    group it goes to (one with room, else a new one behind it), and the next assignment
+    keeps it there."""
+    clock = Clock()
+    clock.t = 1000.0
+    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(), clock=clock,
+                    relay=RelayConfig(group_size=2, min_nodes=3))
+
+    def first(node: str, addr: str = "") -> str:
+        return c.sync(pb.NodeSummary(node_id=node, seq=1, sent_at=clock.t, relay_address=addr)).relay
+
+    assert [first(n, f"h{n[1]}:1") for n in ("n1", "n2", "n3")] == ["", "", ""], "no groups yet"
+    c.evaluate()
+    assert c.relays == {"n1": "", "n2": "h1:1", "n3": ""}
+    assert first("n0", "h0:1") == "" and "n0" not in c.relays, "the coordinator's own node is in no group"
+    assert first("n4", "h4:1") == "h3:1", "n3's group has room"
+    assert first("n5", "h5:1") == "" and c.relays["n5"] == "", "every group full: n5 relays a new one"
+    assert first("n6") == "h5:1", "a node without an address joins a group"
+    assert first("n7") == "" and "n7" not in c.relays, "all full, and n7 cannot relay: it syncs directly"
+    placed = dict(c.relays)
+    clock.t += 1.0
+    for n in ("n1", "n2", "n3", "n4", "n5", "n6", "n7"):
+        c.sync(pb.NodeSummary(node_id=n, seq=2, sent_at=clock.t, relay_address="" if n in ("n6", "n7")
+                              else f"h{n[1]}:1"))
+    c.evaluate()
+    assert {n: c.relays.get(n) for n in placed} == placed, "the assignment keeps the placed nodes"
+
+
 def test_a_relays_held_time_is_bounded():
     """A relay's word for how long it held each summary moves the node's arrival back, within
     [0, 10] s: a negative time cannot put it in the future, and a huge or NaN one cannot make
