@@ -304,9 +304,9 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from rankwatch.agent.demo import run_demo
+    from rankwatch.agent.demo import DEMO_STEPS, run_demo
 
-    return run_demo(steps=args.steps, live=not args.no_live)
+    return run_demo(steps=args.steps or DEMO_STEPS, live=not args.no_live)
 
 
 _COMMANDS = {"agent": _cmd_agent, "run": _cmd_run, "status": _cmd_status,

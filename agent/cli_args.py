@@ -187,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--token-file", type=Path, default=None, metavar="PATH", help=_TOKEN_HELP)
 
     m = sub.add_parser("demo", help="a local CPU job under rankwatch, with a live view")
-    m.add_argument("--steps", type=int, default=160, help="training steps (default 160)")
+    m.add_argument("--steps", type=int, default=None,
+                   help="training steps (default: enough for the whole story, demo.DEMO_STEPS)")
     m.add_argument("--no-live", action="store_true", help="print lines instead of a live table")
     return p

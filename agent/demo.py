@@ -73,7 +73,14 @@ _GPU_SCRIPT = {"gpus": {"count": 1, "name": "NVIDIA H100 80GB HBM3 (scripted)"},
 _GPU_CHANGES: tuple[tuple[int, dict[str, Any]], ...] = ((22, {"throttle": ["hw_thermal_slowdown"]}), (35, {"ecc": {"corrected": 6}}))
 
 
-def run_demo(steps: int = 160, live: bool = True, out: Console | None = None) -> int:
+# Steps enough for the whole story after the hang at step 70: the spare's torchrun starts its
+# worker only once the hung node is out, and that worker (Python, torch, the model) takes
+# about 10 s on 2 cores before the survivors admit it; then the XID, and training again.
+# With 160 steps of ~0.11-0.18 s the job could end before the spare was in.
+DEMO_STEPS = 240
+
+
+def run_demo(steps: int = DEMO_STEPS, live: bool = True, out: Console | None = None) -> int:
     console = out or Console(width=None if sys.stdout.isatty() else 140)
     live = live and console.is_terminal  # plain lines into a pipe or a file (CI)
     addr = resolve(None)
