@@ -49,6 +49,7 @@ from rankwatch.agent.evaluate import evaluate
 from rankwatch.agent.gate import Gate
 from rankwatch.agent.watchdog import Watchdog
 from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.straggler_score import recent_window
 from rankwatch.proto import pb
 
 REPEATS = 7
@@ -199,6 +200,11 @@ def main() -> None:
         ("straggler inputs, 2,048 nodes: kept (nothing new)", per_call(lambda: coord.view.straggler_work(now), 5)),
         ("straggler inputs, 2,048 nodes: every node read again", per_call(read_all, 5)),
     ]
+    work = coord.view.straggler_work(now)
+    window = coord.stragglers.cfg.window
+    last = min(w.completed for w in work)
+    rows.append(("straggler windows lined up, 2,048 nodes (each detector run)",
+                 per_call(lambda: recent_window(work, last, window), 5)))
     if args.served:
         us, rate = served(args.served, gated=not args.no_gate)
         rows.append((f"served{', no gate' if args.no_gate else ''}: server CPU per call ({rate:,.0f} calls/s)", us))
