@@ -26,8 +26,8 @@ The rules (:func:`assign`, pure):
 * Once groups exist, a node new to the coordinator is placed at its first sync
   (:func:`place`, pure), so that the reply to that sync already names its relay: the
   node syncs with the coordinator directly once, not until the next assignment.  In
-  the join of a 2,048-node job that halves the direct syncs, which are what a busy
-  coordinator fails.  It goes where :func:`assign` would put it (the first group with
+  the join of a 2,048-node job that cut the direct syncs by a third, and the failed
+  ones (direct syncs a busy coordinator did not answer in time) by half.  It goes where :func:`assign` would put it (the first group with
   room, else a new group behind it if it is eligible), and the next assignment keeps it.
 
 What a relay sends on for each node (:func:`send_whole`, pure): the whole summary when
