@@ -17,7 +17,7 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
-from rankwatch.agent import validate_sync
+from rankwatch.agent import validate_sync, work_windows
 from rankwatch.agent.decisions import DecisionLog
 from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, Snapshot
 from rankwatch.agent.hang import RankProgress
@@ -166,6 +166,7 @@ class JobView:
         for name, n, silent_node in nodes:
             for r in n.summary.ranks:
                 fresh = now - (r.stacks_at + n.offset) < STACKS_FRESH_SECONDS
+                own, data, wait = work_windows.windows(r)
                 out.append(RankProgress(
                     rank=r.rank, node=name, step=r.step, step_seconds=r.step_seconds,
                     steps_completed=r.steps_completed, activity=r.activity or "train",
@@ -186,7 +187,7 @@ class JobView:
                               if r.HasField("inflight") else None),
                     stacks=r.stacks if r.stacks and fresh else None,
                     flight_recorder=_flight_recorder(r), pid=r.pid, alive=r.alive, stopped=r.stopped,
-                    own=r.own_work, data=r.data_wait, wait=r.comm_wait, period=r.step_period,
+                    own=own, data=data, wait=wait, period=r.step_period,
                     current=not n.moved_since_copy))
         return Snapshot(ranks=out, scope="job", nodes=names,
                         silent_nodes=frozenset(name for name, _, silent in nodes if silent))
@@ -208,11 +209,7 @@ class JobView:
         for name, summary in nodes:
             held = kept.get(name)
             if held is None or held[0] is not summary:
-                held = kept[name] = (summary, [
-                    RankWork(rank=r.rank, node=name, step=r.step, own=r.own_work, data=r.data_wait,
-                             wait=r.comm_wait, step_seconds=r.step_seconds, completed=r.steps_completed,
-                             period=r.step_period)
-                    for r in summary.ranks if r.connected])
+                held = kept[name] = (summary, [_rank_work(name, r) for r in summary.ranks if r.connected])
             out.extend(held[1])
         if len(kept) > 2 * len(nodes) + 64:   # nodes excluded, silent or gone: read again if back
             listed = {name for name, _ in nodes}
@@ -248,6 +245,13 @@ class JobView:
             excluded = self.excluded
             return [(name, r, name in excluded) for name, n in sorted(self.nodes.items())
                     for r in n.summary.ranks]
+
+
+def _rank_work(node: str, r: pb.RankSummary) -> RankWork:
+    """What the straggler detector reads of a rank's summary (its windows not copied)."""
+    own, data, wait = work_windows.windows(r)
+    return RankWork(rank=r.rank, node=node, step=r.step, own=own, data=data, wait=wait,
+                    step_seconds=r.step_seconds, completed=r.steps_completed, period=r.step_period)
 
 
 def _flight_recorder(r: pb.RankSummary) -> dict | None:

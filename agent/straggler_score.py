@@ -135,8 +135,8 @@ def recent_window(ranks: list[RankWork], last: int, n: int) -> StepWindow:
 
 
 def _column(ranks: list[RankWork], name: str, behind: list[int], n: int) -> np.ndarray:
-    cols = [getattr(r, name) or () for r in ranks]
-    if not any(cols):   # a column no rank reports
+    cols = [c if (c := getattr(r, name)) is not None else () for r in ranks]
+    if not any(len(c) for c in cols):   # a column no rank reports
         return np.full((len(ranks), n), np.nan)
     ends = [len(c) - b for c, b in zip(cols, behind)]   # index after step ``last``
     if ranks and min(ends) >= n:   # the common case: every rank holds the steps, one conversion

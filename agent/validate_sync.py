@@ -10,11 +10,12 @@ import time
 from typing import Any
 
 from rankwatch.agent.validate import (
-    MAX_ADDRESS, MAX_DETAIL_JSON, MAX_STACKS, MAX_STEP, MAX_SUMMARY_DECISIONS, MAX_SUMMARY_INCIDENTS,
+    MAX_ADDRESS, MAX_DETAIL_JSON, MAX_DURATION, MAX_STACKS, MAX_STEP, MAX_SUMMARY_DECISIONS, MAX_SUMMARY_INCIDENTS,
     MAX_SUMMARY_RANKS, MAX_TEXT, MAX_WINDOW, MAX_WORLD_SIZE, NOT_LABEL, Rejected, check_count, check_duration,
     check_durations, check_flight_recorder, check_label, check_recovery_phases, check_timestamp,
     parse_flight_recorder,
 )
+from rankwatch.agent import work_windows
 from rankwatch.proto import pb
 
 __all__ = ["check_beat", "check_incident", "check_summary"]
@@ -42,6 +43,10 @@ def check_summary(s: pb.NodeSummary, now: float | None = None) -> None:
             raise Rejected("invalid_value", f"time account {key} {value!r} out of range")
     for r in s.ranks:
         _check_rank_summary(r, now)
+    work = work_windows.all_windows(s.ranks)   # every rank's packed windows, in one pass
+    if work.size and not (0.0 <= work.min() and work.max() <= MAX_DURATION):   # NaN fails both
+        check_durations(work.tolist(), "a per-step time")   # names the value
+        raise Rejected("invalid_value", "a per-step time out of range")
     for i in s.incidents:
         check_incident(i, now)
     for d in s.decisions:
@@ -98,6 +103,13 @@ def _check_rank_summary(r: pb.RankSummary, now: float) -> None:
     if len(own) > MAX_WINDOW or len(data) > MAX_WINDOW or len(comm) > MAX_WINDOW:
         raise Rejected("oversized", "rank summary window too long")
     check_durations(own[:] + data[:] + comm[:], "a per-step time")   # [:]: a list, copied in C
+    if r.work:   # its values are checked with the whole summary's (check_summary)
+        if own or data or comm:
+            raise Rejected("malformed", "rank summary has its windows both packed and repeated")
+        if not work_windows.whole_steps(r):
+            raise Rejected("malformed", f"rank summary work of {len(r.work)} bytes: not whole steps")
+        if work_windows.steps(r) > MAX_WINDOW:
+            raise Rejected("oversized", "rank summary window too long")
     if len(r.stacks) > MAX_STACKS or len(r.flight_recorder) > MAX_STACKS:
         raise Rejected("oversized", "rank summary stacks or Flight Recorder too long")
     if r.flight_recorder:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from rankwatch.agent import bounds, oplatency, recoveries, status_ranks
+from rankwatch.agent import bounds, oplatency, recoveries, status_ranks, work_windows
 from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS
 from rankwatch.agent.export import storemetrics
 from rankwatch.agent.jobsync import summary_incidents
@@ -76,6 +76,7 @@ def status_response(agent: Agent, request: pb.StatusRequest | None = None) -> pb
                 op_latency=oplatency.to_pb(r.op_latency)))
             continue
         node, rs, excluded = others[k - len(own)]
+        windows = work_windows.windows(rs)
         resp.ranks.append(pb.RankStatus(
             rank=rs.rank, node=node, pid=rs.pid, step=rs.step, step_seconds=rs.step_seconds,
             state=states[k], restarting=not excluded and agent.restarting(rs.state, rs.last_seen, now),
@@ -83,7 +84,7 @@ def status_response(agent: Agent, request: pb.StatusRequest | None = None) -> pb
             last_seen=rs.last_seen, tokens_per_second=rs.tokens_per_second,
             phase_seconds=rs.phase_seconds, mesh_coords=rs.mesh_coords, op_latency=rs.op_latency,
             backend=rs.backend, collectives=rs.collectives,
-            own_work_seconds=_median(rs.own_work), collective_wait_seconds=_median(rs.comm_wait)))
+            own_work_seconds=_median(windows[0]), collective_wait_seconds=_median(windows[2])))
     with st.lock:
         incidents = list(st.incidents)
     if job:
@@ -126,7 +127,7 @@ def node_summary(agent: Agent, seq: int) -> pb.NodeSummary:
             steps_completed=r.steps_completed, activity=r.activity, progress_at=r.progress_at,
             last_seen=r.last_seen, connected=r.connected, exited_cleanly=r.exited_cleanly,
             group_seqs=seqs, stacks=fresh, stacks_at=r.stacks_at, alive=alive, stopped=stopped,
-            own_work=own, data_wait=data, comm_wait=wait, state=r.state,
+            work=work_windows.pack(own, data, wait), state=r.state,
             local_rank=r.local_rank, tokens_per_second=r.tokens_per_second,
             flight_recorder=json.dumps(fr) if fr else "",
             phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,

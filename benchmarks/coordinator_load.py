@@ -57,6 +57,7 @@ from pathlib import Path
 import grpc
 import psutil
 
+from rankwatch.agent import work_windows
 from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay, silence_allowance
 from rankwatch.agent.policyconfig import PolicyConfig
@@ -72,6 +73,7 @@ STEP = 0.1       # simulated seconds per step (--step-seconds)
 RPC_TIMEOUT = 1.0
 TOKEN = "load-test-token"
 BACKOFF = True   # --no-backoff: retry at the interval after a busy failure (as before load_policy.retry_delay)
+REPEATED_WINDOWS = False   # --repeated-windows: each rank's windows as repeated doubles (an older agent's form)
 RELAY_KEEPS_ON = True   # --relay-refuses-when-busy: a relay whose call failed busy refuses its nodes at once
 _BUSY = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 VIA_PROCESS = "Sync via a relay process"
@@ -107,9 +109,13 @@ class SimNode:
         own = 0.8 * STEP * (1.25 if slow else 1.0)
         self._ranks = [pb.RankSummary(
             rank=index * ranks + r, pid=self.pids[r], step_seconds=STEP, activity="train", connected=True,
-            alive=True, local_rank=r, state="ok", own_work=[own + random.random() * 1e-3 for _ in range(WINDOW)],
-            data_wait=[1e-3] * WINDOW, comm_wait=[0.2 * STEP] * WINDOW, tokens_per_second=4096.0)
-            for r in range(ranks)]
+            alive=True, local_rank=r, state="ok", tokens_per_second=4096.0) for r in range(ranks)]
+        for rs in self._ranks:   # the windows as the node agent sends them (--repeated-windows: as before)
+            windows = ([own + random.random() * 1e-3 for _ in range(WINDOW)], [1e-3] * WINDOW, [0.2 * STEP] * WINDOW)
+            if REPEATED_WINDOWS:
+                rs.own_work[:], rs.data_wait[:], rs.comm_wait[:] = windows
+            else:
+                rs.work = work_windows.pack(*windows)
 
     def summary(self, now: float) -> pb.NodeSummary:
         self.seq += 1
@@ -417,8 +423,9 @@ def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    global BACKOFF, RELAY_KEEPS_ON, STEP
+    global BACKOFF, RELAY_KEEPS_ON, REPEATED_WINDOWS, STEP
     BACKOFF = not getattr(args, "no_backoff", False)
+    REPEATED_WINDOWS = getattr(args, "repeated_windows", False)
     RELAY_KEEPS_ON = not getattr(args, "relay_refuses_when_busy", False)
     STEP = args.step_seconds
     with tempfile.TemporaryDirectory(prefix="rw-load-") as d:
@@ -486,6 +493,8 @@ def parser() -> argparse.ArgumentParser:
                    help="node 0 is a real agent process, relaying for the nodes the coordinator sends to it")
     p.add_argument("--no-backoff", action="store_true",
                    help="nodes retry a sync a busy coordinator did not answer at their interval")
+    p.add_argument("--repeated-windows", action="store_true",
+                   help="nodes send each rank's windows as repeated doubles, as before RankSummary.work")
     p.add_argument("--relay-refuses-when-busy", action="store_true",
                    help="a relay whose SyncGroup a busy coordinator did not answer refuses its nodes at once, "
                         "sending them to the coordinator directly (as before Relay.unanswered)")

@@ -17,6 +17,8 @@ Medians over repeats, in µs per call, single-threaded, no network:
   (the most a run can cost: every node sent whole since).
 
 ``--profile`` prints the top of a cProfile of the gate and of ``Coordinator.sync``.
+``--repeated-windows``: the summaries carry each rank's windows as an older agent sends
+them (repeated doubles, not ``RankSummary.work``).
 
 ``--served N``: also a real gRPC server in this process, the gate in front of a ``Sync``
 that answers at once, and N calls from a client process (64 at a time, with the token):
@@ -42,6 +44,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import coordinator_load
 from coordinator_load import TOKEN, SimNode
 from rankwatch.agent import validate_sync
 from rankwatch.agent.coordinator import Coordinator
@@ -161,7 +164,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--served", type=int, default=0, metavar="N")
     ap.add_argument("--no-gate", action="store_true", help="--served without the gate, for reference")
+    ap.add_argument("--repeated-windows", action="store_true",
+                    help="summaries carry each rank's windows as repeated doubles (an older agent's form)")
     args = ap.parse_args()
+    coordinator_load.REPEATED_WINDOWS = args.repeated_windows
 
     gate = Gate(TOKEN)
     wrapped, bare = _gate_call(gate)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rankwatch.agent import bounds
+from rankwatch.agent import bounds, validate_sync, work_windows
 from rankwatch.agent.incidents import IncidentLog
 from rankwatch.proto import pb
 
@@ -89,6 +89,25 @@ def test_a_summary_is_cut_below_its_bound_least_needed_first():
     assert len(out.ranks) == 80            # every rank is still there
     assert out.ranks[0].stacks == "" and out.incidents[-1].id == "checkpoint-299"
     assert out.decisions[-1].id == "d-199"
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_summary_still_too_big_keeps_each_ranks_last_8_steps(packed):
+    """4,096 ranks' 64-step windows are 6 MiB: each rank keeps its last 8 steps, packed
+    (as a node agent sends them) or repeated (an older agent's form), and every rank stays."""
+    steps = [float(n) for n in range(64)]
+    s = pb.NodeSummary(node_id="n0", seq=1, sent_at=1.0)
+    for r in range(4096):
+        windows = (steps, [0.5] * 64, [0.25] * 64)
+        s.ranks.append(pb.RankSummary(rank=r, connected=True, **(
+            dict(work=work_windows.pack(*windows)) if packed
+            else dict(own_work=windows[0], data_wait=windows[1], comm_wait=windows[2]))))
+    assert s.ByteSize() > bounds.MAX_SUMMARY_BYTES
+    out = bounds.cap_summary(s)
+    assert out.ByteSize() <= bounds.MAX_SUMMARY_BYTES and len(out.ranks) == 4096
+    own, data, wait = work_windows.windows(out.ranks[-1])
+    assert list(own) == steps[-8:] and list(data) == [0.5] * 8 and list(wait) == [0.25] * 8
+    validate_sync.check_summary(out, now=1.0)
 
 
 def test_a_status_answer_stays_below_the_message_limit_oldest_incidents_out():

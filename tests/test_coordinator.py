@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rankwatch.agent import work_windows
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.incidents import IncidentLog
 from rankwatch.proto import pb
@@ -206,7 +207,18 @@ def test_only_a_fatal_gpu_fault_excludes():
     assert "fatal GPU fault" in c.excluded["n1"]
 
 
-def test_a_costly_straggling_node_is_evicted_after_the_next_checkpoint():
+def windows(packed: bool, own: float, comm: float) -> dict:
+    """A rank's 16-step windows: packed, as a node agent sends them, or as an older agent's
+    repeated doubles."""
+    if packed:
+        return dict(work=work_windows.pack([own] * 16, [0.0] * 16, [comm] * 16))
+    return dict(own_work=[own] * 16, comm_wait=[comm] * 16, data_wait=[0.0] * 16)
+
+
+# A job of nodes whose agents send the windows packed, of older agents, and of both at once
+# (an upgrade under way): the coordinator reads either form alike.
+@pytest.mark.parametrize(("n0_packed", "n1_packed"), [(True, True), (False, False), (False, True), (True, False)])
+def test_a_costly_straggling_node_is_evicted_after_the_next_checkpoint(n0_packed, n1_packed):
     from rankwatch.agent.straggler import StragglerConfig
 
     c, clock = make(straggler=StragglerConfig(warmup_steps=0))
@@ -216,12 +228,10 @@ def test_a_costly_straggling_node_is_evicted_after_the_next_checkpoint():
         clock.t = t + seq * 0.1
         c.sync(summary("n0", seq, clock.t, [dict(rank=0, step=done, steps_completed=done,
                                                   progress_at=clock.t, last_seen=clock.t,
-                                                  own_work=[0.1] * 16, comm_wait=[0.1] * 16,
-                                                  data_wait=[0.0] * 16)]))
+                                                  **windows(n0_packed, 0.1, 0.1))]))
         c.sync(summary("n1", seq, clock.t, [dict(rank=1, step=done, steps_completed=done,
                                                   progress_at=clock.t, last_seen=clock.t,
-                                                  own_work=[0.2] * 16, comm_wait=[0.0] * 16,
-                                                  data_wait=[0.0] * 16)]))
+                                                  **windows(n1_packed, 0.2, 0.0))]))
         c.evaluate()
         if eviction_checkpoints(c, "n1"):
             break

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from rankwatch.address import Address
+from rankwatch.agent import work_windows
 from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.evaluate import Snapshot, evaluate
 from rankwatch.agent.hang import HangConfig, RankProgress
@@ -152,13 +153,19 @@ def test_the_summary_carries_each_ranks_period_from_step_start_to_step_start(tmp
     r0 = st.hello(hello(0, os.getpid()))
     n, t0 = 20, time.time() - 5
     cols = pb.StepColumns(step=list(range(n)), start=[t0 + 0.04 * i for i in range(n)], duration=[0.005] * n,
-                          data=[0.0] * n, forward=[0.0] * n, backward=[0.0] * n, optimizer=[0.0] * n,
-                          tokens=[0] * n, flops=[0.0] * n)
+                          data=[0.001 * i for i in range(n)], forward=[0.0] * n, backward=[0.0] * n,
+                          optimizer=[0.0] * n, tokens=[0] * n, flops=[0.0] * n, wait=[0.002] * n)
     st.ingest(r0, pb.Batch(seq=1, steps=cols))   # a loader outside the step scope: 5 ms of 40
     (sent,) = agent.summary(1).ranks
     assert sent.step_seconds == pytest.approx(0.005) and sent.step_period == pytest.approx(0.04)
+    # The windows go packed in one field (RankSummary.work), not as repeated doubles.
+    assert len(sent.work) == 3 * n * work_windows.VALUE_BYTES and not sent.own_work and not sent.comm_wait
     coordinator = Coordinator("c", incidents=IncidentLog(None), hang=HANG,
                               policy=PolicyConfig(node_timeout_seconds=600))
     coordinator.sync(agent.summary(2))
-    (work,) = evaluate(time.time(), coordinator.snapshot(time.time()), HANG).work
-    assert work.period == pytest.approx(0.04) and work.step_seconds == pytest.approx(0.005)
+    for work in (evaluate(time.time(), coordinator.snapshot(time.time()), HANG).work,
+                 coordinator.view.straggler_work(time.time())):
+        (w,) = work
+        assert w.period == pytest.approx(0.04) and w.step_seconds == pytest.approx(0.005)
+        assert list(w.own) == list(st.ranks[0].own_work) == pytest.approx([0.003] * n)
+        assert list(w.data) == list(st.ranks[0].data_wait) and list(w.wait) == [0.002] * n

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import AgentProcess, parse_metrics, wait_for
 from rankstream import REPORT, Stream, hello
-from rankwatch.agent import validate, validate_stream, validate_sync
+from rankwatch.agent import validate, validate_stream, validate_sync, work_windows
 from rankwatch.agent.jobsync import forward_checkpoint
 from rankwatch.proto import pb, pb_grpc
 
@@ -268,6 +268,36 @@ def test_every_value_of_a_summary_window_is_checked(bad, where):
     validate_sync.check_summary(summary(1, **{k: good for k in windows}))
     with pytest.raises(ValueError, match="invalid_value: a per-step time"):
         validate_sync.check_summary(summary(2, **windows))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -1e-9, validate.MAX_DURATION * 1.01, 1e300])
+@pytest.mark.parametrize("where", [0, 1, 2])
+def test_every_value_of_packed_windows_is_checked(bad, where):
+    """Packed windows (``RankSummary.work``, as a node agent sends them) are checked for the whole
+    summary in one pass: a bad value in any window of any rank is refused and named."""
+    good = [0.5] * 16
+    windows = [list(good), list(good), list(good)]
+    windows[where][7] = bad
+    ok = dict(work=work_windows.pack(good, good, good))
+    two = [pb.RankSummary(rank=1, **ok), pb.RankSummary(rank=2, work=work_windows.pack(*windows))]
+    validate_sync.check_summary(summary(1, **ok))
+    with pytest.raises(ValueError, match="invalid_value: a per-step time"):
+        validate_sync.check_summary(summary(2, work=work_windows.pack(*windows)))
+    s = summary(3, **ok)
+    s.ranks.extend(two)   # one good rank, then the bad one: still refused
+    with pytest.raises(ValueError, match="invalid_value: a per-step time"):
+        validate_sync.check_summary(s)
+
+
+@pytest.mark.parametrize(("work", "extra", "reason"), [
+    (b"\x00" * 23, {}, "malformed: rank summary work of 23 bytes: not whole steps"),
+    (b"\x00" * 24 * (validate.MAX_WINDOW + 1), {}, "oversized: rank summary window too long"),
+    (b"\x00" * 24, {"own_work": [0.1]}, "malformed: rank summary has its windows both packed and repeated"),
+])
+def test_packed_windows_of_a_wrong_shape_are_refused(work, extra, reason):
+    validate_sync.check_summary(summary(1, work=b"\x00" * 24 * validate.MAX_WINDOW))
+    with pytest.raises(ValueError, match=reason):
+        validate_sync.check_summary(summary(2, work=work, **extra))
 
 
 @pytest.mark.parametrize("label", ["a\nb", "a\tb", "a\x00b", "a\x7fb", "a\x9fb", "x" * (validate.MAX_LABEL + 1)])

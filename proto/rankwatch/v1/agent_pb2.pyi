@@ -459,7 +459,7 @@ class Command(_message.Message):
     def __init__(self, id: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointCommand, _Mapping]] = ...) -> None: ...
 
 class RankSummary(_message.Message):
-    __slots__ = ("rank", "pid", "step", "step_seconds", "steps_completed", "activity", "progress_at", "last_seen", "connected", "exited_cleanly", "group_seqs", "inflight", "stacks", "alive", "stopped", "own_work", "data_wait", "comm_wait", "state", "local_rank", "tokens_per_second", "stacks_at", "flight_recorder", "phase_seconds", "mesh_coords", "op_latency", "backend", "collectives", "world_size", "world_rank", "step_period")
+    __slots__ = ("rank", "pid", "step", "step_seconds", "steps_completed", "activity", "progress_at", "last_seen", "connected", "exited_cleanly", "group_seqs", "inflight", "stacks", "alive", "stopped", "own_work", "data_wait", "comm_wait", "state", "local_rank", "tokens_per_second", "stacks_at", "flight_recorder", "phase_seconds", "mesh_coords", "op_latency", "backend", "collectives", "world_size", "world_rank", "step_period", "work")
     class GroupSeqsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -519,6 +519,7 @@ class RankSummary(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORLD_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_PERIOD_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     step: int
@@ -550,7 +551,8 @@ class RankSummary(_message.Message):
     world_size: int
     world_rank: int
     step_period: float
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., op_latency: _Optional[_Mapping[str, OpLatency]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., world_size: _Optional[int] = ..., world_rank: _Optional[int] = ..., step_period: _Optional[float] = ...) -> None: ...
+    work: bytes
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., op_latency: _Optional[_Mapping[str, OpLatency]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., world_size: _Optional[int] = ..., world_rank: _Optional[int] = ..., step_period: _Optional[float] = ..., work: _Optional[bytes] = ...) -> None: ...
 
 class NodeSummary(_message.Message):
     __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "decisions", "run_id", "relay_address")

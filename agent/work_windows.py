@@ -1,0 +1,64 @@
+"""A rank's three per-step windows on the wire: own work, data wait, collective wait.
+
+A node agent sends each rank's windows in one ``RankSummary.work`` field, ``3n``
+little-endian float64s (own work, then data wait, then collective wait, each the same
+``n`` steps, oldest first).  Read as repeated doubles, the 192 values of a rank's 64-step
+windows cost the coordinator a Python float each, twice: once in its range check and once
+when the straggler detector lines the ranks up.  Read from bytes they are a numpy view,
+and a whole summary's windows are checked in one pass (:func:`all_windows`).
+
+An older agent sends the repeated fields ``own_work``, ``data_wait`` and ``comm_wait``
+instead; :func:`windows` reads either form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import cast
+
+import numpy as np
+
+from rankwatch.proto import pb
+
+__all__ = ["VALUE_BYTES", "all_windows", "pack", "steps", "whole_steps", "windows"]
+
+VALUE_BYTES = 8
+_DTYPE = np.dtype("<f8")
+Window = Sequence[float]
+_EMPTY = np.zeros(0, _DTYPE)
+
+
+def pack(own: Sequence[float], data: Sequence[float], wait: Sequence[float]) -> bytes:
+    """``RankSummary.work`` for three windows of the same steps."""
+    if not len(own) == len(data) == len(wait):
+        raise ValueError(f"windows of {len(own)}, {len(data)} and {len(wait)} steps: not the same steps")
+    if not len(own):
+        return b""
+    return np.array((own, data, wait), _DTYPE).tobytes()
+
+
+def steps(r: pb.RankSummary) -> int:
+    """How many steps ``r.work`` holds (its size need not be whole steps: see :func:`whole_steps`)."""
+    return len(r.work) // (3 * VALUE_BYTES)
+
+
+def whole_steps(r: pb.RankSummary) -> bool:
+    """Whether ``r.work`` is a whole number of steps of three windows."""
+    return len(r.work) % (3 * VALUE_BYTES) == 0
+
+
+def windows(r: pb.RankSummary) -> tuple[Window, Window, Window]:
+    """The rank's own work, data wait and collective wait windows, oldest first: read-only
+    views of ``work`` when it is set (checked to be whole steps), else the repeated fields."""
+    if not r.work:
+        return r.own_work, r.data_wait, r.comm_wait
+    a = np.frombuffer(r.work, _DTYPE)
+    n = len(a) // 3
+    # Read as the repeated fields are: lengths, slices, iteration (and numpy on the slices).
+    return cast(Window, a[:n]), cast(Window, a[n:2 * n]), cast(Window, a[2 * n:3 * n])
+
+
+def all_windows(ranks: Iterable[pb.RankSummary]) -> np.ndarray:
+    """Every value of the ranks' ``work`` fields, as one array (to range-check in one pass)."""
+    blob = b"".join(r.work for r in ranks)
+    return np.frombuffer(blob, _DTYPE) if blob else _EMPTY
