@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from rankwatch import __version__
 from rankwatch.address import Address
+from rankwatch.agent.relay_policy import RelayConfig
 from rankwatch.agent.status_ranks import DEFAULT_MAX_RANKS
 
 __all__ = ["build_parser"]
@@ -148,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as a relay, send each node's summary whole at least every 2 s, or every K "
                         "sync intervals when the coordinator asks for slower syncs (default 4; 0: "
                         "every 2 s however slow)")
+    a.add_argument("--relay-whole-every-steps", type=int, default=RelayConfig().whole_every_steps, metavar="N",
+                   help=f"as a relay, also send a node's summary whole once its ranks completed N steps "
+                        f"since the last, if that comes first (default {RelayConfig().whole_every_steps})")
     a.add_argument("--status-max-ranks", type=int, default=DEFAULT_MAX_RANKS, metavar="N",
                    help=f"the most ranks a status answer lists unless asked for all: a bigger job's "
                         f"view lists the ranks not ok first (default {DEFAULT_MAX_RANKS})")

@@ -72,9 +72,12 @@ class RelayConfig:
     """A relay sends each node's whole summary at least this often (beats between): the
     straggler detector then compares windows at most this old, which its 64-step windows
     and its once-a-second evaluation absorb."""
-    whole_every_steps: int = 16
-    """... or every this many steps its ranks completed: a quarter of the 64-step own-work
-    window a node sends, so the coordinator's copies of two nodes always share 48 steps."""
+    whole_every_steps: int = 32
+    """... or every this many steps its ranks completed: half the 64-step own-work window a
+    node sends, so the coordinator's copies of two nodes always share 32 steps, twice the
+    straggler detector's 16-step window.  (At 16, every summary went whole once syncs were
+    1.6 s apart at 0.1 s steps, and an overloaded coordinator never got out of that; a
+    straggler is flagged at most this many steps later than from fresh copies.)"""
     whole_every_intervals: float = 4.0
     """... stretched to this many of the sync intervals the coordinator asks for, when that is
     longer than ``whole_every_seconds`` (0: never stretched)."""

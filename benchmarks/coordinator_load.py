@@ -253,10 +253,11 @@ def _start_coordinator(tmp: Path, port: int, relay_args: list[str]) -> subproces
                         *relay_args)
 
 
-def _start_relay(tmp: Path, port: int, relay_port: int, metrics_port: int, whole_every: float) -> subprocess.Popen:
-    """Node 0's agent as a real process: it syncs with the coordinator and relays on TCP."""
+def _start_relay(tmp: Path, port: int, relay_port: int, metrics_port: int, whole: list[str]) -> subprocess.Popen:
+    """Node 0's agent as a real process: it syncs with the coordinator and relays on TCP
+    (``whole``: its ``--relay-whole-every-*`` flags)."""
     return _start_agent(tmp, "sim00000", relay_port, port, "--metrics-port", str(metrics_port),
-                        "--state-dir", str(tmp / "relay-state"), "--relay-whole-every-intervals", str(whole_every))
+                        "--state-dir", str(tmp / "relay-state"), *whole)
 
 
 def _coordinator_knows(sock: Path, node: str) -> bool:
@@ -291,7 +292,8 @@ def _wait_serving(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> N
 async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Process,
                relay: tuple[str, psutil.Process] | None = None) -> dict:
     born = time.time() - 30.0
-    relay_cfg = RelayConfig(whole_every_intervals=args.relay_whole_every_intervals)
+    relay_cfg = RelayConfig(whole_every_intervals=args.relay_whole_every_intervals,
+                            whole_every_steps=args.relay_whole_every_steps)
     nodes = [SimNode(i, args.ranks, slow=i == args.slow, born=born, relay_cfg=relay_cfg) for i in range(args.nodes)]
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}",
                                           options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -432,16 +434,18 @@ def run(args: argparse.Namespace) -> dict:
         tmp = Path(args.keep) if args.keep else Path(d)
         tmp.mkdir(parents=True, exist_ok=True)
         port = free_port()
+        whole = ["--relay-whole-every-intervals", str(args.relay_whole_every_intervals),
+                 "--relay-whole-every-steps", str(args.relay_whole_every_steps)]
         relay_args = ([] if args.relay_group is None else ["--relay-group", str(args.relay_group)]) + (
             [] if args.relay_min_nodes is None else ["--relay-min-nodes", str(args.relay_min_nodes)]) + [
-            "--relay-whole-every-intervals", str(args.relay_whole_every_intervals)]
+            *whole]
         coord = _start_coordinator(tmp, port, relay_args)
         relay = None
         try:
             _wait_serving(port, coord)
             if args.relay_process:
                 relay_port, metrics_port = free_port(), free_port()
-                relay = _start_relay(tmp, port, relay_port, metrics_port, args.relay_whole_every_intervals)
+                relay = _start_relay(tmp, port, relay_port, metrics_port, whole)
                 _wait_serving(relay_port, relay)
                 deadline = time.time() + 30
                 while not _coordinator_knows(tmp / "coord.sock", "sim00000"):   # heard: it heads a group
@@ -488,6 +492,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--relay-min-nodes", type=int, help="the coordinator's --relay-min-nodes")
     p.add_argument("--relay-whole-every-intervals", type=float, default=RelayConfig().whole_every_intervals,
                    help="the relays' (0: a node goes whole every 2 s however slow the syncs)")
+    p.add_argument("--relay-whole-every-steps", type=int, default=RelayConfig().whole_every_steps,
+                   help="the relays' steps rule: a node goes whole at least every N steps its ranks completed")
     p.add_argument("--step-seconds", type=float, default=STEP, help="simulated seconds per training step")
     p.add_argument("--relay-process", action="store_true",
                    help="node 0 is a real agent process, relaying for the nodes the coordinator sends to it")

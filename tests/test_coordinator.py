@@ -465,3 +465,48 @@ def test_summaries_are_due_only_from_the_nodes_neither_excluded_nor_dead():
     c = _trickle(others_all_heard=True, excluded=tuple(f"n{i}" for i in range(6, 18)))
     assert c.load.overloaded is None
     assert set(c.excluded) == {f"n{i}" for i in range(6, 20)}   # n18, n19 for their silence
+
+
+def first_flag(every: int) -> tuple[int | None, set[str]]:
+    """Four one-rank nodes at 0.1 s steps, n3 25 % slower; each node's windows reach the
+    coordinator whole every ``every`` steps, each node at its own phase (beats between, which
+    move none of them).  The step at which a straggler was first flagged, and the nodes flagged."""
+    import random
+
+    from rankwatch.agent.rankrecord import WORK_WINDOW
+    from rankwatch.agent.straggler import StragglerConfig
+
+    c, clock = make(PolicyConfig(min_nodes=1, node_timeout_seconds=600, evict_straggler_speedup=100.0),
+                    straggler=StragglerConfig(warmup_steps=0))
+    rng = random.Random(7)
+    nodes = ["n0", "n1", "n2", "n3"]
+    own: dict[str, list[float]] = {n: [] for n in nodes}
+    t0, first = clock.t, None
+    for step in range(1, 400):
+        clock.t = t0 + 0.1 * step
+        for i, n in enumerate(nodes):
+            own[n].append((0.1 if n == "n3" else 0.08) * (1 + 0.02 * rng.random()))
+            if (step + i * every // len(nodes)) % every:
+                continue
+            w = own[n][-WORK_WINDOW:]
+            c.sync(summary(n, step, clock.t, [dict(
+                rank=i, step=step, steps_completed=step, progress_at=clock.t, last_seen=clock.t,
+                work=work_windows.pack(w, [0.0] * len(w), [0.11 - x for x in w]))]))
+        c.evaluate()
+        if first is None and any(i.kind == "straggler" for i in c.incidents.items):
+            first = step
+    return first, {i.node for i in c.incidents.items if i.kind == "straggler"}
+
+
+def test_a_straggler_is_flagged_from_whole_copies_as_stale_as_the_relays_send_them():
+    """Behind relays, a node's windows reach the coordinator whole only every
+    ``RelayConfig.whole_every_steps`` steps, so its copies of two nodes are up to that many
+    steps apart.  Their 64-step windows still line up: the slow node is flagged, and no other,
+    at most that many steps later than from copies fresh at every step."""
+    from rankwatch.agent.relay_policy import RelayConfig
+
+    every = RelayConfig().whole_every_steps
+    fresh, fresh_flagged = first_flag(1)
+    stale, stale_flagged = first_flag(every)
+    assert fresh_flagged == stale_flagged == {"n3"}
+    assert fresh is not None and stale is not None and stale <= fresh + every
