@@ -107,6 +107,8 @@ class Coordinator:
         self._encoded: tuple[int, list[pb.Decision]] = (0, [])
         self._stragglers_at = float("-inf")   # when the straggler detector last ran
         self._hang_checked = float("-inf")   # when an open hang was last checked for its end
+        self._hang_pass = (float("-inf"), 0.0)   # the hang detector's last pass: (began, took), monotonic
+        self._monotonic = load_clocks[0] if load_clocks else time.monotonic
         self.relay = relay or RelayConfig()
         self.relays: dict[str, str] = {}
         """Node -> the relay it syncs through ('' or absent: this coordinator; relay_policy)."""
@@ -268,7 +270,12 @@ class Coordinator:
             hang_due = hang_possible(now, self.view.latest_progress(), self.hang)
         else:
             hang_due = now - self._hang_checked >= every
-        verdicts = evaluate(now, self.snapshot(now), self.hang) if hang_due else None
+        began, took = self._hang_pass
+        verdicts = None
+        if hang_due and load_policy.detector_due(self._monotonic(), began, took, self.load.cfg):
+            began = self._monotonic()
+            verdicts = evaluate(now, self.snapshot(now), self.hang)
+            self._hang_pass = (began, self._monotonic() - began)
         if verdicts is not None and self._hang_evidence(now, verdicts):
             self._hang_checked = now
             self._check_hang(now, verdicts)

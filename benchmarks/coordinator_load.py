@@ -33,7 +33,7 @@ through a relay (``Sync via a relay process``).
 
 Reported: node syncs done (direct or through a relay; asked for at 4 Hz), latency
 p50/p99 of the calls the coordinator served (``Sync`` and ``SyncGroup`` apart),
-failures by status code, exclusions of healthy nodes, the coordinator's CPU (cores)
+failures by status code and by call, exclusions of healthy nodes, the coordinator's CPU (cores)
 and RSS, the load generator's own CPU, and the sync interval the coordinator asked
 for at the end.
 
@@ -152,13 +152,18 @@ class Stats:
         self.lat: dict[str, list[tuple[float, float]]] = {"Sync": [], "SyncGroup": [], VIA_PROCESS: []}
         self.behind_process: set[str] = set()   # nodes that synced through the relay process
         self.fails: dict[str, int] = {}
+        self.fails_by_call: dict[str, int] = {}
+        self.node_fails: dict[str, list[float]] = {}   # node -> when each of its syncs failed
+        self.lags: list[tuple[float, float]] = []   # (when, how late the generator's own loop woke)
         self.failed_at: list[float] = []
         self.done = 0         # node summaries the coordinator took, directly or in a group
         self.relayed = 0      # of those, through a relay
         self.beats = 0        # of those, beats (the node's last whole summary stands)
 
-    def failed(self, exc: grpc.aio.AioRpcError, node: SimNode) -> None:
+    def failed(self, exc: grpc.aio.AioRpcError, node: SimNode, call: str) -> None:
         self.fails[exc.code().name] = self.fails.get(exc.code().name, 0) + 1
+        self.fails_by_call[call] = self.fails_by_call.get(call, 0) + 1
+        self.node_fails.setdefault(node.name, []).append(time.time())
         self.failed_at.append(time.time())
         busy = exc.code() in _BUSY
         node.busy_failures = node.busy_failures + 1 if busy and BACKOFF else 0
@@ -189,7 +194,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
         try:
             reply = await stub.SyncGroup(group, timeout=RPC_TIMEOUT, metadata=md)
         except grpc.aio.AioRpcError as exc:
-            stats.failed(exc, node)
+            stats.failed(exc, node, "SyncGroup")
             node.relay.unanswered(group, busy=RELAY_KEEPS_ON and exc.code() in _BUSY)   # as JobLink
             return
         stats.lat["SyncGroup"].append((t_sent, time.perf_counter() - t0))
@@ -214,7 +219,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
         try:
             reply = await process[1].Sync(summary, timeout=RPC_TIMEOUT, metadata=md)  # type: ignore[attr-defined]
         except grpc.aio.AioRpcError as exc:
-            stats.failed(exc, node)
+            stats.failed(exc, node, VIA_PROCESS)
             node.relay_addr = ""   # the relay failed: the coordinator, at once (as JobLink)
         else:
             stats.lat[VIA_PROCESS].append((t_sent, time.perf_counter() - t0))
@@ -228,7 +233,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
     try:
         reply = await stub.Sync(summary, timeout=RPC_TIMEOUT, metadata=md)
     except grpc.aio.AioRpcError as exc:
-        stats.failed(exc, node)
+        stats.failed(exc, node, "Sync")
         return
     stats.lat["Sync"].append((t_sent, time.perf_counter() - t0))
     node.busy_failures = 0
@@ -318,8 +323,10 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
     named = silenced = None
     steady_from: tuple[float, int, float] | None = None   # (time, summaries taken, coordinator CPU) then
     while time.time() < end:
+        slept = time.time()
         await asyncio.sleep(0.1)
         now = time.time()
+        stats.lags.append((now, now - slept - 0.1))
         if steady_from is None and now >= start + args.warmup:
             steady_from = (now, stats.done, sum(proc.cpu_times()[:2]))
         if now >= fault_at and not fault:
@@ -370,9 +377,11 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         via = {"nodes_behind_it": len(stats.behind_process),
                "cores": round((sum(relay[1].cpu_times()[:2]) - relay_cpu0) / wall, 2)}
     # (the simulated nodes stop syncing at the end: exclusions after it are theirs to have)
-    excluded = [d["node"] for d in _exclusions(state) if d["decided_at"] <= end]
+    decided = [d for d in _exclusions(state) if d["decided_at"] <= end]
+    excluded = [d["node"] for d in decided]
     flagged = sorted({i.node for i in _incidents(state) if i.kind == "straggler"})
     fails, failed_at = stats.fails, stats.failed_at
+    lags = sorted(lag for t, lag in stats.lags if t >= start + args.warmup)
     return {
         "nodes": args.nodes, "ranks": args.nodes * args.ranks, "seconds": round(wall, 1),
         "syncs_per_second": round(stats.done / wall, 1), "asked_at_4hz": args.nodes * 4,
@@ -381,12 +390,23 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         "beat_share": round(stats.beats / stats.done, 3) if stats.done else 0.0,
         "relays_used": sum(1 for n in nodes if n.relay.relayed),
         "latency": latency,
-        "failed": sum(fails.values()), "failed_by_code": fails,
+        "failed": sum(fails.values()), "failed_by_code": fails, "failed_by_call": stats.fails_by_call,
         "failures_between_s": [round(min(failed_at) - start, 1), round(max(failed_at) - start, 1)] if failed_at else None,
         "healthy_excluded": [n for n in excluded if n not in expected],
+        # each one's syncs that failed in the 10 s before it was excluded, and how late the
+        # generator's loop woke meanwhile (the most)
+        "healthy_excluded_syncs": {
+            d["node"]: {"failed_in_10s_before": sum(1 for t in stats.node_fails.get(d["node"], ())
+                                                    if d["decided_at"] - 10 <= t <= d["decided_at"]),
+                        "generator_lag_max_ms": _ms(sorted(lag for t, lag in stats.lags
+                                                           if d["decided_at"] - 10 <= t <= d["decided_at"]), 1.0)}
+            for d in decided if d["node"] not in expected},
         "coordinator_cores": round((sum(cpu1[:2]) - sum(cpu0[:2])) / wall, 2),
         "coordinator_rss_mb": round(proc.memory_info().rss / 2**20),
         "generator_cores": round((sum(me1[:2]) - sum(me0[:2])) / wall, 2),
+        # how late the generator's own event loop woke (steady): a late loop lets its calls'
+        # deadlines run out on its side, where the coordinator cannot see it
+        "generator_loop_lag_ms": {"p50": _ms(lags, 0.5), "p99": _ms(lags, 0.99), "max": _ms(lags, 1.0)},
         "final_interval_s": round(max(n.interval for n in nodes), 2),
         "hang_named": named, "silent_excluded_after_s": silenced,
         "straggler_nodes_flagged": flagged,

@@ -510,3 +510,33 @@ def test_a_straggler_is_flagged_from_whole_copies_as_stale_as_the_relays_send_th
     stale, stale_flagged = first_flag(every)
     assert fresh_flagged == stale_flagged == {"n3"}
     assert fresh is not None and stale is not None and stale <= fresh + every
+
+
+@pytest.mark.parametrize(("cost", "passes"), [(0.3, 4), (0.0, 12)])
+def test_a_costly_hang_pass_runs_at_most_a_third_of_the_time(cost, passes):
+    """While a hang is possible (the job made no progress for the shortest allowance) the
+    detector looks at every tick.  A pass that snapshots every rank and takes 0.3 s (16,384
+    ranks on a slow machine) runs every third tick of 0.25 s instead, leaving the gRPC threads
+    two thirds of the GIL; a cheap pass, every tick.  (The ranks are in an eval phase, whose
+    allowance is long: a hang is possible all along, and no verdict ends the looking.)"""
+    mono = [50.0]
+    clock = Clock()
+    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(node_timeout_seconds=600), clock=clock,
+                    load_clocks=(lambda: mono[0], lambda: 0.0))
+    snapshot, taken = c.snapshot, []
+
+    def costly(now):
+        taken.append(now)
+        mono[0] += cost
+        return snapshot(now)
+
+    c.snapshot = costly
+    t = clock.t
+    for seq in range(1, 13):   # from 5 s after the last progress (the floor), 12 ticks of 0.25 s
+        clock.t, mono[0] = t + 5 + 0.25 * seq, mono[0] + 0.25
+        for n in (1, 2):
+            c.sync(summary(f"n{n}", seq, clock.t, [dict(rank=n, step=50, progress_at=t, last_seen=clock.t,
+                                                        activity="eval", group_seqs={"0": 900})]))
+        c.evaluate()
+    assert len(taken) == passes
+    assert not [i for i in c.incidents.items if i.kind == "hang"]
