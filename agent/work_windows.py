@@ -29,12 +29,13 @@ _EMPTY = np.zeros(0, _DTYPE)
 
 
 def pack(own: Sequence[float], data: Sequence[float], wait: Sequence[float]) -> bytes:
-    """``RankSummary.work`` for three windows of the same steps."""
-    if not len(own) == len(data) == len(wait):
-        raise ValueError(f"windows of {len(own)}, {len(data)} and {len(wait)} steps: not the same steps")
-    if not len(own):
+    """``RankSummary.work`` for three windows of the same steps, newest last.  Windows of
+    different lengths (never from the agent's lockstep deques) keep their newest steps in
+    common: a node's summary is always built, whatever its windows hold."""
+    n = min(len(own), len(data), len(wait))
+    if not n:
         return b""
-    return np.array((own, data, wait), _DTYPE).tobytes()
+    return np.array([list(w)[len(w) - n:] for w in (own, data, wait)], _DTYPE).tobytes()
 
 
 def steps(r: pb.RankSummary) -> int:

@@ -118,3 +118,11 @@ def test_a_status_answer_stays_below_the_message_limit_oldest_incidents_out():
     out = bounds.cap_status(resp)
     assert out.ByteSize() <= bounds.MAX_STATUS_BYTES
     assert out.incidents[-1].id == "hang-399" and len(out.incidents) > 150
+
+
+def test_packed_windows_read_back_as_sent_and_uneven_ones_keep_their_common_newest_steps():
+    r = pb.RankSummary(work=work_windows.pack([0.1, 0.2, 0.3], [0.0, 0.01, 0.02], [0.5, 0.6, 0.7]))
+    assert [list(w) for w in work_windows.windows(r)] == [[0.1, 0.2, 0.3], [0.0, 0.01, 0.02], [0.5, 0.6, 0.7]]
+    r = pb.RankSummary(work=work_windows.pack([0.1, 0.2, 0.3], [0.01, 0.02], [0.6, 0.7]))
+    assert [list(w) for w in work_windows.windows(r)] == [[0.2, 0.3], [0.01, 0.02], [0.6, 0.7]]
+    assert work_windows.pack([], [0.1], [0.2]) == b""
