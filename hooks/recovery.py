@@ -315,12 +315,15 @@ class InProcessRecovery:
 
     def _leave_step(self) -> int:
         """Break every survivor out of the failed step (see the module); the connections shut."""
-        try:
-            if self._backend == "nccl":  # NCCL cancels its pending collectives itself
+        if self._backend == "nccl":  # NCCL cancels its pending collectives itself
+            try:
                 net.abort_nccl()
+            except Exception as err:  # noqa: BLE001 - the watchdog's timeout still bounds the wait
+                log.warning("rankwatch: could not abort the NCCL communicators: %s", err)
+        try:   # a gloo group beside NCCL's (object collectives, the CPU side) too
             return net.shut_group_sockets(self._baseline, self._excluded_endpoints)
         except Exception as err:  # noqa: BLE001 - the groups' timeout still bounds the others' wait
-            log.warning("rankwatch: could not abort the failed groups: %s", err)
+            log.warning("rankwatch: could not shut the failed groups' connections: %s", err)
             return 0
 
     # -- joining ----------------------------------------------------------------------

@@ -151,12 +151,18 @@ def nccl_errors_to_caller() -> None:
             "to the in-process recovery", ASYNC_ERROR_HANDLING, _ABORT_ONLY, mode or "unset")
 
 
-def abort_nccl() -> None:
+def abort_nccl() -> bool:
     """Abort every NCCL communicator: a collective stuck on a dead peer returns at once.
-    (Gloo has no such call: :func:`shut_group_sockets` does its part.)"""
+    (Gloo has no such call: :func:`shut_group_sockets` does its part.)  False where no
+    group was left to abort: NCCL's watchdog had aborted them first (torch then forgets the
+    default group)."""
+    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _abort_process_group
 
+    if not dist.is_initialized():
+        return False
     _abort_process_group()
+    return True
 
 
 def destroy_groups() -> None:

@@ -10,6 +10,7 @@ replica's rank at its position (:func:`transfer`), point to point.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -26,15 +27,43 @@ def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def local_state(job: Job) -> dict[str, Any]:
-    """This rank's shards of the parameters and the optimizer state, as plain tensors (no
-    process group referenced), by parameter name."""
+def _reshard(model: Any) -> None:
+    """Put every FSDP2 module of ``model`` back on its sharded parameters: the ones its
+    optimizer holds state for.  A step cut short leaves modules unsharded, and FSDP2's own
+    ``reshard()`` keeps a module that does not reshard after forward (the root, always)
+    unsharded while its forward is under way: a failure in the forward would otherwise
+    leave the root's parameters unsharded, and their optimizer state not found by them."""
     from torch.distributed.fsdp import FSDPModule
 
-    for module in job.model.modules():  # a step cut short may leave parameters unsharded
-        if isinstance(module, FSDPModule):
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+        idle: Any = TrainingState.IDLE
+    except ImportError:  # pragma: no cover - FSDP2's layout in another torch
+        idle = None
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        as_idle = getattr(group, "use_training_state", None)
+        with as_idle(idle) if as_idle is not None and idle is not None else contextlib.nullcontext():
             module.reshard()
+
+
+def local_state(job: Job) -> dict[str, Any]:
+    """This rank's shards of the parameters and the optimizer state, as plain tensors (no
+    process group referenced), by parameter name.
+
+    Raises:
+        StateMismatch: the optimizer holds state for a tensor the model does not name (a
+            module left on other parameters): that state would be lost without a word.
+    """
+    _reshard(job.model)
     opt_state = job.optimizer.state
+    named = {id(p) for p in job.model.parameters()}
+    lost = sum(1 for p in opt_state if id(p) not in named)
+    if lost:
+        raise StateMismatch(f"the optimizer holds state for {lost} tensor(s) that are not the model's "
+                            "parameters after the failed step: their state cannot be carried over")
     params, optim = {}, {}
     for name, p in job.model.named_parameters():
         params[name] = _local(p).detach()
