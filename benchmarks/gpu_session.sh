@@ -10,6 +10,8 @@
 #                                       # on the harness with it
 #   benchmarks/gpu_session.sh ckpt      # DCP saves and resumes on NCCL, a corrupt newest checkpoint,
 #                                       # the in-process tier's start on NCCL, two NCCL ranks on one GPU
+#   benchmarks/gpu_session.sh rebuild   # the tier's abort and rebuild on NCCL, in the forward and the
+#                                       # backward, against an uninterrupted run (bit for bit)
 #
 # Results go to $OUT (default benchmarks/out/gpu).  Where the machine has no network, wheels
 # for what its Python lacks can wait in .whl/ (installed with --no-deps into /tmp/site).
@@ -99,5 +101,17 @@ dist.destroy_process_group()
 PY
     timeout 90 $PY -m torch.distributed.run --standalone --nproc-per-node 2 "$CK/two.py" > "$OUT/two_on_one.log" 2>&1
     echo "two NCCL ranks on one GPU: exit $?"; grep -h -m3 "all_reduce\|Duplicate\|ncclInvalidUsage" "$OUT/two_on_one.log" | cut -c1-300
+    ;;
+  rebuild)
+    export CUBLAS_WORKSPACE_CONFIG=:4096:8
+    rb() {  # rb <name> [nccl_rebuild args...]
+      timeout 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/nccl_rebuild.py \
+        --out "$OUT/rebuild_$1.json" "${@:2}" > "$OUT/rebuild_$1.log" 2>&1
+      echo "$1: exit $?"
+    }
+    rb plain; rb forward --abort-at 15,30; rb backward --abort-at 15,30 --fault-in backward
+    for n in forward backward; do
+      $PY benchmarks/nccl_rebuild.py --compare "$OUT/rebuild_plain.json" "$OUT/rebuild_$n.json" | tee "$OUT/rebuild_$n.md"
+    done
     ;;
 esac
