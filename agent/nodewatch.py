@@ -25,6 +25,7 @@ from rankwatch.agent.starvation import StarvationTracker
 from rankwatch.agent.state import NodeState, RankState, _pid_alive
 from rankwatch.agent.stepstarts import StepStarts
 from rankwatch.agent.straggler import StragglerConfig, StragglerDetector, period_of, score
+from rankwatch.agent.straggler_score import CAUSES
 from rankwatch.agent.validate import MAX_DURATION
 
 __all__ = ["NodeWatch", "process_state", "snapshot"]
@@ -87,10 +88,10 @@ class NodeWatch:
         self._step_starts = StepStarts()
         state.step_listeners.append(self._step_starts.on_steps)
         self._evaluated_steps = 0
-        self.straggler_view: tuple[dict[int, str], float] = ({}, 1.0)
-        """(flagged rank -> cause, the job's step-time cost ratio), for /metrics."""
+        self._local_view: tuple[dict[int, str], float] = ({}, 1.0)   # this node's own detector's
         self._marked_at: dict[int, float] = {}   # rank -> when a job verdict marked it hung
-        self._job_stragglers: set[int] = set()   # ranks the coordinator flags as stragglers
+        # Ranks the coordinator flags as stragglers: (cause, the job's speed-up without them).
+        self._job_stragglers: dict[int, tuple[str, float]] = {}
 
     def step_period(self, rank: int, step_seconds: float) -> float:
         """The rank's step time from start to start (its summary carries it to the coordinator,
@@ -200,8 +201,7 @@ class NodeWatch:
                 job = r.rank in self._job_stragglers   # the coordinator's flag, kept until lifted
                 r.state = next_state(r.state, "flagged" if r.rank in flagged or job else "cleared")
         job_step = max(w.step_seconds for w in work)
-        self.straggler_view = ({rank: s.cause for rank, s in flagged.items()},
-                               self.stragglers.cost_ratio(job_step))
+        self._local_view = ({rank: s.cause for rank, s in flagged.items()}, self.stragglers.cost_ratio(job_step))
         made = []
         for ev in events:
             s = ev.score
@@ -217,6 +217,17 @@ class NodeWatch:
                         ev.work.step, (s.slowdown - 1) * 100, s.cause, s.speedup)
         return made
 
+    @property
+    def straggler_view(self) -> tuple[dict[int, str], float]:
+        """(flagged rank -> cause, the job's step-time cost ratio), for /metrics: this node's
+        own detector's flags, and the coordinator's verdicts on this node's ranks (the only
+        flags a node of one rank, or a rank slow against other nodes, ever gets)."""
+        own, cost = self._local_view
+        with self.state.lock:
+            job = dict(self._job_stragglers)
+        causes = {**{rank: cause for rank, (cause, _) in job.items()}, **own}
+        return causes, max([cost, *(speedup for _, speedup in job.values())])
+
     # -- the coordinator's verdicts about this node's ranks --------------------------
     def mark(self, incident: Incident) -> None:
         """A job verdict sets the rank's state.  A hung rank returns to ok once it progresses
@@ -228,7 +239,7 @@ class NodeWatch:
         with self.state.lock:
             for rank in incident.detail.get("ranks") or [incident.rank]:
                 if event == "flagged":
-                    self._job_stragglers.add(rank)
+                    self._job_stragglers[rank] = _job_flag(incident.detail)
                 r = self.state.ranks.get(rank)
                 if r is not None:
                     r.state = next_state(r.state, event)  # type: ignore[arg-type]
@@ -242,7 +253,7 @@ class NodeWatch:
             return
         with self.state.lock:
             for rank in incident.detail.get("ranks") or [incident.rank]:
-                self._job_stragglers.discard(rank)
+                self._job_stragglers.pop(rank, None)
                 r = self.state.ranks.get(rank)
                 if r is not None and rank not in self.stragglers.flagged:
                     r.state = next_state(r.state, "cleared")
@@ -269,3 +280,13 @@ class NodeWatch:
                       if not r.connected and not r.exited_cleanly and now - r.last_seen > _FORGET_AFTER
                       and not _pid_alive(r.pid)]:
                 del st.ranks[k]
+
+
+def _job_flag(detail: dict) -> tuple[str, float]:
+    """A job straggler verdict's cause and the job's speed-up without the rank, as exported
+    (values from the wire: an unknown cause or a speed-up out of range is not passed on)."""
+    cause = detail.get("cause")
+    cost = detail.get("cost")
+    speedup = cost.get("speedup_if_removed") if isinstance(cost, dict) else None
+    ok = isinstance(speedup, (int, float)) and not isinstance(speedup, bool) and 1.0 <= speedup <= 1e6
+    return (cause if cause in CAUSES else "unknown"), (float(speedup) if ok else 1.0)

@@ -9,7 +9,9 @@ from datetime import timedelta
 
 import pytest
 
-from conftest import wait_for
+from prometheus_client import generate_latest
+
+from conftest import parse_metrics, wait_for
 from rankwatch.address import Address
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.hooks.client import AgentClient
@@ -225,18 +227,26 @@ def test_a_job_straggler_verdict_marks_the_rank_until_the_coordinator_resolves_i
         wait_for(lambda: 1 in agent.state.ranks, 10, what="rank 1 connected")
         flagged = pb.Incident(id="straggler-1", kind="straggler", node="n0", rank=1, step=50,
                               detected_at=time.time(),
-                              detail_json=json.dumps({"cause": "compute", "slowdown": 1.4, "ranks": [1]}))
+                              detail_json=json.dumps({"cause": "compute", "slowdown": 1.4, "ranks": [1],
+                                                      "cost": {"speedup_if_removed": 1.3}}))
         agent.on_job_incident("n9", flagged)
         assert agent.state.ranks[1].state == "straggler"
         agent.watch.check_stragglers(time.time())  # the node's own detector (one rank) keeps the mark
         agent.on_job_incident("n9", flagged)  # the same verdict, synced again
         assert agent.state.ranks[1].state == "straggler"
+        # Exported by the rank's own node (no other agent exports the rank), with its cause.
+        flag = ("rankwatch_rank_straggler", frozenset({("node", "n0"), ("rank", "1"), ("cause", "compute")}))
+        cost = ("rankwatch_straggler_cost_ratio", frozenset({("node", "n0")}))
+        m = parse_metrics(generate_latest(agent.registry).decode())
+        assert m.get(flag) == 1.0 and m[cost] == 1.3
         resolved = pb.Incident()
         resolved.CopyFrom(flagged)
         resolved.detail_json = json.dumps({"cause": "compute", "slowdown": 1.4, "ranks": [1],
                                            "resolved_at": time.time()})
         agent.on_job_incident("n9", resolved)
         assert agent.state.ranks[1].state == "ok"
+        m = parse_metrics(generate_latest(agent.registry).decode())
+        assert flag not in m and m[cost] == 1.0
         (kept,) = [i for i in agent.incidents.items if i.id == "n9/straggler-1"]
         assert "resolved_at" in kept.detail
     finally:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import parse_metrics, wait_for
 from multinode import Cluster, check_buckets, seconds_per_step
 
 pytestmark = pytest.mark.e2e
@@ -122,3 +123,30 @@ def test_checkpoint_on_demand_saves_one_step_on_every_node(tmp_path):
         assert status["coordinator"]
         # No fault: the save is the only time lost, and the rest trained steps.
         check_buckets(status, step_s, lost=("checkpoint",))
+
+
+def test_a_users_script_straggling_on_one_node_is_named_by_the_coordinator(tmp_path):
+    """A user's own FSDP2 script, one rank per node: no node's agent can compare its ranks, so
+    only the coordinator, from the nodes' summaries (each rank's windows, packed), can name
+    the rank whose loader went slow, with its cause, and tell that rank's node."""
+    script = str(Path(__file__).parent / "data" / "user_fsdp.py")
+    onset = 40
+    with Cluster(tmp_path, 2, _KEEP) as c:
+        for node in (0, 1):
+            c.torchrun(node, "2", 1, "--steps", "2000", "--slow-loader", f"1:{onset}:0.1", script=script)
+        ranks = wait_for(lambda: running(c, 5), 120, what="both nodes training")
+        slow_node = next(r["node"] for r in ranks if r["rank"] == 1)
+
+        def flagged():
+            return [i for i in c.coordinator.status()["incidents"] if i["kind"] == "straggler"]
+
+        (inc, *more) = wait_for(flagged, 90, interval=0.2, what="the coordinator's straggler incident")
+        assert (inc["node"], inc["rank"]) == (slow_node, 1), inc
+        assert inc["step"] >= onset and inc["detail"]["cause"] == "data", inc
+        assert all(i["rank"] == 1 for i in more), more   # the rank that waits for it is not named
+        # The slow rank's own node agent holds the job's verdict, and exports it.
+        agent = next(a for a in c.agents if a.node == slow_node)
+        wait_for(lambda: {r["rank"]: r["state"] for r in agent.status()["ranks"]}.get(1) == "straggler", 10,
+                 what="the verdict on the slow rank's node")
+        flag = ("rankwatch_rank_straggler", frozenset({("node", slow_node), ("rank", "1"), ("cause", "data")}))
+        assert parse_metrics(agent.metrics()).get(flag) == 1.0
