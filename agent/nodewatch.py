@@ -11,7 +11,8 @@ The agent's loop (:meth:`Agent._detect_loop`) only sequences the ticks.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import psutil
 
@@ -282,11 +283,12 @@ class NodeWatch:
                 del st.ranks[k]
 
 
-def _job_flag(detail: dict) -> tuple[str, float]:
+def _job_flag(detail: Mapping[str, Any]) -> tuple[str, float]:
     """A job straggler verdict's cause and the job's speed-up without the rank, as exported
     (values from the wire: an unknown cause or a speed-up out of range is not passed on)."""
     cause = detail.get("cause")
     cost = detail.get("cost")
     speedup = cost.get("speedup_if_removed") if isinstance(cost, dict) else None
-    ok = isinstance(speedup, (int, float)) and not isinstance(speedup, bool) and 1.0 <= speedup <= 1e6
-    return (cause if cause in CAUSES else "unknown"), (float(speedup) if ok else 1.0)
+    if not isinstance(speedup, (int, float)) or isinstance(speedup, bool) or not 1.0 <= speedup <= 1e6:
+        speedup = 1.0
+    return (cause if cause in CAUSES else "unknown"), float(speedup)
