@@ -59,6 +59,8 @@ def _once(tmp: Path, mode: str, timeout: float) -> dict:
         if mode.startswith("inprocess"):
             lost = _wait("the others training again", lambda: _recovery(c, 4, killed), timeout)
             others = lost["started_at"] + lost["phases"]["first_step"] - killed
+            print(f"  caught {lost['started_at'] - killed:.3f} s after the kill; then "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in lost["phases"].items()), flush=True)
             back = _wait("world 6 training", lambda: _recovery(c, 6, killed), timeout)
             world6 = back["started_at"] + back["phases"]["first_step"] - killed
         else:
