@@ -165,3 +165,33 @@ def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
         for s in fam.samples:
             out[(s.name, frozenset(s.labels.items()))] = s.value
     return out
+
+
+def _gloo_rank(rank: int, port: int, body, args: tuple, error_path: str) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        body(rank, *args)
+        dist.barrier()
+    except Exception:
+        Path(error_path).write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo_pair(body, *args, error_path: Path) -> None:
+    """``body(rank, *args)`` in each of two processes of a real gloo group on loopback
+    (``body`` a module-level function); a rank's exception is also written to ``error_path``."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gloo_rank, args=(port, body, args, str(error_path)), nprocs=2)

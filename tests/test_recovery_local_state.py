@@ -11,14 +11,11 @@ optimizer step are each checked."""
 
 from __future__ import annotations
 
-import socket
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from conftest import run_gloo_pair
 
 DIM = 16
 
@@ -64,51 +61,36 @@ def _step(job, step: int, fail: str = "") -> None:
             hook.remove()
 
 
-def _run(rank: int, port: int, fail: str, out: str) -> None:
-    import os
-
+def _run(rank: int, fail: str, out: str) -> None:
     from rankwatch.hooks.recovery_state import local_state, restore
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    failed, reference = _job(meta=False), _job(meta=False)
+    for step in (1, 2):
+        _step(failed, step)
+        _step(reference, step)
     try:
-        torch.set_num_threads(1)
-        failed, reference = _job(meta=False), _job(meta=False)
-        for step in (1, 2):
-            _step(failed, step)
-            _step(reference, step)
-        try:
-            _step(failed, 3, fail)
-            raise AssertionError("the scripted failure did not happen")
-        except RuntimeError as exc:
-            assert "scripted" in str(exc), exc
-        shards = local_state(failed)
-        rebuilt = _job(meta=True)
-        restore(rebuilt, shards)
-        for step in (3, 4):
-            _step(rebuilt, step)
-            _step(reference, step)
-        got = {n: p.to_local().clone() for n, p in rebuilt.model.named_parameters()}
-        want = {n: p.to_local().clone() for n, p in reference.model.named_parameters()}
-        steps = {n: float(s["step"]) for n, s in
-                 ((n, rebuilt.optimizer.state[p]) for n, p in rebuilt.model.named_parameters())}
-        if rank == 0:
-            torch.save({"got": got, "want": want, "steps": steps, "saved": sorted(shards["optim"])}, out)
-        dist.barrier()
-    except Exception:
-        Path(out + ".error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+        _step(failed, 3, fail)
+        raise AssertionError("the scripted failure did not happen")
+    except RuntimeError as exc:
+        assert "scripted" in str(exc), exc
+    shards = local_state(failed)
+    rebuilt = _job(meta=True)
+    restore(rebuilt, shards)
+    for step in (3, 4):
+        _step(rebuilt, step)
+        _step(reference, step)
+    got = {n: p.to_local().clone() for n, p in rebuilt.model.named_parameters()}
+    want = {n: p.to_local().clone() for n, p in reference.model.named_parameters()}
+    steps = {n: float(rebuilt.optimizer.state[p]["step"]) for n, p in rebuilt.model.named_parameters()}
+    if rank == 0:
+        torch.save({"got": got, "want": want, "steps": steps, "saved": sorted(shards["optim"])}, out)
 
 
 @pytest.mark.parametrize("fail", ["forward", "backward", "optimizer"])
 def test_shards_taken_from_a_failed_step_train_on_as_an_unbroken_run(tmp_path, fail):
     out = tmp_path / "state.pt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_run, args=(port, fail, str(out)), nprocs=2)
+    run_gloo_pair(_run, fail, str(out), error_path=tmp_path / "rank.error")
     r = torch.load(out)
     names = ["0.weight", "0.bias", "1.0.weight", "1.0.bias", "2.weight", "2.bias"]
     assert r["saved"] == sorted(names)   # the root's own parameters' state too

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from conftest import run_gloo_pair
 from rankwatch.hooks.recovery_state import _SLOT, StateMismatch, _send_header, recv_state, send_state
 
 
@@ -50,36 +48,23 @@ def _hostile(role: str, out: str) -> None:
         dist.send(torch.tensor([1 << 40], dtype=torch.int64), dst=1)
 
 
-def _run(rank: int, port: int, role: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        if role == "whole":
-            if rank == 0:
-                send_state(_state(), 1)
-            else:
-                torch.save(recv_state(0), out)
+def _run(rank: int, role: str, out: str) -> None:
+    if role == "whole":
+        if rank == 0:
+            send_state(_state(), 1)
         else:
-            if rank == 0:
-                _hostile(role, out)
-            else:
-                try:
-                    recv_state(0, limit=1 << 20)
-                except StateMismatch as exc:
-                    Path(out).write_text(str(exc))
-        dist.barrier()
-    except Exception:
-        Path(out + ".error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+            torch.save(recv_state(0), out)
+    elif rank == 0:
+        _hostile(role, out)
+    else:
+        try:
+            recv_state(0, limit=1 << 20)
+        except StateMismatch as exc:
+            Path(out).write_text(str(exc))
 
 
 def _spawn(role: str, out: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_run, args=(port, role, str(out)), nprocs=2)
+    run_gloo_pair(_run, role, str(out), error_path=Path(str(out) + ".error"))
 
 
 def test_the_state_arrives_whole(tmp_path):
