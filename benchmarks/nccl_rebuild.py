@@ -93,7 +93,7 @@ def _train(args: argparse.Namespace) -> dict:
     report: dict = {"device": dev, "abort_at": args.abort_at, "fault": args.fault, "fault_in": args.fault_in}
     pending = set(args.abort_at)
 
-    def pre_forward(_module, _inputs):   # (or before the backward of the last layer)
+    def at_fault_point(_module, _args):   # before the forward, or the last layer's backward
         if done in pending:
             pending.discard(done)
             if args.fault == "raise":
@@ -103,8 +103,8 @@ def _train(args: argparse.Namespace) -> dict:
 
     def hook(model):
         if args.fault_in == "forward":
-            return model.register_forward_pre_hook(pre_forward)
-        return model[-1].register_full_backward_pre_hook(lambda m, g: pre_forward(m, g))
+            return model.register_forward_pre_hook(at_fault_point)
+        return model[-1].register_full_backward_pre_hook(at_fault_point)
 
     hooks = [hook(job.model)]
     if pending and args.fault == "abort":
