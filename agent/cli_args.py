@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--relay-whole-every-steps", type=int, default=RelayConfig().whole_every_steps, metavar="N",
                    help=f"as a relay, also send a node's summary whole once its ranks completed N steps "
                         f"since the last, if that comes first (default {RelayConfig().whole_every_steps})")
+    a.add_argument("--relay-busy-hold-seconds", type=float, default=RelayConfig().busy_hold_seconds, metavar="S",
+                   help=f"as a relay whose coordinator is busy, hold the nodes' summaries and have them back "
+                        f"off for up to S seconds after its last reply, before sending them to the "
+                        f"coordinator themselves (default {RelayConfig().busy_hold_seconds:g}; 0: never)")
     a.add_argument("--status-max-ranks", type=int, default=DEFAULT_MAX_RANKS, metavar="N",
                    help=f"the most ranks a status answer lists unless asked for all: a bigger job's "
                         f"view lists the ranks not ok first (default {DEFAULT_MAX_RANKS})")

@@ -69,6 +69,7 @@ class JobLink:
         self.busy_failures = 0
         """Syncs in a row that a busy coordinator did not answer (see ``load_policy.retry_delay``)."""
         self._busy = False
+        self._held = False   # its relay is holding its summaries for a busy coordinator (said once)
         self._tried: list[Address | None] = []   # the candidates of the last sync
         self._applied: set[str] = set()   # ids of the decisions this node has acted on
         self._seq = 0
@@ -206,14 +207,27 @@ class JobLink:
             log.warning("no coordinator answers (%s)", ", ".join(map(str, candidates)) or "none elected")
 
     def _via_relay(self, addr: Address, summary: pb.NodeSummary) -> bool:
-        """Sync through the group's relay; False if it did not answer."""
+        """Sync through the group's relay; False if it did not answer (the coordinator next).
+
+        A relay that answers RESOURCE_EXHAUSTED holds the summary while the coordinator is
+        busy (:func:`~rankwatch.agent.relay_policy.relay_answer`): the node backs off and stays
+        behind it, for at most ``busy_hold_seconds`` after its last answer."""
         try:
             reply = pb_grpc.AgentStub(self._channel(addr)).Sync(summary, timeout=_RPC_TIMEOUT)
         except grpc.RpcError as exc:
+            if (exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    and time.time() - self.last_ok < self.agent.config.relay.busy_hold_seconds):
+                self._busy = True
+                if not self._held:
+                    log.info("relay %s holds this node's summaries while the coordinator is busy: "
+                             "backing off behind it", addr)
+                self._held = True
+                return True
             log.info("relay %s did not take this node's summary (%s): syncing with the coordinator",
                      addr, exc.code().name)
             return False
         self.last_ok = time.time()
+        self._held = False
         self.apply(reply)
         return True
 

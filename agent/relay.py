@@ -8,9 +8,11 @@ every summary it holds on in one ``SyncGroup`` call with its own, once per inter
 whole, or as a beat when nothing the coordinator acts on at once changed.  Who relays
 for whom, and what goes whole, is :mod:`.relay_policy`'s.
 
-A relay that has not heard the coordinator lately refuses (``UNAVAILABLE``): its
-nodes then sync with the coordinator directly, so a relay cut off from the
-coordinator never answers with stale decisions and never hides a node.
+A relay that has not heard the coordinator lately never answers with stale decisions:
+while the coordinator is only busy it holds the node's summary and has the node back off
+(:class:`RelayBusy`, ``RESOURCE_EXHAUSTED``); once it lost the coordinator, or stayed
+unanswered past the hold, it refuses (``UNAVAILABLE``), and its nodes sync with the
+coordinator directly, so it never hides a node (:func:`~.relay_policy.relay_answer`).
 Bounds: at most ``max_nodes`` nodes and ``GROUP_BYTES`` held at once, the newest
 summary per node, each no bigger than a node agent ever sends (``bounds.MAX_SUMMARY_BYTES``).
 """
@@ -21,11 +23,11 @@ import threading
 import time
 
 from rankwatch.agent.bounds import MAX_SUMMARY_BYTES
-from rankwatch.agent.relay_policy import RelayConfig, Signature, send_whole, signature
+from rankwatch.agent.relay_policy import RelayConfig, Signature, relay_answer, send_whole, signature
 from rankwatch.agent.validate import Rejected, check_label
 from rankwatch.proto import pb
 
-__all__ = ["Relay", "RelayUnavailable", "node_reply"]
+__all__ = ["Relay", "RelayBusy", "RelayUnavailable", "node_reply"]
 
 MAX_GROUP = 256
 """The most summaries one ``SyncGroup`` call may carry (the coordinator refuses more)."""
@@ -44,6 +46,11 @@ def node_reply(group: pb.GroupReply, incidents, relay: str) -> pb.SyncReply:
 
 class RelayUnavailable(Exception):
     """This agent cannot relay now (no recent word from the coordinator, or full)."""
+
+
+class RelayBusy(Exception):
+    """The coordinator is busy: this relay holds the node's summary for its next call, and
+    the node should back off and stay behind it."""
 
 
 class Relay:
@@ -72,6 +79,7 @@ class Relay:
         self._whole: dict[str, tuple[float, Signature, int]] = {}   # node -> the last sent whole
         self._reply: pb.GroupReply | None = None
         self._reply_at = float("-inf")
+        self._busy = False   # the calls since the last reply went unanswered for a busy coordinator
         self._incidents: dict[str, list[pb.Incident]] = {}
         self.relayed = 0
         """Summaries sent on (a counter)."""
@@ -82,7 +90,10 @@ class Relay:
 
         Raises:
             Rejected: the summary names no valid node.
-            RelayUnavailable: no fresh coordinator reply, or the relay holds its most nodes.
+            RelayBusy: the coordinator's last reply is stale because it is busy: the summary
+                is held all the same.
+            RelayUnavailable: no fresh coordinator reply (and not only busy), or the relay
+                holds its most nodes.
         """
         check_label(summary.node_id, "node_id", "malformed")
         if not summary.node_id:
@@ -95,7 +106,9 @@ class Relay:
         node = summary.node_id
         with self._lock:
             reply = self._reply
-            if reply is None or now - self._reply_at > self._stale_after(reply):
+            answer = "refuse" if reply is None else relay_answer(
+                now - self._reply_at, reply.sync_interval_seconds, self._busy, self.fresh_seconds, self.cfg)
+            if reply is None or answer == "refuse":
                 raise RelayUnavailable("this relay has not heard the coordinator lately")
             held = self._pending.get(node)
             if held is None and len(self._pending) >= self.max_nodes:
@@ -109,10 +122,10 @@ class Relay:
                                                                  reply.sync_interval_seconds)
             self._pending[node] = (summary, now, whole, sig, progress, steps, size)
             incidents = self._incidents.get(summary.node_id, ())
+        if answer == "hold":
+            raise RelayBusy(f"the coordinator is busy: this relay holds the summary for its next call "
+                            f"(last answered {now - self._reply_at:.1f}s ago)")
         return node_reply(reply, incidents, reply.relays.get(summary.node_id, self.address))
-
-    def _stale_after(self, reply: pb.GroupReply) -> float:
-        return max(self.fresh_seconds, 3 * reply.sync_interval_seconds)
 
     # -- the relay's own sync -------------------------------------------------------
     def pending(self) -> bool:
@@ -152,6 +165,7 @@ class Relay:
             by_node.setdefault(inc.node, []).append(inc)
         with self._lock:
             self._reply, self._reply_at, self._incidents = reply, self.clock(), by_node
+            self._busy = False
             for node in reply.refused:   # (a beat of a node the coordinator does not know)
                 self._whole.pop(node, None)
 
@@ -170,13 +184,15 @@ class Relay:
         never have taken them, and beats would only move a copy it lacks.  A *busy*
         coordinator (the call's deadline passed, it was cancelled or refused for capacity) is
         still there: the relay goes on answering its nodes from the last reply until that is
-        stale (:meth:`take`), rather than sending its whole group to the coordinator directly
-        at the moment the coordinator is busiest.  One that could not be reached at all:
+        stale, and then holds their summaries and has them back off (:meth:`take`), rather
+        than sending its whole group to the coordinator directly at the moment the
+        coordinator is busiest.  One that could not be reached at all:
         the group's nodes are refused at once (:meth:`lost_coordinator`).
         """
         with self._lock:
             for summary in group.nodes[1:] if group is not None else ():
                 self._whole.pop(summary.node_id, None)
+            self._busy = busy
         if not busy:
             self.lost_coordinator()
 

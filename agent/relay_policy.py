@@ -44,6 +44,17 @@ eight at 4 Hz, and a hang, whose ranks wait in a collective, is sent whole withi
 second of its start: well inside the hang allowance.  The stretch matters under
 backpressure: with a fixed 2 s, every summary would go whole once the coordinator asks
 for syncs 2 s apart or more, and beats would stop saving it work just when it is busiest.
+
+What a relay does with a node's sync (:func:`relay_answer`, pure): it answers from the
+coordinator's last reply while that is fresh (``fresh_seconds``, or three of the intervals it
+asked for).  Once it is stale, a relay whose own calls the coordinator did not answer because
+it was *busy* (deadline passed, cancelled, refused for capacity) **holds** the node's summary
+for its next ``SyncGroup`` and tells the node to back off and stay (RESOURCE_EXHAUSTED), for
+up to ``busy_hold_seconds`` after the last reply.  Refusing there would send the whole group
+to the coordinator directly, each node with a whole summary, at the moment it is busiest: in a
+2,048-node join, relays refusing stale caused more direct syncs than the nodes' own first
+syncs did.  A relay that lost the coordinator (unreachable), or stayed unanswered past the
+hold, refuses (UNAVAILABLE), and its nodes sync with the coordinator themselves.
 """
 
 from __future__ import annotations
@@ -57,7 +68,8 @@ from rankwatch.proto import pb
 Signature = tuple[Any, ...]
 """What of a summary the coordinator acts on at once (:func:`signature`)."""
 
-__all__ = ["RelayConfig", "Signature", "assign", "callers", "group_sizes", "place", "send_whole", "signature"]
+__all__ = ["RelayConfig", "Signature", "assign", "callers", "group_sizes", "place", "relay_answer", "send_whole",
+           "signature"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,14 +95,20 @@ class RelayConfig:
     longer than ``whole_every_seconds`` (0: never stretched)."""
     long_wait_seconds: float = 1.0
     """A collective in flight this long makes a node's summary go whole at once."""
+    busy_hold_seconds: float = 10.0
+    """A relay whose coordinator answered its last calls busy holds its nodes' summaries (and
+    has them back off) for up to this long after its last reply (:func:`relay_answer`); a node
+    stays behind such a relay at most this long after its last answer (0: never held)."""
 
     def __post_init__(self) -> None:
         if self.group_size < 0 or self.group_size == 1 or self.min_nodes < 2:
             raise ValueError("RelayConfig needs group_size 0 (off) or >= 2, and min_nodes >= 2")
         if (not self.every_seconds > 0 or not self.whole_every_seconds >= 0 or not self.long_wait_seconds > 0
-                or self.whole_every_steps < 1 or not 0 <= self.whole_every_intervals <= 64):
+                or self.whole_every_steps < 1 or not 0 <= self.whole_every_intervals <= 64
+                or not 0 <= self.busy_hold_seconds <= 600):
             raise ValueError("RelayConfig needs every_seconds > 0, whole_every_seconds >= 0, "
-                             "whole_every_steps >= 1, long_wait_seconds > 0, 0 <= whole_every_intervals <= 64")
+                             "whole_every_steps >= 1, long_wait_seconds > 0, 0 <= whole_every_intervals <= 64, "
+                             "0 <= busy_hold_seconds <= 600")
 
 
 def assign(nodes: Iterable[tuple[str, str, bool]], cfg: RelayConfig,
@@ -212,3 +230,19 @@ def send_whole(now: float, sig: Signature, steps: int, last: tuple[float, Signat
     every = max(cfg.whole_every_seconds, cfg.whole_every_intervals * min(max(interval, 0.0), 60.0))
     return (now - at >= every or sig != last_sig
             or not 0 <= steps - last_steps < cfg.whole_every_steps)
+
+
+def relay_answer(age: float, interval: float, busy: bool, fresh_seconds: float, cfg: RelayConfig) -> str:
+    """What a relay does with a node's sync when its last coordinator reply is ``age`` seconds
+    old and asked for syncs ``interval`` apart; ``busy``: the coordinator left the relay's
+    calls since then unanswered only for being busy.
+
+    ``"answer"`` from that reply, ``"hold"`` the summary for the next ``SyncGroup`` and have
+    the node back off behind this relay, or ``"refuse"`` (the node syncs with the coordinator
+    itself)."""
+    fresh = max(fresh_seconds, 3 * interval)
+    if age <= fresh:
+        return "answer"
+    if busy and age <= max(fresh, cfg.busy_hold_seconds):
+        return "hold"
+    return "refuse"

@@ -20,7 +20,7 @@ import grpc
 
 from rankwatch.agent import views
 from rankwatch.agent.auth import authorized
-from rankwatch.agent.relay import RelayUnavailable
+from rankwatch.agent.relay import RelayBusy, RelayUnavailable
 from rankwatch.agent.state import Rejected
 from rankwatch.agent.validate import clean_text
 from rankwatch.proto import pb
@@ -142,6 +142,9 @@ class Servicer:
                               f"{agent.config.node_id} is not the job's coordinator")
                 raise AssertionError("context.abort raises")
             return relay.take(request)
+        except RelayBusy as exc:   # held: the node backs off and stays behind this relay
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{agent.config.node_id}: {exc}")
+            raise  # context.abort raised already
         except RelayUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"{agent.config.node_id} is not the job's coordinator, and cannot relay: {exc}")

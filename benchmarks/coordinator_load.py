@@ -62,7 +62,7 @@ from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay, silence_allowance
 from rankwatch.agent.policyconfig import PolicyConfig
 from rankwatch.agent.ports import free_port
-from rankwatch.agent.relay import Relay, RelayUnavailable
+from rankwatch.agent.relay import Relay, RelayBusy, RelayUnavailable
 from rankwatch.agent.relay_policy import RelayConfig
 from rankwatch.agent.rankrecord import WORK_WINDOW
 from rankwatch.agent.statedir import read_decisions
@@ -77,6 +77,7 @@ REPEATED_WINDOWS = False   # --repeated-windows: each rank's windows as repeated
 RELAY_KEEPS_ON = True   # --relay-refuses-when-busy: a relay whose call failed busy refuses its nodes at once
 _BUSY = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 VIA_PROCESS = "Sync via a relay process"
+FIRST_SPREAD = LoadConfig().first_sync_spread   # --first-sync-spread
 
 
 def _incidents(state: Path) -> list[Incident]:
@@ -100,6 +101,9 @@ class SimNode:
         self.relay_addr = ""               # where the coordinator told it to sync
         self.seq = 0
         self.interval = 0.25
+        self.refused_by_relay = False   # its relay refused its last sync
+        self.answered = False   # the coordinator answered it once
+        self.last_ok = 0.0   # when a sync of its last succeeded (a relay's answer included)
         self.busy_failures = 0   # as JobLink's: syncs in a row a busy coordinator did not answer
         self.stalled_at: float | None = None
         self.behind = False
@@ -156,6 +160,10 @@ class Stats:
         self.node_fails: dict[str, list[float]] = {}   # node -> when each of its syncs failed
         self.lags: list[tuple[float, float]] = []   # (when, how late the generator's own loop woke)
         self.failed_at: list[float] = []
+        self.held = 0   # node syncs a busy relay held for its next call (the node backed off)
+        self.direct: dict[str, int] = {}   # direct Syncs, by why the node went to the coordinator
+        self.sent_at: list[float] = []   # when each call to the coordinator (Sync, SyncGroup) began
+        self.cpu: list[tuple[float, float, float]] = []   # (when, coordinator CPU s, generator CPU s)
         self.done = 0         # node summaries the coordinator took, directly or in a group
         self.relayed = 0      # of those, through a relay
         self.beats = 0        # of those, beats (the node's last whole summary stands)
@@ -172,7 +180,7 @@ class Stats:
 async def _drive(node: SimNode, by_addr: dict[str, SimNode], stubs: list, end: float, stats: Stats,
                  process: tuple[str, object] | None) -> None:
     # The first sync comes when a node agent's would (JobLink: spread over the first seconds).
-    await asyncio.sleep(first_sync_delay(random.random(), False, LoadConfig()))
+    await asyncio.sleep(first_sync_delay(random.random(), False, LoadConfig(first_sync_spread=FIRST_SPREAD)))
     md = (("authorization", f"Bearer {TOKEN}"),)
     stub = stubs[node.index % len(stubs)]
     while time.time() < end:
@@ -191,6 +199,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
     if node.relay.pending():
         group = node.relay.group(summary)
         t_sent, t0 = time.time(), time.perf_counter()
+        stats.sent_at.append(t_sent)
         try:
             reply = await stub.SyncGroup(group, timeout=RPC_TIMEOUT, metadata=md)
         except grpc.aio.AioRpcError as exc:
@@ -199,6 +208,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
             return
         stats.lat["SyncGroup"].append((t_sent, time.perf_counter() - t0))
         node.busy_failures = 0
+        node.last_ok = time.time()
         node.relay.answered(reply)
         taken = len(group.nodes) + len(group.beats) - len(reply.refused)
         stats.done += taken
@@ -211,31 +221,54 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
         try:
             got = relay.relay.take(summary)
             node.apply(got.sync_interval_seconds, got.relay)
+            node.last_ok = time.time()
+            node.busy_failures = 0
             return
+        except RelayBusy:   # held for the relay's next call: back off and stay (as JobLink, bounded)
+            if time.time() - node.last_ok < node.relay.cfg.busy_hold_seconds:
+                stats.held += 1
+                node.busy_failures += 1
+                return
+            node.relay_addr = ""
+            node.refused_by_relay = True
         except RelayUnavailable:
             node.relay_addr = ""   # to the coordinator, at once
+            node.refused_by_relay = True
     if process is not None and node.relay_addr == process[0]:
         t_sent, t0 = time.time(), time.perf_counter()
         try:
             reply = await process[1].Sync(summary, timeout=RPC_TIMEOUT, metadata=md)  # type: ignore[attr-defined]
         except grpc.aio.AioRpcError as exc:
+            if (exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    and time.time() - node.last_ok < node.relay.cfg.busy_hold_seconds):
+                stats.held += 1   # the relay process holds it: back off and stay (as JobLink)
+                node.busy_failures += 1
+                return
             stats.failed(exc, node, VIA_PROCESS)
             node.relay_addr = ""   # the relay failed: the coordinator, at once (as JobLink)
         else:
             stats.lat[VIA_PROCESS].append((t_sent, time.perf_counter() - t0))
             stats.behind_process.add(node.name)
             node.busy_failures = 0
+            node.last_ok = time.time()
             stats.done += 1   # handed on: the relay process's own SyncGroup calls carry it
             stats.relayed += 1
             node.apply(reply.sync_interval_seconds, reply.relay)
             return
     t_sent, t0 = time.time(), time.perf_counter()
+    stats.sent_at.append(t_sent)
+    why = "relay refused" if node.refused_by_relay else "not placed yet" if not node.answered else "placed, none"
+    stats.direct[why] = stats.direct.get(why, 0) + 1
+    node.refused_by_relay = False
     try:
         reply = await stub.Sync(summary, timeout=RPC_TIMEOUT, metadata=md)
     except grpc.aio.AioRpcError as exc:
         stats.failed(exc, node, "Sync")
+        node.relay.unanswered(None, busy=RELAY_KEEPS_ON and exc.code() in _BUSY)   # as JobLink
         return
     stats.lat["Sync"].append((t_sent, time.perf_counter() - t0))
+    node.answered = True
+    node.last_ok = time.time()
     node.busy_failures = 0
     stats.done += 1
     node.relay.answered_directly(reply)
@@ -298,7 +331,8 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
                relay: tuple[str, psutil.Process] | None = None) -> dict:
     born = time.time() - 30.0
     relay_cfg = RelayConfig(whole_every_intervals=args.relay_whole_every_intervals,
-                            whole_every_steps=args.relay_whole_every_steps)
+                            whole_every_steps=args.relay_whole_every_steps,
+                            busy_hold_seconds=args.relay_busy_hold_seconds)
     nodes = [SimNode(i, args.ranks, slow=i == args.slow, born=born, relay_cfg=relay_cfg) for i in range(args.nodes)]
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}",
                                           options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -327,6 +361,7 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         await asyncio.sleep(0.1)
         now = time.time()
         stats.lags.append((now, now - slept - 0.1))
+        stats.cpu.append((now, sum(proc.cpu_times()[:2]), sum(me.cpu_times()[:2])))
         if steady_from is None and now >= start + args.warmup:
             steady_from = (now, stats.done, sum(proc.cpu_times()[:2]))
         if now >= fault_at and not fault:
@@ -390,6 +425,8 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         "beat_share": round(stats.beats / stats.done, 3) if stats.done else 0.0,
         "relays_used": sum(1 for n in nodes if n.relay.relayed),
         "latency": latency,
+        "direct_syncs_by_why": stats.direct,
+        "held_by_busy_relays": stats.held,
         "failed": sum(fails.values()), "failed_by_code": fails, "failed_by_call": stats.fails_by_call,
         "failures_between_s": [round(min(failed_at) - start, 1), round(max(failed_at) - start, 1)] if failed_at else None,
         "healthy_excluded": [n for n in excluded if n not in expected],
@@ -412,7 +449,24 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         "straggler_nodes_flagged": flagged,
         "relay_process": via,
         "started_at": start,
+        "timeline": _timeline(stats, start, min(wall, 30.0)),
     }
+
+
+def _timeline(stats: Stats, start: float, seconds: float) -> list[dict]:
+    """Second by second from the start: calls to the coordinator begun and failed, the
+    generator loop's worst lateness, and each side's cores (where a join's failures come from)."""
+    out = []
+    for k in range(int(seconds)):
+        lo, hi = start + k, start + k + 1
+        cpu = [c for c in stats.cpu if lo <= c[0] < hi]
+        out.append({
+            "s": k, "calls": sum(1 for t in stats.sent_at if lo <= t < hi),
+            "failed": sum(1 for t in stats.failed_at if lo <= t < hi),
+            "lag_max_ms": _ms(sorted(lag for t, lag in stats.lags if lo <= t < hi), 1.0),
+            "coordinator_cores": round((cpu[-1][1] - cpu[0][1]) / (cpu[-1][0] - cpu[0][0]), 2) if len(cpu) > 1 else None,
+            "generator_cores": round((cpu[-1][2] - cpu[0][2]) / (cpu[-1][0] - cpu[0][0]), 2) if len(cpu) > 1 else None})
+    return out
 
 
 _STORY = ("overloaded", "back to normal", "nodes now sync", "silent together", "burst", "is dead")
@@ -445,7 +499,8 @@ def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    global BACKOFF, RELAY_KEEPS_ON, REPEATED_WINDOWS, STEP
+    global BACKOFF, RELAY_KEEPS_ON, REPEATED_WINDOWS, STEP, FIRST_SPREAD
+    FIRST_SPREAD = getattr(args, "first_sync_spread", FIRST_SPREAD)
     BACKOFF = not getattr(args, "no_backoff", False)
     REPEATED_WINDOWS = getattr(args, "repeated_windows", False)
     RELAY_KEEPS_ON = not getattr(args, "relay_refuses_when_busy", False)
@@ -455,7 +510,8 @@ def run(args: argparse.Namespace) -> dict:
         tmp.mkdir(parents=True, exist_ok=True)
         port = free_port()
         whole = ["--relay-whole-every-intervals", str(args.relay_whole_every_intervals),
-                 "--relay-whole-every-steps", str(args.relay_whole_every_steps)]
+                 "--relay-whole-every-steps", str(args.relay_whole_every_steps),
+                 "--relay-busy-hold-seconds", str(args.relay_busy_hold_seconds)]
         relay_args = ([] if args.relay_group is None else ["--relay-group", str(args.relay_group)]) + (
             [] if args.relay_min_nodes is None else ["--relay-min-nodes", str(args.relay_min_nodes)]) + [
             *whole]
@@ -514,6 +570,10 @@ def parser() -> argparse.ArgumentParser:
                    help="the relays' (0: a node goes whole every 2 s however slow the syncs)")
     p.add_argument("--relay-whole-every-steps", type=int, default=RelayConfig().whole_every_steps,
                    help="the relays' steps rule: a node goes whole at least every N steps its ranks completed")
+    p.add_argument("--first-sync-spread", type=float, default=FIRST_SPREAD,
+                   help="seconds over which the nodes' first syncs are spread")
+    p.add_argument("--relay-busy-hold-seconds", type=float, default=RelayConfig().busy_hold_seconds,
+                   help="a busy coordinator's relays hold their nodes' summaries this long (0: refuse, as before)")
     p.add_argument("--step-seconds", type=float, default=STEP, help="simulated seconds per training step")
     p.add_argument("--relay-process", action="store_true",
                    help="node 0 is a real agent process, relaying for the nodes the coordinator sends to it")

@@ -17,8 +17,8 @@ from rankwatch.agent.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.incidents import IncidentLog
 from rankwatch.agent.ports import free_port
 from rankwatch.agent.bounds import MAX_SUMMARY_BYTES
-from rankwatch.agent.relay import MAX_GROUP, Relay, RelayUnavailable
-from rankwatch.agent.relay_policy import RelayConfig, assign, callers, send_whole, signature
+from rankwatch.agent.relay import MAX_GROUP, Relay, RelayBusy, RelayUnavailable
+from rankwatch.agent.relay_policy import RelayConfig, assign, callers, relay_answer, send_whole, signature
 from rankwatch.agent.validate import Rejected
 from rankwatch.proto import pb
 
@@ -222,13 +222,58 @@ def test_a_busy_coordinator_keeps_the_relay_answering_and_what_it_missed_goes_wh
     g = relay.group(_summary("n1", 4))
     assert [s.node_id for s in g.nodes[1:]] == ["n3"], "the copy the coordinator missed goes whole again"
     assert [b.node_id for b in g.beats] == ["n2"]
-    clock.t += 2.5   # no answer for longer than the reply stays fresh: refused, as before
-    with pytest.raises(RelayUnavailable):
+    clock.t += 2.5   # no answer for longer than the reply stays fresh: held, not answered
+    with pytest.raises(RelayBusy):
         relay.take(_ranked("n2", 4, 1003.25, 1003.2))
     relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
     relay.unanswered(None, busy=False)   # unreachable: refused at once
     with pytest.raises(RelayUnavailable):
         relay.take(_ranked("n2", 5, 1003.5, 1003.4))
+
+
+def test_what_a_relay_does_with_a_sync_once_its_reply_is_stale():
+    cfg = RelayConfig(busy_hold_seconds=10.0)
+    assert relay_answer(1.9, 0.25, False, 2.0, cfg) == "answer"
+    assert relay_answer(2.9, 1.0, True, 2.0, cfg) == "answer", "three intervals stay fresh"
+    assert relay_answer(2.1, 0.25, False, 2.0, cfg) == "refuse", "stale, and the coordinator not only busy"
+    assert relay_answer(2.1, 0.25, True, 2.0, cfg) == "hold"
+    assert relay_answer(10.0, 0.25, True, 2.0, cfg) == "hold"
+    assert relay_answer(10.1, 0.25, True, 2.0, cfg) == "refuse", "held at most busy_hold_seconds"
+    assert relay_answer(2.1, 0.25, True, 2.0, RelayConfig(busy_hold_seconds=0.0)) == "refuse"
+    with pytest.raises(ValueError):
+        RelayConfig(busy_hold_seconds=-1.0)
+
+
+def test_a_relay_holds_its_nodes_summaries_while_the_coordinator_is_busy():
+    # Past a fresh reply, a relay whose SyncGroup a busy coordinator did not answer keeps
+    # each node's summary for its next call and says so (the node backs off behind it):
+    # sending the group to the coordinator directly is what keeps a busy coordinator busy.
+    clock = Clock()
+    relay = Relay("h1:1", fresh_seconds=2.0, cfg=RelayConfig(busy_hold_seconds=10.0), clock=clock)
+    relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
+    relay.unanswered(relay.group(_summary("n1")), busy=True)
+    clock.t += 3.0
+    with pytest.raises(RelayBusy):
+        relay.take(_ranked("n2", 1, 1003.0, 1002.9))
+    with pytest.raises(RelayBusy):
+        relay.take(_ranked("n2", 2, 1003.25, 1003.2))
+    g = relay.group(_summary("n1", 2))
+    assert [(s.node_id, s.seq) for s in g.nodes[1:]] == [("n2", 2)], "the held summary goes on, the newest"
+    relay.unanswered(g, busy=True)
+    clock.t += 7.5   # 10.5 s since the last reply: past the hold
+    with pytest.raises(RelayUnavailable):
+        relay.take(_ranked("n2", 3, 1010.5, 1010.4))
+    relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
+    assert relay.take(_ranked("n2", 4, 1010.75, 1010.7)).coordinator == "n0"
+    relay.unanswered(relay.group(_summary("n1", 3)), busy=False)   # unreachable: no hold
+    with pytest.raises(RelayUnavailable):
+        relay.take(_ranked("n2", 5, 1011.0, 1010.9))
+    relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
+    relay.unanswered(relay.group(_summary("n1", 4)), busy=True)
+    relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))   # answered again
+    clock.t += 3.0
+    with pytest.raises(RelayUnavailable):   # stale, with nothing unanswered since: not busy
+        relay.take(_ranked("n2", 6, 1014.0, 1013.9))
 
 
 def test_a_relay_holds_a_bounded_number_of_bytes():
@@ -387,14 +432,18 @@ def _excluded(agent: AgentProcess) -> list[str]:
     return [d["node"] for d in agent.status()["decisions"] if d["kind"] == "exclude"]
 
 
+def _one_group(tmp_path) -> dict[str, AgentProcess]:
+    """Agents n0 (the coordinator) and n1, n2, n3: one relay group of three (not started)."""
+    coord = f"127.0.0.1:{free_port()}"
+    common = ("--coordinator", coord, "--relay-group", "3", "--relay-min-nodes", "2", "--min-nodes", "1")
+    return {n: AgentProcess(tmp_path / f"{n}.sock", node=n,
+                            extra=("--listen", coord if n == "n0" else f"127.0.0.1:{free_port()}", *common))
+            for n in ("n0", "n1", "n2", "n3")}
+
+
 @pytest.mark.e2e
 def test_decisions_reach_a_node_through_its_relay_and_a_killed_relay_costs_no_verdict(tmp_path):
-    port = free_port()
-    coord = f"127.0.0.1:{port}"
-    common = ("--coordinator", coord, "--relay-group", "3", "--relay-min-nodes", "2", "--min-nodes", "1")
-    agents = {n: AgentProcess(tmp_path / f"{n}.sock", node=n,
-                              extra=("--listen", coord if n == "n0" else f"127.0.0.1:{free_port()}", *common))
-              for n in ("n0", "n1", "n2", "n3")}
+    agents = _one_group(tmp_path)
     try:
         for a in agents.values():
             a.start()
@@ -423,6 +472,41 @@ def test_decisions_reach_a_node_through_its_relay_and_a_killed_relay_costs_no_ve
                 [first.node, relay.node]), f"{other.node}, behind the killed relay, was called dead"
             time.sleep(0.1)
         assert other.node in status["nodes"] and other.node not in status["excluded_nodes"]
+    finally:
+        for a in agents.values():
+            a.stop()
+
+
+@pytest.mark.e2e
+def test_nodes_stay_behind_their_relay_while_the_coordinator_is_stopped(tmp_path):
+    # The coordinator SIGSTOPped for 6 s: its relay's SyncGroup calls pass their deadline
+    # (busy, not gone).  Once the relay's last reply is stale (2 s), it holds its nodes'
+    # summaries and has them back off: no node of its group turns to the coordinator, and
+    # after the pause the group is heard through the relay again.  With the hold off
+    # (--relay-busy-hold-seconds 0) the nodes go to the stopped coordinator themselves.
+    agents = _one_group(tmp_path)
+    try:
+        for a in agents.values():
+            a.start()
+        n0 = agents["n0"]
+        relay = wait_for(lambda: next((a for n, a in agents.items() if n != "n0" and _relayed(a) >= 20), None),
+                         20, what="a relay sending its group's summaries on")
+        behind = [a for n, a in agents.items() if n != "n0" and a is not relay]
+        n0.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: all("holds this node's summaries" in a.log.read_text() for a in behind), 15,
+                     what="the relay holding its nodes' summaries")
+            deadline = time.monotonic() + 3.0   # watched while held, and up to 6 s stopped
+            while time.monotonic() < deadline:
+                for a in behind:
+                    assert "syncing with the coordinator" not in a.log.read_text(), \
+                        f"{a.node} left its relay for the stopped coordinator"
+                time.sleep(0.2)
+        finally:
+            n0.proc.send_signal(signal.SIGCONT)
+        before = _relayed(relay)
+        wait_for(lambda: _relayed(relay) >= before + 8, 20, what="the group heard through its relay again")
+        assert not n0.status()["excluded_nodes"]
     finally:
         for a in agents.values():
             a.stop()
