@@ -46,6 +46,8 @@ class AgentConfig:
             (:mod:`.status_ranks`).
         relay: how a big job's nodes are grouped behind relays (:mod:`.relay_policy`; the
             coordinator's setting).
+        job_nodes: how many nodes the job has, if known (0: not known); a big job's agents
+            spread their first syncs by it (:func:`~.load_policy.first_sync_delay`).
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
@@ -56,7 +58,8 @@ class AgentConfig:
                  exits: ExitConfig | None = None, election: str | None = None, job_id: str = "",
                  advertise: str | None = None, tls: TlsConfig | None = None,
                  streams: StreamLimits | None = None, rank_grace: float = 60.0,
-                 status_max_ranks: int = DEFAULT_MAX_RANKS, relay: RelayConfig | None = None) -> None:
+                 status_max_ranks: int = DEFAULT_MAX_RANKS, relay: RelayConfig | None = None,
+                 job_nodes: int = 0) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if election is not None:
@@ -67,6 +70,8 @@ class AgentConfig:
                 raise ValueError("an election and a --coordinator list exclude each other")
             if all(a.is_unix for a in listen) and advertise is None:
                 raise ValueError("an election needs a TCP address the other agents reach (--listen HOST:PORT)")
+        if not 0 <= job_nodes <= 1_000_000:
+            raise ValueError(f"AgentConfig.job_nodes {job_nodes} out of range (0 to 1,000,000)")
         if status_max_ranks < 1:
             raise ValueError(f"AgentConfig.status_max_ranks {status_max_ranks} must be at least 1")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -88,6 +93,7 @@ class AgentConfig:
         self.status_max_ranks = status_max_ranks
         self.streams = streams or StreamLimits()
         self.relay = relay or RelayConfig()
+        self.job_nodes = job_nodes
 
     def client_credentials(self) -> ClientCredentials:
         """What this agent presents when it calls another agent (its coordinator)."""

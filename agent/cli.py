@@ -85,7 +85,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                              relay=RelayConfig(group_size=args.relay_group, min_nodes=args.relay_min_nodes,
                                                whole_every_intervals=args.relay_whole_every_intervals,
                                                whole_every_steps=args.relay_whole_every_steps,
-                                               busy_hold_seconds=args.relay_busy_hold_seconds))
+                                               busy_hold_seconds=args.relay_busy_hold_seconds),
+                             job_nodes=args.job_nodes)
     except ValueError as exc:
         print(f"rankwatch agent: {exc}", file=sys.stderr)
         return 2

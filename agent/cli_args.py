@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from rankwatch import __version__
 from rankwatch.address import Address
+from rankwatch.agent.load_policy import LoadConfig
 from rankwatch.agent.relay_policy import RelayConfig
 from rankwatch.agent.status_ranks import DEFAULT_MAX_RANKS
 
@@ -152,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--relay-whole-every-steps", type=int, default=RelayConfig().whole_every_steps, metavar="N",
                    help=f"as a relay, also send a node's summary whole once its ranks completed N steps "
                         f"since the last, if that comes first (default {RelayConfig().whole_every_steps})")
+    a.add_argument("--job-nodes", type=int, default=0, metavar="N",
+                   help=f"the job's node count, if known (a Slurm job's SLURM_JOB_NUM_NODES): a big job's "
+                        f"agents spread their first syncs over N/{LoadConfig().first_syncs_per_second:g} s, "
+                        f"at least {LoadConfig().first_sync_spread:g} s (default 0: not known)")
     a.add_argument("--relay-busy-hold-seconds", type=float, default=RelayConfig().busy_hold_seconds, metavar="S",
                    help=f"as a relay whose coordinator is busy, hold the nodes' summaries and have them back "
                         f"off for up to S seconds after its last reply, before sending them to the "

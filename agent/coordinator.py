@@ -263,7 +263,8 @@ class Coordinator:
         self._check_gpu(reported)
         # Snapshotting every rank is the costly part at thousands of ranks: only while a hang
         # is possible at all.  An open hang is checked for its end once per interval; a new one
-        # only when possible.  The straggler detector (once per sync interval) reads its inputs
+        # only when possible.  The straggler detector (once per sync interval, less often while
+        # overloaded: load_policy.straggler_due) reads its inputs
         # from each node's latest whole summary, kept between runs (JobView.straggler_work).
         every = max(1.0, self.load.interval)
         if self._open_hang is None:
@@ -279,7 +280,8 @@ class Coordinator:
         if verdicts is not None and self._hang_evidence(now, verdicts):
             self._hang_checked = now
             self._check_hang(now, verdicts)
-        if now - self._stragglers_at >= every:
+        if load_policy.straggler_due(now, self._stragglers_at, self.load.interval,
+                                     self.load.overloaded is not None, self.load.cfg):
             self._stragglers_at = now
             for f in self.stragglers.update(now, self.view.straggler_work(now)):
                 self._plan_eviction(f.node, f.speedup, f.cause)

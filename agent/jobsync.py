@@ -115,7 +115,8 @@ class JobLink:
     def _loop(self) -> None:
         first = self.candidates[0] if self.candidates else None
         coordinates = self.acting or (first is not None and self.agent.serves(first))
-        if self._stop.wait(first_sync_delay(random.random(), coordinates, LoadConfig())):
+        nodes = max(self.agent.config.job_nodes, self.agent.config.policy.min_nodes)
+        if self._stop.wait(first_sync_delay(random.random(), coordinates, LoadConfig(), nodes)):
             return
         while True:
             last_ok, self._busy = self.last_ok, False

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from rankwatch.knobs import require_positive
 
 __all__ = ["Load", "LoadConfig", "detector_due", "first_sync_delay", "hang_shown_by_reports", "interval_floor", "node_silent",
-           "overload", "quiet_until", "retry_delay", "silence_allowance", "sync_interval"]
+           "overload", "quiet_until", "retry_delay", "silence_allowance", "straggler_due", "sync_interval"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,12 +69,18 @@ class LoadConfig:
     """A node is called silent only once this coordinator heard this many of its summaries."""
     first_sync_spread: float = 2.0
     """A node's first sync comes at a random point within this many seconds of its agent's
-    start (:func:`first_sync_delay`)."""
+    start (:func:`first_sync_delay`) ..."""
+    first_syncs_per_second: float = 400.0
+    """... or, in a job whose size the agent knows, within as many seconds as it takes this
+    many first syncs a second to bring in every node, if that is longer."""
     detector_share: float = 1 / 3
     """The hang detector's pass over every rank runs at most this share of the time
     (:func:`detector_due`) ..."""
     detector_paced_from: float = 0.05
     """... once a pass takes this many seconds (a cheaper one runs at every tick)."""
+    straggler_every_overloaded: float = 5.0
+    """While the coordinator is overloaded, its straggler pass over every node runs at most
+    this often (:func:`straggler_due`)."""
     max_backoff: float = 16.0
     """A node whose syncs a busy coordinator did not answer waits at most this many of its
     intervals (and never more than ``max_interval``) before the next (:func:`retry_delay`)."""
@@ -84,7 +90,8 @@ class LoadConfig:
             raise ValueError("LoadConfig needs 0 < base_interval <= max_interval")
         require_positive(self, "target_cores", "busy_cores", "lag_seconds", "delay_seconds",
                          "max_syncs_per_second", "silent_intervals", "min_syncs", "first_sync_spread",
-                         "max_backoff", "detector_share", "detector_paced_from")
+                         "first_syncs_per_second",
+                         "max_backoff", "detector_share", "detector_paced_from", "straggler_every_overloaded")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +152,20 @@ def detector_due(now: float, last_at: float, last_cost: float, cfg: LoadConfig) 
     return last_cost < cfg.detector_paced_from or now - last_at >= last_cost / cfg.detector_share
 
 
+def straggler_due(now: float, last_at: float, interval: float, overloaded: bool, cfg: LoadConfig) -> bool:
+    """Whether the coordinator's straggler pass runs again at ``now``, its last having run at
+    ``last_at``, with nodes syncing every ``interval`` s.
+
+    Once per sync interval (at least a second apart): a node's windows change no faster.
+    While the coordinator is overloaded, at most every ``straggler_every_overloaded`` s: in a
+    2,048-node job's start, every summary is whole and the pass reads every node's windows
+    again (0.15–0.2 s on a slow machine), a fifth of the time at once a second, taken from
+    the threads that serve the syncs.  A straggler is judged over many steps; a verdict a
+    few seconds later costs the job little."""
+    every = max(1.0, interval, cfg.straggler_every_overloaded if overloaded else 0.0)
+    return now - last_at >= every
+
+
 def quiet_until(now: float, interval: float, node_timeout: float, cfg: LoadConfig) -> float:
     """After overload at ``now``: the time before which no node is called silent."""
     return now + silence_allowance(interval, node_timeout, cfg)
@@ -173,16 +194,21 @@ def hang_shown_by_reports(now: float, quiet: float, reported_for: float, allowan
     return now >= quiet or (not by_silence and reported_for >= allowance)
 
 
-def first_sync_delay(u: float, coordinates: bool, cfg: LoadConfig) -> float:
-    """Seconds before a node's first sync, for ``u`` drawn uniformly from [0, 1).
+def first_sync_delay(u: float, coordinates: bool, cfg: LoadConfig, nodes: int = 0) -> float:
+    """Seconds before a node's first sync, for ``u`` drawn uniformly from [0, 1), in a job of
+    ``nodes`` nodes (0: not known).
 
     The agents of a big job start together (a Slurm prolog on every node, a DaemonSet
     rolled out at once); their first syncs would reach the coordinator as one burst, more
     calls than it can answer in time, before any reply has asked them to slow down.
-    Spread over ``first_sync_spread`` seconds, 2,048 nodes arrive at about 1,000 a second.
-    The agent that is itself the first coordinator candidate syncs at once: it takes the
-    coordinator's role then, and the others are answered from the start."""
-    return 0.0 if coordinates else max(0.0, min(1.0, u)) * cfg.first_sync_spread
+    They are spread over ``first_sync_spread`` seconds, or, when the agent knows the job's
+    size, over ``nodes / first_syncs_per_second`` seconds if longer: 2,048 nodes over 5.1 s.
+    (A first sync is a whole summary sent to the coordinator itself, before any relay is
+    assigned: the costliest call it serves.)  The agent that is itself the first coordinator
+    candidate syncs at once: it takes the coordinator's role then, and the others are
+    answered from the start."""
+    spread = max(cfg.first_sync_spread, max(0, nodes) / cfg.first_syncs_per_second)
+    return 0.0 if coordinates else max(0.0, min(1.0, u)) * spread
 
 
 def retry_delay(busy_failures: int, interval: float, u: float, cfg: LoadConfig, allowance: float) -> float:

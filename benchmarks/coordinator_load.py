@@ -77,7 +77,7 @@ REPEATED_WINDOWS = False   # --repeated-windows: each rank's windows as repeated
 RELAY_KEEPS_ON = True   # --relay-refuses-when-busy: a relay whose call failed busy refuses its nodes at once
 _BUSY = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 VIA_PROCESS = "Sync via a relay process"
-FIRST_SPREAD = LoadConfig().first_sync_spread   # --first-sync-spread
+JOB_NODES = 0   # the job's size as each agent knows it (--job-nodes); 0 with --job-size-unknown
 
 
 def _incidents(state: Path) -> list[Incident]:
@@ -180,7 +180,8 @@ class Stats:
 async def _drive(node: SimNode, by_addr: dict[str, SimNode], stubs: list, end: float, stats: Stats,
                  process: tuple[str, object] | None) -> None:
     # The first sync comes when a node agent's would (JobLink: spread over the first seconds).
-    await asyncio.sleep(first_sync_delay(random.random(), False, LoadConfig(first_sync_spread=FIRST_SPREAD)))
+    # (the job's size known to every agent, unless --job-size-unknown, as a node's --job-nodes)
+    await asyncio.sleep(first_sync_delay(random.random(), False, LoadConfig(), JOB_NODES))
     md = (("authorization", f"Bearer {TOKEN}"),)
     stub = stubs[node.index % len(stubs)]
     while time.time() < end:
@@ -499,8 +500,8 @@ def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    global BACKOFF, RELAY_KEEPS_ON, REPEATED_WINDOWS, STEP, FIRST_SPREAD
-    FIRST_SPREAD = getattr(args, "first_sync_spread", FIRST_SPREAD)
+    global BACKOFF, RELAY_KEEPS_ON, REPEATED_WINDOWS, STEP, JOB_NODES
+    JOB_NODES = 0 if getattr(args, "job_size_unknown", False) else args.nodes
     BACKOFF = not getattr(args, "no_backoff", False)
     REPEATED_WINDOWS = getattr(args, "repeated_windows", False)
     RELAY_KEEPS_ON = not getattr(args, "relay_refuses_when_busy", False)
@@ -570,8 +571,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the relays' (0: a node goes whole every 2 s however slow the syncs)")
     p.add_argument("--relay-whole-every-steps", type=int, default=RelayConfig().whole_every_steps,
                    help="the relays' steps rule: a node goes whole at least every N steps its ranks completed")
-    p.add_argument("--first-sync-spread", type=float, default=FIRST_SPREAD,
-                   help="seconds over which the nodes' first syncs are spread")
+    p.add_argument("--job-size-unknown", action="store_true",
+                   help="the agents do not know the job's size: first syncs spread over 2 s (as before)")
     p.add_argument("--relay-busy-hold-seconds", type=float, default=RelayConfig().busy_hold_seconds,
                    help="a busy coordinator's relays hold their nodes' summaries this long (0: refuse, as before)")
     p.add_argument("--step-seconds", type=float, default=STEP, help="simulated seconds per training step")

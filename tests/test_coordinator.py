@@ -540,3 +540,29 @@ def test_a_costly_hang_pass_runs_at_most_a_third_of_the_time(cost, passes):
         c.evaluate()
     assert len(taken) == passes
     assert not [i for i in c.incidents.items if i.kind == "hang"]
+
+
+@pytest.mark.parametrize("cores,passes", [(0.1, 12), (1.0, 4)])   # (two before the first load window)
+def test_an_overloaded_coordinator_runs_its_straggler_pass_every_few_seconds(cores, passes):
+    """The straggler pass reads every node's windows again: in a big job's start, a fifth of a
+    slow coordinator's time at once a second.  Idle, it runs once a second; saturated (its
+    process at a full core), every 5 s (load_policy.straggler_due)."""
+    mono = [50.0]
+    clock = Clock()
+    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(node_timeout_seconds=600), clock=clock,
+                    load_clocks=(lambda: mono[0], lambda: cores * mono[0]))
+    read, ran = c.view.straggler_work, []
+
+    def counted(now):
+        ran.append(now)
+        return read(now)
+
+    c.view.straggler_work = counted
+    t = clock.t
+    for seq in range(1, 49):   # 12 s of ticks
+        clock.t, mono[0] = t + 0.25 * seq, mono[0] + 0.25
+        for n in (1, 2):
+            c.sync(summary(f"n{n}", seq, clock.t, [dict(rank=n, step=seq, progress_at=clock.t, last_seen=clock.t)]))
+        c.evaluate()
+    assert (c.load.overloaded is not None) == (cores >= 0.9)
+    assert len(ran) == passes

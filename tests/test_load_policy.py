@@ -10,7 +10,7 @@ import pytest
 
 from rankwatch.agent.load_policy import (Load, LoadConfig, first_sync_delay, hang_shown_by_reports, interval_floor,
                                          node_silent, overload, quiet_until, retry_delay, silence_allowance,
-                                         sync_interval)
+                                         straggler_due, sync_interval)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -150,6 +150,17 @@ def test_first_syncs_are_spread_except_the_coordinators_own():
     # 2,048 agents started together reach the coordinator at about 1,000 a second.
     delays = [first_sync_delay(i / 2048, False, CFG) for i in range(2048)]
     assert max(sum(1 for d in delays if t <= d < t + 0.25) for t in (0.0, 0.5, 1.0, 1.5)) <= 260
+
+
+def test_a_job_of_known_size_spreads_its_first_syncs_by_its_size():
+    # 2,048 nodes whose agents know the job's size: about 400 first syncs a second, over 5.1 s.
+    delays = [first_sync_delay(i / 2048, False, CFG, nodes=2048) for i in range(2048)]
+    assert max(delays) == pytest.approx(2048 / CFG.first_syncs_per_second, rel=1e-3)
+    assert max(sum(1 for d in delays if t <= d < t + 0.25) for t in range(0, 5)) <= 101
+    # a small job keeps the 2 s floor; an unknown or nonsense size is no size
+    assert first_sync_delay(0.5, False, CFG, nodes=16) == pytest.approx(CFG.first_sync_spread / 2)
+    assert first_sync_delay(0.5, False, CFG, nodes=-5) == pytest.approx(CFG.first_sync_spread / 2)
+    assert first_sync_delay(0.5, True, CFG, nodes=2048) == 0.0
 
 
 def test_a_sync_answered_after_its_deadline_counts_as_overload(tmp_path):
@@ -325,3 +336,10 @@ def test_an_overloaded_coordinator_acts_only_on_a_hang_the_ranks_report():
     assert not hang_shown_by_reports(10.0, quiet=15.0, reported_for=4.9, allowance=5.0, by_silence=False)
     # ... and the culprit must not be named for its silence alone.
     assert not hang_shown_by_reports(10.0, quiet=15.0, reported_for=9.0, allowance=5.0, by_silence=True)
+
+
+def test_the_straggler_pass_is_once_per_interval_and_every_few_seconds_while_overloaded():
+    assert not straggler_due(100.9, 100.0, 0.25, False, CFG) and straggler_due(101.0, 100.0, 0.25, False, CFG)
+    assert not straggler_due(102.9, 100.0, 3.0, False, CFG) and straggler_due(103.0, 100.0, 3.0, False, CFG)
+    assert not straggler_due(104.9, 100.0, 0.25, True, CFG)
+    assert straggler_due(100.0 + CFG.straggler_every_overloaded, 100.0, 0.25, True, CFG)

@@ -112,6 +112,9 @@ if [ -n "$COORDINATOR_PORT" ]; then
             [ "$candidate" = "$node" ] && coordination+=(--listen "$candidate:$COORDINATOR_PORT")
         done
     fi
+    # The job's size: a big job's agents spread their first syncs by it (rankwatch agent --job-nodes).
+    job_nodes=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-$node}}" 2>/dev/null | wc -l)
+    if [ "${job_nodes:-0}" -gt 1 ]; then coordination+=(--job-nodes "$job_nodes"); fi
     if [ ! -e "$TOKEN_KEY_FILE" ]; then
         log "warning: no $TOKEN_KEY_FILE: port $COORDINATOR_PORT takes unauthenticated calls"
     elif [ ! -s "$TOKEN_KEY_FILE" ] || [ "$(stat -c %u "$TOKEN_KEY_FILE")" != 0 ] \
