@@ -80,6 +80,7 @@ class Relay:
         self._reply: pb.GroupReply | None = None
         self._reply_at = float("-inf")
         self._busy = False   # the calls since the last reply went unanswered for a busy coordinator
+        self._asking = False   # a SyncGroup is on its way to the coordinator, not answered yet
         self._incidents: dict[str, list[pb.Incident]] = {}
         self.relayed = 0
         """Summaries sent on (a counter)."""
@@ -106,8 +107,10 @@ class Relay:
         node = summary.node_id
         with self._lock:
             reply = self._reply
+            # (a call still waiting for its answer is as good as one the busy coordinator let pass)
             answer = "refuse" if reply is None else relay_answer(
-                now - self._reply_at, reply.sync_interval_seconds, self._busy, self.fresh_seconds, self.cfg)
+                now - self._reply_at, reply.sync_interval_seconds, self._busy or self._asking, self.fresh_seconds,
+                self.cfg)
             if reply is None or answer == "refuse":
                 raise RelayUnavailable("this relay has not heard the coordinator lately")
             held = self._pending.get(node)
@@ -134,10 +137,12 @@ class Relay:
 
     def group(self, own: pb.NodeSummary) -> pb.GroupSummary:
         """``own`` and every summary held (whole or as a beat), each with how long it was
-        held; the relay is emptied."""
+        held; the relay is emptied, and waits for the call's answer (:meth:`answered` or
+        :meth:`unanswered`): meanwhile a stale reply makes it hold its nodes, not refuse them."""
         now = self.clock()
         with self._lock:
             held, self._pending, self._bytes = self._pending, {}, 0
+            self._asking = True
             if len(self._whole) > 4 * self.max_nodes:   # nodes long gone: each goes whole once more
                 self._whole.clear()
             for node, (_, at, whole, sig, _, steps, _) in held.items():
@@ -165,7 +170,7 @@ class Relay:
             by_node.setdefault(inc.node, []).append(inc)
         with self._lock:
             self._reply, self._reply_at, self._incidents = reply, self.clock(), by_node
-            self._busy = False
+            self._busy = self._asking = False
             for node in reply.refused:   # (a beat of a node the coordinator does not know)
                 self._whole.pop(node, None)
 
@@ -192,7 +197,7 @@ class Relay:
         with self._lock:
             for summary in group.nodes[1:] if group is not None else ():
                 self._whole.pop(summary.node_id, None)
-            self._busy = busy
+            self._busy, self._asking = busy, False
         if not busy:
             self.lost_coordinator()
 

@@ -77,6 +77,7 @@ REPEATED_WINDOWS = False   # --repeated-windows: each rank's windows as repeated
 RELAY_KEEPS_ON = True   # --relay-refuses-when-busy: a relay whose call failed busy refuses its nodes at once
 _BUSY = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 VIA_PROCESS = "Sync via a relay process"
+RELAY_HOLDS_WHILE_ASKING = True   # --relay-refuses-while-asking: a call in flight is not busy (as before)
 JOB_NODES = 0   # the job's size as each agent knows it (--job-nodes); 0 with --job-size-unknown
 
 
@@ -199,6 +200,8 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
     summary = node.summary(time.time())
     if node.relay.pending():
         group = node.relay.group(summary)
+        if not RELAY_HOLDS_WHILE_ASKING:   # --relay-refuses-while-asking: as before (a private poke)
+            node.relay._asking = False
         t_sent, t0 = time.time(), time.perf_counter()
         stats.sent_at.append(t_sent)
         try:
@@ -500,7 +503,8 @@ def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    global BACKOFF, RELAY_KEEPS_ON, REPEATED_WINDOWS, STEP, JOB_NODES
+    global BACKOFF, RELAY_KEEPS_ON, REPEATED_WINDOWS, STEP, JOB_NODES, RELAY_HOLDS_WHILE_ASKING
+    RELAY_HOLDS_WHILE_ASKING = not getattr(args, "relay_refuses_while_asking", False)
     JOB_NODES = 0 if getattr(args, "job_size_unknown", False) else args.nodes
     BACKOFF = not getattr(args, "no_backoff", False)
     REPEATED_WINDOWS = getattr(args, "repeated_windows", False)
@@ -571,6 +575,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the relays' (0: a node goes whole every 2 s however slow the syncs)")
     p.add_argument("--relay-whole-every-steps", type=int, default=RelayConfig().whole_every_steps,
                    help="the relays' steps rule: a node goes whole at least every N steps its ranks completed")
+    p.add_argument("--relay-refuses-while-asking", action="store_true",
+                   help="a relay whose SyncGroup is still unanswered refuses its nodes once its reply is stale")
     p.add_argument("--job-size-unknown", action="store_true",
                    help="the agents do not know the job's size: first syncs spread over 2 s (as before)")
     p.add_argument("--relay-busy-hold-seconds", type=float, default=RelayConfig().busy_hold_seconds,

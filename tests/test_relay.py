@@ -186,7 +186,8 @@ def test_a_relay_answers_only_from_a_fresh_coordinator_reply():
     assert [s.node_id for s in group.nodes] == ["n1", "n2", "n3"]
     assert [s.seq for s in group.nodes] == [1, 1, 2], "the newest summary per node"
     assert list(group.held_seconds) == [0.0, 1.5, 1.5] and not relay.pending()
-    clock.t += 1.0   # 2.5 s after the reply: stale
+    relay.answered(reply)
+    clock.t += 2.5   # 2.5 s after the reply, nothing asked since: stale
     with pytest.raises(RelayUnavailable):
         relay.take(_summary("n2", 3))
     relay.answered_directly(pb.SyncReply(coordinator="n0", sync_interval_seconds=0.25))
@@ -274,6 +275,24 @@ def test_a_relay_holds_its_nodes_summaries_while_the_coordinator_is_busy():
     clock.t += 3.0
     with pytest.raises(RelayUnavailable):   # stale, with nothing unanswered since: not busy
         relay.take(_ranked("n2", 6, 1014.0, 1013.9))
+
+
+def test_a_relay_waiting_for_its_calls_answer_holds_its_nodes():
+    # A SyncGroup still on its way (a slow coordinator, not yet past the call's deadline)
+    # counts as busy: the relay holds rather than refuses when its last reply turns stale.
+    clock = Clock()
+    relay = Relay("h1:1", fresh_seconds=2.0, cfg=RelayConfig(busy_hold_seconds=10.0), clock=clock)
+    relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
+    relay.take(_ranked("n2", 1, 1000.0, 999.9))
+    relay.group(_summary("n1"))   # sent; no answer yet
+    clock.t += 2.5
+    with pytest.raises(RelayBusy):
+        relay.take(_ranked("n2", 2, 1002.5, 1002.4))
+    relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
+    assert relay.take(_ranked("n2", 3, 1002.75, 1002.7)).coordinator == "n0"
+    clock.t += 2.5   # stale, and nothing asked since the answer: refused
+    with pytest.raises(RelayUnavailable):
+        relay.take(_ranked("n2", 4, 1005.25, 1005.2))
 
 
 def test_a_relay_holds_a_bounded_number_of_bytes():
