@@ -48,7 +48,8 @@ for syncs 2 s apart or more, and beats would stop saving it work just when it is
 What a relay does with a node's sync (:func:`relay_answer`, pure): it answers from the
 coordinator's last reply while that is fresh (``fresh_seconds``, or three of the intervals it
 asked for).  Once it is stale, a relay whose own calls the coordinator did not answer because
-it was *busy* (deadline passed, cancelled, refused for capacity) **holds** the node's summary
+it was *busy* (deadline passed, cancelled, refused for capacity), or whose call is still on its
+way, **holds** the node's summary
 for its next ``SyncGroup`` and tells the node to back off and stay (RESOURCE_EXHAUSTED), for
 up to ``busy_hold_seconds`` after the last reply.  Refusing there would send the whole group
 to the coordinator directly, each node with a whole summary, at the moment it is busiest: in a
@@ -235,7 +236,7 @@ def send_whole(now: float, sig: Signature, steps: int, last: tuple[float, Signat
 def relay_answer(age: float, interval: float, busy: bool, fresh_seconds: float, cfg: RelayConfig) -> str:
     """What a relay does with a node's sync when its last coordinator reply is ``age`` seconds
     old and asked for syncs ``interval`` apart; ``busy``: the coordinator left the relay's
-    calls since then unanswered only for being busy.
+    calls since then unanswered only for being busy, or one is still waiting for its answer.
 
     ``"answer"`` from that reply, ``"hold"`` the summary for the next ``SyncGroup`` and have
     the node back off behind this relay, or ``"refuse"`` (the node syncs with the coordinator
