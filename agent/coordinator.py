@@ -141,13 +141,16 @@ class Coordinator:
         and the reply names its node); the others are kept.
 
         Raises:
-            Rejected: more summaries than a group may carry, or a held time for each missing.
+            Rejected: more summaries (or absent nodes) than a group may carry, or a held time
+                for each missing.
         """
         if len(group.nodes) + len(group.beats) > MAX_GROUP:
             raise Rejected("oversized", f"{len(group.nodes) + len(group.beats)} nodes in one group "
                                         f"(at most {MAX_GROUP})")
         if len(group.held_seconds) != len(group.nodes):
             raise Rejected("malformed", "a group needs one held time per summary")
+        if len(group.absent) > MAX_GROUP:
+            raise Rejected("oversized", f"{len(group.absent)} absent nodes in one group (at most {MAX_GROUP})")
         now = self.clock()
         reply = pb.GroupReply(coordinator=self.node_id, sync_interval_seconds=self.load.reply_interval())
         names = set()
@@ -167,12 +170,36 @@ class Coordinator:
                 refused(exc)
                 continue
             names.add(beat.node_id)
+        if group.absent:
+            self._absent(group, names, now, refused)
         reply.decisions.extend(self._decisions_pb())
         reply.incidents.extend(inc.to_pb() for inc in self.incidents.items_for_nodes(names))
         relays = self.relays
         for name in names:
             reply.relays[name] = relays.get(name, "")
         return reply
+
+    def _absent(self, group: pb.GroupSummary, taken: set[str], now: float,
+                refused: Callable[[ValueError], None]) -> None:
+        """A relay's word on the members of its group it has not heard lately
+        (``load_policy.node_silent`` weighs it).  Taken only from the relay this coordinator
+        sent each node to, and only for nodes the same call did not carry."""
+        relay = group.nodes[0].node_id if group.nodes else ""
+        with self._relay_lock:
+            relays = self.relays
+        if relay not in taken or relays.get(relay) != "":
+            return   # the caller relays for no group now
+        own = self.view.nodes.get(relay)
+        address = own.summary.relay_address if own is not None else ""
+        if not address:
+            return
+        for a in group.absent:
+            if a.node_id in taken or relays.get(a.node_id) != address:
+                continue
+            try:
+                self.view.absent(a, now)
+            except ValueError as exc:
+                refused(exc)
 
     def _take(self, summary: pb.NodeSummary, at: float) -> None:
         """One node's summary, as of ``at`` on this clock (raises ValueError if refused)."""
@@ -389,6 +416,8 @@ class Coordinator:
                     ranks_died=node_death.all_ranks_died(n.summary.ranks), died_since=n.ranks_dead_since,
                     grace=self.policy.crashed_grace_seconds)
                 if why is not None:
+                    if name in quiet and now < self.load.quiet and n.witness is not None:   # (load_policy.node_silent)
+                        why += f" (its relay had not heard it for {n.witness[1] - n.witness[0]:.1f}s)"
                     dead.append((name, why))
                     if name in quiet and counts:
                         self._silenced[name] = now

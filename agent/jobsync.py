@@ -63,6 +63,7 @@ class JobLink:
         self.coordinator_addr: Address | None = None
         self.relay_addr: Address | None = None
         """The relay the coordinator told this node to sync through (None: the coordinator)."""
+        self._home_relay: Address | None = None   # the relay the coordinator's last reply named
         self.last_ok = 0.0
         self.attempts = 0
         """Syncs this node began (answered or not)."""
@@ -204,6 +205,10 @@ class JobLink:
             return
         if relay is not None:   # its group's nodes go to the coordinator themselves, unless it is only busy
             relay.unanswered(group, busy=busy)
+        # Its relay failed it, and so did the coordinator: the relay again next time.  (A node
+        # that left its relay for a busy coordinator would otherwise never be heard by either,
+        # and its relay would vouch for its absence: ``relay_policy.vouched_absence``.)
+        self.relay_addr = self._home_relay
         if self.last_ok and time.time() - self.last_ok > 5:
             log.warning("no coordinator answers (%s)", ", ".join(map(str, candidates)) or "none elected")
 
@@ -285,7 +290,7 @@ class JobLink:
         """Keep the coordinator's decisions in this agent's log (the coordinator's own node
         already holds them there) and act on each once."""
         self.coordinator_node = reply.coordinator
-        self.relay_addr = self._relay(reply.relay)
+        self.relay_addr = self._home_relay = self._relay(reply.relay)
         asked = reply.sync_interval_seconds
         if asked > 0:   # the coordinator's backpressure, within sane bounds (NaN fails both tests)
             interval = min(_MAX_INTERVAL, max(self.base_interval, asked)) if asked == asked else self.base_interval

@@ -48,6 +48,7 @@ class NodeView:
     seq: int = 0            # its latest summary's or beat's seq and sending time
     sent_at: float = 0.0
     moved_since_copy: bool = False   # a beat said its ranks progressed after ``summary`` was sent
+    witness: tuple[float, float] | None = None   # its relay's word: (unheard since, said at)
 
 
 class JobView:
@@ -124,11 +125,25 @@ class JobView:
             moved = prev.moved_since_copy or b.latest_progress > prev.summary.sent_at   # (the node's clock)
             self.nodes[b.node_id] = replace(prev, received_at=now, offset=offset, interval=self.load.reply_interval(),
                                             best_offset=best, latest_progress=latest, syncs=prev.syncs + 1,
-                                            seq=b.seq, sent_at=b.sent_at, moved_since_copy=moved)
+                                            seq=b.seq, sent_at=b.sent_at, moved_since_copy=moved, witness=None)
 
     # -- readers ------------------------------------------------------------------
+    def absent(self, a: pb.NodeAbsence, now: float) -> bool:
+        """The node's relay (the caller checked it is) has not heard it for
+        ``a.unheard_seconds``, said ``now``; False if the node is not known.
+
+        Raises:
+            Rejected: a word out of range."""
+        validate_sync.check_absence(a)
+        with self.lock:
+            n = self.nodes.get(a.node_id)
+            if n is None:
+                return False
+            n.witness = (now - a.unheard_seconds, now)
+        return True
+
     def silent(self, n: NodeView, now: float) -> bool:
-        return self.load.silent(now, n.received_at, n.interval, n.syncs)
+        return self.load.silent(now, n.received_at, n.interval, n.syncs, n.witness)
 
     def live_nodes(self) -> list[NodeView]:
         """The nodes not excluded (call with the lock held)."""

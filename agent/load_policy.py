@@ -20,7 +20,9 @@ rules keep an overloaded coordinator from harming the job:
   shortfall while the coordinator idles is the network's or the senders' trouble: each
   evaluation then finds only a trickle of nodes past their silence allowance, under the
   burst rule's size, and would exclude them one by one.)  Positive evidence (a node that
-  reports its ranks dead, a hang's culprit, a fatal GPU fault) still acts.
+  reports its ranks dead, a hang's culprit, a fatal GPU fault) still acts, and so does a
+  relay's word: a node its relay, listening to the rest of its group, has not heard for
+  longer than the allowance is silent even then (:func:`node_silent`).
 * **A hang is acted on while overloaded only as the ranks report it.**  A late
   coordinator sees every rank's progress late, so a job that trains can look hung to
   it.  Until its quiet period ends, a hang verdict stands only if every rank still
@@ -177,12 +179,28 @@ def silence_allowance(interval: float, node_timeout: float, cfg: LoadConfig) -> 
 
 
 def node_silent(now: float, received_at: float, interval: float, node_timeout: float,
-                quiet: float, cfg: LoadConfig, syncs: int | None = None) -> bool:
+                quiet: float, cfg: LoadConfig, syncs: int | None = None,
+                witness: tuple[float, float] | None = None) -> bool:
     """Whether a node whose last summary arrived at ``received_at`` has gone silent
-    (``syncs``: how many of its summaries this coordinator heard; None: enough)."""
-    if now < quiet or (syncs is not None and syncs < cfg.min_syncs):
+    (``syncs``: how many of its summaries this coordinator heard; None: enough).
+
+    ``witness``: ``(unheard_since, said_at)``, its relay's latest word (said at ``said_at``)
+    that it had not heard the node since ``unheard_since`` (all on this clock).  Before the
+    quiet period after the coordinator's overload ends, a node is silent only on that word:
+    a relay that heard the rest of its group, but not this node, for longer than the
+    allowance (a word no older than the allowance).  The coordinator's own view then is
+    no evidence; the relay's is, as the relay was not the bottleneck."""
+    if syncs is not None and syncs < cfg.min_syncs:
         return False
-    return now - received_at > silence_allowance(interval, node_timeout, cfg)
+    allowance = silence_allowance(interval, node_timeout, cfg)
+    if now - received_at <= allowance:
+        return False
+    if now >= quiet:
+        return True
+    if witness is None:
+        return False
+    unheard_since, said_at = witness
+    return said_at - unheard_since > allowance and now - said_at <= allowance
 
 
 def hang_shown_by_reports(now: float, quiet: float, reported_for: float, allowance: float,

@@ -13,6 +13,9 @@ while the coordinator is only busy it holds the node's summary and has the node 
 (:class:`RelayBusy`, ``RESOURCE_EXHAUSTED``); once it lost the coordinator, or stayed
 unanswered past the hold, it refuses (``UNAVAILABLE``), and its nodes sync with the
 coordinator directly, so it never hides a node (:func:`~.relay_policy.relay_answer`).
+Each ``SyncGroup`` also names the group's members the relay has not heard from lately while
+it listened to the others (:func:`~.relay_policy.vouched_absence`): a busy coordinator's
+evidence that a node is gone.
 Bounds: at most ``max_nodes`` nodes and ``GROUP_BYTES`` held at once, the newest
 summary per node, each no bigger than a node agent ever sends (``bounds.MAX_SUMMARY_BYTES``).
 """
@@ -23,7 +26,8 @@ import threading
 import time
 
 from rankwatch.agent.bounds import MAX_SUMMARY_BYTES
-from rankwatch.agent.relay_policy import RelayConfig, Signature, relay_answer, send_whole, signature
+from rankwatch.agent.relay_policy import (RelayConfig, Signature, listening_since, relay_answer, send_whole, signature,
+                                          vouched_absence)
 from rankwatch.agent.validate import Rejected, check_label
 from rankwatch.proto import pb
 
@@ -33,6 +37,8 @@ MAX_GROUP = 256
 """The most summaries one ``SyncGroup`` call may carry (the coordinator refuses more)."""
 GROUP_BYTES = 12 << 20
 """The most bytes of summaries a relay holds at once: a group stays under the 16 MiB message."""
+_FORGET_SECONDS = 300.0
+"""A member unheard this long is no longer reported (it was excluded, or went elsewhere)."""
 
 
 def node_reply(group: pb.GroupReply, incidents, relay: str) -> pb.SyncReply:
@@ -82,6 +88,11 @@ class Relay:
         self._busy = False   # the calls since the last reply went unanswered for a busy coordinator
         self._asking = False   # a SyncGroup is on its way to the coordinator, not answered yet
         self._incidents: dict[str, list[pb.Incident]] = {}
+        # Its group's members (node -> since when: the coordinator sent it here), when it last
+        # answered or held each one's sync, and since when it has been listening unbroken.
+        self._members: dict[str, float] = {}
+        self._heard: dict[str, float] = {}
+        self._listening = float("-inf")
         self.relayed = 0
         """Summaries sent on (a counter)."""
 
@@ -111,14 +122,20 @@ class Relay:
             answer = "refuse" if reply is None else relay_answer(
                 now - self._reply_at, reply.sync_interval_seconds, self._busy or self._asking, self.fresh_seconds,
                 self.cfg)
-            if reply is None or answer == "refuse":
-                raise RelayUnavailable("this relay has not heard the coordinator lately")
             held = self._pending.get(node)
-            if held is None and len(self._pending) >= self.max_nodes:
-                raise RelayUnavailable(f"this relay holds {self.max_nodes} nodes already")
             held_bytes = self._bytes - (held[6] if held is not None else 0)
-            if held_bytes + size > self.max_bytes:
-                raise RelayUnavailable(f"this relay holds {held_bytes} bytes of summaries already")
+            why = None
+            if reply is None or answer == "refuse":
+                why = "this relay has not heard the coordinator lately"
+            elif held is None and len(self._pending) >= self.max_nodes:
+                why = f"this relay holds {self.max_nodes} nodes already"
+            elif held_bytes + size > self.max_bytes:
+                why = f"this relay holds {held_bytes} bytes of summaries already"
+            if why is not None or reply is None:
+                # Sent to the coordinator: no word on its absence until a reply sends it back.
+                self._members.pop(node, None)
+                raise RelayUnavailable(why)
+            self._heard[node] = now
             self._bytes = held_bytes + size
             # A whole summary not sent yet stays whole (the newer one in its place).
             whole = (held is not None and held[2]) or send_whole(now, sig, steps, self._whole.get(node), self.cfg,
@@ -143,6 +160,7 @@ class Relay:
         with self._lock:
             held, self._pending, self._bytes = self._pending, {}, 0
             self._asking = True
+            absent = self._absent(now, held, own.node_id)
             if len(self._whole) > 4 * self.max_nodes:   # nodes long gone: each goes whole once more
                 self._whole.clear()
             for node, (_, at, whole, sig, _, steps, _) in held.items():
@@ -160,8 +178,28 @@ class Relay:
             else:
                 group.beats.append(pb.NodeBeat(node_id=summary.node_id, seq=summary.seq, sent_at=summary.sent_at,
                                                held_seconds=max(0.0, now - at), latest_progress=progress))
+        group.absent.extend(pb.NodeAbsence(node_id=node, unheard_seconds=unheard) for node, unheard in absent)
         self.relayed += len(group.nodes) + len(group.beats) - 1
         return group
+
+    def _absent(self, now: float, held: dict, own: str) -> list[tuple[str, float]]:
+        """The members not in ``held`` the relay vouches it has not heard (call with the lock)."""
+        listening = self._listening
+        if len(self._heard) > 2 * self.max_nodes:   # nodes that passed through: members' times kept
+            self._heard = {n: t for n, t in self._heard.items() if n in self._members or n in held}
+        interval = self._reply.sync_interval_seconds if self._reply is not None else 0.0
+        out = []
+        for node, since in list(self._members.items()):
+            if node in held or node == own:
+                continue
+            unheard = vouched_absence(now, self._heard.get(node), since, listening, interval, self.cfg)
+            if unheard is not None:
+                if now - max(self._heard.get(node, since), since) > _FORGET_SECONDS:
+                    del self._members[node]   # long gone (excluded, or moved while unheard)
+                    self._heard.pop(node, None)
+                    continue
+                out.append((node, unheard))
+        return out
 
     def answered(self, reply: pb.GroupReply) -> None:
         """The coordinator's reply to the last ``SyncGroup``: what the group's nodes are told next."""
@@ -169,8 +207,19 @@ class Relay:
         for inc in reply.incidents:
             by_node.setdefault(inc.node, []).append(inc)
         with self._lock:
-            self._reply, self._reply_at, self._incidents = reply, self.clock(), by_node
+            now = self.clock()
+            self._reply, self._reply_at, self._incidents = reply, now, by_node
             self._busy = self._asking = False
+            for node, relay in reply.relays.items():   # its group: the nodes sent here
+                if relay == self.address:
+                    self._members.setdefault(node, now)
+                else:
+                    self._members.pop(node, None)
+                    self._heard.pop(node, None)
+            while len(self._members) > self.max_nodes:   # bounded: the longest unheard go first
+                oldest = min(self._members, key=lambda n: self._heard.get(n, self._members[n]))
+                del self._members[oldest]
+                self._heard.pop(oldest, None)
             for node in reply.refused:   # (a beat of a node the coordinator does not know)
                 self._whole.pop(node, None)
 
@@ -205,3 +254,11 @@ class Relay:
         """The coordinator cannot be reached: refuse the group's nodes until it answers."""
         with self._lock:
             self._reply = None
+            self._listening = self.clock()
+
+    def woke_late(self, seconds: float) -> None:
+        """This agent's loop woke ``seconds`` later than it planned: past a bound, the relay
+        was paused or starved, and vouches for no absence from before
+        (:func:`~.relay_policy.listening_since`)."""
+        with self._lock:
+            self._listening = listening_since(self.clock(), self._listening, seconds, self.cfg)

@@ -56,6 +56,18 @@ to the coordinator directly, each node with a whole summary, at the moment it is
 2,048-node join, relays refusing stale caused more direct syncs than the nodes' own first
 syncs did.  A relay that lost the coordinator (unreachable), or stayed unanswered past the
 hold, refuses (UNAVAILABLE), and its nodes sync with the coordinator themselves.
+
+What a relay says of a member it does not hear (:func:`vouched_absence`,
+:func:`listening_since`, pure): each ``SyncGroup`` names the members of its group (the
+nodes the coordinator's replies sent to it) that it has not heard from for a while, with
+how long.  A busy coordinator hears every node late and cannot tell a dead node from one
+whose syncs it failed to take, so it calls no node silent while overloaded; a relay,
+serving 64 nodes, can.  It vouches only for time it was listening (its agent never woke
+over ``listen_gap_seconds`` late, and it had the coordinator: a paused or starved relay
+heard no one, and nodes refused by one cut off went to the coordinator), and only for nodes
+it answered or held: one it refused syncs with the coordinator meanwhile, and is no member
+until a reply sends it back.  The coordinator weighs that word
+(``load_policy.node_silent``).
 """
 
 from __future__ import annotations
@@ -69,8 +81,8 @@ from rankwatch.proto import pb
 Signature = tuple[Any, ...]
 """What of a summary the coordinator acts on at once (:func:`signature`)."""
 
-__all__ = ["RelayConfig", "Signature", "assign", "callers", "group_sizes", "place", "relay_answer", "send_whole",
-           "signature"]
+__all__ = ["RelayConfig", "Signature", "assign", "callers", "group_sizes", "listening_since", "place", "relay_answer",
+           "send_whole", "signature", "vouched_absence"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,15 +113,25 @@ class RelayConfig:
     has them back off) for up to this long after its last reply (:func:`relay_answer`); a node
     stays behind such a relay at most this long after its last answer (0: never held)."""
 
+    listen_gap_seconds: float = 1.0
+    """A relay whose agent woke this much later than it planned was not listening (paused or
+    starved; a node's sync gives up on it after a second): it vouches for no absence from
+    before (:func:`listening_since`)."""
+    absent_after_seconds: float = 1.0
+    """A member unheard for this long (or two sync intervals, if longer) is reported absent
+    (:func:`vouched_absence`)."""
+
     def __post_init__(self) -> None:
         if self.group_size < 0 or self.group_size == 1 or self.min_nodes < 2:
             raise ValueError("RelayConfig needs group_size 0 (off) or >= 2, and min_nodes >= 2")
         if (not self.every_seconds > 0 or not self.whole_every_seconds >= 0 or not self.long_wait_seconds > 0
                 or self.whole_every_steps < 1 or not 0 <= self.whole_every_intervals <= 64
-                or not 0 <= self.busy_hold_seconds <= 600):
+                or not 0 <= self.busy_hold_seconds <= 600
+                or not 0 < self.listen_gap_seconds <= 60 or not 0 < self.absent_after_seconds <= 600):
             raise ValueError("RelayConfig needs every_seconds > 0, whole_every_seconds >= 0, "
                              "whole_every_steps >= 1, long_wait_seconds > 0, 0 <= whole_every_intervals <= 64, "
-                             "0 <= busy_hold_seconds <= 600")
+                             "0 <= busy_hold_seconds <= 600, 0 < listen_gap_seconds <= 60, "
+                             "0 < absent_after_seconds <= 600")
 
 
 def assign(nodes: Iterable[tuple[str, str, bool]], cfg: RelayConfig,
@@ -247,3 +269,21 @@ def relay_answer(age: float, interval: float, busy: bool, fresh_seconds: float, 
     if busy and age <= max(fresh, cfg.busy_hold_seconds):
         return "hold"
     return "refuse"
+
+
+def listening_since(now: float, since: float, late: float, cfg: RelayConfig) -> float:
+    """When a relay's unbroken listening began, seen at ``now``, its agent having woken
+    ``late`` seconds later than it planned: ``since``, unless that is over
+    ``listen_gap_seconds`` (the relay was paused or starved, and its nodes' syncs may have
+    failed meanwhile): then ``now``."""
+    return now if late > cfg.listen_gap_seconds else since
+
+
+def vouched_absence(now: float, heard: float | None, member_since: float, listening: float, interval: float,
+                    cfg: RelayConfig) -> float | None:
+    """Seconds a relay vouches that a member of its group has gone unheard, or None (too few
+    to report).  ``heard``: when it last answered or held the member's sync (None: not since
+    it became a member at ``member_since``); ``listening``: :func:`listening_since`;
+    ``interval``: the sync interval the coordinator asks for."""
+    unheard = now - max(member_since if heard is None else heard, member_since, listening)
+    return unheard if unheard > max(cfg.absent_after_seconds, 2 * interval) else None

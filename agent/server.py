@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -158,8 +159,12 @@ class Agent:
 
     # -- detection ------------------------------------------------------------
     def _detect_loop(self) -> None:
+        woke = time.monotonic()
         while not self._stopped.wait(0.25):
             try:
+                late, woke = time.monotonic() - woke - 0.25, time.monotonic()
+                if self.relay is not None:   # a paused relay vouches for no node's absence
+                    self.relay.woke_late(late)
                 now = self.state.clock()
                 watch = self.watch
                 if self.link.generation > 0:

@@ -18,7 +18,7 @@ from rankwatch.agent.validate import (
 from rankwatch.agent import work_windows
 from rankwatch.proto import pb
 
-__all__ = ["check_beat", "check_incident", "check_summary"]
+__all__ = ["check_absence", "check_beat", "check_incident", "check_summary"]
 
 
 def check_summary(s: pb.NodeSummary, now: float | None = None) -> None:
@@ -69,6 +69,14 @@ def check_beat(b: pb.NodeBeat, now: float | None = None) -> None:
     check_count(b.seq, "beat seq")
     check_timestamp(b.sent_at, "beat sent_at", now)
     check_timestamp(b.latest_progress, "beat latest_progress", now)
+
+
+def check_absence(a: pb.NodeAbsence) -> None:
+    """A relay's word that a member of its group has gone unheard (``SyncGroup``)."""
+    check_label(a.node_id, "node_id", "malformed")
+    if not a.node_id:
+        raise Rejected("malformed", "an absence without node_id")
+    check_duration(a.unheard_seconds, "unheard_seconds")
 
 
 def _check_rank_summary(r: pb.RankSummary, now: float) -> None:

@@ -100,6 +100,7 @@ class SimNode:
         self.address = f"10.{index >> 16 & 255}.{index >> 8 & 255}.{index & 255}:9479"   # never dialled
         self.relay = Relay(self.address, cfg=relay_cfg)   # this node as its group's relay, as its agent would be
         self.relay_addr = ""               # where the coordinator told it to sync
+        self.home_relay = ""               # the relay the coordinator's last reply named
         self.seq = 0
         self.interval = 0.25
         self.refused_by_relay = False   # its relay refused its last sync
@@ -147,7 +148,7 @@ class SimNode:
     def apply(self, interval: float, relay: str) -> None:
         if interval > 0:
             self.interval = min(5.0, max(0.25, interval))
-        self.relay_addr = relay if relay != self.address else ""
+        self.relay_addr = self.home_relay = relay if relay != self.address else ""
 
 
 class Stats:
@@ -190,7 +191,10 @@ async def _drive(node: SimNode, by_addr: dict[str, SimNode], stubs: list, end: f
             await _sync_once(node, by_addr, stub, md, stats, process)
         cfg = LoadConfig()
         allowance = silence_allowance(node.interval, PolicyConfig().node_timeout_seconds, cfg)
-        await asyncio.sleep(retry_delay(node.busy_failures, node.interval, random.random(), cfg, allowance))
+        delay = retry_delay(node.busy_failures, node.interval, random.random(), cfg, allowance)
+        woke = time.monotonic() + delay
+        await asyncio.sleep(delay)
+        node.relay.woke_late(time.monotonic() - woke)   # as the agent's loop tells its relay
 
 
 async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats: Stats,
@@ -269,6 +273,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
     except grpc.aio.AioRpcError as exc:
         stats.failed(exc, node, "Sync")
         node.relay.unanswered(None, busy=RELAY_KEEPS_ON and exc.code() in _BUSY)   # as JobLink
+        node.relay_addr = node.home_relay   # its relay again next time (as JobLink)
         return
     stats.lat["Sync"].append((t_sent, time.perf_counter() - t0))
     node.answered = True

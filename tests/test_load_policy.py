@@ -70,6 +70,21 @@ def test_silence_needs_a_few_intervals_and_none_during_the_quiet_after_overload(
     assert node_silent(12.0, received_at=0.0, interval=0.25, node_timeout=3.0, quiet=quiet, cfg=CFG)
 
 
+def test_during_the_quiet_a_node_is_silent_only_on_its_relays_word():
+    """The coordinator's overload makes its own view no evidence; a relay that listened to
+    the rest of its group, and not this node, for longer than the allowance (3 s) is."""
+    kw = dict(interval=0.25, node_timeout=3.0, quiet=100.0, cfg=CFG)
+    assert node_silent(10.0, received_at=5.0, witness=(5.5, 9.0), **kw), "unheard 3.5 s, said 1 s ago"
+    assert not node_silent(10.0, received_at=5.0, **kw), "no word: the quiet holds"
+    assert not node_silent(10.0, received_at=5.0, witness=(6.5, 9.0), **kw), "the relay heard it 2.5 s before"
+    assert not node_silent(10.0, received_at=7.5, witness=(5.0, 9.0), **kw), "the coordinator heard it since"
+    assert not node_silent(10.0, received_at=5.0, witness=(3.0, 6.5), **kw), "a word older than the allowance"
+    assert not node_silent(10.0, received_at=5.0, witness=(5.5, 9.0), syncs=2, **kw), "heard steadily first"
+    # Under backpressure the allowance is three of the node's intervals: the word must cover them.
+    assert not node_silent(10.0, received_at=0.0, witness=(4.0, 9.0), **{**kw, "interval": 2.0})
+    assert node_silent(10.0, received_at=0.0, witness=(2.5, 9.0), **{**kw, "interval": 2.0})
+
+
 def _load_args(**kw):
     import coordinator_load
 

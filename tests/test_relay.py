@@ -8,6 +8,7 @@ relay SIGKILLed costs its group no verdict (its nodes sync with the coordinator 
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import pytest
@@ -295,6 +296,51 @@ def test_a_relay_waiting_for_its_calls_answer_holds_its_nodes():
         relay.take(_ranked("n2", 4, 1005.25, 1005.2))
 
 
+def test_a_relay_vouches_only_for_members_it_listened_for_and_did_not_hear():
+    """Each group names the members (nodes the coordinator sent to this relay) the relay has
+    not heard lately, with how long: but never for time it was not listening itself, nor for
+    a node it refused (that node went to the coordinator)."""
+    clock = Clock()
+    relay = Relay("h1:1", fresh_seconds=2.0, clock=clock)
+
+    relays = {"n1": "", "n2": "h1:1", "n3": "h1:1", "n4": "h9:1"}
+
+    def answer(*carried: str) -> None:   # (a reply names the relays of the nodes its call carried)
+        relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25,
+                                     relays={n: relays[n] for n in ("n1", *carried)}))
+
+    def beat(seconds: float) -> list[tuple[str, float]]:
+        """n2 syncs every 0.25 s for ``seconds``, the relay sending each time; its last group's absences."""
+        for _ in range(int(seconds / 0.25)):
+            clock.t += 0.25
+            relay.take(_summary("n2", sent_at=clock.t))
+            g = relay.group(_summary("n1"))
+            answer("n2")
+        return [(a.node_id, round(a.unheard_seconds, 2)) for a in g.absent]
+
+    answer()
+    for n in ("n2", "n3", "n4"):
+        relay.take(_summary(n))
+    assert not relay.group(_summary("n1")).absent
+    answer("n2", "n3", "n4")   # n2 and n3 are its group; n4 was sent to another relay
+    assert beat(1.0) == [], "unheard for no longer than a second: not worth a word"
+    assert beat(2.0) == [("n3", 3.0)]
+    clock.t += 1.5   # the relay's agent was paused for 1.5 s (its loop woke that late): it heard no one
+    relay.woke_late(0.9)
+    assert beat(0.25) == [("n3", 4.75)], "late by less than a node's deadline: still listening"
+    relay.woke_late(1.25)
+    assert beat(0.25) == [] and beat(1.0) == [("n3", 1.25)], "counted from when it listened again"
+    clock.t += 2.5   # stale, and nothing unanswered: n3's sync is refused (it goes to the coordinator)
+    with pytest.raises(RelayUnavailable):
+        relay.take(_summary("n3", sent_at=clock.t))
+    answer()
+    assert beat(3.0) == [], "a node the relay refused is no member until a reply sends it back"
+    relay.take(_summary("n3", sent_at=clock.t))
+    relay.group(_summary("n1"))
+    answer("n3")
+    assert beat(2.0) == [("n3", 2.0)]
+
+
 def test_a_relay_holds_a_bounded_number_of_bytes():
     relay = Relay("h1:1", max_bytes=1000)
     relay.answered(pb.GroupReply(coordinator="n0", sync_interval_seconds=0.25))
@@ -439,6 +485,57 @@ def test_a_relays_held_time_is_bounded():
     assert [c.nodes[f"n{i}"].received_at for i in range(1, 5)] == [1000.0, 990.0, 990.0, 997.5]
 
 
+def test_a_busy_coordinator_takes_a_relays_word_that_a_member_is_gone_and_only_its_relays():
+    """While overloaded the coordinator calls no node silent on its own view (it may have
+    failed to take the node's syncs).  The relay it sent the node to, listening to the rest
+    of its group, can: that word excludes a node gone past the allowance (3 s).  Another
+    node's word on it, or a word on a node the same call carried, counts for nothing."""
+    clock = Clock()
+    clock.t = 1000.0
+    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(min_nodes=1), clock=clock,
+                    relay=RelayConfig(group_size=3, min_nodes=2))
+    addr = {"n1": "h1:1", "n2": "h2:1", "n3": "h3:1", "n4": "h4:1"}
+    seqs = dict.fromkeys(addr, 0)
+
+    def node(n: str) -> pb.NodeSummary:
+        seqs[n] += 1
+        return pb.NodeSummary(node_id=n, seq=seqs[n], sent_at=clock.t, relay_address=addr[n])
+
+    for _ in range(3):
+        for n in addr:
+            c.sync(node(n))
+        clock.t += 0.25
+    c.evaluate()
+    assert c.relays == {"n1": "", "n2": "h1:1", "n3": "h1:1", "n4": ""}
+    gone_at = clock.t - 0.25   # n3's agent is gone from here on
+    c.load.quiet = clock.t + 60   # the coordinator is overloaded (its own measure sets this)
+    refused: list[ValueError] = []
+
+    def tick(*absent: tuple[str, str, float]) -> None:
+        """n1 relays n2's summaries, n4 syncs alone; each says what it has not heard."""
+        clock.t += 0.25
+        for relay, carried in (("n1", ["n2"]), ("n4", [])):
+            nodes = [node(relay)] + [node(n) for n in carried]
+            g = pb.GroupSummary(nodes=nodes, held_seconds=[0.0] * len(nodes))
+            g.absent.extend(pb.NodeAbsence(node_id=n, unheard_seconds=u) for by, n, u in absent if by == relay)
+            c.sync_group(g, refused.append)
+        c.evaluate()
+
+    while clock.t < gone_at + 5.0:   # a word from n4 (not n3's relay), and on n2 (carried): nothing
+        tick(("n4", "n3", clock.t - gone_at), ("n1", "n2", 9.0))
+    assert not c.excluded, "the coordinator's own view, and others' words, are no evidence while overloaded"
+    tick(("n1", "n3", float("nan")))
+    assert not c.excluded and len(refused) == 1, "a word out of range is refused"
+    tick(("n1", "n3", 2.5))
+    assert not c.excluded, "unheard for less than the allowance"
+    tick(("n1", "n3", clock.t + 0.25 - gone_at))
+    assert list(c.excluded) == ["n3"]
+    assert c.excluded["n3"].endswith("its agent went silent (its relay had not heard it for 5.8s)")
+    with pytest.raises(Rejected):
+        c.sync_group(pb.GroupSummary(nodes=[node("n1")], held_seconds=[0.0],
+                                     absent=[pb.NodeAbsence(node_id="n3", unheard_seconds=1.0)] * (MAX_GROUP + 1)))
+
+
 # -- real agents ----------------------------------------------------------------------
 
 def _relayed(agent: AgentProcess) -> float:
@@ -526,6 +623,49 @@ def test_nodes_stay_behind_their_relay_while_the_coordinator_is_stopped(tmp_path
         before = _relayed(relay)
         wait_for(lambda: _relayed(relay) >= before + 8, 20, what="the group heard through its relay again")
         assert not n0.status()["excluded_nodes"]
+    finally:
+        for a in agents.values():
+            a.stop()
+
+
+@pytest.mark.e2e
+def test_a_relay_names_its_killed_member_while_the_coordinator_stays_overloaded(tmp_path):
+    # The coordinator SIGSTOPped 1.4 s of every 2 s: each time its loop wakes over a second
+    # late, it takes itself for overloaded, and for the allowance after it calls no node
+    # silent on its own view; cycling, that never ends.  A member of the relay's group
+    # SIGKILLed meanwhile is excluded on its relay's word that it is gone, and no other node.
+    agents = _one_group(tmp_path)
+    n0 = agents["n0"]
+    stop = threading.Event()
+
+    def cycle() -> None:
+        while not stop.is_set():
+            n0.proc.send_signal(signal.SIGSTOP)
+            stop.wait(1.4)
+            n0.proc.send_signal(signal.SIGCONT)
+            stop.wait(0.6)
+
+    cycling = threading.Thread(target=cycle, daemon=True)
+    try:
+        for a in agents.values():
+            a.start()
+        relay = wait_for(lambda: next((a for n, a in agents.items() if n != "n0" and _relayed(a) >= 20), None),
+                         20, what="a relay sending its group's summaries on")
+        gone, other = [a for n, a in agents.items() if n != "n0" and a is not relay]
+        cycling.start()
+        wait_for(lambda: "coordinator overloaded" in n0.log.read_text(), 15,
+                 what="the coordinator taking itself for overloaded")
+        gone.kill(signal.SIGKILL)
+        wait_for(lambda: gone.node in _excluded(other), 40, what=f"{gone.node}'s exclusion, on its relay's word")
+    finally:
+        stop.set()
+        if cycling.is_alive():
+            cycling.join()
+        n0.proc.send_signal(signal.SIGCONT)
+    try:
+        assert n0.status()["excluded_nodes"] == [gone.node]
+        reasons = [d["reason"] for d in n0.status()["decisions"] if d["kind"] == "exclude"]
+        assert len(reasons) == 1 and "its relay had not heard it" in reasons[0]
     finally:
         for a in agents.values():
             a.stop()

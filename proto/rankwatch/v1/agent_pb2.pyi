@@ -620,14 +620,24 @@ class SyncReply(_message.Message):
     def __init__(self, coordinator: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., sync_interval_seconds: _Optional[float] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class GroupSummary(_message.Message):
-    __slots__ = ("nodes", "held_seconds", "beats")
+    __slots__ = ("nodes", "held_seconds", "beats", "absent")
     NODES_FIELD_NUMBER: _ClassVar[int]
     HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BEATS_FIELD_NUMBER: _ClassVar[int]
+    ABSENT_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeSummary]
     held_seconds: _containers.RepeatedScalarFieldContainer[float]
     beats: _containers.RepeatedCompositeFieldContainer[NodeBeat]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeSummary, _Mapping]]] = ..., held_seconds: _Optional[_Iterable[float]] = ..., beats: _Optional[_Iterable[_Union[NodeBeat, _Mapping]]] = ...) -> None: ...
+    absent: _containers.RepeatedCompositeFieldContainer[NodeAbsence]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeSummary, _Mapping]]] = ..., held_seconds: _Optional[_Iterable[float]] = ..., beats: _Optional[_Iterable[_Union[NodeBeat, _Mapping]]] = ..., absent: _Optional[_Iterable[_Union[NodeAbsence, _Mapping]]] = ...) -> None: ...
+
+class NodeAbsence(_message.Message):
+    __slots__ = ("node_id", "unheard_seconds")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    UNHEARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    unheard_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., unheard_seconds: _Optional[float] = ...) -> None: ...
 
 class NodeBeat(_message.Message):
     __slots__ = ("node_id", "seq", "sent_at", "held_seconds", "latest_progress")
