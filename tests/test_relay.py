@@ -548,10 +548,10 @@ def _excluded(agent: AgentProcess) -> list[str]:
     return [d["node"] for d in agent.status()["decisions"] if d["kind"] == "exclude"]
 
 
-def _one_group(tmp_path) -> dict[str, AgentProcess]:
+def _one_group(tmp_path, *extra: str) -> dict[str, AgentProcess]:
     """Agents n0 (the coordinator) and n1, n2, n3: one relay group of three (not started)."""
     coord = f"127.0.0.1:{free_port()}"
-    common = ("--coordinator", coord, "--relay-group", "3", "--relay-min-nodes", "2", "--min-nodes", "1")
+    common = ("--coordinator", coord, "--relay-group", "3", "--relay-min-nodes", "2", "--min-nodes", "1", *extra)
     return {n: AgentProcess(tmp_path / f"{n}.sock", node=n,
                             extra=("--listen", coord if n == "n0" else f"127.0.0.1:{free_port()}", *common))
             for n in ("n0", "n1", "n2", "n3")}
@@ -666,6 +666,35 @@ def test_a_relay_names_its_killed_member_while_the_coordinator_stays_overloaded(
         assert n0.status()["excluded_nodes"] == [gone.node]
         reasons = [d["reason"] for d in n0.status()["decisions"] if d["kind"] == "exclude"]
         assert len(reasons) == 1 and "its relay had not heard it" in reasons[0]
+    finally:
+        for a in agents.values():
+            a.stop()
+
+
+@pytest.mark.e2e
+def test_a_node_its_relay_refused_and_the_coordinator_failed_tries_its_relay_again(tmp_path):
+    # The coordinator SIGSTOPped; its relay holds for 2 s (--relay-busy-hold-seconds 2) and
+    # then refuses its nodes, which go to the stopped coordinator and time out.  Each then
+    # tries its relay again first, rather than only the coordinator until it answers: a node
+    # its relay last heard long ago, while the coordinator heard nothing, is one the relay
+    # would vouch is gone.
+    agents = _one_group(tmp_path, "--relay-busy-hold-seconds", "2")
+    n0 = agents["n0"]
+    try:
+        for a in agents.values():
+            a.start()
+        relay = wait_for(lambda: next((a for n, a in agents.items() if n != "n0" and _relayed(a) >= 20), None),
+                         20, what="a relay sending its group's summaries on")
+        behind = [a for n, a in agents.items() if n != "n0" and a is not relay]
+        n0.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: all(a.log.read_text().count("did not take this node's summary") >= 3 for a in behind),
+                     20, what="each node refused by its relay three times while the coordinator is stopped")
+        finally:
+            n0.proc.send_signal(signal.SIGCONT)
+        before = _relayed(relay)
+        wait_for(lambda: _relayed(relay) >= before + 8, 20, what="the group heard through its relay again")
+        assert not n0.status()["excluded_nodes"]
     finally:
         for a in agents.values():
             a.stop()
