@@ -92,6 +92,7 @@ class Relay:
         # answered or held each one's sync, and since when it has been listening unbroken.
         self._members: dict[str, float] = {}
         self._heard: dict[str, float] = {}
+        self._last_take = float("-inf")
         self._listening = float("-inf")
         self.relayed = 0
         """Summaries sent on (a counter)."""
@@ -122,6 +123,8 @@ class Relay:
             answer = "refuse" if reply is None else relay_answer(
                 now - self._reply_at, reply.sync_interval_seconds, self._busy or self._asking, self.fresh_seconds,
                 self.cfg)
+            self._listen(now)
+            self._last_take = now
             held = self._pending.get(node)
             held_bytes = self._bytes - (held[6] if held is not None else 0)
             why = None
@@ -184,7 +187,7 @@ class Relay:
 
     def _absent(self, now: float, held: dict, own: str) -> list[tuple[str, float]]:
         """The members not in ``held`` the relay vouches it has not heard (call with the lock)."""
-        listening = self._listening
+        listening = self._listen(now)
         if len(self._heard) > 2 * self.max_nodes:   # nodes that passed through: members' times kept
             self._heard = {n: t for n, t in self._heard.items() if n in self._members or n in held}
         interval = self._reply.sync_interval_seconds if self._reply is not None else 0.0
@@ -261,4 +264,10 @@ class Relay:
         was paused or starved, and vouches for no absence from before
         (:func:`~.relay_policy.listening_since`)."""
         with self._lock:
-            self._listening = listening_since(self.clock(), self._listening, seconds, self.cfg)
+            self._listen(self.clock(), seconds)
+
+    def _listen(self, now: float, late: float = 0.0) -> float:
+        """Since when the relay has listened unbroken (call with the lock held)."""
+        interval = self._reply.sync_interval_seconds if self._reply is not None else 0.0
+        self._listening = listening_since(now, self._listening, late, self._last_take, interval, self.cfg)
+        return self._listening

@@ -79,6 +79,7 @@ _BUSY = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, 
 VIA_PROCESS = "Sync via a relay process"
 RELAY_HOLDS_WHILE_ASKING = True   # --relay-refuses-while-asking: a call in flight is not busy (as before)
 JOB_NODES = 0   # the job's size as each agent knows it (--job-nodes); 0 with --job-size-unknown
+RELAY_WORD = True   # --relays-silent-on-absence: relays name no unheard member (as before)
 
 
 def _incidents(state: Path) -> list[Incident]:
@@ -206,6 +207,8 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
         group = node.relay.group(summary)
         if not RELAY_HOLDS_WHILE_ASKING:   # --relay-refuses-while-asking: as before (a private poke)
             node.relay._asking = False
+        if not RELAY_WORD:
+            del group.absent[:]
         t_sent, t0 = time.time(), time.perf_counter()
         stats.sent_at.append(t_sent)
         try:
@@ -370,6 +373,9 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         await asyncio.sleep(0.1)
         now = time.time()
         stats.lags.append((now, now - slept - 0.1))
+        if now - slept - 0.1 > 1.0:   # as an agent's loop tells its relay when it woke late
+            for n in nodes:
+                n.relay.woke_late(now - slept - 0.1)
         stats.cpu.append((now, sum(proc.cpu_times()[:2]), sum(me.cpu_times()[:2])))
         if steady_from is None and now >= start + args.warmup:
             steady_from = (now, stats.done, sum(proc.cpu_times()[:2]))
@@ -508,8 +514,9 @@ def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    global BACKOFF, RELAY_KEEPS_ON, REPEATED_WINDOWS, STEP, JOB_NODES, RELAY_HOLDS_WHILE_ASKING
+    global BACKOFF, RELAY_KEEPS_ON, REPEATED_WINDOWS, STEP, JOB_NODES, RELAY_HOLDS_WHILE_ASKING, RELAY_WORD
     RELAY_HOLDS_WHILE_ASKING = not getattr(args, "relay_refuses_while_asking", False)
+    RELAY_WORD = not getattr(args, "relays_silent_on_absence", False)
     JOB_NODES = 0 if getattr(args, "job_size_unknown", False) else args.nodes
     BACKOFF = not getattr(args, "no_backoff", False)
     REPEATED_WINDOWS = getattr(args, "repeated_windows", False)
@@ -582,6 +589,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the relays' steps rule: a node goes whole at least every N steps its ranks completed")
     p.add_argument("--relay-refuses-while-asking", action="store_true",
                    help="a relay whose SyncGroup is still unanswered refuses its nodes once its reply is stale")
+    p.add_argument("--relays-silent-on-absence", action="store_true",
+                   help="relays name none of their members they have not heard (as before): a busy "
+                        "coordinator then calls no node silent")
     p.add_argument("--job-size-unknown", action="store_true",
                    help="the agents do not know the job's size: first syncs spread over 2 s (as before)")
     p.add_argument("--relay-busy-hold-seconds", type=float, default=RelayConfig().busy_hold_seconds,

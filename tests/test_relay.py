@@ -325,11 +325,12 @@ def test_a_relay_vouches_only_for_members_it_listened_for_and_did_not_hear():
     answer("n2", "n3", "n4")   # n2 and n3 are its group; n4 was sent to another relay
     assert beat(1.0) == [], "unheard for no longer than a second: not worth a word"
     assert beat(2.0) == [("n3", 3.0)]
-    clock.t += 1.5   # the relay's agent was paused for 1.5 s (its loop woke that late): it heard no one
     relay.woke_late(0.9)
-    assert beat(0.25) == [("n3", 4.75)], "late by less than a node's deadline: still listening"
-    relay.woke_late(1.25)
+    assert beat(0.25) == [("n3", 3.25)], "its agent woke late by less than a node's deadline: still listening"
+    relay.woke_late(1.25)   # paused or starved for over a second: it may have failed its nodes meanwhile
     assert beat(0.25) == [] and beat(1.0) == [("n3", 1.25)], "counted from when it listened again"
+    clock.t += 1.5   # no node's sync for 1.5 s (its nodes' loop stalled, or their network): not listening
+    assert beat(0.25) == [] and beat(1.25) == [("n3", 1.25)], "counted from the sync that ended the gap"
     clock.t += 2.5   # stale, and nothing unanswered: n3's sync is refused (it goes to the coordinator)
     with pytest.raises(RelayUnavailable):
         relay.take(_summary("n3", sent_at=clock.t))
@@ -557,6 +558,20 @@ def _one_group(tmp_path, *extra: str) -> dict[str, AgentProcess]:
             for n in ("n0", "n1", "n2", "n3")}
 
 
+def _the_relay(agents: dict[str, AgentProcess]) -> AgentProcess:
+    """The agent of the group that relays (the first the coordinator heard), once it sends on."""
+    return wait_for(lambda: next((a for n, a in agents.items() if n != "n0" and _relayed(a) >= 20), None),
+                    20, what="a relay sending its group's summaries on")
+
+
+def _heard_again_through(relay: AgentProcess, n0: AgentProcess) -> None:
+    """After a fault at the coordinator: the group is heard through its relay again, and no node
+    was excluded."""
+    before = _relayed(relay)
+    wait_for(lambda: _relayed(relay) >= before + 8, 20, what="the group heard through its relay again")
+    assert not n0.status()["excluded_nodes"]
+
+
 @pytest.mark.e2e
 def test_decisions_reach_a_node_through_its_relay_and_a_killed_relay_costs_no_verdict(tmp_path):
     agents = _one_group(tmp_path)
@@ -568,8 +583,7 @@ def test_decisions_reach_a_node_through_its_relay_and_a_killed_relay_costs_no_ve
         # coordinator heard, as groups form while the job starts).
         wait_for(lambda: parse_metrics(n0.metrics()).get(
             ("rankwatch_sync_relays", frozenset({("node", "n0")}))) == 1.0, 20, what="one relay in use")
-        relay = wait_for(lambda: next((a for n, a in agents.items() if n != "n0" and _relayed(a) >= 20), None),
-                         20, what="a relay sending its group's summaries on")
+        relay = _the_relay(agents)
         first, other = [a for n, a in agents.items() if n != "n0" and a is not relay]
 
         first.kill(signal.SIGKILL)
@@ -605,8 +619,7 @@ def test_nodes_stay_behind_their_relay_while_the_coordinator_is_stopped(tmp_path
         for a in agents.values():
             a.start()
         n0 = agents["n0"]
-        relay = wait_for(lambda: next((a for n, a in agents.items() if n != "n0" and _relayed(a) >= 20), None),
-                         20, what="a relay sending its group's summaries on")
+        relay = _the_relay(agents)
         behind = [a for n, a in agents.items() if n != "n0" and a is not relay]
         n0.proc.send_signal(signal.SIGSTOP)
         try:
@@ -620,9 +633,7 @@ def test_nodes_stay_behind_their_relay_while_the_coordinator_is_stopped(tmp_path
                 time.sleep(0.2)
         finally:
             n0.proc.send_signal(signal.SIGCONT)
-        before = _relayed(relay)
-        wait_for(lambda: _relayed(relay) >= before + 8, 20, what="the group heard through its relay again")
-        assert not n0.status()["excluded_nodes"]
+        _heard_again_through(relay, n0)
     finally:
         for a in agents.values():
             a.stop()
@@ -649,8 +660,7 @@ def test_a_relay_names_its_killed_member_while_the_coordinator_stays_overloaded(
     try:
         for a in agents.values():
             a.start()
-        relay = wait_for(lambda: next((a for n, a in agents.items() if n != "n0" and _relayed(a) >= 20), None),
-                         20, what="a relay sending its group's summaries on")
+        relay = _the_relay(agents)
         gone, other = [a for n, a in agents.items() if n != "n0" and a is not relay]
         cycling.start()
         wait_for(lambda: "coordinator overloaded" in n0.log.read_text(), 15,
@@ -683,8 +693,7 @@ def test_a_node_its_relay_refused_and_the_coordinator_failed_tries_its_relay_aga
     try:
         for a in agents.values():
             a.start()
-        relay = wait_for(lambda: next((a for n, a in agents.items() if n != "n0" and _relayed(a) >= 20), None),
-                         20, what="a relay sending its group's summaries on")
+        relay = _the_relay(agents)
         behind = [a for n, a in agents.items() if n != "n0" and a is not relay]
         n0.proc.send_signal(signal.SIGSTOP)
         try:
@@ -692,9 +701,7 @@ def test_a_node_its_relay_refused_and_the_coordinator_failed_tries_its_relay_aga
                      20, what="each node refused by its relay three times while the coordinator is stopped")
         finally:
             n0.proc.send_signal(signal.SIGCONT)
-        before = _relayed(relay)
-        wait_for(lambda: _relayed(relay) >= before + 8, 20, what="the group heard through its relay again")
-        assert not n0.status()["excluded_nodes"]
+        _heard_again_through(relay, n0)
     finally:
         for a in agents.values():
             a.stop()
