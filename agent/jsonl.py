@@ -124,18 +124,19 @@ class Writer:
     def _flush(self, probe: bool = False) -> bool:
         if not self._spool and not probe and not self.last_error:
             return True
+        sent = 0
         try:
             fd = open_append(self.path)
             try:
                 _end_torn_line(fd)
-                while self._spool:
-                    _write_all(fd, self._spool[0])
-                    self._spool.popleft()
-                    self.written += 1
+                for line in self._spool:   # (appends wait for the lock this holds)
+                    _write_all(fd, line)
+                    sent += 1
                 os.fsync(fd)
             finally:
                 os.close(fd)
         except OSError as exc:
+            self._sent(sent)   # those lines are in the file: never written twice
             self.failures += 1
             first = not self.last_error
             self.last_error = f"{type(exc).__name__}: {exc.strerror or exc}"
@@ -146,8 +147,16 @@ class Writer:
             return False
         if self.last_error:
             log.warning("%s is writable again; the spooled records are written", self.path)
-            self.last_error = ""
+            self.last_error = ""   # before the spool empties: a status that shows it empty shows it ok
+        self._sent(sent)
         return True
+
+    def _sent(self, lines: int) -> None:
+        """The first ``lines`` spooled lines are in the file (call with the lock held).  Counted
+        before they leave the spool: a status that shows the spool empty shows them written."""
+        self.written += lines
+        for _ in range(lines):
+            self._spool.popleft()
 
     def _retry_later(self) -> None:
         if self._retrying or self._closed.is_set():
