@@ -10,6 +10,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -549,13 +551,31 @@ def _excluded(agent: AgentProcess) -> list[str]:
     return [d["node"] for d in agent.status()["decisions"] if d["kind"] == "exclude"]
 
 
-def _one_group(tmp_path, *extra: str) -> dict[str, AgentProcess]:
-    """Agents n0 (the coordinator) and n1, n2, n3: one relay group of three (not started)."""
+@contextmanager
+def _one_group(tmp_path, *extra: str) -> Iterator[dict[str, AgentProcess]]:
+    """Agents n0 (the coordinator) and n1, n2, n3, running: one relay group of three."""
     coord = f"127.0.0.1:{free_port()}"
     common = ("--coordinator", coord, "--relay-group", "3", "--relay-min-nodes", "2", "--min-nodes", "1", *extra)
-    return {n: AgentProcess(tmp_path / f"{n}.sock", node=n,
-                            extra=("--listen", coord if n == "n0" else f"127.0.0.1:{free_port()}", *common))
-            for n in ("n0", "n1", "n2", "n3")}
+    agents = {n: AgentProcess(tmp_path / f"{n}.sock", node=n,
+                              extra=("--listen", coord if n == "n0" else f"127.0.0.1:{free_port()}", *common))
+              for n in ("n0", "n1", "n2", "n3")}
+    try:
+        for a in agents.values():
+            a.start()
+        yield agents
+    finally:
+        for a in agents.values():
+            a.stop()
+
+
+@contextmanager
+def _stopped(agent: AgentProcess) -> Iterator[None]:
+    """``agent`` SIGSTOPped, and SIGCONTed after."""
+    agent.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        agent.proc.send_signal(signal.SIGCONT)
 
 
 def _the_relay(agents: dict[str, AgentProcess]) -> AgentProcess:
@@ -574,10 +594,7 @@ def _heard_again_through(relay: AgentProcess, n0: AgentProcess) -> None:
 
 @pytest.mark.e2e
 def test_decisions_reach_a_node_through_its_relay_and_a_killed_relay_costs_no_verdict(tmp_path):
-    agents = _one_group(tmp_path)
-    try:
-        for a in agents.values():
-            a.start()
+    with _one_group(tmp_path) as agents:
         n0 = agents["n0"]
         # n0 coordinates; n1, n2, n3 are one group behind one of them (the first the
         # coordinator heard, as groups form while the job starts).
@@ -602,9 +619,6 @@ def test_decisions_reach_a_node_through_its_relay_and_a_killed_relay_costs_no_ve
                 [first.node, relay.node]), f"{other.node}, behind the killed relay, was called dead"
             time.sleep(0.1)
         assert other.node in status["nodes"] and other.node not in status["excluded_nodes"]
-    finally:
-        for a in agents.values():
-            a.stop()
 
 
 @pytest.mark.e2e
@@ -614,15 +628,11 @@ def test_nodes_stay_behind_their_relay_while_the_coordinator_is_stopped(tmp_path
     # summaries and has them back off: no node of its group turns to the coordinator, and
     # after the pause the group is heard through the relay again.  With the hold off
     # (--relay-busy-hold-seconds 0) the nodes go to the stopped coordinator themselves.
-    agents = _one_group(tmp_path)
-    try:
-        for a in agents.values():
-            a.start()
+    with _one_group(tmp_path) as agents:
         n0 = agents["n0"]
         relay = _the_relay(agents)
         behind = [a for n, a in agents.items() if n != "n0" and a is not relay]
-        n0.proc.send_signal(signal.SIGSTOP)
-        try:
+        with _stopped(n0):
             wait_for(lambda: all("holds this node's summaries" in a.log.read_text() for a in behind), 15,
                      what="the relay holding its nodes' summaries")
             deadline = time.monotonic() + 3.0   # watched while held, and up to 6 s stopped
@@ -631,12 +641,7 @@ def test_nodes_stay_behind_their_relay_while_the_coordinator_is_stopped(tmp_path
                     assert "syncing with the coordinator" not in a.log.read_text(), \
                         f"{a.node} left its relay for the stopped coordinator"
                 time.sleep(0.2)
-        finally:
-            n0.proc.send_signal(signal.SIGCONT)
         _heard_again_through(relay, n0)
-    finally:
-        for a in agents.values():
-            a.stop()
 
 
 @pytest.mark.e2e
@@ -645,40 +650,32 @@ def test_a_relay_names_its_killed_member_while_the_coordinator_stays_overloaded(
     # late, it takes itself for overloaded, and for the allowance after it calls no node
     # silent on its own view; cycling, that never ends.  A member of the relay's group
     # SIGKILLed meanwhile is excluded on its relay's word that it is gone, and no other node.
-    agents = _one_group(tmp_path)
-    n0 = agents["n0"]
     stop = threading.Event()
+    with _one_group(tmp_path) as agents:
+        n0 = agents["n0"]
 
-    def cycle() -> None:
-        while not stop.is_set():
-            n0.proc.send_signal(signal.SIGSTOP)
-            stop.wait(1.4)
-            n0.proc.send_signal(signal.SIGCONT)
-            stop.wait(0.6)
+        def cycle() -> None:
+            while not stop.is_set():
+                with _stopped(n0):
+                    stop.wait(1.4)
+                stop.wait(0.6)
 
-    cycling = threading.Thread(target=cycle, daemon=True)
-    try:
-        for a in agents.values():
-            a.start()
-        relay = _the_relay(agents)
-        gone, other = [a for n, a in agents.items() if n != "n0" and a is not relay]
-        cycling.start()
-        wait_for(lambda: "coordinator overloaded" in n0.log.read_text(), 15,
-                 what="the coordinator taking itself for overloaded")
-        gone.kill(signal.SIGKILL)
-        wait_for(lambda: gone.node in _excluded(other), 40, what=f"{gone.node}'s exclusion, on its relay's word")
-    finally:
-        stop.set()
-        if cycling.is_alive():
-            cycling.join()
-        n0.proc.send_signal(signal.SIGCONT)
-    try:
+        cycling = threading.Thread(target=cycle, daemon=True)
+        try:
+            relay = _the_relay(agents)
+            gone, other = [a for n, a in agents.items() if n != "n0" and a is not relay]
+            cycling.start()
+            wait_for(lambda: "coordinator overloaded" in n0.log.read_text(), 15,
+                     what="the coordinator taking itself for overloaded")
+            gone.kill(signal.SIGKILL)
+            wait_for(lambda: gone.node in _excluded(other), 40, what=f"{gone.node}'s exclusion, on its relay's word")
+        finally:
+            stop.set()
+            if cycling.is_alive():
+                cycling.join()
         assert n0.status()["excluded_nodes"] == [gone.node]
         reasons = [d["reason"] for d in n0.status()["decisions"] if d["kind"] == "exclude"]
         assert len(reasons) == 1 and "its relay had not heard it" in reasons[0]
-    finally:
-        for a in agents.values():
-            a.stop()
 
 
 @pytest.mark.e2e
@@ -688,20 +685,11 @@ def test_a_node_its_relay_refused_and_the_coordinator_failed_tries_its_relay_aga
     # tries its relay again first, rather than only the coordinator until it answers: a node
     # its relay last heard long ago, while the coordinator heard nothing, is one the relay
     # would vouch is gone.
-    agents = _one_group(tmp_path, "--relay-busy-hold-seconds", "2")
-    n0 = agents["n0"]
-    try:
-        for a in agents.values():
-            a.start()
+    with _one_group(tmp_path, "--relay-busy-hold-seconds", "2") as agents:
+        n0 = agents["n0"]
         relay = _the_relay(agents)
         behind = [a for n, a in agents.items() if n != "n0" and a is not relay]
-        n0.proc.send_signal(signal.SIGSTOP)
-        try:
+        with _stopped(n0):
             wait_for(lambda: all(a.log.read_text().count("did not take this node's summary") >= 3 for a in behind),
                      20, what="each node refused by its relay three times while the coordinator is stopped")
-        finally:
-            n0.proc.send_signal(signal.SIGCONT)
         _heard_again_through(relay, n0)
-    finally:
-        for a in agents.values():
-            a.stop()
