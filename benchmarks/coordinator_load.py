@@ -123,6 +123,7 @@ class SimNode:
                 rs.own_work[:], rs.data_wait[:], rs.comm_wait[:] = windows
             else:
                 rs.work = work_windows.pack(*windows)
+        self.own()
 
     def summary(self, now: float) -> pb.NodeSummary:
         self.seq += 1
@@ -141,10 +142,19 @@ class SimNode:
                     rs.inflight.CopyFrom(pb.InFlight(op="all_reduce", group="0", seq=seq, since=self.stalled_at))
         for rs in self._ranks:
             rs.last_seen = now
-        out = pb.NodeSummary(node_id=self.name, seq=self.seq, sent_at=now, run_id="load",
-                             relay_address=self.address)
-        out.ranks.extend(self._ranks)
+        out = self._out
+        out.seq, out.sent_at = self.seq, now
         return out
+
+    def own(self) -> None:
+        """The summary last given out may be kept elsewhere (a relay that refused its node
+        may hold an older one): the next is a new message.  Else it is the same one, changed
+        in place: a relay reads it only when it takes it or sends it on, both at once after
+        :meth:`summary`, so what it holds is what the node last gave it (a copy of 13 KB per
+        sync would cost the generator as much as the relay's own work)."""
+        self._out = pb.NodeSummary(node_id=self.name, run_id="load", relay_address=self.address)
+        self._out.ranks.extend(self._ranks)
+        self._ranks = list(self._out.ranks)
 
     def apply(self, interval: float, relay: str) -> None:
         if interval > 0:
@@ -245,6 +255,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
         except RelayUnavailable:
             node.relay_addr = ""   # to the coordinator, at once
             node.refused_by_relay = True
+    node.own()   # sent over gRPC: a relay that refused it may still hold this one
     if process is not None and node.relay_addr == process[0]:
         t_sent, t0 = time.time(), time.perf_counter()
         try:
