@@ -106,6 +106,7 @@ class Coordinator:
         """The open restart incident, from an exclusion until the job trains again."""
         self._encoded: tuple[int, list[pb.Decision]] = (0, [])
         self._stragglers_at = float("-inf")   # when the straggler detector last ran
+        self._straggler_cost = 0.0   # how long its last pass took (monotonic seconds)
         self._hang_checked = float("-inf")   # when an open hang was last checked for its end
         self._hang_pass = (float("-inf"), 0.0)   # the hang detector's last pass: (began, took), monotonic
         self._monotonic = load_clocks[0] if load_clocks else time.monotonic
@@ -308,9 +309,11 @@ class Coordinator:
             self._hang_checked = now
             self._check_hang(now, verdicts)
         if load_policy.straggler_due(now, self._stragglers_at, self.load.interval,
-                                     self.load.overloaded is not None, self.load.cfg):
-            self._stragglers_at = now
-            for f in self.stragglers.update(now, self.view.straggler_work(now)):
+                                     self.load.overloaded is not None, self.load.cfg, self._straggler_cost):
+            self._stragglers_at, began = now, self._monotonic()
+            flagged = self.stragglers.update(now, self.view.straggler_work(now))
+            self._straggler_cost = self._monotonic() - began
+            for f in flagged:
                 self._plan_eviction(f.node, f.speedup, f.cause)
         self._check_evictions(reported)
         self.restarts.check(now, reported)

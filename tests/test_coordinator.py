@@ -566,3 +566,29 @@ def test_an_overloaded_coordinator_runs_its_straggler_pass_every_few_seconds(cor
         c.evaluate()
     assert (c.load.overloaded is not None) == (cores >= 0.9)
     assert len(ran) == passes
+
+
+def test_a_slow_straggler_pass_is_spaced_by_what_it_cost():
+    """A pass that takes 0.19 s (as 16,384 ranks did) runs 3.8 s apart (at the next tick,
+    4 s), not once a second: at most ``straggler_share`` of the coordinator's time
+    (load_policy.straggler_due)."""
+    mono = [50.0]
+    clock = Clock()
+    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(node_timeout_seconds=600), clock=clock,
+                    load_clocks=(lambda: mono[0], lambda: 0.1 * mono[0]))
+    read, ran = c.view.straggler_work, []
+
+    def slow(now):
+        ran.append(now)
+        mono[0] += 0.19   # the pass's own time, on the clock the coordinator times it with
+        return read(now)
+
+    c.view.straggler_work = slow
+    t = clock.t
+    for seq in range(1, 49):   # 12 s of ticks
+        clock.t, mono[0] = t + 0.25 * seq, mono[0] + 0.25
+        for n in (1, 2):
+            c.sync(summary(f"n{n}", seq, clock.t, [dict(rank=n, step=seq, progress_at=clock.t, last_seen=clock.t)]))
+        c.evaluate()
+    assert c.load.overloaded is None
+    assert [round(b - a, 2) for a, b in zip(ran, ran[1:])] == [4.0, 4.0]

@@ -358,3 +358,11 @@ def test_the_straggler_pass_is_once_per_interval_and_every_few_seconds_while_ove
     assert not straggler_due(102.9, 100.0, 3.0, False, CFG) and straggler_due(103.0, 100.0, 3.0, False, CFG)
     assert not straggler_due(104.9, 100.0, 0.25, True, CFG)
     assert straggler_due(100.0 + CFG.straggler_every_overloaded, 100.0, 0.25, True, CFG)
+
+
+def test_the_straggler_pass_is_spaced_by_its_own_cost():
+    # A pass of 0.15 s (16,384 ranks on a slow machine) runs at most a twentieth of the time.
+    assert not straggler_due(102.9, 100.0, 0.25, False, CFG, last_cost=0.15)
+    assert straggler_due(103.0, 100.0, 0.25, False, CFG, last_cost=0.15)
+    # A cheap one, once a second as before.
+    assert straggler_due(101.0, 100.0, 0.25, False, CFG, last_cost=0.01)
