@@ -122,20 +122,22 @@ class JobLink:
         while True:
             last_ok, self._busy = self.last_ok, False
             self.attempts += 1
+            began = time.monotonic()
             try:
                 self.sync_once()
             except Exception:  # noqa: BLE001 - the agent never dies of a sync bug
                 log.exception("sync with the coordinator failed")
             self.busy_failures = 0 if self.last_ok != last_ok or not self._busy else self.busy_failures + 1
-            if self._wait_next():
+            if self._wait_next(time.monotonic() - began):
                 return
 
-    def _wait_next(self) -> bool:
-        """Wait until the next sync is due; True when stopped.  Backing off a busy coordinator,
-        a new one elected meanwhile is tried at the next interval, not after the backoff."""
+    def _wait_next(self, took: float = 0.0) -> bool:
+        """Wait until the next sync is due (the last took ``took`` s); True when stopped.
+        Backing off a busy coordinator, a new one elected meanwhile is tried at the next
+        interval, not after the backoff."""
         cfg = LoadConfig()
         allowance = silence_allowance(self.interval, self.agent.config.policy.node_timeout_seconds, cfg)
-        delay = retry_delay(self.busy_failures, self.interval, random.random(), cfg, allowance)
+        delay = retry_delay(self.busy_failures, self.interval, random.random(), cfg, allowance, took)
         if delay <= self.interval:
             return self._stop.wait(delay)
         deadline = time.monotonic() + delay

@@ -81,6 +81,7 @@ VIA_PROCESS = "Sync via a relay process"
 RELAY_HOLDS_WHILE_ASKING = True   # --relay-refuses-while-asking: a call in flight is not busy (as before)
 JOB_NODES = 0   # the job's size as each agent knows it (--job-nodes); 0 with --job-size-unknown
 RELAY_WORD = True   # --relays-silent-on-absence: relays name no unheard member (as before)
+SYNC_AT_RATE = True   # --interval-after-sync: the next sync an interval after the last ended (as before)
 
 
 def _incidents(state: Path) -> list[Incident]:
@@ -222,10 +223,12 @@ async def _drive(node: SimNode, by_addr: dict[str, SimNode], stubs: list, end: f
     stub = stubs[node.index % len(stubs)]
     cfg, timeout = LoadConfig(), PolicyConfig().node_timeout_seconds
     while time.time() < end:
+        began = time.monotonic()
         if not node.silent:
             await _sync_once(node, by_addr, stub, md, stats, process)
         allowance = silence_allowance(node.interval, timeout, cfg)
-        delay = retry_delay(node.busy_failures, node.interval, random.random(), cfg, allowance)
+        delay = retry_delay(node.busy_failures, node.interval, random.random(), cfg, allowance,
+                            time.monotonic() - began if SYNC_AT_RATE else 0.0)
         woke = time.monotonic() + delay
         await ticker.sleep(delay)
         node.relay.woke_late(time.monotonic() - woke)   # as the agent's loop tells its relay
@@ -549,9 +552,10 @@ def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    global BACKOFF, RELAY_KEEPS_ON, REPEATED_WINDOWS, STEP, JOB_NODES, RELAY_HOLDS_WHILE_ASKING, RELAY_WORD
+    global BACKOFF, RELAY_KEEPS_ON, REPEATED_WINDOWS, STEP, JOB_NODES, RELAY_HOLDS_WHILE_ASKING, RELAY_WORD, SYNC_AT_RATE
     RELAY_HOLDS_WHILE_ASKING = not getattr(args, "relay_refuses_while_asking", False)
     RELAY_WORD = not getattr(args, "relays_silent_on_absence", False)
+    SYNC_AT_RATE = not getattr(args, "interval_after_sync", False)
     JOB_NODES = 0 if getattr(args, "job_size_unknown", False) else args.nodes
     BACKOFF = not getattr(args, "no_backoff", False)
     REPEATED_WINDOWS = getattr(args, "repeated_windows", False)
@@ -624,6 +628,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the relays' steps rule: a node goes whole at least every N steps its ranks completed")
     p.add_argument("--relay-refuses-while-asking", action="store_true",
                    help="a relay whose SyncGroup is still unanswered refuses its nodes once its reply is stale")
+    p.add_argument("--interval-after-sync", action="store_true",
+                   help="a node's next sync an interval after its last ended, not began (as before)")
     p.add_argument("--relays-silent-on-absence", action="store_true",
                    help="relays name none of their members they have not heard (as before): a busy "
                         "coordinator then calls no node silent")

@@ -287,6 +287,15 @@ def test_a_sync_whose_caller_is_gone_before_a_server_thread_takes_it_is_shed(tmp
         agent.stop(timedelta(seconds=0.5))
 
 
+def test_a_node_answered_syncs_at_the_rate_asked_from_the_start_of_its_last_sync():
+    far = 100.0
+    assert retry_delay(0, 0.25, 0.5, CFG, far, took=0.065) == pytest.approx(0.185)   # 4 Hz, not 3.2
+    assert retry_delay(0, 0.25, 0.5, CFG, far, took=0.2) == pytest.approx(0.125)     # never back to back
+    assert retry_delay(0, 0.25, 0.5, CFG, far, took=-1.0) == 0.25                   # a clock step back
+    # Backing off a busy coordinator counts from the end, as before.
+    assert retry_delay(1, 0.25, 1.0, CFG, far, took=0.2) == pytest.approx(0.5)
+
+
 def test_a_node_backs_off_a_busy_coordinator_spread_out_and_bounded():
     far = 100.0   # a coordinator that waits long before it calls a node silent
 
