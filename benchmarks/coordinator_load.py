@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -81,6 +82,7 @@ VIA_PROCESS = "Sync via a relay process"
 RELAY_HOLDS_WHILE_ASKING = True   # --relay-refuses-while-asking: a call in flight is not busy (as before)
 JOB_NODES = 0   # the job's size as each agent knows it (--job-nodes); 0 with --job-size-unknown
 RELAY_WORD = True   # --relays-silent-on-absence: relays name no unheard member (as before)
+PART_GAP = 1.5   # seconds between generator processes' nodes joining (--processes)
 SYNC_AT_RATE = True   # --interval-after-sync: the next sync an interval after the last ended (as before)
 
 
@@ -169,6 +171,7 @@ class Stats:
 
     def __init__(self) -> None:
         self.lat: dict[str, list[tuple[float, float]]] = {"Sync": [], "SyncGroup": [], VIA_PROCESS: []}
+        self.steady_parts: list[list] = []   # the other generator processes' ``steady``
         self.behind_process: set[str] = set()   # nodes that synced through the relay process
         self.fails: dict[str, int] = {}
         self.fails_by_call: dict[str, int] = {}
@@ -182,6 +185,45 @@ class Stats:
         self.done = 0         # node summaries the coordinator took, directly or in a group
         self.relayed = 0      # of those, through a relay
         self.beats = 0        # of those, beats (the node's last whole summary stands)
+        self.steady: list[tuple[float, int]] = []   # (when, done) at the steady window's start and end
+        self.cores = 0.0      # this generator process's CPU over its run (cores)
+        self.relays_used = 0  # relays that sent summaries of other nodes on
+        self.final_interval = 0.0   # the longest sync interval a node was asked for at the end
+
+    _KEEP = ("lat", "behind_process", "fails", "fails_by_call", "node_fails", "lags", "failed_at", "held",
+             "direct", "sent_at", "done", "relayed", "beats", "steady", "cores", "relays_used", "final_interval")
+
+    def to_json(self) -> dict:
+        """What a generator process found, for the first to add to its own (:meth:`add`)."""
+        out = {k: getattr(self, k) for k in self._KEEP}
+        out["behind_process"] = sorted(self.behind_process)
+        return out
+
+    def add(self, other: dict) -> None:
+        """Another generator process's :meth:`to_json`, added to this one's."""
+        for kind, samples in other["lat"].items():
+            self.lat.setdefault(kind, []).extend(tuple(x) for x in samples)
+        self.behind_process.update(other["behind_process"])
+        for name in ("fails", "fails_by_call", "direct"):
+            mine = getattr(self, name)
+            for k, v in other[name].items():
+                mine[k] = mine.get(k, 0) + v
+        for node, times in other["node_fails"].items():
+            self.node_fails.setdefault(node, []).extend(times)
+        self.lags.extend(tuple(x) for x in other["lags"])
+        self.failed_at.extend(other["failed_at"])
+        self.sent_at.extend(other["sent_at"])
+        for name in ("held", "done", "relayed", "beats", "cores", "relays_used"):
+            setattr(self, name, getattr(self, name) + other[name])
+        self.final_interval = max(self.final_interval, other["final_interval"])
+        self.steady_parts.append(other["steady"])
+
+    def steady_rate(self) -> float | None:
+        """Summaries taken a second over the steady window, every generator process's summed."""
+        parts = [p for p in [self.steady, *self.steady_parts] if len(p) == 2 and p[1][0] > p[0][0]]
+        if not parts:
+            return None
+        return sum((b[1] - a[1]) / (b[0] - a[0]) for a, b in parts)
 
     def failed(self, exc: grpc.aio.AioRpcError, node: SimNode, call: str) -> None:
         self.fails[exc.code().name] = self.fails.get(exc.code().name, 0) + 1
@@ -215,10 +257,15 @@ class Ticker:
 
 
 async def _drive(node: SimNode, by_addr: dict[str, SimNode], stubs: list, end: float, stats: Stats,
-                 process: tuple[str, object] | None, ticker: Ticker) -> None:
+                 process: tuple[str, object] | None, ticker: Ticker, part: tuple[int, int] = (0, 1)) -> None:
     # The first sync comes when a node agent's would (JobLink: spread over the first seconds).
     # (the job's size known to every agent, unless --job-size-unknown, as a node's --job-nodes)
-    await asyncio.sleep(first_sync_delay(random.random(), False, LoadConfig(), JOB_NODES))
+    # With --processes, the k-th of N generator processes draws from the k-th N-th of that
+    # spread, PART_GAP s later than the one before: each process's nodes join after the
+    # last one's are grouped, so the coordinator groups them behind relays of their own process
+    # (a node it sends to another process's relay syncs directly: see direct_syncs_by_why).
+    k, of = part
+    await asyncio.sleep(first_sync_delay((k + random.random()) / of, False, LoadConfig(), JOB_NODES) + k * PART_GAP)
     md = (("authorization", f"Bearer {TOKEN}"),)
     stub = stubs[node.index % len(stubs)]
     cfg, timeout = LoadConfig(), PolicyConfig().node_timeout_seconds
@@ -305,7 +352,8 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
             return
     t_sent, t0 = time.time(), time.perf_counter()
     stats.sent_at.append(t_sent)
-    why = "relay refused" if node.refused_by_relay else "not placed yet" if not node.answered else "placed, none"
+    why = ("relay refused" if node.refused_by_relay else "not placed yet" if not node.answered
+           else "relay in another generator process" if node.relay_addr and relay is None else "placed, none")
     stats.direct[why] = stats.direct.get(why, 0) + 1
     node.refused_by_relay = False
     try:
@@ -376,36 +424,35 @@ def _wait_serving(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> N
     raise TimeoutError(f"the agent on port {port} did not start")
 
 
-async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Process,
-               relay: tuple[str, psutil.Process] | None = None) -> dict:
-    born = time.time() - 30.0
+async def _simulate(args: argparse.Namespace, port: int, part: int, born: float, start: float,
+                    process: tuple[str, object] | None = None, stats: Stats | None = None,
+                    on_tick: Callable[[float], Awaitable[None]] | None = None,
+                    coordinator_cpu: Callable[[], float] = lambda: 0.0) -> Stats:
+    """Generator process ``part`` of ``args.processes``: its share of the nodes (and their
+    relays), syncing from ``start`` for ``args.seconds``, faults at ``args.fault_at``;
+    ``process``: (address, stub) of the relay agent process (the first part only);
+    ``on_tick(now)``: the first part's own checks, every 0.1 s."""
     relay_cfg = RelayConfig(whole_every_intervals=args.relay_whole_every_intervals,
                             whole_every_steps=args.relay_whole_every_steps,
                             busy_hold_seconds=args.relay_busy_hold_seconds)
-    nodes = [SimNode(i, args.ranks, slow=i == args.slow, born=born, relay_cfg=relay_cfg) for i in range(args.nodes)]
+    lo, hi = part * args.nodes // args.processes, (part + 1) * args.nodes // args.processes
+    nodes = [SimNode(i, args.ranks, slow=i == args.slow, born=born, relay_cfg=relay_cfg) for i in range(lo, hi)]
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}",
                                           options=[("grpc.max_receive_message_length", 64 << 20)])
                 for _ in range(args.channels)]
     stubs = [pb_grpc.AgentStub(ch) for ch in channels]
     by_addr = {n.address: n for n in nodes}
-    process = None
-    if relay is not None:   # node 0 is the relay process: its own agent syncs it
-        channels.append(grpc.aio.insecure_channel(relay[0]))
-        process = (relay[0], pb_grpc.AgentStub(channels[-1]))
+    if process is not None:   # node 0 is the relay process: its own agent syncs it
         nodes[0].silent = True
-        relay_cpu0 = sum(relay[1].cpu_times()[:2])
-    stats = Stats()
-    start = time.time()
-    end = start + args.seconds
+    stats = stats or Stats()
+    end, fault_at = start + args.seconds, start + args.fault_at
     me = psutil.Process()
-    cpu0, me0 = proc.cpu_times(), me.cpu_times()
     ticker = Ticker()
-    tasks = [asyncio.create_task(_drive(n, by_addr, stubs, end, stats, process, ticker))
-             for n in nodes if relay is None or n.index != 0]
-    fault = {}
-    fault_at = start + args.fault_at
-    named = silenced = None
-    steady_from: tuple[float, int, float] | None = None   # (time, summaries taken, coordinator CPU) then
+    await asyncio.sleep(max(0.0, start - time.time()))
+    me0 = sum(me.cpu_times()[:2])
+    tasks = [asyncio.create_task(_drive(n, by_addr, stubs, end, stats, process, ticker, (part, args.processes)))
+             for n in nodes if process is None or n.index != 0]
+    faulted = False
     while time.time() < end:
         slept = time.time()
         await asyncio.sleep(0.1)
@@ -414,52 +461,110 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         if now - slept - 0.1 > 1.0:   # as an agent's loop tells its relay when it woke late
             for n in nodes:
                 n.relay.woke_late(now - slept - 0.1)
-        stats.cpu.append((now, sum(proc.cpu_times()[:2]), sum(me.cpu_times()[:2])))
-        if steady_from is None and now >= start + args.warmup:
-            steady_from = (now, stats.done, sum(proc.cpu_times()[:2]))
-        if now >= fault_at and not fault:
-            fault = {"at": now}
-            if args.stall is not None:
-                for n in nodes:
-                    n.stalled_at = now
-                nodes[args.stall].behind = True
-            if args.silence is not None:
-                nodes[args.silence].silent = True
-            if args.pause:
-                proc.suspend()
-                await asyncio.sleep(args.pause)
-                proc.resume()
-        if fault and args.stall is not None and named is None:
+        stats.cpu.append((now, coordinator_cpu(), sum(me.cpu_times()[:2])))
+        if not stats.steady and now >= start + args.warmup:
+            stats.steady = [(now, stats.done)]
+        if now >= fault_at and not faulted:
+            faulted = True
+            for n in nodes:
+                if args.stall is not None:   # every rank of the job stops at once
+                    n.stalled_at = fault_at
+                    n.behind = n.index == args.stall
+                if n.index == args.silence:
+                    n.silent = True
+        if on_tick is not None:
+            await on_tick(now)
+    stats.steady.append((time.time(), stats.done))
+    await asyncio.gather(*tasks)
+    stats.cores = (sum(me.cpu_times()[:2]) - me0) / (time.time() - start)
+    stats.relays_used = sum(1 for n in nodes if n.relay.relayed)
+    stats.final_interval = max(n.interval for n in nodes)
+    for ch in channels:
+        await ch.close()
+    return stats
+
+
+def _worker(spec: dict) -> dict:
+    """A generator process other than the first: its stats, as JSON (``--worker``)."""
+    args = argparse.Namespace(**spec["args"])
+    _configure(args)
+    return asyncio.run(_simulate(args, spec["port"], spec["part"], spec["born"], spec["start"])).to_json()
+
+
+def _start_workers(args: argparse.Namespace, port: int, born: float, start: float) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(
+        {"args": vars(args), "port": port, "part": part, "born": born, "start": start})],
+        stdout=subprocess.PIPE, text=True) for part in range(1, args.processes)]
+
+
+async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Process,
+               relay: tuple[str, psutil.Process] | None = None) -> dict:
+    born = time.time() - 30.0
+    # The other generator processes start at the same planned time (they take a second to start).
+    start = time.time() + (2.0 if args.processes > 1 else 0.0)
+    workers = _start_workers(args, port, born, start)
+    process = channel = None
+    if relay is not None:
+        channel = grpc.aio.insecure_channel(relay[0])
+        process = (relay[0], pb_grpc.AgentStub(channel))
+        relay_cpu0 = sum(relay[1].cpu_times()[:2])
+    end = start + args.seconds
+    fault_at = start + args.fault_at
+    fault = {"at": fault_at}
+    named = silenced = None
+    paused = False
+    coordinator_cpu: list[tuple[float, float]] = []   # (when, the coordinator's CPU s) at the steady window's ends
+    silent_name = f"sim{args.silence:05d}" if args.silence is not None else ""
+    await asyncio.sleep(max(0.0, start - time.time()))
+    cpu0 = proc.cpu_times()
+
+    async def tick(now: float) -> None:
+        nonlocal named, silenced, paused
+        if not coordinator_cpu and now >= start + args.warmup:
+            coordinator_cpu.append((now, sum(proc.cpu_times()[:2])))
+        if now >= fault_at and args.pause and not paused:
+            paused = True
+            proc.suspend()
+            await asyncio.sleep(args.pause)
+            proc.resume()
+        if now >= fault_at and args.stall is not None and named is None:
             hangs = [i for i in _incidents(state) if i.kind == "hang"]
             if hangs:
                 named = {"seconds": round(hangs[0].detected_at - fault["at"], 2), "node": hangs[0].node,
                          "rank": hangs[0].rank, "reason": str(hangs[0].detail.get("reason", ""))[:200],
                          "silent_ranks": (len(hangs[0].detail["silent_ranks"])   # None: cut from a big incident
                                           if hangs[0].detail.get("silent_ranks") is not None else None)}
-        if fault and args.silence is not None and silenced is None:
-            gone = [d for d in _exclusions(state) if d["node"] == nodes[args.silence].name]
+        if now >= fault_at and args.silence is not None and silenced is None:
+            gone = [d for d in _exclusions(state) if d["node"] == silent_name]
             if gone:
                 silenced = round(gone[0]["decided_at"] - fault["at"], 2)
-    steady_end = (time.time(), stats.done, sum(proc.cpu_times()[:2]))
-    await asyncio.gather(*tasks)
+
+    stats = Stats()
+    await _simulate(args, port, 0, born, start, process, stats, tick, lambda: sum(proc.cpu_times()[:2]))
+    if channel is not None:
+        await channel.close()
+    coordinator_cpu.append((time.time(), sum(proc.cpu_times()[:2])))
+    for w in workers:
+        out, _ = w.communicate(timeout=60)
+        if w.returncode:
+            raise RuntimeError(f"a generator process failed ({w.returncode})")
+        stats.add(json.loads(out))
     wall = time.time() - start
-    cpu1, me1 = proc.cpu_times(), me.cpu_times()
+    cpu1 = proc.cpu_times()
     steady = None
-    if steady_from is not None and steady_end[0] > steady_from[0]:
-        span = steady_end[0] - steady_from[0]
-        rate = (steady_end[1] - steady_from[1]) / span
-        cores = (steady_end[2] - steady_from[2]) / span
+    rate = stats.steady_rate()
+    if rate is not None and len(coordinator_cpu) == 2:
+        (t0, c0), (t1, c1) = coordinator_cpu
+        cores = (c1 - c0) / (t1 - t0)
         steady = {"syncs_per_second": round(rate, 1), "coordinator_cores": round(cores, 2),
                   "coordinator_us_per_summary": round(1e6 * cores / rate, 1) if rate else None}
-    for ch in channels:
-        await ch.close()
     latency = {}
     for kind, samples in stats.lat.items():
         every = sorted(d for _, d in samples)
         late = sorted(d for t, d in samples if t >= start + args.warmup)
         latency[kind] = {"calls": len(every), "p50_ms": _ms(every, 0.5), "p99_ms": _ms(every, 0.99),
                          "steady_p50_ms": _ms(late, 0.5), "steady_p99_ms": _ms(late, 0.99)}
-    expected = {nodes[i].name for i in (args.silence, args.stall) if i is not None}
+    expected = {f"sim{i:05d}" for i in (args.silence, args.stall) if i is not None}
     via = None
     if relay is not None:
         via = {"nodes_behind_it": len(stats.behind_process),
@@ -476,7 +581,7 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         "steady": steady,
         "relayed_share": round(stats.relayed / stats.done, 3) if stats.done else 0.0,
         "beat_share": round(stats.beats / stats.done, 3) if stats.done else 0.0,
-        "relays_used": sum(1 for n in nodes if n.relay.relayed),
+        "relays_used": stats.relays_used,
         "latency": latency,
         "direct_syncs_by_why": stats.direct,
         "held_by_busy_relays": stats.held,
@@ -493,11 +598,12 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
             for d in decided if d["node"] not in expected},
         "coordinator_cores": round((sum(cpu1[:2]) - sum(cpu0[:2])) / wall, 2),
         "coordinator_rss_mb": round(proc.memory_info().rss / 2**20),
-        "generator_cores": round((sum(me1[:2]) - sum(me0[:2])) / wall, 2),
+        "generator_cores": round(stats.cores, 2),   # every generator process's
+        "generator_processes": args.processes,
         # how late the generator's own event loop woke (steady): a late loop lets its calls'
         # deadlines run out on its side, where the coordinator cannot see it
         "generator_loop_lag_ms": {"p50": _ms(lags, 0.5), "p99": _ms(lags, 0.99), "max": _ms(lags, 1.0)},
-        "final_interval_s": round(max(n.interval for n in nodes), 2),
+        "final_interval_s": round(stats.final_interval, 2),
         "hang_named": named, "silent_excluded_after_s": silenced,
         "straggler_nodes_flagged": flagged,
         "relay_process": via,
@@ -551,7 +657,8 @@ def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
     return round(time.perf_counter() - t0, 2), len(out)
 
 
-def run(args: argparse.Namespace) -> dict:
+def _configure(args: argparse.Namespace) -> None:
+    """The generator's module-wide switches, from the command line (in every generator process)."""
     global BACKOFF, RELAY_KEEPS_ON, REPEATED_WINDOWS, STEP, JOB_NODES, RELAY_HOLDS_WHILE_ASKING, RELAY_WORD, SYNC_AT_RATE
     RELAY_HOLDS_WHILE_ASKING = not getattr(args, "relay_refuses_while_asking", False)
     RELAY_WORD = not getattr(args, "relays_silent_on_absence", False)
@@ -561,6 +668,10 @@ def run(args: argparse.Namespace) -> dict:
     REPEATED_WINDOWS = getattr(args, "repeated_windows", False)
     RELAY_KEEPS_ON = not getattr(args, "relay_refuses_when_busy", False)
     STEP = args.step_seconds
+
+
+def run(args: argparse.Namespace) -> dict:
+    _configure(args)
     with tempfile.TemporaryDirectory(prefix="rw-load-") as d:
         tmp = Path(args.keep) if args.keep else Path(d)
         tmp.mkdir(parents=True, exist_ok=True)
@@ -613,6 +724,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=8, help="ranks per node")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--channels", type=int, default=16, help="client channels the nodes share")
+    p.add_argument("--processes", type=int, default=1,
+                   help="generator processes, each with its share of the nodes and their relays")
+    p.add_argument("--worker", help=argparse.SUPPRESS)   # a generator process after the first (JSON)
     p.add_argument("--fault-at", type=float, default=10.0)
     p.add_argument("--warmup", type=float, default=10.0, help="seconds left out of the steady p50/p99")
     p.add_argument("--stall", type=int, help="node whose ranks fall behind when the job hangs")
@@ -651,4 +765,5 @@ def parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(parser().parse_args()), indent=1))
+    _args = parser().parse_args()
+    print(json.dumps(_worker(json.loads(_args.worker)) if _args.worker else run(_args), indent=1))
