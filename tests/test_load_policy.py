@@ -118,6 +118,18 @@ def test_64_nodes_behind_relays_a_silent_one_is_excluded_and_no_healthy_one():
 
 
 @pytest.mark.e2e
+def test_64_nodes_in_two_generator_processes_each_behind_relays_of_its_own():
+    """``--processes 2``: the second process's nodes join later and are grouped behind relays
+    of their own process; its silent node is excluded, and the figures are both processes'."""
+    r = _load_args(silence=40, processes=2, seconds=12.0, fault_at=6.0, warmup=4.0, **_RELAYS)
+    assert r["failed"] == 0 and r["healthy_excluded"] == [], r
+    assert "relay in another generator process" not in r["direct_syncs_by_why"], r["direct_syncs_by_why"]
+    assert r["silent_excluded_after_s"] is not None and r["silent_excluded_after_s"] <= 5.0
+    assert r["relays_used"] == 4 and r["relayed_share"] > 0.5, r
+    assert r["steady"]["syncs_per_second"] > 0.8 * 64 * 4, r["steady"]
+
+
+@pytest.mark.e2e
 def test_nodes_behind_a_real_relay_process_are_answered_and_their_summaries_sent_on():
     """Node 0 is a real agent process: the nodes of its group sync with it over gRPC, and
     it hands every summary it took on to the coordinator in its own group calls."""
