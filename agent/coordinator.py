@@ -155,9 +155,9 @@ class Coordinator:
         now = self.clock()
         reply = pb.GroupReply(coordinator=self.node_id, sync_interval_seconds=self.load.reply_interval())
         names = set()
-        for summary, held in zip(group.nodes, group.held_seconds):
-            try:
-                self._take(summary, now - _held(held))
+        for i, (summary, held) in enumerate(zip(group.nodes, group.held_seconds)):
+            try:   # (the first is the relay's own)
+                self._take(summary, now - _held(held), relayed=i > 0)
             except ValueError as exc:
                 reply.refused.append(summary.node_id[:256])
                 refused(exc)
@@ -202,9 +202,9 @@ class Coordinator:
             except ValueError as exc:
                 refused(exc)
 
-    def _take(self, summary: pb.NodeSummary, at: float) -> None:
+    def _take(self, summary: pb.NodeSummary, at: float, relayed: bool = False) -> None:
         """One node's summary, as of ``at`` on this clock (raises ValueError if refused)."""
-        self.view.take(summary, at)
+        self.view.take(summary, at, relayed)
         if summary.run_id:
             self.incidents.run_id = self.log.run_id = summary.run_id
         self._adopt(summary)

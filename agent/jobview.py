@@ -49,6 +49,7 @@ class NodeView:
     sent_at: float = 0.0
     moved_since_copy: bool = False   # a beat said its ranks progressed after ``summary`` was sent
     witness: tuple[float, float] | None = None   # its relay's word: (unheard since, said at)
+    relayed: bool = False   # its latest summary or beat came through a relay
 
 
 class JobView:
@@ -74,8 +75,8 @@ class JobView:
         return self.log.excluded
 
     # -- intake -----------------------------------------------------------------
-    def take(self, summary: pb.NodeSummary, now: float) -> None:
-        """Keep ``summary`` as its node's latest.
+    def take(self, summary: pb.NodeSummary, now: float, relayed: bool = False) -> None:
+        """Keep ``summary`` as its node's latest (``relayed``: a relay sent it on).
 
         Raises:
             ValueError: no node id, a stale or replayed summary, or one out of range
@@ -100,7 +101,7 @@ class JobView:
                                                    interval=self.load.reply_interval(), best_offset=best,
                                                    latest_progress=latest + offset,
                                                    syncs=prev.syncs + 1 if prev else 1,
-                                                   seq=summary.seq, sent_at=summary.sent_at)
+                                                   seq=summary.seq, sent_at=summary.sent_at, relayed=relayed)
             if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
                 self.dead.discard(summary.node_id)
 
@@ -125,7 +126,8 @@ class JobView:
             moved = prev.moved_since_copy or b.latest_progress > prev.summary.sent_at   # (the node's clock)
             self.nodes[b.node_id] = replace(prev, received_at=now, offset=offset, interval=self.load.reply_interval(),
                                             best_offset=best, latest_progress=latest, syncs=prev.syncs + 1,
-                                            seq=b.seq, sent_at=b.sent_at, moved_since_copy=moved, witness=None)
+                                            seq=b.seq, sent_at=b.sent_at, moved_since_copy=moved, witness=None,
+                                            relayed=True)
 
     # -- readers ------------------------------------------------------------------
     def absent(self, a: pb.NodeAbsence, now: float) -> bool:
@@ -143,7 +145,7 @@ class JobView:
         return True
 
     def silent(self, n: NodeView, now: float) -> bool:
-        return self.load.silent(now, n.received_at, n.interval, n.syncs, n.witness)
+        return self.load.silent(now, n.received_at, n.interval, n.syncs, n.witness, n.relayed)
 
     def live_nodes(self) -> list[NodeView]:
         """The nodes not excluded (call with the lock held)."""

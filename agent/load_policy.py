@@ -182,16 +182,23 @@ def quiet_until(now: float, interval: float, node_timeout: float, cfg: LoadConfi
     return now + silence_allowance(interval, node_timeout, cfg)
 
 
-def silence_allowance(interval: float, node_timeout: float, cfg: LoadConfig) -> float:
-    """Seconds without a summary after which a node syncing every ``interval`` is silent."""
-    return max(node_timeout, cfg.silent_intervals * interval)
+def silence_allowance(interval: float, node_timeout: float, cfg: LoadConfig, relayed: bool = False) -> float:
+    """Seconds without a summary after which a node syncing every ``interval`` is silent.
+
+    A node heard through a relay (``relayed``) has one interval more: its summary waits in
+    the relay for the relay's next call, so the coordinator hears it up to an interval (and
+    a call) later than a node that syncs itself.  With three intervals, a relay call that
+    ran out its deadline at a 1.1 s interval left members unheard past the allowance, and a
+    2,048-node run excluded ten healthy nodes at once."""
+    return max(node_timeout, (cfg.silent_intervals + (1 if relayed else 0)) * interval)
 
 
 def node_silent(now: float, received_at: float, interval: float, node_timeout: float,
                 quiet: float, cfg: LoadConfig, syncs: int | None = None,
-                witness: tuple[float, float] | None = None) -> bool:
+                witness: tuple[float, float] | None = None, relayed: bool = False) -> bool:
     """Whether a node whose last summary arrived at ``received_at`` has gone silent
-    (``syncs``: how many of its summaries this coordinator heard; None: enough).
+    (``syncs``: how many of its summaries this coordinator heard; None: enough;
+    ``relayed``: it came through a relay, :func:`silence_allowance`).
 
     ``witness``: ``(unheard_since, said_at)``, its relay's latest word (said at ``said_at``)
     that it had not heard the node since ``unheard_since`` (all on this clock).  Before the
@@ -201,7 +208,7 @@ def node_silent(now: float, received_at: float, interval: float, node_timeout: f
     no evidence; the relay's is, as the relay was not the bottleneck."""
     if syncs is not None and syncs < cfg.min_syncs:
         return False
-    allowance = silence_allowance(interval, node_timeout, cfg)
+    allowance = silence_allowance(interval, node_timeout, cfg, relayed)
     if now - received_at <= allowance:
         return False
     if now >= quiet:

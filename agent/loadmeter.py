@@ -87,12 +87,12 @@ class LoadMeter:
         return nodes if callers is None else min(nodes, callers)
 
     def silent(self, now: float, received_at: float, node_interval: float, syncs: int,
-               witness: tuple[float, float] | None = None) -> bool:
+               witness: tuple[float, float] | None = None, relayed: bool = False) -> bool:
         """Whether a node last heard at ``received_at`` (told to sync every ``node_interval``
-        s, heard ``syncs`` times; ``witness``: its relay's word on it) has gone silent, as far
-        as this coordinator can tell."""
+        s, heard ``syncs`` times; ``witness``: its relay's word on it; ``relayed``: heard
+        through a relay) has gone silent, as far as this coordinator can tell."""
         return load_policy.node_silent(now, received_at, max(node_interval, self.interval), self.node_timeout,
-                                       self.quiet, self.cfg, syncs, witness)
+                                       self.quiet, self.cfg, syncs, witness, relayed)
 
     def measure(self, now: float, lock: threading.Lock, node_intervals: Callable[[], list[float]]) -> None:
         """Measure the load once a window is full; set the interval; hold off silence verdicts

@@ -381,6 +381,14 @@ def test_the_straggler_pass_is_once_per_interval_and_every_few_seconds_while_ove
     assert straggler_due(100.0 + CFG.straggler_every_overloaded, 100.0, 0.25, True, CFG)
 
 
+def test_a_node_heard_through_a_relay_is_allowed_the_relays_hop():
+    kw = dict(received_at=0.0, interval=1.1, node_timeout=3.0, quiet=0.0, cfg=CFG)
+    assert node_silent(3.4, **kw) and not node_silent(3.4, relayed=True, **kw)
+    assert node_silent(4.5, relayed=True, **kw)
+    # At 4 Hz the node timeout (3 s) is the allowance either way.
+    assert silence_allowance(0.25, 3.0, CFG, relayed=True) == silence_allowance(0.25, 3.0, CFG) == 3.0
+
+
 def test_the_straggler_pass_is_spaced_by_its_own_cost():
     # A pass of 0.15 s (16,384 ranks on a slow machine) runs at most a twentieth of the time.
     assert not straggler_due(102.9, 100.0, 0.25, False, CFG, last_cost=0.15)

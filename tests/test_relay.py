@@ -539,6 +539,44 @@ def test_a_busy_coordinator_takes_a_relays_word_that_a_member_is_gone_and_only_i
                                      absent=[pb.NodeAbsence(node_id="n3", unheard_seconds=1.0)] * (MAX_GROUP + 1)))
 
 
+def test_a_node_heard_through_its_relay_has_one_interval_more_before_it_is_silent():
+    """A member's summary waits in its relay for the relay's next call: the coordinator hears
+    it up to an interval later than a node that syncs itself.  At a 1.1 s interval a node
+    syncing itself is silent after 3.3 s; one heard through its relay after 4.4 s."""
+    clock = Clock()
+    clock.t = 1000.0
+    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(min_nodes=1), clock=clock,
+                    relay=RelayConfig(group_size=3, min_nodes=2), load_clocks=(lambda: 0.0, lambda: 0.0))
+    c.load.interval = 1.1   # as its load measure would ask under load
+    seqs = {"n1": 0, "n2": 0, "n3": 0}
+
+    def node(n: str) -> pb.NodeSummary:
+        seqs[n] += 1
+        return pb.NodeSummary(node_id=n, seq=seqs[n], sent_at=clock.t, relay_address=f"{n}:1")
+
+    for _ in range(3):   # n1 relays n2's summaries; n3 syncs itself
+        c.sync_group(pb.GroupSummary(nodes=[node("n1"), node("n2")], held_seconds=[0.0, 0.0]), lambda e: None)
+        c.sync(node("n3"))
+        c.evaluate()
+        clock.t += 1.1
+    last = clock.t - 1.1   # both last heard then; only n1 is heard from here on
+    while clock.t < last + 3.6:
+        c.sync_group(pb.GroupSummary(nodes=[node("n1")], held_seconds=[0.0]), lambda e: None)
+        c.evaluate()
+        clock.t += 0.25
+    assert list(c.excluded) == ["n3"], "the node that syncs itself: silent past three intervals"
+    while clock.t < last + 4.3:
+        c.sync_group(pb.GroupSummary(nodes=[node("n1")], held_seconds=[0.0]), lambda e: None)
+        c.evaluate()
+        clock.t += 0.25
+    assert list(c.excluded) == ["n3"], "the relayed node: not before four"
+    while clock.t < last + 4.9:
+        c.sync_group(pb.GroupSummary(nodes=[node("n1")], held_seconds=[0.0]), lambda e: None)
+        c.evaluate()
+        clock.t += 0.25
+    assert sorted(c.excluded) == ["n2", "n3"]
+
+
 # -- real agents ----------------------------------------------------------------------
 
 def _relayed(agent: AgentProcess) -> float:
