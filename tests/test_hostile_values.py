@@ -162,6 +162,33 @@ def summary(seq: int, **rank) -> pb.NodeSummary:
     return pb.NodeSummary(node_id="intruder", seq=seq, sent_at=now, ranks=[pb.RankSummary(**r)])
 
 
+_RANK_NUMBERS = [("rank", -1), ("pid", -1), ("pid", 2**53), ("step", -2), ("steps_completed", -1),
+                 ("local_rank", -1), ("world_size", validate.MAX_WORLD_SIZE + 1), ("world_rank", validate.MAX_WORLD_SIZE),
+                 ("step_seconds", math.nan), ("step_seconds", -0.5), ("step_seconds", math.inf),
+                 ("step_period", validate.MAX_DURATION * 2), ("progress_at", math.nan), ("last_seen", -1.0),
+                 ("stacks_at", time.time() + 2 * validate.MAX_CLOCK_AHEAD), ("tokens_per_second", math.inf),
+                 ("tokens_per_second", -1.0), ("group_seqs", {"0": -2}), ("group_seqs", {"0": 2**53}),
+                 ("group_seqs", {"\x1b": 1})]
+
+
+@pytest.mark.parametrize("field,value", _RANK_NUMBERS)
+def test_a_rank_number_out_of_range_is_refused_by_name(field, value):
+    """The range check reads a rank's numbers in one expression and names the one out of
+    range only when that fails: each bound still holds, and the refusal says which."""
+    s = summary(1, **{field: value})
+    with pytest.raises(validate.Rejected) as err:
+        validate_sync.check_summary(s)
+    assert ("group" if field == "group_seqs" else field) in str(err.value), err.value
+
+
+def test_rank_numbers_at_their_bounds_pass():
+    now = time.time()
+    validate_sync.check_summary(summary(1, pid=2**53 - 1, step=-1, world_size=validate.MAX_WORLD_SIZE,
+                                        world_rank=validate.MAX_WORLD_SIZE - 1, step_seconds=validate.MAX_DURATION,
+                                        progress_at=now + validate.MAX_CLOCK_AHEAD / 2, group_seqs={"0": -1},
+                                        phase_seconds={"fwd": 1e9}, mesh_coords={"dp": 3}, backend="gloo"), now)
+
+
 def test_sync_summaries_out_of_range_get_invalid_argument_and_status_answers(agent, channel):
     stub = pb_grpc.AgentStub(channel)
     before = rejected(agent, "invalid_value") + rejected(agent, "oversized") + rejected(agent, "malformed")
@@ -171,6 +198,11 @@ def test_sync_summaries_out_of_range_get_invalid_argument_and_status_answers(age
            summary(6, stacks="x" * (validate.MAX_STACKS + 1)),
            summary(7, flight_recorder=json.dumps({"completed": {"0": 2**62}})),
            summary(15, step_period=-1.0), summary(16, step_period=math.nan),
+           # what a coordinator's status shows of another node's ranks as they came
+           summary(21, phase_seconds={"fwd": math.nan}), summary(22, backend="gl\x1b[2Joo"),
+           summary(23, mesh_coords={"dp": -1}), summary(24, collectives=2**60),
+           summary(25, op_latency={"all_reduce": pb.OpLatency(count=1, p50_seconds=0.1, p99_seconds=math.inf)}),
+           summary(26, phase_seconds={f"p{i}": 1.0 for i in range(validate.MAX_OP_NAMES + 1)}),
            pb.NodeSummary(node_id="intruder", seq=8, sent_at=math.nan),
            pb.NodeSummary(node_id="in\ntruder", seq=9, sent_at=now),
            pb.NodeSummary(node_id="intruder", seq=10, sent_at=now, incidents=[pb.Incident(
