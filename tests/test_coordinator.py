@@ -542,11 +542,9 @@ def test_a_costly_hang_pass_runs_at_most_a_third_of_the_time(cost, passes):
     assert not [i for i in c.incidents.items if i.kind == "hang"]
 
 
-@pytest.mark.parametrize("cores,passes", [(0.1, 12), (1.0, 4)])   # (two before the first load window)
-def test_an_overloaded_coordinator_runs_its_straggler_pass_every_few_seconds(cores, passes):
-    """The straggler pass reads every node's windows again: in a big job's start, a fifth of a
-    slow coordinator's time at once a second.  Idle, it runs once a second; saturated (its
-    process at a full core), every 5 s (load_policy.straggler_due)."""
+def _straggler_passes(cores: float, pass_seconds: float = 0.0) -> tuple[Coordinator, list[float]]:
+    """12 s of ticks of a two-node job, the coordinator's process at ``cores``, each straggler
+    pass taking ``pass_seconds`` on the clock it times passes with: when the passes ran."""
     mono = [50.0]
     clock = Clock()
     c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(node_timeout_seconds=600), clock=clock,
@@ -555,15 +553,25 @@ def test_an_overloaded_coordinator_runs_its_straggler_pass_every_few_seconds(cor
 
     def counted(now):
         ran.append(now)
+        mono[0] += pass_seconds
         return read(now)
 
     c.view.straggler_work = counted
     t = clock.t
-    for seq in range(1, 49):   # 12 s of ticks
+    for seq in range(1, 49):
         clock.t, mono[0] = t + 0.25 * seq, mono[0] + 0.25
         for n in (1, 2):
             c.sync(summary(f"n{n}", seq, clock.t, [dict(rank=n, step=seq, progress_at=clock.t, last_seen=clock.t)]))
         c.evaluate()
+    return c, ran
+
+
+@pytest.mark.parametrize("cores,passes", [(0.1, 12), (1.0, 4)])   # (two before the first load window)
+def test_an_overloaded_coordinator_runs_its_straggler_pass_every_few_seconds(cores, passes):
+    """The straggler pass reads every node's windows again: in a big job's start, a fifth of a
+    slow coordinator's time at once a second.  Idle, it runs once a second; saturated (its
+    process at a full core), every 5 s (load_policy.straggler_due)."""
+    c, ran = _straggler_passes(cores)
     assert (c.load.overloaded is not None) == (cores >= 0.9)
     assert len(ran) == passes
 
@@ -572,23 +580,6 @@ def test_a_slow_straggler_pass_is_spaced_by_what_it_cost():
     """A pass that takes 0.19 s (as 16,384 ranks did) runs 3.8 s apart (at the next tick,
     4 s), not once a second: at most ``straggler_share`` of the coordinator's time
     (load_policy.straggler_due)."""
-    mono = [50.0]
-    clock = Clock()
-    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(node_timeout_seconds=600), clock=clock,
-                    load_clocks=(lambda: mono[0], lambda: 0.1 * mono[0]))
-    read, ran = c.view.straggler_work, []
-
-    def slow(now):
-        ran.append(now)
-        mono[0] += 0.19   # the pass's own time, on the clock the coordinator times it with
-        return read(now)
-
-    c.view.straggler_work = slow
-    t = clock.t
-    for seq in range(1, 49):   # 12 s of ticks
-        clock.t, mono[0] = t + 0.25 * seq, mono[0] + 0.25
-        for n in (1, 2):
-            c.sync(summary(f"n{n}", seq, clock.t, [dict(rank=n, step=seq, progress_at=clock.t, last_seen=clock.t)]))
-        c.evaluate()
+    c, ran = _straggler_passes(0.1, pass_seconds=0.19)
     assert c.load.overloaded is None
     assert [round(b - a, 2) for a, b in zip(ran, ran[1:])] == [4.0, 4.0]
