@@ -540,15 +540,21 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
                 silenced = round(gone[0]["decided_at"] - fault["at"], 2)
 
     stats = Stats()
-    await _simulate(args, port, 0, born, start, process, stats, tick, lambda: sum(proc.cpu_times()[:2]))
-    if channel is not None:
-        await channel.close()
-    coordinator_cpu.append((time.time(), sum(proc.cpu_times()[:2])))
-    for w in workers:
-        out, _ = w.communicate(timeout=60)
-        if w.returncode:
-            raise RuntimeError(f"a generator process failed ({w.returncode})")
-        stats.add(json.loads(out))
+    try:
+        await _simulate(args, port, 0, born, start, process, stats, tick, lambda: sum(proc.cpu_times()[:2]))
+        if channel is not None:
+            await channel.close()
+        coordinator_cpu.append((time.time(), sum(proc.cpu_times()[:2])))
+        for w in workers:
+            out, _ = w.communicate(timeout=60)
+            if w.returncode:
+                raise RuntimeError(f"a generator process failed ({w.returncode})")
+            stats.add(json.loads(out))
+    finally:   # a failed run leaves no generator process behind (nor one blocked on its output)
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
     wall = time.time() - start
     cpu1 = proc.cpu_times()
     steady = None
