@@ -83,6 +83,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                              tls=tls, streams=streams, rank_grace=args.rank_grace,
                              status_max_ranks=args.status_max_ranks,
                              relay=RelayConfig(group_size=args.relay_group, min_nodes=args.relay_min_nodes,
+                                               whole_every_seconds=args.relay_whole_every_seconds,
                                                whole_every_intervals=args.relay_whole_every_intervals,
                                                whole_every_steps=args.relay_whole_every_steps,
                                                busy_hold_seconds=args.relay_busy_hold_seconds),

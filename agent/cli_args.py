@@ -146,10 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: every node syncs with the coordinator; the coordinator's setting)")
     a.add_argument("--relay-min-nodes", type=int, default=128, metavar="N",
                    help="relays only in a job of at least N nodes (default 128)")
-    a.add_argument("--relay-whole-every-intervals", type=float, default=4.0, metavar="K",
-                   help="as a relay, send each node's summary whole at least every 2 s, or every K "
-                        "sync intervals when the coordinator asks for slower syncs (default 4; 0: "
-                        "every 2 s however slow)")
+    a.add_argument("--relay-whole-every-seconds", type=float, default=RelayConfig().whole_every_seconds,
+                   metavar="S", help=f"as a relay, send each node's summary whole at least every S seconds "
+                                     f"(default {RelayConfig().whole_every_seconds:g}; beats between)")
+    a.add_argument("--relay-whole-every-intervals", type=float, default=RelayConfig().whole_every_intervals,
+                   metavar="K", help="... or every K sync intervals when the coordinator asks for slower syncs, "
+                                     "if that is longer (default 4; 0: every S seconds however slow)")
     a.add_argument("--relay-whole-every-steps", type=int, default=RelayConfig().whole_every_steps, metavar="N",
                    help=f"as a relay, also send a node's summary whole once its ranks completed N steps "
                         f"since the last, if that comes first (default {RelayConfig().whole_every_steps})")

@@ -39,11 +39,11 @@ decision), and at least every
 coordinator asks for slower syncs) or ``whole_every_steps`` completed steps, whichever
 comes first (the straggler detector lines the ranks' own-work windows up by step, and
 nodes a whole window apart would leave it nothing to compare); otherwise a beat: the node was heard, and its ranks' latest
-progress.  A healthy job's summaries then cost the coordinator a beat seven times in
-eight at 4 Hz, and a hang, whose ranks wait in a collective, is sent whole within about a
+progress.  A healthy job's summaries then cost the coordinator a beat fifteen times in
+sixteen at 4 Hz, and a hang, whose ranks wait in a collective, is sent whole within about a
 second of its start: well inside the hang allowance.  The stretch matters under
-backpressure: with a fixed 2 s, every summary would go whole once the coordinator asks
-for syncs 2 s apart or more, and beats would stop saving it work just when it is busiest.
+backpressure: with a fixed time, every summary would go whole once the coordinator asks
+for syncs that far apart or more, and beats would stop saving it work just when it is busiest.
 
 What a relay does with a node's sync (:func:`relay_answer`, pure): it answers from the
 coordinator's last reply while that is fresh (``fresh_seconds``, or three of the intervals it
@@ -94,10 +94,12 @@ class RelayConfig:
     """Relays only in a job of at least this many nodes."""
     every_seconds: float = 1.0
     """How often the coordinator draws the groups again."""
-    whole_every_seconds: float = 2.0
+    whole_every_seconds: float = 4.0
     """A relay sends each node's whole summary at least this often (beats between): the
     straggler detector then compares windows at most this old, which its 64-step windows
-    and its once-a-second evaluation absorb."""
+    absorb.  (Whole summaries are most of a big job's cost to its coordinator: at 2 s, one
+    sync in seven went whole at 2,048 nodes, and their range checks alone were a third of
+    its time.  What the detectors act on at once goes whole at once whatever this says.)"""
     whole_every_steps: int = 32
     """... or every this many steps its ranks completed: half the 64-step own-work window a
     node sends, so the coordinator's copies of two nodes always share 32 steps, twice the

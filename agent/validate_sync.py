@@ -9,6 +9,8 @@ import math
 import time
 from typing import Any
 
+import numpy as np
+
 from rankwatch.agent.validate import (
     MAX_ADDRESS, MAX_CLOCK_AHEAD, MAX_DETAIL_JSON, MAX_DURATION, MAX_STACKS, MAX_STEP, MAX_SUMMARY_DECISIONS, MAX_SUMMARY_INCIDENTS,
     MAX_LABEL, MAX_OP_NAMES, MAX_SUMMARY_RANKS, MAX_TEXT, MAX_WINDOW, MAX_WORLD_SIZE, NOT_LABEL, Rejected, check_count, check_duration,
@@ -41,10 +43,10 @@ def check_summary(s: pb.NodeSummary, now: float | None = None) -> None:
         check_label(key, "a time account")
         if not (math.isfinite(value) and 0 <= value < 1e10):
             raise Rejected("invalid_value", f"time account {key} {value!r} out of range")
-    for r in s.ranks:
-        _check_rank_summary(r, now)
-    work = work_windows.all_windows(s.ranks)   # every rank's packed windows, in one pass
-    if work.size and not (0.0 <= work.min() and work.max() <= MAX_DURATION):   # NaN fails both
+    # Every rank's packed windows, checked in one pass (ufunc reductions: numpy's min and max
+    # wrap them in Python).
+    work = work_windows.all_windows([_check_rank_summary(r, now) for r in s.ranks])
+    if work.size and not (0.0 <= np.minimum.reduce(work) and np.maximum.reduce(work) <= MAX_DURATION):   # NaN fails both
         check_durations(work.tolist(), "a per-step time")   # names the value
         raise Rejected("invalid_value", "a per-step time out of range")
     for i in s.incidents:
@@ -79,21 +81,22 @@ def check_absence(a: pb.NodeAbsence) -> None:
     check_duration(a.unheard_seconds, "unheard_seconds")
 
 
-def _check_rank_summary(r: pb.RankSummary, now: float) -> None:
+def _check_rank_summary(r: pb.RankSummary, now: float) -> bytes:
+    """Range-checks a rank of a node's summary; returns its packed windows (``work``), whose
+    values the caller checks with every other rank's."""
     # Every number in range, in one expression; only a value out of range goes through the
     # checks that name it.  (A coordinator range-checks thousands of ranks a second at 2,048
     # nodes: a call per value cost it a quarter more time.)  NaN fails every comparison, and every
-    # bound is finite, so this passes exactly what the checks below pass.
+    # bound is finite, so this passes exactly what the checks below pass.  (An unset world_rank
+    # reads 0.)
     limit = now + MAX_CLOCK_AHEAD
     if not (0 <= r.rank < MAX_STEP and 0 <= r.pid < MAX_STEP and -1 <= r.step < MAX_STEP
             and 0 <= r.steps_completed < MAX_STEP and 0 <= r.local_rank < MAX_STEP
-            and 0 <= r.world_size <= MAX_WORLD_SIZE
+            and 0 <= r.world_size <= MAX_WORLD_SIZE and 0 <= r.world_rank < MAX_WORLD_SIZE
             and 0.0 <= r.step_seconds <= MAX_DURATION and 0.0 <= r.step_period <= MAX_DURATION
             and 0.0 <= r.progress_at <= limit and 0.0 <= r.last_seen <= limit and 0.0 <= r.stacks_at <= limit
             and 0.0 <= r.tokens_per_second < 1e30):
         _check_rank_numbers(r, now)
-    if r.HasField("world_rank") and not 0 <= r.world_rank < MAX_WORLD_SIZE:
-        raise Rejected("invalid_value", f"world_rank {r.world_rank} out of range")
     check_label(r.activity, "activity")
     check_label(r.state, "state")
     seqs = r.group_seqs
@@ -104,7 +107,7 @@ def _check_rank_summary(r: pb.RankSummary, now: float) -> None:
         if len(group) > MAX_LABEL or NOT_LABEL.search(group) or not -1 <= seq < MAX_STEP:
             check_label(group, "group name")
             check_count(seq, "group sequence number", lo=-1)
-    _check_rank_rest(r, now)
+    return _check_rank_rest(r, now)
 
 
 def _check_rank_numbers(r: pb.RankSummary, now: float) -> None:
@@ -116,6 +119,8 @@ def _check_rank_numbers(r: pb.RankSummary, now: float) -> None:
     check_count(r.local_rank, "local_rank")
     if not 0 <= r.world_size <= MAX_WORLD_SIZE:
         raise Rejected("invalid_value", f"world_size {r.world_size} out of range")
+    if not 0 <= r.world_rank < MAX_WORLD_SIZE:
+        raise Rejected("invalid_value", f"world_rank {r.world_rank} out of range")
     check_duration(r.step_seconds, "step_seconds")
     check_duration(r.step_period, "step_period")
     for t, what in ((r.progress_at, "progress_at"), (r.last_seen, "last_seen"), (r.stacks_at, "stacks_at")):
@@ -150,9 +155,9 @@ def _check_rank_extras(r: pb.RankSummary) -> None:
         check_duration(lat.p99_seconds, "op p99")
 
 
-def _check_rank_rest(r: pb.RankSummary, now: float) -> None:
+def _check_rank_rest(r: pb.RankSummary, now: float) -> bytes:
     """What follows a rank's numbers, names and groups: its collective in flight, windows,
-    stacks and Flight Recorder extract, and what status shows of it."""
+    stacks and Flight Recorder extract, and what status shows of it; returns its ``work``."""
     if r.backend or r.collectives or r.phase_seconds or r.mesh_coords or r.op_latency:
         _check_rank_extras(r)
     if r.HasField("inflight"):
@@ -160,16 +165,19 @@ def _check_rank_rest(r: pb.RankSummary, now: float) -> None:
         check_label(r.inflight.group, "in-flight group")
         check_count(r.inflight.seq, "in-flight sequence number", lo=-1)
         check_timestamp(r.inflight.since, "in-flight since", now)
+    work = r.work   # (each read copies it) its values are checked with the whole summary's
     own, data, comm = r.own_work, r.data_wait, r.comm_wait
-    if len(own) > MAX_WINDOW or len(data) > MAX_WINDOW or len(comm) > MAX_WINDOW:
-        raise Rejected("oversized", "rank summary window too long")
-    check_durations(own[:] + data[:] + comm[:], "a per-step time")   # [:]: a list, copied in C
-    if r.work:   # its values are checked with the whole summary's (check_summary)
-        if own or data or comm:
+    if own or data or comm:   # an older agent's form
+        if len(own) > MAX_WINDOW or len(data) > MAX_WINDOW or len(comm) > MAX_WINDOW:
+            raise Rejected("oversized", "rank summary window too long")
+        check_durations(own[:] + data[:] + comm[:], "a per-step time")   # [:]: a list, copied in C
+        if work:
             raise Rejected("malformed", "rank summary has its windows both packed and repeated")
-        if not work_windows.whole_steps(r):
-            raise Rejected("malformed", f"rank summary work of {len(r.work)} bytes: not whole steps")
-        if work_windows.steps(r) > MAX_WINDOW:
+    if work:
+        steps = work_windows.steps(work)
+        if steps is None:
+            raise Rejected("malformed", f"rank summary work of {len(work)} bytes: not whole steps")
+        if steps > MAX_WINDOW:
             raise Rejected("oversized", "rank summary window too long")
     if len(r.stacks) > MAX_STACKS or len(r.flight_recorder) > MAX_STACKS:
         raise Rejected("oversized", "rank summary stacks or Flight Recorder too long")
@@ -180,6 +188,7 @@ def _check_rank_rest(r: pb.RankSummary, now: float) -> None:
                 check_flight_recorder(doc, now)
         except ValueError as exc:
             raise Rejected("malformed", f"flight_recorder: {exc}") from None
+    return work
 
 
 def check_incident(i: pb.Incident, now: float | None = None) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from rankwatch.proto import pb
 
-__all__ = ["VALUE_BYTES", "all_windows", "pack", "steps", "whole_steps", "windows"]
+__all__ = ["VALUE_BYTES", "all_windows", "pack", "steps", "windows"]
 
 VALUE_BYTES = 8
 _DTYPE = np.dtype("<f8")
@@ -38,14 +38,11 @@ def pack(own: Sequence[float], data: Sequence[float], wait: Sequence[float]) -> 
     return np.array([list(w)[len(w) - n:] for w in (own, data, wait)], _DTYPE).tobytes()
 
 
-def steps(r: pb.RankSummary) -> int:
-    """How many steps ``r.work`` holds (its size need not be whole steps: see :func:`whole_steps`)."""
-    return len(r.work) // (3 * VALUE_BYTES)
-
-
-def whole_steps(r: pb.RankSummary) -> bool:
-    """Whether ``r.work`` is a whole number of steps of three windows."""
-    return len(r.work) % (3 * VALUE_BYTES) == 0
+def steps(work: bytes) -> int | None:
+    """How many steps a rank's ``work`` field holds; None when its size is not a whole
+    number of steps of three windows."""
+    n, rest = divmod(len(work), 3 * VALUE_BYTES)
+    return None if rest else n
 
 
 def windows(r: pb.RankSummary) -> tuple[Window, Window, Window]:
@@ -59,7 +56,8 @@ def windows(r: pb.RankSummary) -> tuple[Window, Window, Window]:
     return cast(Window, a[:n]), cast(Window, a[n:2 * n]), cast(Window, a[2 * n:3 * n])
 
 
-def all_windows(ranks: Iterable[pb.RankSummary]) -> np.ndarray:
-    """Every value of the ranks' ``work`` fields, as one array (to range-check in one pass)."""
-    blob = b"".join(r.work for r in ranks)
+def all_windows(works: Iterable[bytes]) -> np.ndarray:
+    """Every value of the ranks' ``work`` fields (each read once: a read copies it), as one
+    array (to range-check in one pass)."""
+    blob = b"".join(works)
     return np.frombuffer(blob, _DTYPE) if blob else _EMPTY

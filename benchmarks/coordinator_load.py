@@ -432,7 +432,8 @@ async def _simulate(args: argparse.Namespace, port: int, part: int, born: float,
     relays), syncing from ``start`` for ``args.seconds``, faults at ``args.fault_at``;
     ``process``: (address, stub) of the relay agent process (the first part only);
     ``on_tick(now)``: the first part's own checks, every 0.1 s."""
-    relay_cfg = RelayConfig(whole_every_intervals=args.relay_whole_every_intervals,
+    relay_cfg = RelayConfig(whole_every_seconds=args.relay_whole_every_seconds,
+                            whole_every_intervals=args.relay_whole_every_intervals,
                             whole_every_steps=args.relay_whole_every_steps,
                             busy_hold_seconds=args.relay_busy_hold_seconds)
     lo, hi = part * args.nodes // args.processes, (part + 1) * args.nodes // args.processes
@@ -682,7 +683,8 @@ def run(args: argparse.Namespace) -> dict:
         tmp = Path(args.keep) if args.keep else Path(d)
         tmp.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        whole = ["--relay-whole-every-intervals", str(args.relay_whole_every_intervals),
+        whole = ["--relay-whole-every-seconds", str(args.relay_whole_every_seconds),
+                 "--relay-whole-every-intervals", str(args.relay_whole_every_intervals),
                  "--relay-whole-every-steps", str(args.relay_whole_every_steps),
                  "--relay-busy-hold-seconds", str(args.relay_busy_hold_seconds)]
         relay_args = ([] if args.relay_group is None else ["--relay-group", str(args.relay_group)]) + (
@@ -742,8 +744,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pause", type=float, default=0.0, help="SIGSTOP the coordinator this long")
     p.add_argument("--relay-group", type=int, help="the coordinator's --relay-group (0: no relays)")
     p.add_argument("--relay-min-nodes", type=int, help="the coordinator's --relay-min-nodes")
+    p.add_argument("--relay-whole-every-seconds", type=float, default=RelayConfig().whole_every_seconds,
+                   help="the relays': a node goes whole at least this often")
     p.add_argument("--relay-whole-every-intervals", type=float, default=RelayConfig().whole_every_intervals,
-                   help="the relays' (0: a node goes whole every 2 s however slow the syncs)")
+                   help="the relays' (0: a node goes whole every --relay-whole-every-seconds however slow the syncs)")
     p.add_argument("--relay-whole-every-steps", type=int, default=RelayConfig().whole_every_steps,
                    help="the relays' steps rule: a node goes whole at least every N steps its ranks completed")
     p.add_argument("--relay-refuses-while-asking", action="store_true",
