@@ -416,7 +416,7 @@ class Coordinator:
                     continue
                 why, n.ranks_dead_since = node_death.judge(
                     now, silent=name in quiet, silence_counts=counts,
-                    ranks_died=node_death.all_ranks_died(n.summary.ranks), died_since=n.ranks_dead_since,
+                    ranks_died=n.ranks_died, died_since=n.ranks_dead_since,
                     grace=self.policy.crashed_grace_seconds)
                 if why is not None:
                     if name in quiet and now < self.load.quiet and n.witness is not None:   # (load_policy.node_silent)

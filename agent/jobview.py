@@ -17,7 +17,7 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
-from rankwatch.agent import validate_sync, work_windows
+from rankwatch.agent import node_death, validate_sync, work_windows
 from rankwatch.agent.decisions import DecisionLog
 from rankwatch.agent.evaluate import STACKS_FRESH_SECONDS, Snapshot
 from rankwatch.agent.hang import RankProgress
@@ -50,6 +50,7 @@ class NodeView:
     moved_since_copy: bool = False   # a beat said its ranks progressed after ``summary`` was sent
     witness: tuple[float, float] | None = None   # its relay's word: (unheard since, said at)
     relayed: bool = False   # its latest summary or beat came through a relay
+    ranks_died: bool = False   # node_death.all_ranks_died of its summary (read once per summary)
 
 
 class JobView:
@@ -69,6 +70,9 @@ class JobView:
         # node -> (the summary its straggler inputs were read from, those inputs): only the
         # detector loop reads and writes it.
         self._work: dict[str, tuple[pb.NodeSummary, list[RankWork]]] = {}
+        # node -> (its summary, the incidents it raised), kept between reads (:meth:`job_incidents`).
+        self._incidents: dict[str, tuple[pb.NodeSummary, list[Incident]]] = {}
+        self._incidents_lock = threading.Lock()
 
     @property
     def excluded(self) -> dict[str, str]:
@@ -101,7 +105,8 @@ class JobView:
                                                    interval=self.load.reply_interval(), best_offset=best,
                                                    latest_progress=latest + offset,
                                                    syncs=prev.syncs + 1 if prev else 1,
-                                                   seq=summary.seq, sent_at=summary.sent_at, relayed=relayed)
+                                                   seq=summary.seq, sent_at=summary.sent_at, relayed=relayed,
+                                                   ranks_died=node_death.all_ranks_died(summary.ranks))
             if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
                 self.dead.discard(summary.node_id)
 
@@ -238,16 +243,22 @@ class JobView:
 
         A node speaks for itself only: an incident naming another node is left out, as is
         one that does not parse (logged); a node's bad record never stops the coordinator.
+        Each summary's are read once, on the node's clock offset as of that read, and kept:
+        the evaluation loop reads them four times a second, and a beat changes none.
         """
         with self.lock:
-            sent = [(i, n.offset) for name, n in self.nodes.items() for i in n.summary.incidents
-                    if i.node == name]
+            nodes = [(name, n.summary, n.offset) for name, n in self.nodes.items()]
         out = []
-        for i, offset in sent:
-            try:
-                out.append(Incident.from_pb(i, clock_offset=offset))
-            except ValueError as exc:
-                log.debug("node incident %s left out: %s", i.id, exc)
+        with self._incidents_lock:   # (status and the relays' answers read them too)
+            kept = self._incidents
+            for name, summary, offset in nodes:
+                held = kept.get(name)
+                if held is None or held[0] is not summary:
+                    held = kept[name] = (summary, _node_incidents(name, summary, offset))
+                out.extend(held[1])
+            if len(kept) > len(nodes):
+                listed = {name for name, _, _ in nodes}
+                self._incidents = {name: held for name, held in kept.items() if name in listed}
         return out
 
     def node_states(self) -> dict[str, str]:
@@ -269,6 +280,19 @@ def _rank_work(node: str, r: pb.RankSummary) -> RankWork:
     own, data, wait = work_windows.windows(r)
     return RankWork(rank=r.rank, node=node, step=r.step, own=own, data=data, wait=wait,
                     step_seconds=r.step_seconds, completed=r.steps_completed, period=r.step_period)
+
+
+def _node_incidents(name: str, summary: pb.NodeSummary, offset: float) -> list[Incident]:
+    """The incidents a node's summary raises of itself, on the coordinator's clock."""
+    out = []
+    for i in summary.incidents:
+        if i.node != name:
+            continue
+        try:
+            out.append(Incident.from_pb(i, clock_offset=offset))
+        except ValueError as exc:
+            log.debug("node incident %s left out: %s", i.id, exc)
+    return out
 
 
 def _flight_recorder(r: pb.RankSummary) -> dict | None:

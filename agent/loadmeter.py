@@ -91,6 +91,8 @@ class LoadMeter:
         """Whether a node last heard at ``received_at`` (told to sync every ``node_interval``
         s, heard ``syncs`` times; ``witness``: its relay's word on it; ``relayed``: heard
         through a relay) has gone silent, as far as this coordinator can tell."""
+        if now - received_at <= self.node_timeout:
+            return False   # no allowance is shorter (the evaluation asks of every node, 4 times a second)
         return load_policy.node_silent(now, received_at, max(node_interval, self.interval), self.node_timeout,
                                        self.quiet, self.cfg, syncs, witness, relayed)
 
