@@ -31,7 +31,10 @@ puts it at the head of the first group; the nodes the coordinator sends to it sy
 with it over gRPC, as ``JobLink`` does, and their calls' latency is what a node sees
 through a relay (``Sync via a relay process``).
 
-Reported: node syncs done (direct or through a relay; asked for at 4 Hz), latency
+Reported: node summaries the coordinator took (directly or in a relay's group; asked for
+at 4 Hz; a relay sends on only a node's latest, so two of its syncs between the relay's
+calls count once) and, in the steady window, the node syncs answered (by a relay or the
+coordinator: the rate the nodes sync at), latency
 p50/p99 of the calls the coordinator served (``Sync`` and ``SyncGroup`` apart),
 failures by status code and by call, exclusions of healthy nodes, the coordinator's CPU (cores)
 and RSS, the load generator's own CPU, and the sync interval the coordinator asked
@@ -185,13 +188,15 @@ class Stats:
         self.done = 0         # node summaries the coordinator took, directly or in a group
         self.relayed = 0      # of those, through a relay
         self.beats = 0        # of those, beats (the node's last whole summary stands)
-        self.steady: list[tuple[float, int]] = []   # (when, done) at the steady window's start and end
+        self.answered = 0     # node syncs answered: by a relay from its last reply, by the coordinator,
+        #                       or a relay's own in its SyncGroup (a relay sends on a node's latest only)
+        self.steady: list[tuple[float, int, int]] = []   # (when, done, answered) at the steady window's ends
         self.cores = 0.0      # this generator process's CPU over its run (cores)
         self.relays_used = 0  # relays that sent summaries of other nodes on
         self.final_interval = 0.0   # the longest sync interval a node was asked for at the end
 
     _KEEP = ("lat", "behind_process", "fails", "fails_by_call", "node_fails", "lags", "failed_at", "held",
-             "direct", "sent_at", "done", "relayed", "beats", "steady", "cores", "relays_used", "final_interval")
+             "direct", "sent_at", "done", "relayed", "beats", "answered", "steady", "cores", "relays_used", "final_interval")
 
     def to_json(self) -> dict:
         """What a generator process found, for the first to add to its own (:meth:`add`)."""
@@ -213,17 +218,19 @@ class Stats:
         self.lags.extend(tuple(x) for x in other["lags"])
         self.failed_at.extend(other["failed_at"])
         self.sent_at.extend(other["sent_at"])
-        for name in ("held", "done", "relayed", "beats", "cores", "relays_used"):
+        for name in ("held", "done", "relayed", "beats", "answered", "cores", "relays_used"):
             setattr(self, name, getattr(self, name) + other[name])
         self.final_interval = max(self.final_interval, other["final_interval"])
         self.steady_parts.append(other["steady"])
 
-    def steady_rate(self) -> float | None:
-        """Summaries taken a second over the steady window, every generator process's summed."""
+    def steady_rate(self) -> tuple[float, float] | None:
+        """(summaries taken, node syncs answered) a second over the steady window, every
+        generator process's summed."""
         parts = [p for p in [self.steady, *self.steady_parts] if len(p) == 2 and p[1][0] > p[0][0]]
         if not parts:
             return None
-        return sum((b[1] - a[1]) / (b[0] - a[0]) for a, b in parts)
+        return (sum((b[1] - a[1]) / (b[0] - a[0]) for a, b in parts),
+                sum((b[2] - a[2]) / (b[0] - a[0]) for a, b in parts))
 
     def failed(self, exc: grpc.aio.AioRpcError, node: SimNode, call: str) -> None:
         self.fails[exc.code().name] = self.fails.get(exc.code().name, 0) + 1
@@ -304,6 +311,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
         node.busy_failures = 0
         node.last_ok = time.time()
         node.relay.answered(reply)
+        stats.answered += 1
         taken = len(group.nodes) + len(group.beats) - len(reply.refused)
         stats.done += taken
         stats.relayed += taken - 1
@@ -314,6 +322,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
     if relay is not None and not relay.silent:
         try:
             got = relay.relay.take(summary)
+            stats.answered += 1
             node.apply(got.sync_interval_seconds, got.relay)
             node.last_ok = time.time()
             node.busy_failures = 0
@@ -348,6 +357,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
             node.last_ok = time.time()
             stats.done += 1   # handed on: the relay process's own SyncGroup calls carry it
             stats.relayed += 1
+            stats.answered += 1
             node.apply(reply.sync_interval_seconds, reply.relay)
             return
     t_sent, t0 = time.time(), time.perf_counter()
@@ -368,6 +378,7 @@ async def _sync_once(node: SimNode, by_addr: dict[str, SimNode], stub, md, stats
     node.last_ok = time.time()
     node.busy_failures = 0
     stats.done += 1
+    stats.answered += 1
     node.relay.answered_directly(reply)
     node.apply(reply.sync_interval_seconds, reply.relay)
 
@@ -464,7 +475,7 @@ async def _simulate(args: argparse.Namespace, port: int, part: int, born: float,
                 n.relay.woke_late(now - slept - 0.1)
         stats.cpu.append((now, coordinator_cpu(), sum(me.cpu_times()[:2])))
         if not stats.steady and now >= start + args.warmup:
-            stats.steady = [(now, stats.done)]
+            stats.steady = [(now, stats.done, stats.answered)]
         if now >= fault_at and not faulted:
             faulted = True
             for n in nodes:
@@ -475,7 +486,7 @@ async def _simulate(args: argparse.Namespace, port: int, part: int, born: float,
                     n.silent = True
         if on_tick is not None:
             await on_tick(now)
-    stats.steady.append((time.time(), stats.done))
+    stats.steady.append((time.time(), stats.done, stats.answered))
     await asyncio.gather(*tasks)
     stats.cores = (sum(me.cpu_times()[:2]) - me0) / (time.time() - start)
     stats.relays_used = sum(1 for n in nodes if n.relay.relayed)
@@ -559,11 +570,13 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
     wall = time.time() - start
     cpu1 = proc.cpu_times()
     steady = None
-    rate = stats.steady_rate()
-    if rate is not None and len(coordinator_cpu) == 2:
+    rates = stats.steady_rate()
+    if rates is not None and len(coordinator_cpu) == 2:
         (t0, c0), (t1, c1) = coordinator_cpu
         cores = (c1 - c0) / (t1 - t0)
-        steady = {"syncs_per_second": round(rate, 1), "coordinator_cores": round(cores, 2),
+        rate, answered = rates
+        steady = {"syncs_per_second": round(rate, 1), "node_syncs_per_second": round(answered, 1),
+                  "coordinator_cores": round(cores, 2),
                   "coordinator_us_per_summary": round(1e6 * cores / rate, 1) if rate else None}
     latency = {}
     for kind, samples in stats.lat.items():
