@@ -230,14 +230,17 @@ def _behind_on_sequence(ranks: list[RankProgress]) -> tuple[RankProgress, str] |
     group per node has thousands, and a pass over every rank per group was quadratic."""
     top: dict[str, int] = {}
     for r in ranks:
-        for g, seq in r.group_seqs.items():
+        seqs = r.group_seqs
+        for g in seqs:   # (keys, then each value: a protobuf map's items() is Python-level)
+            seq = seqs[g]
             t = top.get(g)
             if t is None or seq > t:
                 top[g] = seq
     gap, worst, group = 0, None, ""
     for r in ranks:
-        for g, seq in r.group_seqs.items():
-            d = top[g] - seq
+        seqs = r.group_seqs
+        for g in seqs:
+            d = top[g] - seqs[g]
             if d > gap or (d == gap and d > 0 and g < group):
                 gap, worst, group = d, r, g
     return (worst, group) if worst is not None else None

@@ -177,8 +177,11 @@ class JobView:
     def snapshot(self, now: float) -> Snapshot:
         """Every included rank on the coordinator's clock, as :func:`evaluate` reads it.
 
-        Summaries are replaced whole on each sync, never changed, so the windows are
-        referenced here rather than copied, and the lock is held only to collect them.
+        Summaries are replaced whole on each sync, never changed, so what it reads of them is
+        referenced here rather than copied, and the lock is held only to collect them.  The
+        ranks' work windows are left out: the job's straggler detector reads them from
+        :meth:`straggler_work` (at 16,384 ranks, reading them here was a third of a hang pass,
+        which a stalled job runs every second).
         """
         with self.lock:
             nodes = [(name, n, self.silent(n, now)) for name, n in self.nodes.items()
@@ -188,7 +191,7 @@ class JobView:
         for name, n, silent_node in nodes:
             for r in n.summary.ranks:
                 fresh = now - (r.stacks_at + n.offset) < STACKS_FRESH_SECONDS
-                own, data, wait = work_windows.windows(r)
+                fr = r.flight_recorder
                 out.append(RankProgress(
                     rank=r.rank, node=name, step=r.step, step_seconds=r.step_seconds,
                     steps_completed=r.steps_completed, activity=r.activity or "train",
@@ -208,9 +211,8 @@ class JobView:
                                "seq": r.inflight.seq, "since": r.inflight.since + n.offset}
                               if r.HasField("inflight") else None),
                     stacks=r.stacks if r.stacks and fresh else None,
-                    flight_recorder=_flight_recorder(r), pid=r.pid, alive=r.alive, stopped=r.stopped,
-                    own=own, data=data, wait=wait, period=r.step_period,
-                    current=not n.moved_since_copy))
+                    flight_recorder=_flight_recorder(r.rank, fr) if fr else None, pid=r.pid, alive=r.alive,
+                    stopped=r.stopped, current=not n.moved_since_copy))
         return Snapshot(ranks=out, scope="job", nodes=names,
                         silent_nodes=frozenset(name for name, _, silent in nodes if silent))
 
@@ -295,10 +297,10 @@ def _node_incidents(name: str, summary: pb.NodeSummary, offset: float) -> list[I
     return out
 
 
-def _flight_recorder(r: pb.RankSummary) -> dict | None:
+def _flight_recorder(rank: int, text: str) -> dict | None:
     """A node's rank's Flight Recorder extract; a malformed one is left out of the evidence."""
     try:
-        return parse_flight_recorder(r.flight_recorder)
+        return parse_flight_recorder(text)
     except ValueError as exc:
-        log.debug("rank %d: flight_recorder left out: %s", r.rank, exc)
+        log.debug("rank %d: flight_recorder left out: %s", rank, exc)
         return None
