@@ -629,6 +629,7 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         "relay_process": via,
         "started_at": start,
         "timeline": _timeline(stats, start, min(wall, 30.0)),
+        "slow_seconds": _slow_seconds(stats, start, args.warmup),
     }
 
 
@@ -646,6 +647,18 @@ def _timeline(stats: Stats, start: float, seconds: float) -> list[dict]:
             "coordinator_cores": round((cpu[-1][1] - cpu[0][1]) / (cpu[-1][0] - cpu[0][0]), 2) if len(cpu) > 1 else None,
             "generator_cores": round((cpu[-1][2] - cpu[0][2]) / (cpu[-1][0] - cpu[0][0]), 2) if len(cpu) > 1 else None})
     return out
+
+
+def _slow_seconds(stats: Stats, start: float, warmup: float, over: float = 0.25) -> list[dict]:
+    """The ten seconds after the warmup with the most calls to the coordinator slower than
+    ``over`` s, as seconds from the start (a p99 spread out, or a few bad seconds)."""
+    by: dict[int, list[float]] = {}
+    for samples in stats.lat.values():
+        for t, d in samples:
+            if t >= start + warmup and d > over:
+                by.setdefault(int(t - start), []).append(d)
+    worst = sorted(by.items(), key=lambda kv: -len(kv[1]))[:10]
+    return [{"s": k, "calls": len(v), "max_ms": round(1e3 * max(v), 1)} for k, v in worst]
 
 
 _STORY = ("overloaded", "back to normal", "nodes now sync", "silent together", "burst", "is dead")
