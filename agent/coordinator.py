@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from rankwatch.agent import checkpoint_policy, load_policy, node_death
 from rankwatch.agent.decisions import Decision, DecisionLog
-from rankwatch.agent.hangend import hang_end, steps_at
+from rankwatch.agent.hangend import end_possible, hang_end, steps_at
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
 from rankwatch.agent.evaluate import Verdicts, evaluate
 from rankwatch.agent.hang import HangConfig, hang_possible
@@ -118,6 +118,8 @@ class Coordinator:
         self._relay_lock = threading.Lock()   # the assignment, the groups and placements
         self._relays_at = float("-inf")
         self._silent_burst = False   # many nodes silent together (said once per burst)
+        self._quiet_count = 0   # nodes silent at the last evaluation
+        self._hang_seen: tuple[int, int, int] | None = None   # _hang_changes() at the last look at an open hang
         self._silenced: dict[str, float] = {}   # node judged dead for its silence -> when (recent ones)
 
     # -- intake ---------------------------------------------------------------
@@ -290,24 +292,25 @@ class Coordinator:
         reported = self.job_incidents()   # parsed from every node's summary: once a tick
         self._check_gpu(reported)
         # Snapshotting every rank is the costly part at thousands of ranks: only while a hang
-        # is possible at all.  An open hang is checked for its end once per interval; a new one
-        # only when possible.  The straggler detector (once per sync interval, less often while
+        # is possible at all.  An open hang is checked for its end once per interval, and only
+        # once something that can end it changed; a new one only when possible.  The straggler detector (once per sync interval, less often while
         # overloaded: load_policy.straggler_due) reads its inputs
         # from each node's latest whole summary, kept between runs (JobView.straggler_work).
         every = max(1.0, self.load.interval)
         if self._open_hang is None:
             hang_due = hang_possible(now, self.view.latest_progress(), self.hang)
-        else:
-            hang_due = now - self._hang_checked >= every
+        else:   # only once something that can end it changed (hangend.end_possible)
+            hang_due = (now - self._hang_checked >= every
+                        and end_possible(now, self._hang_changes(), self._hang_seen, self._hang_checked))
         began, took = self._hang_pass
-        verdicts = None
+        verdicts, seen = None, self._hang_changes()   # (as of the snapshot)
         if hang_due and load_policy.detector_due(self._monotonic(), began, took, self.load.cfg):
             began = self._monotonic()
             verdicts = evaluate(now, self.snapshot(now), self.hang)
             self._hang_pass = (began, self._monotonic() - began)
         if verdicts is not None and self._hang_evidence(now, verdicts):
             self._hang_checked = now
-            self._check_hang(now, verdicts)
+            self._check_hang(now, verdicts, seen)
         if load_policy.straggler_due(now, self._stragglers_at, self.load.interval,
                                      self.load.overloaded is not None, self.load.cfg, self._straggler_cost):
             self._stragglers_at, began = now, self._monotonic()
@@ -370,17 +373,24 @@ class Coordinator:
         v = found.verdict
         return load_policy.hang_shown_by_reports(now, self.load.quiet, v.reported_for, v.allowance, v.by_silence)
 
-    def _check_hang(self, now: float, verdicts: Verdicts) -> None:
+    def _hang_changes(self) -> tuple[int, int, int]:
+        """What alone can end an open hang, counted (:func:`hangend.end_possible`)."""
+        return self.view.moves, len(self.excluded), self._quiet_count
+
+    def _check_hang(self, now: float, verdicts: Verdicts, seen: tuple[int, int, int]) -> None:
+        """``seen``: :meth:`_hang_changes` when the verdicts' snapshot was taken."""
         if self.restarts.restarting(now, self.policy.restart_quiet_seconds):
             return  # the workers are being restarted
         ranks = verdicts.snapshot.ranks
         if self._open_hang is not None:
             end = hang_end(ranks, self._hang_steps)
+            self._hang_seen = seen
             if end is not None:
                 log.info("job progress resumed after %s" if end == "resumed" else
                          "the job's ranks ended while %s was open", self._open_hang)
                 self.incidents.resolve(self._open_hang, now, outcome=end)
                 self._open_hang = None
+                self._hang_seen = None
             return
         found = verdicts.hang
         if found is None:
@@ -389,6 +399,7 @@ class Coordinator:
                                   detected_at=now, detail=found.detail)
         self._open_hang = hang.id
         self._hang_steps = steps_at(ranks)
+        self._hang_seen = seen
         self._on_incident(hang)
         v = found.verdict
         log.warning("JOB HANG: rank %d on node %s %s; others wait in %s%s", found.rank, found.node,
@@ -402,6 +413,7 @@ class Coordinator:
             excluded = self.excluded
             included = [(name, n) for name, n in self.nodes.items() if name not in excluded]
             quiet = {name for name, n in included if self.view.silent(n, now)}
+            self._quiet_count = len(quiet)
             # Nodes excluded for their silence lately count with those silent now: a burst
             # whose nodes fall silent one evaluation apart is still one burst.
             window = self.policy.silent_burst_seconds

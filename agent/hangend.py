@@ -17,14 +17,28 @@ ended while hung.)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Literal
 
 from rankwatch.agent.hang import RankProgress
 
-__all__ = ["HangEnd", "hang_end", "steps_at"]
+__all__ = ["HangEnd", "end_possible", "hang_end", "steps_at"]
 
 HangEnd = Literal["resumed", "ended"]
+
+
+def end_possible(now: float, changes: Hashable, seen: Hashable | None, looked_at: float,
+                 backstop: float = 30.0) -> bool:
+    """Whether an open hang may have ended since the last look at every rank (at
+    ``looked_at``, which saw ``seen``), the job's ``changes`` being what it is now.
+
+    ``changes`` counts what alone can end a hang (:func:`hang_end`): a node whose ranks
+    progressed, whose streams opened or closed, or that joined; nodes excluded; nodes gone
+    silent (their ranks no longer stream).  While it stands still, another look at every
+    rank finds what the last one found: at 16,384 ranks a look cost a slow machine 0.25 s of
+    the GIL the syncs need, once a second for as long as the job stayed hung.  A look every
+    ``backstop`` seconds whatever it says."""
+    return seen is None or changes != seen or now - looked_at >= backstop
 
 
 def steps_at(ranks: Iterable[RankProgress]) -> dict[tuple[str, int], int]:

@@ -51,6 +51,8 @@ class NodeView:
     witness: tuple[float, float] | None = None   # its relay's word: (unheard since, said at)
     relayed: bool = False   # its latest summary or beat came through a relay
     ranks_died: bool = False   # node_death.all_ranks_died of its summary (read once per summary)
+    progressed: float = float("-inf")   # its ranks' latest progress on its own clock (summary or beat)
+    streams: tuple[int, ...] = ()   # pids of its ranks that stream (connected, not exited cleanly)
 
 
 class JobView:
@@ -73,6 +75,9 @@ class JobView:
         # node -> (its summary, the incidents it raised), kept between reads (:meth:`job_incidents`).
         self._incidents: dict[str, tuple[pb.NodeSummary, list[Incident]]] = {}
         self._incidents_lock = threading.Lock()
+        self.moves = 0
+        """Summaries and beats that showed a node's ranks progressed, its streams open or
+        close, or a new node (a counter: :func:`~rankwatch.agent.hangend.end_possible`)."""
 
     @property
     def excluded(self) -> dict[str, str]:
@@ -101,12 +106,16 @@ class JobView:
             best = min(offset, prev.best_offset if prev else offset)
             self.load.heard(offset - best, len(self.nodes) + (summary.node_id not in self.nodes))
             latest = max((r.progress_at for r in summary.ranks if not r.exited_cleanly), default=float("-inf"))
+            streams = tuple(r.pid for r in summary.ranks if r.connected and not r.exited_cleanly)
+            if prev is None or latest > prev.progressed or streams != prev.streams:
+                self.moves += 1
             self.nodes[summary.node_id] = NodeView(summary, now, offset, prev.ranks_dead_since if prev else None,
                                                    interval=self.load.reply_interval(), best_offset=best,
                                                    latest_progress=latest + offset,
                                                    syncs=prev.syncs + 1 if prev else 1,
                                                    seq=summary.seq, sent_at=summary.sent_at, relayed=relayed,
-                                                   ranks_died=node_death.all_ranks_died(summary.ranks))
+                                                   ranks_died=node_death.all_ranks_died(summary.ranks),
+                                                   progressed=latest, streams=streams)
             if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
                 self.dead.discard(summary.node_id)
 
@@ -129,10 +138,12 @@ class JobView:
             self.load.heard(offset - best, len(self.nodes))
             latest = b.latest_progress + offset if b.latest_progress > 0 else prev.latest_progress
             moved = prev.moved_since_copy or b.latest_progress > prev.summary.sent_at   # (the node's clock)
+            if b.latest_progress > prev.progressed:
+                self.moves += 1
             self.nodes[b.node_id] = replace(prev, received_at=now, offset=offset, interval=self.load.reply_interval(),
                                             best_offset=best, latest_progress=latest, syncs=prev.syncs + 1,
                                             seq=b.seq, sent_at=b.sent_at, moved_since_copy=moved, witness=None,
-                                            relayed=True)
+                                            relayed=True, progressed=max(prev.progressed, b.latest_progress))
 
     # -- readers ------------------------------------------------------------------
     def absent(self, a: pb.NodeAbsence, now: float) -> bool:

@@ -61,6 +61,46 @@ def test_names_the_culprit_on_another_node_and_excludes_it():
 
 
 
+def test_an_open_hang_is_looked_at_again_only_once_something_that_could_end_it_changed():
+    """While a job stays hung, another look at every rank finds what the last one found: the
+    coordinator looks again when a rank progressed (or a stream closed, a node was excluded or
+    went silent), and at least every 30 s."""
+    c, clock = make(PolicyConfig(exclude_hung=False))
+    looks = []
+    snapshot = c.snapshot
+    c.snapshot = lambda now: looks.append(now) or snapshot(now)
+    t, seq = clock.t, 0
+
+    def sync_both(n1_steps=100, n1_progress=t):
+        nonlocal seq
+        seq += 1
+        c.sync(summary("n0", seq, clock.t, [dict(rank=0, step=50, progress_at=t, last_seen=clock.t,
+                                                 group_seqs={"0": 900})]))
+        c.sync(summary("n1", seq, clock.t, [dict(rank=1, step=50, progress_at=n1_progress, last_seen=clock.t,
+                                                 steps_completed=n1_steps, group_seqs={"0": 899})]))
+
+    sync_both()
+    clock.t += 6
+    sync_both()
+    c.evaluate()
+    (hang,) = [i for i in c.incidents.items if i.kind == "hang"]
+    looks.clear()
+    for _ in range(6):   # both nodes heard every 1.5 s, nobody progresses
+        clock.t += 1.5
+        sync_both()
+        c.evaluate()
+    assert looks == [] and c.incidents.get(hang.id).resolved_at is None
+    clock.t += 30 - 9
+    sync_both()
+    c.evaluate()
+    assert len(looks) == 1, "the backstop: one look after 30 s"
+    clock.t += 1.5
+    sync_both(n1_steps=102, n1_progress=clock.t)   # n1 trains again
+    c.evaluate()
+    assert len(looks) == 2 and c.incidents.get(hang.id).detail["outcome"] == "resumed"
+    assert c.incidents.get(hang.id).resolved_at is not None
+
+
 def test_never_below_min_nodes_and_a_silent_node_is_dead():
     c, clock = make(PolicyConfig(min_nodes=2, node_timeout_seconds=3))
     for seq in (1, 2, 3):   # heard steadily: only such a node can fall silent

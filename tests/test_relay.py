@@ -381,6 +381,32 @@ def test_a_beat_after_progress_marks_the_coordinators_copy_as_old_until_the_next
     c.sync(_ranked("n1", 4, 1000.75, 1000.7))
     assert current() == [True], "a whole summary is current again"
 
+def test_what_can_end_a_hang_is_counted_from_summaries_and_beats():
+    """A node's ranks progressing (said by a beat or a whole summary) or its streams opening or
+    closing counts as a move (hangend.end_possible); a beat or a copy saying nothing new does not."""
+    clock = Clock()
+    clock.t = 1000.0
+    c = Coordinator("n0", incidents=IncidentLog(None), policy=PolicyConfig(), clock=clock,
+                    relay=RelayConfig(group_size=2, min_nodes=2))
+    c.sync(_ranked("n1", 1, 1000.0, 999.8))
+    c.sync_group(pb.GroupSummary(nodes=[_summary("n9", sent_at=1000.1)], held_seconds=[0.0]))   # the relay: new
+    moves = c.view.moves
+
+    def beat(seq: int, at: float, progress: float) -> int:
+        c.sync_group(pb.GroupSummary(nodes=[_summary("n9", seq, sent_at=at)], held_seconds=[0.0],
+                                     beats=[pb.NodeBeat(node_id="n1", seq=seq, sent_at=at, latest_progress=progress)]))
+        return c.view.moves - moves
+
+    assert beat(2, 1000.25, 999.8) == 0, "heard, no progress"
+    assert beat(3, 1000.5, 1000.4) == 1, "its ranks progressed"
+    c.sync(_ranked("n1", 4, 1000.75, 1000.4))
+    assert c.view.moves - moves == 1, "a whole copy of the same progress"
+    c.sync(_ranked("n1", 5, 1001.0, 1000.4, pid=8))
+    assert c.view.moves - moves == 2, "a new stream (a restarted worker)"
+    c.sync(_ranked("n1", 6, 1001.25, 1000.4, pid=8, connected=False))
+    assert c.view.moves - moves == 3, "its stream closed"
+
+
 def test_beats_carry_a_stalled_nodes_own_account_of_its_stall():
     """A stalled node behind a relay goes whole once, then beats: each beat says its ranks
     have not moved as of its sending, so the ranks' reported stall grows with the beats
