@@ -293,9 +293,10 @@ class Coordinator:
         self._check_gpu(reported)
         # Snapshotting every rank is the costly part at thousands of ranks: only while a hang
         # is possible at all.  An open hang is checked for its end once per interval, and only
-        # once something that can end it changed; a new one only when possible.  The straggler detector (once per sync interval, less often while
-        # overloaded: load_policy.straggler_due) reads its inputs
-        # from each node's latest whole summary, kept between runs (JobView.straggler_work).
+        # once something that can end it changed; a new one only when possible.  The straggler
+        # detector (once per sync interval, less often while overloaded:
+        # load_policy.straggler_due) reads its inputs from each node's latest whole summary,
+        # kept between runs (JobView.straggler_work).
         every = max(1.0, self.load.interval)
         if self._open_hang is None:
             hang_due = hang_possible(now, self.view.latest_progress(), self.hang)

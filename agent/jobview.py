@@ -192,7 +192,7 @@ class JobView:
         referenced here rather than copied, and the lock is held only to collect them.  The
         ranks' work windows are left out: the job's straggler detector reads them from
         :meth:`straggler_work` (at 16,384 ranks, reading them here was a third of a hang pass,
-        which a stalled job runs every second).
+        which runs up to once a second while a hang is possible).
         """
         with self.lock:
             nodes = [(name, n, self.silent(n, now)) for name, n in self.nodes.items()
