@@ -101,6 +101,39 @@ def test_an_open_hang_is_looked_at_again_only_once_something_that_could_end_it_c
     assert c.incidents.get(hang.id).resolved_at is not None
 
 
+def test_no_rank_is_looked_at_while_an_exclusions_restart_is_under_way():
+    """A hung job's culprit node is excluded: while its restart is under way every worker is
+    stopped, as a hang would look, and the coordinator acts on no hang; it looks at no rank
+    until the restart is over (here: its 120 s bound, as no new worker steps)."""
+    c, clock = make(PolicyConfig(restart_quiet_seconds=120))
+    looks = []
+    snapshot = c.snapshot
+    c.snapshot = lambda now: looks.append(now) or snapshot(now)
+    t, seq = clock.t, 0
+
+    def sync_all():
+        nonlocal seq
+        seq += 1
+        for node, rank, at in (("n0", 0, 900), ("n1", 1, 899), ("n2", 2, 900)):
+            c.sync(summary(node, seq, clock.t, [dict(rank=rank, step=50, progress_at=t, last_seen=clock.t,
+                                                      group_seqs={"0": at})]))
+
+    sync_all()
+    clock.t += 6
+    sync_all()
+    c.evaluate()
+    assert list(c.excluded) == ["n1"] and len(looks) == 1
+    for _ in range(40):   # the others stay stalled, heard every 1.5 s
+        clock.t += 1.5
+        sync_all()
+        c.evaluate()
+    assert len(looks) == 1, "no look while the restart is under way"
+    clock.t += 120 - 60
+    sync_all()
+    c.evaluate()
+    assert len(looks) == 2, "past the restart's bound the job is looked at again"
+
+
 def test_never_below_min_nodes_and_a_silent_node_is_dead():
     c, clock = make(PolicyConfig(min_nodes=2, node_timeout_seconds=3))
     for seq in (1, 2, 3):   # heard steadily: only such a node can fall silent
