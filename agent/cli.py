@@ -86,6 +86,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                                                whole_every_seconds=args.relay_whole_every_seconds,
                                                whole_every_intervals=args.relay_whole_every_intervals,
                                                whole_every_steps=args.relay_whole_every_steps,
+                                               long_wait_spread_seconds=args.relay_long_wait_spread_seconds,
                                                busy_hold_seconds=args.relay_busy_hold_seconds),
                              job_nodes=args.job_nodes)
     except ValueError as exc:

@@ -155,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--relay-whole-every-steps", type=int, default=RelayConfig().whole_every_steps, metavar="N",
                    help=f"as a relay, also send a node's summary whole once its ranks completed N steps "
                         f"since the last, if that comes first (default {RelayConfig().whole_every_steps})")
+    a.add_argument("--relay-long-wait-spread-seconds", type=float, default=RelayConfig().long_wait_spread_seconds,
+                   metavar="S", help=f"as a relay, send a node whole once a collective waited (or its ranks stood "
+                                     f"still) {RelayConfig().long_wait_seconds:g} s plus the node's own share of S "
+                                     f"seconds, spreading a job-wide hang's summaries (default "
+                                     f"{RelayConfig().long_wait_spread_seconds:g}; 0: all at once)")
     a.add_argument("--job-nodes", type=int, default=0, metavar="N",
                    help=f"the job's node count, if known (a Slurm job's SLURM_JOB_NUM_NODES): a big job's "
                         f"agents spread their first syncs over N/{LoadConfig().first_syncs_per_second:g} s, "

@@ -33,15 +33,16 @@ The rules (:func:`assign`, pure):
 What a relay sends on for each node (:func:`send_whole`, pure): the whole summary when
 anything the coordinator acts on at once changed since the last one it sent whole (a
 rank came, went, died, stopped or changed state; a collective has been in flight for
-over ``long_wait_seconds``; its ranks stopped moving for that long; a new incident or
-decision), and at least every
+over ``long_wait_seconds`` and the node's share of ``long_wait_spread_seconds``; its ranks
+stopped moving for that long; a new incident or decision), and at least every
 ``whole_every_seconds`` (stretched to ``whole_every_intervals`` sync intervals when the
 coordinator asks for slower syncs) or ``whole_every_steps`` completed steps, whichever
 comes first (the straggler detector lines the ranks' own-work windows up by step, and
 nodes a whole window apart would leave it nothing to compare); otherwise a beat: the node was heard, and its ranks' latest
 progress.  A healthy job's summaries then cost the coordinator a beat fifteen times in
-sixteen at 4 Hz, and a hang, whose ranks wait in a collective, is sent whole within about a
-second of its start: well inside the hang allowance.  The stretch matters under
+sixteen at 4 Hz, and a hang, whose ranks wait in a collective, is sent whole within about two
+seconds of its start, each node at its own point of the second spread: well inside the hang
+allowance.  The stretch matters under
 backpressure: with a fixed time, every summary would go whole once the coordinator asks
 for syncs that far apart or more, and beats would stop saving it work just when it is busiest.
 
@@ -73,6 +74,7 @@ until a reply sends it back.  The coordinator weighs that word
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +85,7 @@ Signature = tuple[Any, ...]
 """What of a summary the coordinator acts on at once (:func:`signature`)."""
 
 __all__ = ["RelayConfig", "Signature", "assign", "callers", "group_sizes", "listening_since", "place", "relay_answer",
-           "send_whole", "signature", "vouched_absence"]
+           "send_whole", "signature", "vouched_absence", "wait_spread"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +112,15 @@ class RelayConfig:
     """... stretched to this many of the sync intervals the coordinator asks for, when that is
     longer than ``whole_every_seconds`` (0: never stretched)."""
     long_wait_seconds: float = 1.0
-    """A collective in flight this long makes a node's summary go whole at once."""
+    """A collective in flight this long makes a node's summary go whole at once ..."""
+    long_wait_spread_seconds: float = 1.0
+    """... plus the node's own share of this (:func:`wait_spread`, by its id), as does its
+    ranks' progress stopping that long.  A job-wide hang stops every node's ranks in the same
+    instant: without a spread every node of the job goes whole in the same sync interval, at
+    2,048 nodes four times the coordinator's usual rate of whole summaries in a quarter
+    second, which overloaded a slower machine's coordinator just before its verdict was
+    due.  Spread over a second, every node is still sent whole within about two seconds and
+    an interval of the stall, well inside the shortest hang allowance (5 s)."""
     busy_hold_seconds: float = 10.0
     """A relay whose coordinator answered its last calls busy holds its nodes' summaries (and
     has them back off) for up to this long after its last reply (:func:`relay_answer`); a node
@@ -129,10 +139,12 @@ class RelayConfig:
             raise ValueError("RelayConfig needs group_size 0 (off) or >= 2, and min_nodes >= 2")
         if (not self.every_seconds > 0 or not self.whole_every_seconds >= 0 or not self.long_wait_seconds > 0
                 or self.whole_every_steps < 1 or not 0 <= self.whole_every_intervals <= 64
+                or not 0 <= self.long_wait_spread_seconds <= 60
                 or not 0 <= self.busy_hold_seconds <= 600
                 or not 0 < self.listen_gap_seconds <= 60 or not 0 < self.absent_after_seconds <= 600):
             raise ValueError("RelayConfig needs every_seconds > 0, whole_every_seconds >= 0, "
                              "whole_every_steps >= 1, long_wait_seconds > 0, 0 <= whole_every_intervals <= 64, "
+                             "0 <= long_wait_spread_seconds <= 60, "
                              "0 <= busy_hold_seconds <= 600, 0 < listen_gap_seconds <= 60, "
                              "0 < absent_after_seconds <= 600")
 
@@ -229,7 +241,7 @@ def callers(assigned: dict[str, str], nodes: int) -> int:
 def signature(s: pb.NodeSummary, cfg: RelayConfig) -> tuple[Signature, float, int]:
     """(what of ``s`` must reach the coordinator at once, its ranks' latest progress, the
     most steps one of its ranks completed)."""
-    waiting_since = s.sent_at - cfg.long_wait_seconds
+    waiting_since = s.sent_at - cfg.long_wait_seconds - wait_spread(s.node_id, cfg)
     ranks = []
     progress, steps = 0.0, 0
     for r in s.ranks:   # one pass: a relay reads every node's summary 4 times a second
@@ -245,6 +257,13 @@ def signature(s: pb.NodeSummary, cfg: RelayConfig) -> tuple[Signature, float, in
     # only from current copies of every node (one behind the others may wait in nothing).
     stalled = progress > 0 and progress <= waiting_since
     return (tuple(ranks), incidents, decisions, s.run_id, stalled), progress, steps
+
+
+def wait_spread(node: str, cfg: RelayConfig) -> float:
+    """The part of ``long_wait_spread_seconds`` node ``node`` waits (the same on every relay
+    and in every run: a node's stall goes whole once, not again when it moves to another
+    group), spread evenly over the job's nodes."""
+    return cfg.long_wait_spread_seconds * (zlib.crc32(node.encode()) / 2**32)
 
 
 def send_whole(now: float, sig: Signature, steps: int, last: tuple[float, Signature, int] | None,

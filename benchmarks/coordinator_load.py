@@ -446,6 +446,7 @@ async def _simulate(args: argparse.Namespace, port: int, part: int, born: float,
     relay_cfg = RelayConfig(whole_every_seconds=args.relay_whole_every_seconds,
                             whole_every_intervals=args.relay_whole_every_intervals,
                             whole_every_steps=args.relay_whole_every_steps,
+                            long_wait_spread_seconds=args.relay_long_wait_spread_seconds,
                             busy_hold_seconds=args.relay_busy_hold_seconds)
     lo, hi = part * args.nodes // args.processes, (part + 1) * args.nodes // args.processes
     nodes = [SimNode(i, args.ranks, slow=i == args.slow, born=born, relay_cfg=relay_cfg) for i in range(lo, hi)]
@@ -628,7 +629,7 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         "straggler_nodes_flagged": flagged,
         "relay_process": via,
         "started_at": start,
-        "timeline": _timeline(stats, start, min(wall, 30.0)),
+        "timeline": _timeline(stats, start, min(wall, max(30.0, args.fault_at + 15))),   # the join, and a fault
         "slow_seconds": _slow_seconds(stats, start, args.warmup),
     }
 
@@ -712,6 +713,7 @@ def run(args: argparse.Namespace) -> dict:
         whole = ["--relay-whole-every-seconds", str(args.relay_whole_every_seconds),
                  "--relay-whole-every-intervals", str(args.relay_whole_every_intervals),
                  "--relay-whole-every-steps", str(args.relay_whole_every_steps),
+                 "--relay-long-wait-spread-seconds", str(args.relay_long_wait_spread_seconds),
                  "--relay-busy-hold-seconds", str(args.relay_busy_hold_seconds)]
         relay_args = ([] if args.relay_group is None else ["--relay-group", str(args.relay_group)]) + (
             [] if args.relay_min_nodes is None else ["--relay-min-nodes", str(args.relay_min_nodes)]) + [
@@ -776,6 +778,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the relays' (0: a node goes whole every --relay-whole-every-seconds however slow the syncs)")
     p.add_argument("--relay-whole-every-steps", type=int, default=RelayConfig().whole_every_steps,
                    help="the relays' steps rule: a node goes whole at least every N steps its ranks completed")
+    p.add_argument("--relay-long-wait-spread-seconds", type=float, default=RelayConfig().long_wait_spread_seconds,
+                   help="the relays': a stalled node goes whole at its own point of this many seconds (0: all at once)")
     p.add_argument("--relay-refuses-while-asking", action="store_true",
                    help="a relay whose SyncGroup is still unanswered refuses its nodes once its reply is stale")
     p.add_argument("--interval-after-sync", action="store_true",

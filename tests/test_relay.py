@@ -21,7 +21,8 @@ from rankwatch.agent.incidents import IncidentLog
 from rankwatch.agent.ports import free_port
 from rankwatch.agent.bounds import MAX_SUMMARY_BYTES
 from rankwatch.agent.relay import MAX_GROUP, Relay, RelayBusy, RelayUnavailable
-from rankwatch.agent.relay_policy import RelayConfig, assign, callers, relay_answer, send_whole, signature
+from rankwatch.agent.relay_policy import (RelayConfig, assign, callers, relay_answer, send_whole, signature,
+                                          wait_spread)
 from rankwatch.agent.validate import Rejected
 from rankwatch.proto import pb
 
@@ -60,7 +61,7 @@ def _ranked(node: str, seq: int, sent_at: float, progress: float, **rank) -> pb.
 
 
 def test_a_summary_goes_whole_when_what_the_detectors_act_on_changed():
-    cfg = RelayConfig(whole_every_seconds=1.0, long_wait_seconds=1.0)
+    cfg = RelayConfig(whole_every_seconds=1.0, long_wait_seconds=1.0, long_wait_spread_seconds=0.0)
     sig, progress, steps = signature(_ranked("n1", 1, 100.0, 99.9, steps_completed=20), cfg)
     assert (progress, steps) == (99.9, 20)
     last = (10.0, sig, 20)
@@ -86,7 +87,7 @@ def test_a_summary_goes_whole_when_what_the_detectors_act_on_changed():
 def test_a_node_whose_ranks_stopped_moving_goes_whole_once():
     """A node one collective behind a hung job waits in nothing, so no in-flight wait sends it
     whole; its ranks' progress stopping does, once (the hang detector needs its current copy)."""
-    cfg = RelayConfig(whole_every_seconds=2.0, long_wait_seconds=1.0)
+    cfg = RelayConfig(whole_every_seconds=2.0, long_wait_seconds=1.0, long_wait_spread_seconds=0.0)
     moving = signature(_ranked("n1", 1, 100.0, 99.9), cfg)[0]
     last = (10.0, moving, 20)
     assert not send_whole(10.5, signature(_ranked("n1", 2, 100.5, 99.6), cfg)[0], 20, last, cfg), "0.9 s: a beat"
@@ -94,6 +95,32 @@ def test_a_node_whose_ranks_stopped_moving_goes_whole_once():
     assert send_whole(11.0, stalled, 20, last, cfg), "1.1 s without progress: whole"
     assert not send_whole(11.5, signature(_ranked("n1", 4, 105.0, 99.9), cfg)[0], 20, (11.0, stalled, 20), cfg), \
         "still stalled: beats again"
+
+
+def test_a_job_wide_stall_sends_its_nodes_whole_over_a_second_not_in_one_interval():
+    """Every rank of a 2,048-node job stops in the same instant: each node goes whole at its own
+    point between long_wait_seconds and that plus the spread (the same point wherever it is
+    relayed), so about a quarter of the nodes go whole in any quarter second, not all."""
+    cfg = RelayConfig(long_wait_seconds=1.0, long_wait_spread_seconds=1.0)
+    names = [f"node{i:05d}" for i in range(2048)]
+
+    def whole_at(name):
+        """The first of its syncs, 0.05 s apart from the stall at 100.0, that goes whole."""
+        moving = signature(_ranked(name, 1, 99.9, 99.9), cfg)[0]
+        for k in range(1, 80):
+            sent = 100.0 + 0.05 * k
+            waiting = _ranked(name, k + 1, sent, 100.0)
+            waiting.ranks[0].inflight.CopyFrom(pb.InFlight(op="all_reduce", group="0", seq=3, since=100.0))
+            if send_whole(sent, signature(waiting, cfg)[0], 20, (99.9, moving, 20), cfg):
+                return sent - 100.0
+        return None
+
+    at = [whole_at(n) for n in names]
+    assert all(a is not None and 1.0 < a <= 2.05 for a in at), (min(at), max(at))
+    for lo in (1.0, 1.25, 1.5, 1.75):
+        share = sum(1 for a in at if lo < a <= lo + 0.25) / len(at)
+        assert 0.2 < share < 0.3, (lo, share)
+    assert wait_spread("node00007", cfg) == wait_spread("node00007", RelayConfig()), "a node's own point, everywhere"
 
 
 def test_under_backpressure_a_node_goes_whole_every_few_intervals_not_every_sync():
