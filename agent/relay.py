@@ -26,8 +26,8 @@ import threading
 import time
 
 from rankwatch.agent.bounds import MAX_SUMMARY_BYTES
-from rankwatch.agent.relay_policy import (RelayConfig, Signature, listening_since, node_phase, relay_answer, send_whole,
-                                          signature, vouched_absence)
+from rankwatch.agent.relay_policy import (RelayConfig, Signature, listening_since, relay_answer, send_whole, signature,
+                                          vouched_absence)
 from rankwatch.agent.validate import Rejected, check_label
 from rankwatch.proto import pb
 
@@ -142,7 +142,7 @@ class Relay:
             self._bytes = held_bytes + size
             # A whole summary not sent yet stays whole (the newer one in its place).
             whole = (held is not None and held[2]) or send_whole(now, sig, steps, self._whole.get(node), self.cfg,
-                                                                 reply.sync_interval_seconds, node_phase(node))
+                                                                 reply.sync_interval_seconds)
             self._pending[node] = (summary, now, whole, sig, progress, steps, size)
             incidents = self._incidents.get(summary.node_id, ())
         if answer == "hold":

@@ -35,7 +35,7 @@ anything the coordinator acts on at once changed since the last one it sent whol
 rank came, went, died, stopped or changed state; a collective has been in flight for
 over ``long_wait_seconds`` and the node's share of ``long_wait_spread_seconds``; its ranks
 stopped moving for that long; a new incident or decision), and at least every
-``whole_every_seconds`` (each node's own, ``whole_every_jitter`` apart; stretched to ``whole_every_intervals`` sync intervals when the
+``whole_every_seconds`` (stretched to ``whole_every_intervals`` sync intervals when the
 coordinator asks for slower syncs) or ``whole_every_steps`` completed steps, whichever
 comes first (the straggler detector lines the ranks' own-work windows up by step, and
 nodes a whole window apart would leave it nothing to compare); otherwise a beat: the node was heard, and its ranks' latest
@@ -74,7 +74,6 @@ until a reply sends it back.  The coordinator weighs that word
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -85,7 +84,7 @@ from rankwatch.proto import pb
 Signature = tuple[Any, ...]
 """What of a summary the coordinator acts on at once (:func:`signature`)."""
 
-__all__ = ["RelayConfig", "Signature", "assign", "callers", "group_sizes", "listening_since", "node_phase", "place", "relay_answer",
+__all__ = ["RelayConfig", "Signature", "assign", "callers", "group_sizes", "listening_since", "place", "relay_answer",
            "send_whole", "signature", "vouched_absence", "wait_spread"]
 
 
@@ -105,17 +104,13 @@ class RelayConfig:
     its time.  What the detectors act on at once goes whole at once whatever this says.)"""
     whole_every_steps: int = 32
     """... or every this many steps its ranks completed: half the 64-step own-work window a
-    node sends, so the coordinator's copies of two nodes always share 32 steps (28 with the
-    jitter below), well over the straggler detector's 16-step window.  (At 16, every summary went whole once syncs were
+    node sends, so the coordinator's copies of two nodes always share 32 steps, twice the
+    straggler detector's 16-step window.  (At 16, every summary went whole once syncs were
     1.6 s apart at 0.1 s steps, and an overloaded coordinator never got out of that; a
     straggler is flagged at most this many steps later than from fresh copies.)"""
     whole_every_intervals: float = 4.0
     """... stretched to this many of the sync intervals the coordinator asks for, when that is
     longer than ``whole_every_seconds`` (0: never stretched)."""
-    whole_every_jitter: float = 0.25
-    """Each node's own whole periods (the seconds, intervals and steps above) are
-    up to half this share longer or shorter than the others', by its :func:`node_phase`:
-    nodes that went whole together drift apart (:func:`send_whole`)."""
     long_wait_seconds: float = 1.0
     """A collective in flight this long makes a node's summary go whole at once ..."""
     long_wait_spread_seconds: float = 1.0
@@ -144,12 +139,12 @@ class RelayConfig:
             raise ValueError("RelayConfig needs group_size 0 (off) or >= 2, and min_nodes >= 2")
         if (not self.every_seconds > 0 or not self.whole_every_seconds >= 0 or not self.long_wait_seconds > 0
                 or self.whole_every_steps < 1 or not 0 <= self.whole_every_intervals <= 64
-                or not 0 <= self.long_wait_spread_seconds <= 60 or not 0 <= self.whole_every_jitter <= 1
+                or not 0 <= self.long_wait_spread_seconds <= 60
                 or not 0 <= self.busy_hold_seconds <= 600
                 or not 0 < self.listen_gap_seconds <= 60 or not 0 < self.absent_after_seconds <= 600):
             raise ValueError("RelayConfig needs every_seconds > 0, whole_every_seconds >= 0, "
                              "whole_every_steps >= 1, long_wait_seconds > 0, 0 <= whole_every_intervals <= 64, "
-                             "0 <= long_wait_spread_seconds <= 60, 0 <= whole_every_jitter <= 1, "
+                             "0 <= long_wait_spread_seconds <= 60, "
                              "0 <= busy_hold_seconds <= 600, 0 < listen_gap_seconds <= 60, "
                              "0 < absent_after_seconds <= 600")
 
@@ -264,40 +259,27 @@ def signature(s: pb.NodeSummary, cfg: RelayConfig) -> tuple[Signature, float, in
     return (tuple(ranks), incidents, decisions, s.run_id, stalled), progress, steps
 
 
-def node_phase(node: str) -> float:
-    """Node ``node``'s own point in [0, 1), spread evenly over a job's nodes, the same on
-    every relay and in every run (a node moved to another group keeps it)."""
-    return zlib.crc32(node.encode()) / 2**32
-
-
 def wait_spread(node: str, cfg: RelayConfig) -> float:
-    """The part of ``long_wait_spread_seconds`` node ``node`` waits."""
-    return cfg.long_wait_spread_seconds * node_phase(node)
+    """The part of ``long_wait_spread_seconds`` node ``node`` waits (the same on every relay
+    and in every run: a node's stall goes whole once, not again when it moves to another
+    group), spread evenly over the job's nodes."""
+    return cfg.long_wait_spread_seconds * (zlib.crc32(node.encode()) / 2**32)
 
 
 def send_whole(now: float, sig: Signature, steps: int, last: tuple[float, Signature, int] | None,
-               cfg: RelayConfig, interval: float = 0.0, phase: float = 0.5) -> bool:
+               cfg: RelayConfig, interval: float = 0.0) -> bool:
     """Whether a relay sends a node's summary whole (else a beat).
 
     ``last``: (when, signature, steps) of the last summary it sent whole for the node
     (None: none yet, or the coordinator asked for one).  ``interval``: the sync interval
-    the coordinator last asked for (seconds).  ``phase``: the node's :func:`node_phase`.
-
-    The periodic whole comes a period after the last whole, in seconds or in steps, and
-    each node's period is its own: ``whole_every_jitter`` of it, from ``phase``, longer or
-    shorter.  With one period for all, nodes that went whole together (a job-wide hang, a
-    new coordinator, and every 32 steps of a job whose ranks step in lockstep) went whole
-    together again each period: at 2,048 nodes, a burst of whole summaries every 3-4 s,
-    and one 4 s after a hang went whole, in the second the coordinator's verdict was due.
-    Their own periods drift them apart, and the mean period is unchanged.
+    the coordinator last asked for (seconds).
     """
     if last is None:
         return True
     at, last_sig, last_steps = last
-    own = 1.0 + cfg.whole_every_jitter * (phase - 0.5)
-    every = own * max(cfg.whole_every_seconds, cfg.whole_every_intervals * min(max(interval, 0.0), 60.0))
+    every = max(cfg.whole_every_seconds, cfg.whole_every_intervals * min(max(interval, 0.0), 60.0))
     return (now - at >= every or sig != last_sig
-            or not 0 <= steps - last_steps < round(own * cfg.whole_every_steps))
+            or not 0 <= steps - last_steps < cfg.whole_every_steps)
 
 
 def relay_answer(age: float, interval: float, busy: bool, fresh_seconds: float, cfg: RelayConfig) -> str:

@@ -67,7 +67,6 @@ from rankwatch.agent.incidents import Incident, IncidentLog
 from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay, silence_allowance
 from rankwatch.agent.policyconfig import PolicyConfig
 from rankwatch.agent.ports import free_port
-from rankwatch.agent import relay as relay_module
 from rankwatch.agent.relay import Relay, RelayBusy, RelayUnavailable
 from rankwatch.agent.relay_policy import RelayConfig
 from rankwatch.agent.rankrecord import WORK_WINDOW
@@ -703,17 +702,6 @@ def _configure(args: argparse.Namespace) -> None:
     REPEATED_WINDOWS = getattr(args, "repeated_windows", False)
     RELAY_KEEPS_ON = not getattr(args, "relay_refuses_when_busy", False)
     STEP = args.step_seconds
-    if getattr(args, "whole_every_after_last", False):
-        relay_module.send_whole = _whole_after_last
-
-
-def _whole_after_last(now, sig, steps, last, cfg, interval=0.0, phase=0.0) -> bool:
-    """``relay_policy.send_whole`` as before: the periodic whole a period after the node's last."""
-    if last is None:
-        return True
-    at, last_sig, last_steps = last
-    every = max(cfg.whole_every_seconds, cfg.whole_every_intervals * min(max(interval, 0.0), 60.0))
-    return now - at >= every or sig != last_sig or not 0 <= steps - last_steps < cfg.whole_every_steps
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -792,9 +780,6 @@ def parser() -> argparse.ArgumentParser:
                    help="the relays' steps rule: a node goes whole at least every N steps its ranks completed")
     p.add_argument("--relay-long-wait-spread-seconds", type=float, default=RelayConfig().long_wait_spread_seconds,
                    help="the relays': a stalled node goes whole at its own point of this many seconds (0: all at once)")
-    p.add_argument("--whole-every-after-last", action="store_true",
-                   help="the relays send a node whole a period after its last whole, not at its own phase of "
-                        "the period (as before)")
     p.add_argument("--relay-refuses-while-asking", action="store_true",
                    help="a relay whose SyncGroup is still unanswered refuses its nodes once its reply is stale")
     p.add_argument("--interval-after-sync", action="store_true",
