@@ -118,9 +118,10 @@ class RelayConfig:
     ranks' progress stopping that long.  A job-wide hang stops every node's ranks in the same
     instant: without a spread every node of the job goes whole in the same sync interval, at
     2,048 nodes four times the coordinator's usual rate of whole summaries in a quarter
-    second, which overloaded a slower machine's coordinator just before its verdict was
-    due.  Spread over a second, every node is still sent whole within about two seconds and
-    an interval of the stall, well inside the shortest hang allowance (5 s)."""
+    second, and 4 s later their periodic wholes came due together again, in the second its
+    verdict was due (the calls over 250 ms of a stall run).  Spread over a second, every node
+    is still sent whole within about two seconds and an interval of the stall, well inside
+    the shortest hang allowance (5 s)."""
     busy_hold_seconds: float = 10.0
     """A relay whose coordinator answered its last calls busy holds its nodes' summaries (and
     has them back off) for up to this long after its last reply (:func:`relay_answer`); a node
