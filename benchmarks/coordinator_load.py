@@ -485,6 +485,10 @@ async def _simulate(args: argparse.Namespace, port: int, part: int, born: float,
                     n.behind = n.index == args.stall
                 if n.index == args.silence:
                     n.silent = True
+            if getattr(args, "silence_relay", False) and part == 0:   # the relay with the most members
+                victim = max(nodes, key=lambda n: len(n.relay._members))
+                victim.silent = True
+                args.silence = victim.index   # (this process runs the checks: it names the node)
         if on_tick is not None:
             await on_tick(now)
     stats.steady.append((time.time(), stats.done, stats.answered))
@@ -527,7 +531,6 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
     named = silenced = None
     paused = False
     coordinator_cpu: list[tuple[float, float]] = []   # (when, the coordinator's CPU s) at the steady window's ends
-    silent_name = f"sim{args.silence:05d}" if args.silence is not None else ""
     await asyncio.sleep(max(0.0, start - time.time()))
     cpu0 = proc.cpu_times()
 
@@ -548,7 +551,7 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
                          "silent_ranks": (len(hangs[0].detail["silent_ranks"])   # None: cut from a big incident
                                           if hangs[0].detail.get("silent_ranks") is not None else None)}
         if now >= fault_at and args.silence is not None and silenced is None:
-            gone = [d for d in _exclusions(state) if d["node"] == silent_name]
+            gone = [d for d in _exclusions(state) if d["node"] == f"sim{args.silence:05d}"]
             if gone:
                 silenced = round(gone[0]["decided_at"] - fault["at"], 2)
 
@@ -780,6 +783,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the relays' steps rule: a node goes whole at least every N steps its ranks completed")
     p.add_argument("--relay-long-wait-spread-seconds", type=float, default=RelayConfig().long_wait_spread_seconds,
                    help="the relays': a stalled node goes whole at its own point of this many seconds (0: all at once)")
+    p.add_argument("--silence-relay", action="store_true",
+                   help="at the fault, the relay with the most members (of the first generator process) goes silent")
     p.add_argument("--relay-refuses-while-asking", action="store_true",
                    help="a relay whose SyncGroup is still unanswered refuses its nodes once its reply is stale")
     p.add_argument("--interval-after-sync", action="store_true",
