@@ -148,7 +148,7 @@ def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangV
     if stalled_for < allowance + cfg.stale_copy_seconds and any(not r.current for r in waiting):
         # A copy older than its rank's last progress would show that rank behind the others on
         # sequence numbers it has long passed: wait for every node's current copy (a relay
-        # sends a stalled node whole within about a second and an interval), within a bound.
+        # sends a stalled node whole within about two seconds and an interval), within a bound.
         return None
     if not waiting and all(r.alive is False for r in silent):
         # Every process is gone (a crash of all, or torchrun restarting the workers): nothing
