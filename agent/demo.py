@@ -11,7 +11,7 @@ Injected, all from outside the code under test, in this order:
 * node 1's rank computes 50% slower from step 20 (a straggler), and its
   scripted GPU throttles from its step 22 and gathers corrected ECC errors at
   step 35 (each a risk: the coordinator asks for a checkpoint, saved before the hang);
-* node 2's rank gets stuck in Python inside forward at step 70 (a hang): the
+* node 2's rank gets stuck in Python inside forward at step 100 (a hang): the
   coordinator names it and excludes node 2, whose relay kills its worker; the
   others regroup without it in their own processes (in-process recovery: the
   harness runs HSDP, one replica per node), then the spare (node 3) joins
@@ -48,7 +48,7 @@ from rich.markup import escape
 
 from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address, resolve
 from rankwatch.agent.coordinator import PolicyConfig
-from rankwatch.agent.demoscreen import DemoNotes, screen, versus_torchrun
+from rankwatch.agent.demoscreen import HANG_ALLOWANCE_SECONDS, HANG_STEP, DemoNotes, screen, versus_torchrun
 from rankwatch.agent.gpu import GpuConfig, load_script
 from rankwatch.agent.gpu.script import ScriptedSource
 from rankwatch.agent.hang import HangConfig
@@ -73,11 +73,11 @@ _GPU_SCRIPT = {"gpus": {"count": 1, "name": "NVIDIA H100 80GB HBM3 (scripted)"},
 _GPU_CHANGES: tuple[tuple[int, dict[str, Any]], ...] = ((22, {"throttle": ["hw_thermal_slowdown"]}), (35, {"ecc": {"corrected": 6}}))
 
 
-# Steps enough for the whole story after the hang at step 70: the spare's torchrun starts its
+# Steps enough for the whole story after the hang at HANG_STEP: the spare's torchrun starts its
 # worker only once the hung node is out, and that worker (Python, torch, the model) takes
 # about 10 s on 2 cores before the survivors admit it; then the XID, and training again.
 # With 160 steps of ~0.11-0.18 s the job could end before the spare was in.
-DEMO_STEPS = 240
+DEMO_STEPS = HANG_STEP + 170
 
 
 def run_demo(steps: int = DEMO_STEPS, live: bool = True, out: Console | None = None) -> int:
@@ -106,11 +106,13 @@ def run_demo(steps: int = DEMO_STEPS, live: bool = True, out: Console | None = N
         gpu = (GpuConfig(source="script", script=load_script(script), throttle_sustain=timedelta(seconds=3))
                if i == 1 else GpuConfig(source="none"))
         agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=port,
-                                  # A short job: score ranks after 30 steps, not the default warm-up.
-                                  straggler=StragglerConfig(warmup_steps=30),
-                                  # Steps of ~45 ms: a hang allowance of 2 s (some 40 steps),
-                                  # not the default floor of 5 s that suits long steps.
-                                  hang=HangConfig(floor_seconds=2.0),
+                                  # A short job: score ranks after 30 steps, not the default
+                                  # warm-up, and flag a confirmed slowdown once it has held 1 s,
+                                  # not 2: node 1 straggles from step 20 and is flagged by step
+                                  # 70-90 with the machine's cores busy.  (At 2 s it came at
+                                  # the old hang step, 70, and after it under load.)
+                                  straggler=StragglerConfig(warmup_steps=30, hold_seconds=1.0),
+                                  hang=HangConfig(floor_seconds=HANG_ALLOWANCE_SECONDS),
                                   metrics_addr="127.0.0.1", state_dir=workdir / node,
                                   coordinators=[coord], gpu=gpu,
                                   # The straggler stays (it is shown, not evicted), so the
@@ -126,7 +128,7 @@ def run_demo(steps: int = DEMO_STEPS, live: bool = True, out: Console | None = N
     console.print(f"job: 3 nodes x 1 rank and a hot spare (--nnodes 2:3, gloo, FSDP2), {steps} steps; "
                   f"logs and checkpoints in {workdir}")
     console.print("faults: demo-n1 computes 50% slower from step 20 and its GPU throttles, then "
-                  "logs ECC errors; demo-n2 is stuck in forward at step 70; once the spare "
+                  f"logs ECC errors; demo-n2 is stuck in forward at step {HANG_STEP}; once the spare "
                   "demo-n3 trains, demo-n1's GPU raises XID 79")
     console.print("try [bold]rankwatch status[/] in another terminal")
     rdzv_port = free_port()
@@ -142,7 +144,7 @@ def run_demo(steps: int = DEMO_STEPS, live: bool = True, out: Console | None = N
     def launch(i: int) -> subprocess.Popen:
         node = _NODES[i]
         agent_addr = agents[i].config.listen[0]
-        fault = {1: ["--fault", "slow_compute:-1:20:0.5"], 2: ["--fault", "sleep_forward:-1:70:120"]}
+        fault = {1: ["--fault", "slow_compute:-1:20:0.5"], 2: ["--fault", f"sleep_forward:-1:{HANG_STEP}:120"]}
         cmd = [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent_addr),
                "--node-id", node, "--",
                "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",

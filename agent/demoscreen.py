@@ -28,12 +28,21 @@ from rankwatch.agent.view import shown
 from rankwatch.agent.story import recovery_line
 from rankwatch.agent.view import brief
 
-__all__ = ["DemoNotes", "GLOO_TIMEOUT_SECONDS", "feed", "next_line", "screen", "versus_torchrun"]
+__all__ = ["DemoNotes", "GLOO_TIMEOUT_SECONDS", "HANG_ALLOWANCE_SECONDS", "HANG_STEP", "feed", "next_line",
+           "screen", "versus_torchrun"]
 
 GLOO_TIMEOUT_SECONDS = 1800.0
 """torch.distributed's default process-group timeout for gloo (30 minutes): what ends a hung
 job under plain torchrun, which never notices a rank that is alive but stuck (BENCHMARKS.md,
 "Cross-node hangs and recovery")."""
+
+HANG_STEP = 120
+"""The step at which the demo's node 2 gets stuck in forward: late enough that node 1's
+straggle (from step 20, scored from step 30) and both its GPU risks come before it."""
+
+HANG_ALLOWANCE_SECONDS = 2.0
+"""The demo's hang allowance: its steps take about 45 ms, so 2 s (some 40 steps), not an
+agent's default floor of 5 s that suits long steps."""
 
 
 @dataclass
@@ -123,7 +132,8 @@ def next_line(status: dict[str, Any], notes: DemoNotes) -> str:
         return f"training; from step 20 {notes.xid} computes 50% slower (a straggler)"
     if "straggler" not in kinds:
         return f"{notes.xid} computes 50% slower: its own work rises over the others', a flag follows"
-    return (f"at step 70 {notes.hung} gets stuck in forward: no progress for 5 s is a hang, "
+    return (f"at step {HANG_STEP} {notes.hung} gets stuck in forward: no progress for "
+            f"{HANG_ALLOWANCE_SECONDS:.0f} s is a hang, "
             f"named with its stacks (plain torchrun would wait {GLOO_TIMEOUT_SECONDS / 60:.0f} min)")
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
+from rankwatch.hooks.rdzv_exit import stand_in
 from rankwatch.hooks.recovery_store import (
     ATTEMPTS_COUNT,
     CAPABLE_KEY,
@@ -135,9 +136,6 @@ class InProcessRound:
         count = int(self._raw.add(self.prefix + REGROUPED_COUNT, 0))
         if count <= self._checked_in:
             return
-        from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
-        from torch.distributed.elastic.utils.store import _barrier_nonblocking
-
         for i in range(self._checked_in + 1, count + 1):
             key = f"{self.prefix}{REGROUPED_NODE}{i}"
             if not self._raw.check([key]):
@@ -147,8 +145,7 @@ class InProcessRound:
             if opened is None:
                 continue   # forged: no check-in for a node the workers did not leave out
             node = opened.decode(errors="replace")[:256]
-            if self._round_store.add(f"rankwatch/exit_check_in/{node}", 1) == 1:
-                _barrier_nonblocking(self._round_store, self._round_nodes, _TERMINAL_STATE_SYNC_ID)
+            if stand_in(self._round_store, self._round_nodes, node):
                 log.warning("rankwatch: node %s was left out in process; checked in for it at "
                             "torchrun's exit barrier", node)
 

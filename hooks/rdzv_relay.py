@@ -1,7 +1,8 @@
 """The rendezvous handler's relay: a thread in each node's torchrun that polls the node's
 agent, writes the coordinator's decisions into the rendezvous store (only the agent that is
-the coordinator does), and SIGKILLs an excluded node's workers (torchrun would wait its 30 s
-shutdown timeout before it kills a stopped or hung one).
+the coordinator does, and checks in at the round's exit barrier for an excluded node of its
+round, :mod:`.rdzv_exit`), and SIGKILLs an excluded node's workers (torchrun would wait its
+30 s shutdown timeout before it kills a stopped or hung one).
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class DecisionRelay:
             if status["coordinator"] and d["id"] not in self._written:
                 h.write_decision(d)
                 self._written.add(d["id"])
-        if h.excluded() is None:
+                if d["kind"] == "exclude":
+                    h.stand_in_for_excluded(d["node"])
+        if h.relay_excluded() is None:
             return
         # A grace period first, so the healthy nodes restart their workers on the new
         # generation before this node's dying workers break their collectives.

@@ -66,6 +66,7 @@ from torch.distributed.elastic.rendezvous import (
 from rankwatch.address import AGENT_ENV, EXIT_NOTE_ENV, NODE_ID_ENV, Address
 from rankwatch.hooks.rdzv_exclusions import Exclusions
 from rankwatch.hooks.rdzv_inprocess import IN_PROCESS_WAIT, InProcessRound
+from rankwatch.hooks.rdzv_exit import own_client, stand_in
 from rankwatch.hooks.rdzv_relay import DecisionRelay
 from rankwatch.hooks.recovery_store import Seal
 
@@ -133,7 +134,9 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                  relay_interval: float = 0.25, backend: str = BACKEND) -> None:
         self._inner = inner
         self._backend = backend  # the name torchrun asked for: rankwatch or rankwatch-etcd
+        self._store = store
         self._exclusions = Exclusions(store, inner.get_run_id(), node)
+        self._writer: Exclusions | None = None   # the relay's, on a client of its own
         self._node = node
         self._joined_generation = 0
         self._round_store: Store | None = None
@@ -162,9 +165,35 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         """Why this node is excluded; None while it is not."""
         return self._exclusions.excluded()
 
+    def relay_excluded(self) -> str | None:
+        """:meth:`excluded`, for the relay's thread: on the client of its own once it writes
+        decisions (this node's agent coordinates), so that the next exclusion is written, and
+        stood in for, while this node's torchrun waits at its exit barrier."""
+        return (self._writer or self._exclusions).excluded()
+
     def write_decision(self, decision: dict[str, Any]) -> None:
-        """Apply a coordinator decision to the store (idempotent)."""
-        self._exclusions.write(decision)
+        """Apply a coordinator decision to the store (idempotent), through a client of the
+        store of its own: the relay's thread calls it, and it must not wait behind a blocking
+        call of torchrun's on the shared one (its exit barrier)."""
+        if self._writer is None:
+            self._writer = Exclusions(own_client(self._store), self._inner.get_run_id(), self._node)
+        self._writer.write(decision)
+
+    def stand_in_for_excluded(self, node: str) -> bool:
+        """Check in at this round's exit barrier for ``node``, just excluded, when it is a
+        member of the round (:mod:`.rdzv_exit`): its torchrun leaves and never does, and once
+        the others' workers have finished (an exclusion in the job's last steps) nothing else
+        would, so the others would wait out torchrun's 300 s.  The relay that writes the
+        exclusion calls it.  True: this call checked in for ``node``."""
+        store = self._round_store
+        if node == self._node or store is None:
+            return False
+        own = own_client(store)
+        if own.check([MEMBER_PREFIX + node]) and stand_in(own, self._round_nodes, node):
+            log.warning("rankwatch: node %s was excluded; checked in for it at torchrun's exit "
+                        "barrier", node)
+            return True
+        return False
 
     # -- RendezvousHandler ----------------------------------------------------------
     def get_backend(self) -> str:

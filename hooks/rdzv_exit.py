@@ -1,0 +1,49 @@
+"""Standing in at torchrun's exit barrier for a node that left the round for good.
+
+When a round's workers succeed, each node's torchrun waits at the end, up to 300 s
+(the elastic agent's ``exit_barrier_timeout``), until every node of the
+round has checked in there, so that the store's host does not leave while the others still
+use it.  A node that left the round for good never checks in: one whose workers the others
+left out in process (:meth:`.rdzv_inprocess.InProcessRound.check_in_regrouped`), or one the
+coordinator excluded once the others' workers had finished (a fatal XID in the last steps),
+when no restart or regroup ever comes.  One survivor checks in for it, whichever gets there
+first; a node stood in for twice is counted once.
+
+A check-in for a node of a round that then restarts is harmless: each round has its own
+barrier keys, and a round that restarts never reaches its barrier.
+
+The exit barrier is a blocking ``wait`` on the round's store client, and a TCPStore client
+serves one call at a time: any other call on it, from the relay's thread, waits until the
+barrier ends.  A check-in made while this node's own torchrun waits there (the coordinator's
+node finished too) goes through a client of its own (:func:`own_client`).
+"""
+
+from __future__ import annotations
+
+from torch.distributed import Store
+
+__all__ = ["own_client", "stand_in"]
+
+_KEY = "rankwatch/exit_check_in/"
+
+
+def stand_in(round_store: Store, round_nodes: int, node: str) -> bool:
+    """Check in for ``node`` at the exit barrier of the round whose (prefixed) store is
+    ``round_store`` and whose size is ``round_nodes``.  True: this call did; False: another
+    survivor (or an earlier call) already had."""
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils.store import _barrier_nonblocking
+
+    if round_store.add(_KEY + node[:256], 1) != 1:
+        return False
+    _barrier_nonblocking(round_store, round_nodes, _TERMINAL_STATE_SYNC_ID)
+    return True
+
+
+def own_client(store: Store) -> Store:
+    """A new client of ``store``'s server, with the same key prefix; ``store`` itself where it
+    cannot make one (etcd's store makes an HTTP request per call and blocks nothing)."""
+    try:
+        return store.clone()
+    except Exception:  # noqa: BLE001 - not every store clones
+        return store
