@@ -107,11 +107,13 @@ def run_demo(steps: int = DEMO_STEPS, live: bool = True, out: Console | None = N
                if i == 1 else GpuConfig(source="none"))
         agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=port,
                                   # A short job: score ranks after 30 steps, not the default
-                                  # warm-up, and flag a confirmed slowdown once it has held 1 s,
-                                  # not 2: node 1 straggles from step 20 and is flagged by step
-                                  # 70-90 with the machine's cores busy.  (At 2 s it came at
-                                  # the old hang step, 70, and after it under load.)
-                                  straggler=StragglerConfig(warmup_steps=30, hold_seconds=1.0),
+                                  # warm-up, and flag a confirmed slowdown at once, with no
+                                  # hold.  The coordinator's straggler pass runs once a second,
+                                  # so a hold of 1-2 s is 2-3 passes: 50-80 steps of this job,
+                                  # more on a faster machine, and the straggler came after the
+                                  # hang.  Node 1's slowdown is injected and large (x2), and the
+                                  # warm-up keeps the job's uneven first steps out.
+                                  straggler=StragglerConfig(warmup_steps=30, hold_seconds=0.0),
                                   hang=HangConfig(floor_seconds=HANG_ALLOWANCE_SECONDS),
                                   metrics_addr="127.0.0.1", state_dir=workdir / node,
                                   coordinators=[coord], gpu=gpu,
