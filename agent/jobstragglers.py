@@ -40,6 +40,12 @@ class JobStragglers:
         self._open: dict[int, str] = {}   # flagged rank -> its open incident's id
         self._evaluated_steps = 0
 
+    def slowdown(self, rank: int) -> float | None:
+        """A rank's slowdown as the job sees it while it is flagged here; None otherwise (the
+        coordinator keeps no score for the others; their own nodes' agents may)."""
+        score = self._detector.flagged.get(rank)
+        return None if score is None else score.slowdown
+
     def update(self, now: float, work: list[RankWork]) -> list[Flagged]:
         """Run the detector once every rank completed a new step; return the new flags."""
         if len(work) < 2 or len({w.node for w in work}) < 2:

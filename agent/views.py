@@ -60,6 +60,10 @@ def status_response(agent: Agent, request: pb.StatusRequest | None = None) -> pb
         request.all_ranks if request else False))
     resp.ranks_total, resp.ranks_left_out = len(states), len(states) - len(keep)
     resp.rank_states.update(status_ranks.by_state(states))
+    # A rank's slowdown: the job's score where the coordinator flagged it (with one rank per
+    # node, its agent has no neighbour to score it against), else its own node's (1 for
+    # another node's rank: the coordinator keeps no score for ranks it did not flag).
+    job_slowdown = agent.coordinator.stragglers.slowdown if job else (lambda _rank: None)
     for k in keep:
         if k < len(own):
             r = own[k]
@@ -70,7 +74,8 @@ def status_response(agent: Agent, request: pb.StatusRequest | None = None) -> pb
                 backend=r.backend, collectives=int(r.collective_counts.sum()),
                 last_collective_seq=r.last_collective_seq, dropped=r.dropped,
                 last_seen=r.last_seen, connected=r.connected,
-                tokens_per_second=r.tokens_per_second, slowdown=r.slowdown,
+                tokens_per_second=r.tokens_per_second,
+                slowdown=job_slowdown(r.rank) or r.slowdown,
                 own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds,
                 collective_source=r.collective_source, device_uuid=r.device_uuid,
                 op_latency=oplatency.to_pb(r.op_latency)))
@@ -84,6 +89,7 @@ def status_response(agent: Agent, request: pb.StatusRequest | None = None) -> pb
             last_seen=rs.last_seen, tokens_per_second=rs.tokens_per_second,
             phase_seconds=rs.phase_seconds, mesh_coords=rs.mesh_coords, op_latency=rs.op_latency,
             backend=rs.backend, collectives=rs.collectives,
+            slowdown=job_slowdown(rs.rank) or 1.0,
             own_work_seconds=_median(windows[0]), collective_wait_seconds=_median(windows[2])))
     with st.lock:
         incidents = list(st.incidents)

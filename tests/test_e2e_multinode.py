@@ -144,6 +144,10 @@ def test_a_users_script_straggling_on_one_node_is_named_by_the_coordinator(tmp_p
         assert (inc["node"], inc["rank"]) == (slow_node, 1), inc
         assert inc["step"] >= onset and inc["detail"]["cause"] == "data", inc
         assert all(i["rank"] == 1 for i in more), more   # the rank that waits for it is not named
+        # The coordinator's view shows the flagged rank's slowdown, and 1 for the other (not
+        # the 0 of a field never set).
+        slow = {r["rank"]: r["slowdown"] for r in c.coordinator.status()["ranks"]}
+        assert slow[1] >= 1.08 and slow[0] == 1.0, slow
         # The slow rank's own node agent holds the job's verdict, and exports it.
         agent = next(a for a in c.agents if a.node == slow_node)
         wait_for(lambda: {r["rank"]: r["state"] for r in agent.status()["ranks"]}.get(1) == "straggler", 10,
