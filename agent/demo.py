@@ -76,8 +76,10 @@ _GPU_CHANGES: tuple[tuple[int, dict[str, Any]], ...] = ((22, {"throttle": ["hw_t
 # Steps enough for the whole story after the hang at HANG_STEP: the spare's torchrun starts its
 # worker only once the hung node is out, and that worker (Python, torch, the model) takes
 # about 10 s on 2 cores before the survivors admit it; then the XID, and training again.
-# With 160 steps of ~0.11-0.18 s the job could end before the spare was in.
-DEMO_STEPS = HANG_STEP + 170
+# With 160 steps of ~0.11-0.18 s the job could end before the spare was in; with 170 steps of
+# ~35 ms on two busy cores the spare came in 155 steps after the hang, and the fatal XID at the
+# job's last step (the survivors then finished without it).
+DEMO_STEPS = HANG_STEP + 240
 
 
 def run_demo(steps: int = DEMO_STEPS, live: bool = True, out: Console | None = None) -> int:
