@@ -202,10 +202,10 @@ def _carrying_rank(rank: int, store_path: str, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(got))
     dist.barrier()   # neither rank tears the group down while the other still talks on it
     dist.destroy_process_group()
-    # torch 2.13 keeps a gloo group whose collectives ran inside an optimizer's step hook
-    # alive after destroy_process_group (its threads run on), and one exit in eight here then
-    # aborted in C++ teardown ("terminate called without an active exception") as the peer
-    # closed its connections.  The results are written: leave without that teardown.
+    # torch 2.13 keeps a gloo group alive after destroy_process_group (its threads run on)
+    # once torch._dynamo is imported, as making any torch.optim optimizer does; one exit in
+    # eight here then aborted in C++ teardown ("terminate called without an active
+    # exception").  The results are written: leave without that teardown.
     os._exit(0)
 
 
