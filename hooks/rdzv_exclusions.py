@@ -52,10 +52,6 @@ class Exclusions:
                 self.reason = self._store.get(key).decode(errors="replace") or "excluded"
         return self.reason
 
-    def is_excluded(self, node: str) -> bool:
-        """Whether the store holds an exclusion of ``node`` (any node, not only this one)."""
-        return self._store.check([_EXCLUDED + node])
-
     def node_of(self, generation: int) -> str | None:
         """The node ``generation`` excluded; None when the store does not say."""
         key = f"{_EXCLUSION}{generation}"

@@ -67,9 +67,9 @@ class DecisionRelay:
         for d in status["decisions"]:
             if status["coordinator"] and d["id"] not in self._written:
                 h.write_decision(d)
-                self._written.add(d["id"])
                 if d["kind"] == "exclude":
                     h.stand_in_for_excluded(d["node"])
+                self._written.add(d["id"])   # last: a store error retries both, both idempotent
         if h.relay_excluded() is None:
             return
         # A grace period first, so the healthy nodes restart their workers on the new
