@@ -174,7 +174,7 @@ class NodeWatch:
     def check_stragglers(self, now: float) -> list[Incident]:
         """Score the ranks once per completed step of the slowest; record incidents.
 
-        Each rank's run delay (CPU starvation of its training thread) is sampled
+        Each rank's run delay (CPU starvation of its training and collective threads) is sampled
         here, and its step starts come from a step listener, so the detector can
         tell a starved host or late collectives from slow compute.
         """

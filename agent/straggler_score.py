@@ -267,9 +267,27 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
         ratio = float(slowdown[j])
         if lag_j > 0 and cause in ("communication", "data"):
             ratio = (float(own[j]) + lag_j) / float(base_k[j])
+        if cause == "host":
+            extra, ratio = _starved(extra, ratio, float(delay_excess[j]), r.step_seconds, float(base_k[j]))
         out.append(Score(rank=r.rank, node=r.node, slowdown=ratio, cause=cause, excess_seconds=extra,
                          speedup=_speedup(r.step_seconds or float(own[j]), extra, float(base_k[j]))))
     return out
+
+
+def _starved(extra: float, ratio: float, delay: float, step: float, base: float) -> tuple[float, float]:
+    """A host-starved rank's excess and slowdown, counting the run delay of its collective
+    threads as well as its own work's.
+
+    On gloo a starved rank's collectives run on threads starved with it; the others wait
+    for them inside the collective, so the job's lost time barely shows in the rank's own
+    work (a rank at 3 % of a core: own work x1.5, the job's step x30).  The run delay's
+    excess (``delay``, per step, over the others') is that time, at most the step less the
+    others' own work; the rank's excess is the larger of the two, never their sum, as its
+    training thread's run delay is inside its own work already."""
+    if not math.isfinite(delay) or delay <= extra:
+        return extra, ratio
+    excess = min(delay, max(step - base, extra))
+    return excess, max(ratio, (base + excess) / base)
 
 
 def _speedup(step: float, extra: float, base: float) -> float:

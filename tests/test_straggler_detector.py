@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from rankwatch.agent.starvation import StarvationTracker, run_delay_seconds
+from rankwatch.agent.starvation import StarvationTracker, critical_run_delays
 from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, cost_ratio, score
 from rankwatch.agent.straggler_score import _loo_median
 
@@ -78,6 +79,28 @@ def test_host_cause_from_run_delay():
     delay = [[0.002] * 16, [0.002] * 16, [0.025] * 16]
     s = {x.rank: x for x in score([work(r, own[r], delay=delay[r]) for r in range(3)], CFG)}
     assert s[2].cause == "host" and s[2].slowdown == pytest.approx(1.3)
+
+
+def test_a_starved_ranks_collective_threads_count_in_its_excess_and_cost():
+    # Rank 1 gets 3 % of a core: its own work is 1.5x the others' (6 ms against 4), but its
+    # gloo threads wait 290 ms a step for a CPU, and every rank's step takes 300 ms.
+    own = [[0.004] * 16, [0.006] * 16, [0.004] * 16]
+    delay = [[0.0005] * 16, [0.2905] * 16, [0.0005] * 16]
+    s = {x.rank: x for x in score([work(r, own[r], delay=delay[r], step_s=0.3) for r in range(3)], CFG)}
+    assert s[1].cause == "host"
+    assert s[1].excess_seconds == pytest.approx(0.29)
+    assert s[1].slowdown == pytest.approx((0.004 + 0.29) / 0.004)
+    assert cost_ratio([s[1]], 0.3) == pytest.approx(30.0)
+    # Run delay beyond the step less the others' own work is not the job's (threads that
+    # wait at once count twice): the excess stops there.
+    delay[1] = [0.5] * 16
+    s = {x.rank: x for x in score([work(r, own[r], delay=delay[r], step_s=0.3) for r in range(3)], CFG)}
+    assert s[1].excess_seconds == pytest.approx(0.296)
+    # Run delay under the own work's excess adds nothing: the training thread's is inside it.
+    delay[1] = [0.0015] * 16
+    s = {x.rank: x for x in score([work(r, own[r], delay=delay[r], step_s=0.3) for r in range(3)], CFG)}
+    assert s[1].cause == "host" and s[1].excess_seconds == pytest.approx(0.002)
+    assert s[1].slowdown == pytest.approx(1.5)
 
 
 def test_communication_cause_from_late_starts():
@@ -290,12 +313,18 @@ def test_config_errors_name_the_knob():
         StragglerConfig(threshold=0.05, clear_threshold=0.1)
 
 
+def _thread(proc: Path, pid: int, tid: int, name: str, delay_ns: int) -> None:
+    task = proc / str(pid) / "task" / str(tid)
+    task.mkdir(parents=True, exist_ok=True)
+    (task / "comm").write_text(name + "\n")
+    (task / "schedstat").write_text(f"123456 {delay_ns} 7\n")
+
+
 def test_starvation_tracker_spreads_run_delay_over_steps(tmp_path: Path):
     proc = tmp_path / "proc"
-    (proc / "42").mkdir(parents=True)
 
     def schedstat(delay_ns):
-        (proc / "42" / "schedstat").write_text(f"123456 {delay_ns} 7\n")
+        _thread(proc, 42, 42, "python3", delay_ns)
 
     t = StarvationTracker(maxlen=8, proc=proc)
     schedstat(1_000_000)
@@ -307,15 +336,39 @@ def test_starvation_tracker_spreads_run_delay_over_steps(tmp_path: Path):
     schedstat(9_000_000)
     t.sample(0, 42, 14)
     assert t.per_step(0) == pytest.approx([0.002, 0.002, 0.002, 0.002])
-    (proc / "42" / "schedstat").unlink()
+    shutil.rmtree(proc / "42")
     t.sample(0, 42, 15)           # process gone: what was measured stays
     assert len(t.per_step(0)) == 4
     t.sample(0, 43, 1)            # a new process for the rank starts over
-    assert run_delay_seconds(43, proc) is None and len(t.per_step(0)) == 4
+    assert critical_run_delays(43, proc) is None and len(t.per_step(0)) == 4
+
+
+def test_starvation_counts_the_collective_threads_and_not_the_others(tmp_path: Path):
+    # The training thread (the leader) and gloo's threads are what a step waits for; an
+    # intra-op worker's or the hooks' sender's waits are not.  A thread that began or ended
+    # between two samples adds nothing to that sample.
+    proc = tmp_path / "proc"
+    threads = {42: "python3", 43: "gloo_tcp_loop", 44: "pt_gloo_runloop", 45: "python3", 46: "rankwatch-send"}
+    for tid, name in threads.items():
+        _thread(proc, 42, tid, name, 1_000_000)
+    t = StarvationTracker(maxlen=8, proc=proc)
+    t.sample(0, 42, 10)
+    for tid, name in threads.items():
+        _thread(proc, 42, tid, name, 5_000_000)   # every thread waited 4 ms more
+    _thread(proc, 42, 47, "pt_gloo_runloop", 90_000_000)   # new since the last sample
+    t.sample(0, 42, 12)
+    assert t.per_step(0) == pytest.approx([0.006, 0.006])   # 3 threads x 4 ms over 2 steps
+    shutil.rmtree(proc / "42" / "task" / "43")                 # one ended
+    _thread(proc, 42, 47, "pt_gloo_runloop", 92_000_000)
+    _thread(proc, 42, 44, "pt_gloo_runloop", 6_000_000)
+    t.sample(0, 42, 13)
+    assert t.per_step(0)[-1] == pytest.approx(0.003)         # 44 +1 ms, 47 +2 ms
 
 
 def test_run_delay_of_this_process_is_readable():
-    assert run_delay_seconds(__import__("os").getpid()) is not None
+    pid = __import__("os").getpid()
+    delays = critical_run_delays(pid)
+    assert delays is not None and pid in delays
 
 
 def test_agent_flags_set_the_config():
