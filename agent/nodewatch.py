@@ -174,9 +174,10 @@ class NodeWatch:
     def check_stragglers(self, now: float) -> list[Incident]:
         """Score the ranks once per completed step of the slowest; record incidents.
 
-        Each rank's run delay (CPU starvation of its training and collective threads) is sampled
-        here, and its step starts come from a step listener, so the detector can
-        tell a starved host or late collectives from slow compute.
+        Each rank's run delay (CPU starvation of its training thread and, apart, of its
+        collective threads) is sampled here, and its step starts come from a step
+        listener, so the detector can tell a starved host or late collectives from slow
+        compute, and count what a starved rank costs.
         """
         st = self.state
         with st.lock:
@@ -190,6 +191,7 @@ class NodeWatch:
         for w in work:
             self._starvation.sample(w.rank, pids.get(w.rank, 0), w.completed)
             w.delay = self._starvation.per_step(w.rank)
+            w.comm_delay = self._starvation.collective_per_step(w.rank)
             w.start = self._step_starts.for_rank(w.rank, w.completed)
             w.gap = self._step_starts.gaps_for_rank(w.rank, w.completed)
         events = self.stragglers.update(work, done)

@@ -6,7 +6,7 @@ each step waiting on the kernel's run queue.  Linux accounts that per thread
 as ``run_delay`` (the second field of ``/proc/<pid>/task/<tid>/schedstat``,
 nanoseconds, kept whenever the kernel has ``CONFIG_SCHED_INFO``).
 
-The threads counted are the ones a step waits for: the thread-group leader,
+The threads read are the ones a step waits for: the thread-group leader,
 which in a torchrun worker is the training thread, and the threads that run
 gloo's collectives (named ``gloo*`` and ``pt_gloo*``), which the training
 thread waits on inside each collective.  Other threads (an intra-op pool, the
@@ -16,7 +16,10 @@ delay, so only CPU starvation counts.
 
 The agent samples it for its own ranks and spreads each sample's increase
 evenly over the steps completed since the previous one, giving per-step
-starvation seconds next to each rank's per-step own work.  Threads are
+starvation seconds next to each rank's per-step own work: the training
+thread's, which tells a starved host from slow compute (it is inside the own
+work), and the collective threads' together, which is what a starved rank
+costs the others inside their collectives.  Threads are
 compared with themselves between samples: one that ended or began between
 two samples adds nothing to that sample's share.
 """
@@ -69,7 +72,7 @@ def _schedstat_delay(path: Path) -> float | None:
 
 
 class StarvationTracker:
-    """Per-rank, per-step run delay of the ranks' critical threads.
+    """Per-rank, per-step run delay of the ranks' training threads and collective threads.
 
     Args:
         maxlen: steps kept per rank (match the agent's own-work window).
@@ -82,7 +85,8 @@ class StarvationTracker:
         # rank -> (pid, steps completed, run delay by thread) at the last sample
         self._last: dict[int, tuple[int, int, dict[int, float]]] = {}
         self._names: dict[int, dict[int, str]] = {}   # rank -> its threads' names
-        self._per_step: dict[int, deque[float]] = {}
+        # rank -> per step: (the training thread's, its collective threads' together)
+        self._per_step: dict[int, tuple[deque[float], deque[float]]] = {}
 
     def sample(self, rank: int, pid: int, completed: int) -> None:
         """Read ``pid``'s critical threads' run delay now, with ``completed`` steps done so far."""
@@ -95,20 +99,30 @@ class StarvationTracker:
             return
         self._last[rank] = (pid, completed, delays)
         if last is None or last[0] != pid or completed < last[1]:
-            self._per_step[rank] = deque(maxlen=self._maxlen)
+            self._per_step[rank] = (deque(maxlen=self._maxlen), deque(maxlen=self._maxlen))
             return
         steps = completed - last[1]
         if steps > 0:
-            grown = sum(max(0.0, d - last[2][tid]) for tid, d in delays.items() if tid in last[2])
-            self._per_step[rank].extend([grown / steps] * min(steps, self._maxlen))
+            grown = {tid: max(0.0, d - last[2][tid]) for tid, d in delays.items() if tid in last[2]}
+            main = grown.pop(pid, 0.0)
+            n = min(steps, self._maxlen)
+            ours, theirs = self._per_step[rank]
+            ours.extend([main / steps] * n)
+            theirs.extend([sum(grown.values()) / steps] * n)
         else:
             # No step finished: carry the delay into the next sample's share.
             self._last[rank] = last
 
     def per_step(self, rank: int) -> list[float] | None:
-        """The rank's recent per-step run delay (oldest first), or None if never sampled."""
+        """The rank's training thread's recent per-step run delay (oldest first), or None if
+        never sampled."""
         steps = self._per_step.get(rank)
-        return list(steps) if steps else None
+        return list(steps[0]) if steps and steps[0] else None
+
+    def collective_per_step(self, rank: int) -> list[float] | None:
+        """Its collective threads' recent per-step run delay, together (as :meth:`per_step`)."""
+        steps = self._per_step.get(rank)
+        return list(steps[1]) if steps and steps[1] else None
 
     def forget(self, rank: int) -> None:
         self._last.pop(rank, None)

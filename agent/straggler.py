@@ -29,9 +29,8 @@ that is slow for everyone cancels out):
 * a whole node: when every rank of one node is flagged (and the job spans more
   than one node), one node-level event replaces the per-rank ones;
 * the cause (:func:`.straggler_score._cause`): ``data`` when most of the excess is data-loader
-  wait, ``host`` when most of it is the training thread or its collective threads
-  waiting for a CPU (run delay, :mod:`rankwatch.agent.starvation`), ``data`` again when most of it
-  is the rank's own time between its step scopes (a loop that fetches its batch
+  wait, ``host`` when most of it is the training thread waiting for a CPU
+  (run delay, :mod:`rankwatch.agent.starvation`), ``data`` again when most of it is the rank's own time between its step scopes (a loop that fetches its batch
   before ``with mon.step(n):``), ``communication`` when most of it is the rank
   leaving its collectives late (its steps start after the others' with no more
   time between its own steps), ``gpu_health`` when its GPU reports a slowdown

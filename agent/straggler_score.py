@@ -84,8 +84,9 @@ class StragglerConfig:
 class RankWork:
     """One rank's recent steps, oldest first; the last entry of each list is step ``completed``.
 
-    ``delay`` (run delay per step) and ``start`` (Unix time each step began) may
-    be shorter or absent; they are used where they cover the window.
+    ``delay`` (run delay of the training thread per step), ``comm_delay`` (run delay of
+    the threads that run its collectives per step, :mod:`.starvation`) and ``start`` (Unix
+    time each step began) may be shorter or absent; they are used where they cover the window.
     """
 
     rank: int
@@ -98,6 +99,7 @@ class RankWork:
     completed: int = 1 << 30              # steps completed so far
     delay: list[float] | None = None
     start: list[float] | None = None
+    comm_delay: list[float] | None = None
     gap: list[float] | None = None        # time before each step since the previous one ended
     period: float = 0.0                   # start to start, as the rank's node measured it (0: unknown)
 
@@ -125,13 +127,16 @@ class StepWindow:
     delay: np.ndarray
     start: np.ndarray
     gap: np.ndarray
+    comm_delay: np.ndarray
+
+
+_COLUMNS = ("own", "data", "delay", "start", "gap", "comm_delay")
 
 
 def recent_window(ranks: list[RankWork], last: int, n: int) -> StepWindow:
     """The ranks' ``n`` steps up to step ``last``; NaN where a rank's column misses some."""
     behind = [r.completed - last for r in ranks]      # steps each rank is past ``last``
-    cols = {name: _column(ranks, name, behind, n) for name in ("own", "data", "delay", "start", "gap")}
-    return StepWindow(cols["own"], cols["data"], cols["delay"], cols["start"], cols["gap"])
+    return StepWindow(**{name: _column(ranks, name, behind, n) for name in _COLUMNS})
 
 
 def _column(ranks: list[RankWork], name: str, behind: list[int], n: int) -> np.ndarray:
@@ -151,7 +156,7 @@ def _column(ranks: list[RankWork], name: str, behind: list[int], n: int) -> np.n
 
 def last_steps(w: StepWindow, n: int) -> StepWindow:
     """The window's last ``n`` steps (a view)."""
-    return StepWindow(w.own[:, -n:], w.data[:, -n:], w.delay[:, -n:], w.start[:, -n:], w.gap[:, -n:])
+    return StepWindow(**{name: getattr(w, name)[:, -n:] for name in _COLUMNS})
 
 
 def _loo_median(x: np.ndarray) -> np.ndarray:
@@ -254,7 +259,7 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
     own, base_k = _tail_medians(own_w, k), _tail_medians(base, k)
     own_excess = _tail_medians(own_w - base, k)
     data_excess, delay_excess, lag = excess(w.data), excess(w.delay), excess(w.start)
-    gap_excess = excess(w.gap)
+    gap_excess, comm_delay_excess = excess(w.gap), excess(w.comm_delay)
     out = []
     for j, i in enumerate(idx.tolist()):
         r = full[i]
@@ -268,25 +273,28 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
         if lag_j > 0 and cause in ("communication", "data"):
             ratio = (float(own[j]) + lag_j) / float(base_k[j])
         if cause == "host":
-            extra, ratio = _starved(extra, ratio, float(delay_excess[j]), r.step_seconds, float(base_k[j]))
+            extra, ratio = _starved(extra, ratio, float(comm_delay_excess[j]), r.step_seconds, float(base_k[j]))
         out.append(Score(rank=r.rank, node=r.node, slowdown=ratio, cause=cause, excess_seconds=extra,
                          speedup=_speedup(r.step_seconds or float(own[j]), extra, float(base_k[j]))))
     return out
 
 
-def _starved(extra: float, ratio: float, delay: float, step: float, base: float) -> tuple[float, float]:
+def _starved(extra: float, ratio: float, comm_delay: float, step: float, base: float) -> tuple[float, float]:
     """A host-starved rank's excess and slowdown, counting the run delay of its collective
-    threads as well as its own work's.
+    threads as well as its own work's excess.
 
     On gloo a starved rank's collectives run on threads starved with it; the others wait
     for them inside the collective, so the job's lost time barely shows in the rank's own
-    work (a rank at 3 % of a core: own work x1.5, the job's step x30).  The run delay's
-    excess (``delay``, per step, over the others') is that time, at most the step less the
-    others' own work; the rank's excess is the larger of the two, never their sum, as its
-    training thread's run delay is inside its own work already."""
-    if not math.isfinite(delay) or delay <= extra:
+    work (a rank at 3 % of a core: own work x1.5, the job's step x30).  ``comm_delay`` is
+    those threads' run delay per step over the others'; the training thread's is inside
+    the own work already.  Part of it can fall while the training thread computes (a
+    thread that takes in a peer's early data), so the excess stops at the step less the
+    others' own work.  Only a rank whose *training thread* is starved (the cause) gets
+    this: a collective thread that waits beside a busy training thread is the rank's
+    own compute, not its host."""
+    if not math.isfinite(comm_delay) or comm_delay <= 0:
         return extra, ratio
-    excess = min(delay, max(step - base, extra))
+    excess = min(extra + comm_delay, max(step - base, extra))
     return excess, max(ratio, (base + excess) / base)
 
 
