@@ -7,7 +7,9 @@ use it.  A node that left the round for good never checks in: one whose workers 
 left out in process (:meth:`.rdzv_inprocess.InProcessRound.check_in_regrouped`), or one the
 coordinator excluded once the others' workers had finished (a fatal XID in the last steps),
 when no restart or regroup ever comes.  One survivor checks in for it, whichever gets there
-first; a node stood in for twice is counted once.
+first, or the node itself as its torchrun leaves (refused by the next round: its own relay
+cannot tell whether that torchrun is at the barrier already); a node stood in for twice is
+counted once.
 
 A check-in for a node of a round that then restarts is harmless: each round has its own
 barrier keys, and a round that restarts never reaches its barrier.

@@ -184,7 +184,9 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         member of the round (:mod:`.rdzv_exit`): its torchrun leaves and never does, and once
         the others' workers have finished (an exclusion in the job's last steps) nothing else
         would, so the others would wait out torchrun's 300 s.  The relay that writes the
-        exclusion calls it.  True: this call checked in for ``node``."""
+        exclusion calls it; a node never stands in for itself here (its own torchrun may be at
+        the barrier), it checks in as it leaves (:meth:`_check_in_leaving`).  True: this call
+        checked in for ``node``."""
         store = self._round_store
         if node == self._node or store is None:
             return False
@@ -194,6 +196,21 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                         "barrier", node)
             return True
         return False
+
+    def _check_in_leaving(self) -> None:
+        """Check in at this round's exit barrier for this node, which leaves the job for good
+        (excluded) and so never reaches it (:mod:`.rdzv_exit`).  The coordinator's relay
+        stands in for the other nodes it excludes; this covers the one it cannot: its own node,
+        when its agent coordinates, and any excluded node whose exclusion reached it first."""
+        store = self._round_store
+        if store is None:
+            return
+        try:
+            if stand_in(store, self._round_nodes, self._node):
+                log.warning("rankwatch: node %s leaves the job; checked in for it at torchrun's exit "
+                            "barrier", self._node)
+        except Exception as exc:  # noqa: BLE001 - the round's store may be gone with its host
+            log.warning("rankwatch: could not check in at the exit barrier on leaving (%s)", exc)
 
     # -- RendezvousHandler ----------------------------------------------------------
     def get_backend(self) -> str:
@@ -208,6 +225,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             self._relay.start()
         reason = self.excluded()
         if reason is not None:
+            self._check_in_leaving()
             self._leave()
             why = f"node {self._node} is excluded from the job: {reason}"
             _write_exit_note(why)

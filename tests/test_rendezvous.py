@@ -149,6 +149,50 @@ def test_an_exclusion_after_the_workers_finished_does_not_hold_the_others_at_tor
             h.shutdown()
 
 
+def test_an_excluded_node_whose_agent_coordinates_checks_in_at_the_exit_barrier_as_it_leaves(
+        monkeypatch, port):
+    # The same fatal XID in the last step, on n2, whose agent is the coordinator: its relay
+    # writes its own exclusion and cannot stand in for it (its torchrun might be at the
+    # barrier itself).  Its torchrun is not: its workers are killed, and it asks for the next
+    # round, which refuses it.  As it leaves, it checks in for itself, once.
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils import store as store_util
+
+    a, b, c = _handlers(["n0", "n1", "n2"], monkeypatch, port)
+    try:
+        infos = _join([a, b, c])
+        count = _TERMINAL_STATE_SYNC_ID + store_util._NUM_MEMBERS
+        arrived = []
+
+        def exit_barrier(info):
+            store_util.barrier(info.store, info.world_size, _TERMINAL_STATE_SYNC_ID, barrier_timeout=60)
+            arrived.append(info.rank)
+
+        threads = [threading.Thread(target=exit_barrier, args=(info,), daemon=True) for info in infos[:2]]
+        for t in threads:
+            t.start()
+        free = infos[2].store
+        deadline = time.monotonic() + 30
+        while free.add(count, 0) < 2:
+            assert time.monotonic() < deadline, "n0 and n1 did not reach the exit barrier"
+            time.sleep(0.02)
+        DecisionRelay(c, Address.parse("127.0.0.1:1"), 0.25)._apply(
+            {"coordinator": True, "decisions": [_decision("n2", 1)], "ranks": []})
+        assert free.add(count, 0) == 2, "the relay does not stand in for its own node"
+        with pytest.raises(RendezvousGracefulExitError, match="n2 is excluded"):
+            c.next_rendezvous()
+        for t in threads:
+            t.join(30)
+        assert sorted(arrived) == sorted(i.rank for i in infos[:2]), "the survivors left the barrier"
+        with pytest.raises(RendezvousGracefulExitError):
+            c.next_rendezvous()
+        assert a.stand_in_for_excluded("n2") is False   # a new coordinator's relay: counted once
+        assert free.add(count, 0) == 3
+    finally:
+        for h in (c, b, a):
+            h.shutdown()
+
+
 def test_a_spare_waits_without_restarting_the_job_then_takes_an_excluded_nodes_place(monkeypatch, port):
     # The hand-over through the rankwatch handler.  (The stock handler parks this spare in its
     # redundancy list too; the restart storm of a spare stranded in the wait list needs
