@@ -78,6 +78,34 @@ def _decision(node, generation):
             "reason": f"test: {node} excluded"}
 
 
+def _survivors_at_exit_barrier(infos):
+    """n0's and n1's torchruns at their round's exit barrier, as torchrun's agent waits there
+    once its workers succeeded: (the threads, the ranks that left it, a function reading how
+    many checked in, on n2's client, which nobody blocks)."""
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils import store as store_util
+
+    count_key = _TERMINAL_STATE_SYNC_ID + store_util._NUM_MEMBERS
+    arrived = []
+
+    def exit_barrier(info):
+        store_util.barrier(info.store, info.world_size, _TERMINAL_STATE_SYNC_ID, barrier_timeout=60)
+        arrived.append(info.rank)
+
+    threads = [threading.Thread(target=exit_barrier, args=(info,), daemon=True) for info in infos[:2]]
+    for t in threads:
+        t.start()
+
+    def checked_in():
+        return infos[2].store.add(count_key, 0)
+
+    deadline = time.monotonic() + 30
+    while checked_in() < 2:
+        assert time.monotonic() < deadline, "n0 and n1 did not reach the exit barrier"
+        time.sleep(0.02)
+    return threads, arrived, checked_in
+
+
 def test_only_an_exclusion_of_a_round_member_restarts_it(monkeypatch, port):
     a, b = _handlers(["n0", "n1"], monkeypatch, port)
     try:
@@ -106,35 +134,18 @@ def test_an_exclusion_after_the_workers_finished_does_not_hold_the_others_at_tor
     # A fatal XID in the job's last step: n2 is excluded once n0's and n1's workers have
     # finished.  Its torchrun leaves and never checks in at the round's exit barrier, and no
     # restart or regroup comes, so n0 and n1 would wait there for torchrun's 300 s.
-    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
-    from torch.distributed.elastic.utils import store as store_util
-
     a, b, c = _handlers(["n0", "n1", "n2"], monkeypatch, port)
     try:
         infos = _join([a, b, c])
         assert sorted(i.world_size for i in infos) == [3, 3, 3]
-        count = _TERMINAL_STATE_SYNC_ID + store_util._NUM_MEMBERS
-        arrived = []
-
-        def exit_barrier(info):   # what torchrun's agent does once its workers succeeded
-            store_util.barrier(info.store, info.world_size, _TERMINAL_STATE_SYNC_ID, barrier_timeout=60)
-            arrived.append(info.rank)
-
-        threads = [threading.Thread(target=exit_barrier, args=(info,), daemon=True) for info in infos[:2]]
-        for t in threads:
-            t.start()
-        free = infos[2].store   # n2's client: n0's and n1's wait at the barrier
-        deadline = time.monotonic() + 30
-        while free.add(count, 0) < 2:
-            assert time.monotonic() < deadline, "n0 and n1 did not reach the exit barrier"
-            time.sleep(0.02)
+        threads, arrived, checked_in = _survivors_at_exit_barrier(infos)
         assert c.stand_in_for_excluded("n2") is False, "a node never stands in for itself"
         # The coordinator's relay (n0's, whose torchrun waits at the barrier on the same store
         # client) writes the exclusions, and stands in for an excluded member of its round; it
         # does nothing for a node that is not a member.
         relay = DecisionRelay(a, Address.parse("127.0.0.1:1"), 0.25)   # never started: no polls
         relay._apply({"coordinator": True, "decisions": [_decision("n9", 1)], "ranks": []})
-        assert free.add(count, 0) == 2
+        assert checked_in() == 2
         applied = threading.Thread(target=relay._apply, daemon=True, args=(
             {"coordinator": True, "decisions": [_decision("n9", 1), _decision("n2", 2)], "ranks": []},))
         applied.start()
@@ -143,7 +154,7 @@ def test_an_exclusion_after_the_workers_finished_does_not_hold_the_others_at_tor
         assert sorted(arrived) == sorted(i.rank for i in infos[:2]), "the survivors left the barrier"
         # Counted once, however often it is asked (a new coordinator writes the decisions again).
         assert a.stand_in_for_excluded("n2") is False and b.stand_in_for_excluded("n2") is False
-        assert free.add(count, 0) == 3
+        assert checked_in() == 3
     finally:
         for h in (c, b, a):
             h.shutdown()
@@ -155,30 +166,13 @@ def test_an_excluded_node_whose_agent_coordinates_checks_in_at_the_exit_barrier_
     # writes its own exclusion and cannot stand in for it (its torchrun might be at the
     # barrier itself).  Its torchrun is not: its workers are killed, and it asks for the next
     # round, which refuses it.  As it leaves, it checks in for itself, once.
-    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
-    from torch.distributed.elastic.utils import store as store_util
-
     a, b, c = _handlers(["n0", "n1", "n2"], monkeypatch, port)
     try:
         infos = _join([a, b, c])
-        count = _TERMINAL_STATE_SYNC_ID + store_util._NUM_MEMBERS
-        arrived = []
-
-        def exit_barrier(info):
-            store_util.barrier(info.store, info.world_size, _TERMINAL_STATE_SYNC_ID, barrier_timeout=60)
-            arrived.append(info.rank)
-
-        threads = [threading.Thread(target=exit_barrier, args=(info,), daemon=True) for info in infos[:2]]
-        for t in threads:
-            t.start()
-        free = infos[2].store
-        deadline = time.monotonic() + 30
-        while free.add(count, 0) < 2:
-            assert time.monotonic() < deadline, "n0 and n1 did not reach the exit barrier"
-            time.sleep(0.02)
+        threads, arrived, checked_in = _survivors_at_exit_barrier(infos)
         DecisionRelay(c, Address.parse("127.0.0.1:1"), 0.25)._apply(
             {"coordinator": True, "decisions": [_decision("n2", 1)], "ranks": []})
-        assert free.add(count, 0) == 2, "the relay does not stand in for its own node"
+        assert checked_in() == 2, "the relay does not stand in for its own node"
         with pytest.raises(RendezvousGracefulExitError, match="n2 is excluded"):
             c.next_rendezvous()
         for t in threads:
@@ -187,7 +181,7 @@ def test_an_excluded_node_whose_agent_coordinates_checks_in_at_the_exit_barrier_
         with pytest.raises(RendezvousGracefulExitError):
             c.next_rendezvous()
         assert a.stand_in_for_excluded("n2") is False   # a new coordinator's relay: counted once
-        assert free.add(count, 0) == 3
+        assert checked_in() == 3
     finally:
         for h in (c, b, a):
             h.shutdown()
