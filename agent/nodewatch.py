@@ -188,6 +188,7 @@ class NodeWatch:
             self._evaluated_steps = done
         work = evaluate(now, snapshot(st, now), self.hang).work
         pids = {r.rank: r.pid for r in ranks}
+        self._starvation.retain(set(pids))
         for w in work:
             self._starvation.sample(w.rank, pids.get(w.rank, 0), w.completed)
             w.delay = self._starvation.per_step(w.rank)

@@ -124,6 +124,13 @@ class StarvationTracker:
         steps = self._per_step.get(rank)
         return list(steps[1]) if steps and steps[1] else None
 
+    def retain(self, ranks: set[int]) -> None:
+        """Forget every rank but ``ranks`` (the node's ranks now): what it keeps stays bounded
+        by the ranks the node has, however many rank ids came and went."""
+        for rank in set(self._last) | set(self._per_step) | set(self._names):
+            if rank not in ranks:
+                self.forget(rank)
+
     def forget(self, rank: int) -> None:
         self._last.pop(rank, None)
         self._names.pop(rank, None)

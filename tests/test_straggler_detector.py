@@ -374,6 +374,11 @@ def test_starvation_counts_the_collective_threads_apart_and_not_the_others(tmp_p
     t.sample(0, 42, 13)
     assert t.collective_per_step(0)[-1] == pytest.approx(0.003)       # 44 +1 ms, 47 +2 ms
     assert t.per_step(0)[-1] == 0.0
+    # A rank the node no longer has is forgotten, whatever it kept.
+    t.sample(1, 42, 13)
+    t.retain({1})
+    assert t.per_step(0) is None and t.collective_per_step(0) is None
+    assert set(t._last) == set(t._names) == set(t._per_step) == {1}
 
 
 def test_run_delay_of_this_process_is_readable():
