@@ -22,31 +22,32 @@ from prometheus_client import CollectorRegistry
 
 from rankwatch.agent.export import otel
 from rankwatch.address import Address
-from rankwatch.agent.gate import Gate
-from rankwatch.agent.identity import RankStreams
-from rankwatch.agent.listeners import Listeners
-from rankwatch.agent.coordinator import Coordinator
-from rankwatch.agent.decisions import Decision, DecisionLog
-from rankwatch.agent.export.host import HostCollector
-from rankwatch.agent import goodput, views
-from rankwatch.agent.export import storemetrics
-from rankwatch.agent.restarting import shown_state
-from rankwatch.agent.statedir import Snapshots, write_pointer
-from rankwatch.agent.agentconfig import AgentConfig
-from rankwatch.agent.nodecheckpoints import NodeCheckpoints
+from rankwatch.agent.rpc.gate import Gate
+from rankwatch.agent.rpc.identity import RankStreams
+from rankwatch.agent.rpc.listeners import Listeners
+from rankwatch.agent.job.coordinator import Coordinator
+from rankwatch.agent.job.decisions import Decision, DecisionLog
+from rankwatch.agent.export.prom_host import HostCollector
+from rankwatch.agent.job import goodput
+from rankwatch.agent.views import answer as views
+from rankwatch.agent.export import prom_store as storemetrics
+from rankwatch.agent.node.restarting import shown_state
+from rankwatch.agent.durable.statedir import Snapshots, write_pointer
+from rankwatch.agent.config import AgentConfig
+from rankwatch.agent.node.checkpoints import NodeCheckpoints
 from rankwatch.agent.gpu import GpuCollector, GpuMonitor, RankDevice
-from rankwatch.agent.incidents import Incident, IncidentLog
-from rankwatch.agent.export.jobmetrics import JobCollector
-from rankwatch.agent.commands import CommandHub
-from rankwatch.agent.jobsync import JobLink, forward_checkpoint
-from rankwatch.agent.export.metrics import NodeCollector
-from rankwatch.agent.election import Election, parse_endpoints
-from rankwatch.agent.recoveries import RecoveryLog
-from rankwatch.agent.relay import Relay
-from rankwatch.agent.nodewatch import NodeWatch
-from rankwatch.agent.servicer import Servicer
-from rankwatch.agent.validate import clean_text
-from rankwatch.agent.state import NodeState, RankState, Rejected
+from rankwatch.agent.durable.incidents import Incident, IncidentLog
+from rankwatch.agent.export.prom_job import JobCollector
+from rankwatch.agent.rpc.command_stream import CommandHub
+from rankwatch.agent.job.uplink import JobLink, forward_checkpoint
+from rankwatch.agent.export.prom_node import NodeCollector
+from rankwatch.agent.job.election import Election, parse_endpoints
+from rankwatch.agent.node.recoveries import RecoveryLog
+from rankwatch.agent.job.relay import Relay
+from rankwatch.agent.node.sweep import NodeWatch
+from rankwatch.agent.rpc.servicer import Servicer
+from rankwatch.agent.wire.ranges import clean_text
+from rankwatch.agent.node.intake import NodeState, RankState, Rejected
 from rankwatch.proto import pb
 from rankwatch.status import status_dict
 

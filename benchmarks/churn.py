@@ -26,7 +26,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import AgentProcess, parse_metrics  # noqa: E402
 
-from rankwatch.hooks.recorder import OPS  # noqa: E402
+from rankwatch.hooks.instrument.recorder import OPS  # noqa: E402
 from rankwatch.proto import pb  # noqa: E402
 
 REPORT = "/rankwatch.v1.Agent/Report"

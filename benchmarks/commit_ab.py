@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rankwatch.hooks import recovery_commit
+from rankwatch.hooks.recovery import commit as recovery_commit
 from rankwatch.hooks.train import main
 
 _agree, _carry = recovery_commit.StepCommit._agree, recovery_commit.StepCommit.carry

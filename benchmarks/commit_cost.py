@@ -5,7 +5,7 @@ against without, in alternating blocks of steps, after an A/A control.
 
 One process, world size 1 (NCCL on ``cuda``, gloo on ``cpu``).  On NCCL the commit makes
 the host wait for its result before the optimizer step is enqueued
-(``hooks/recovery_commit.py``), so what it costs is the GPU's idle time while the host
+(``hooks/recovery/commit.py``), so what it costs is the GPU's idle time while the host
 catches up.  The loop is a user's: a bf16 MLP, forward, backward, Adam (foreach), and, with
 ``--item-every N``, the loss read on the host every N steps (0: never, the commit's worst
 case); ``--fused`` takes fused Adam, which the commit gates on the device instead, with
@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import block_ratios, quantile  # noqa: E402
 
-from rankwatch.hooks.recovery_commit import StepCommit  # noqa: E402
+from rankwatch.hooks.recovery.commit import StepCommit  # noqa: E402
 
 
 def _loop(args: argparse.Namespace, dim: int, layers: int, batch: int):

@@ -18,7 +18,7 @@ Faults, each at ``--fault-at`` seconds:
 * ``--pause S``: the coordinator's process is SIGSTOPped for S seconds (a long GC
   pause, a starved VM): no healthy node may be excluded for it.
 
-Relays (``agent/relay_policy.py``): the coordinator groups the nodes behind relays in
+Relays (``agent/job/routing.py``): the coordinator groups the nodes behind relays in
 a job of ``--relay-min-nodes`` or more (its defaults: 64 per group from 128 nodes;
 ``--relay-group 0`` turns them off).  Each simulated node offers an address to relay
 on, and follows the coordinator's replies exactly as ``JobLink`` does: a node sent to
@@ -62,15 +62,15 @@ from pathlib import Path
 import grpc
 import psutil
 
-from rankwatch.agent import work_windows
-from rankwatch.agent.incidents import Incident, IncidentLog
-from rankwatch.agent.load_policy import LoadConfig, first_sync_delay, retry_delay, silence_allowance
-from rankwatch.agent.policyconfig import PolicyConfig
-from rankwatch.agent.ports import free_port
-from rankwatch.agent.relay import Relay, RelayBusy, RelayUnavailable
-from rankwatch.agent.relay_policy import RelayConfig
-from rankwatch.agent.rankrecord import WORK_WINDOW
-from rankwatch.agent.statedir import read_decisions
+from rankwatch.agent.wire import windows as work_windows
+from rankwatch.agent.durable.incidents import Incident, IncidentLog
+from rankwatch.agent.job.pacing import LoadConfig, first_sync_delay, retry_delay, silence_allowance
+from rankwatch.agent.job.policy import PolicyConfig
+from rankwatch.agent.cli.ports import free_port
+from rankwatch.agent.job.relay import Relay, RelayBusy, RelayUnavailable
+from rankwatch.agent.job.routing import RelayConfig
+from rankwatch.agent.node.rankrecord import WORK_WINDOW
+from rankwatch.agent.durable.statedir import read_decisions
 from rankwatch.proto import pb, pb_grpc
 
 WINDOW = WORK_WINDOW   # own-work window per rank, as the node agent sends it (64 steps)
@@ -387,7 +387,7 @@ def _start_agent(tmp: Path, name: str, port: int, coordinator: int, *extra: str)
     """A real ``rankwatch agent`` named ``name``, serving TCP on ``port`` and ``tmp/<name>.sock``,
     syncing with the coordinator on ``coordinator``; its log in ``tmp/<name>.log``."""
     return subprocess.Popen(
-        [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--node-id", name,
+        [sys.executable, "-m", "rankwatch.agent.cli.app", "agent", "--node-id", name,
          "--listen", f"127.0.0.1:{port}", "--listen", f"unix:{tmp / f'{name}.sock'}",
          "--coordinator", f"127.0.0.1:{coordinator}", "--gpu-source", "none", *extra],
         env={**os.environ, "RANKWATCH_TOKEN": TOKEN},   # as a job runs it: every node holds the token
@@ -407,7 +407,7 @@ def _start_relay(tmp: Path, port: int, relay_port: int, metrics_port: int, whole
 
 
 def _coordinator_knows(sock: Path, node: str) -> bool:
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--json", "--agent",
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--json", "--agent",
                           f"unix:{sock}"], capture_output=True, timeout=30)
     return out.returncode == 0 and node in json.loads(out.stdout).get("nodes", {})
 
@@ -689,7 +689,7 @@ def _ms(sorted_seconds: list[float], q: float) -> float | None:
 def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
     """Seconds and bytes of ``rankwatch status --json`` (the CLI, as a user runs it)."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--json", "--agent",
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--json", "--agent",
                           f"unix:{sock}", *flags], capture_output=True, check=True, timeout=60).stdout
     return round(time.perf_counter() - t0, 2), len(out)
 

@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang
-from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, score
+from rankwatch.agent.detect.hang_verdict import HangConfig, RankProgress, detect_hang
+from rankwatch.agent.detect.straggler import RankWork, StragglerConfig, StragglerDetector, score
 
 KEEP = 64
 

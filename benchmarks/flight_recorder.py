@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 
-from rankwatch.agent.ports import free_port
+from rankwatch.agent.cli.ports import free_port
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from rankwatch.hooks.hang_evidence import flight_recorder_pending
+    from rankwatch.hooks.instrument.hang_evidence import flight_recorder_pending
 
     dist.init_process_group("gloo")
     t = torch.ones(16)

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor
 from rankwatch.agent.gpu.base import XidEvent
 from rankwatch.agent.gpu.nvml import NvmlSource, NvmlUnavailable
-from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.durable.incidents import IncidentLog
 
 _WAIT = timedelta(milliseconds=500)
 

@@ -18,7 +18,7 @@ import time
 import timeit
 from collections import deque
 
-from rankwatch.hooks.recorder import Recorder
+from rankwatch.hooks.instrument.recorder import Recorder
 
 N = 200_000
 REPEATS = 9
@@ -52,8 +52,8 @@ def gloo_rows() -> list[tuple[str, float]]:
     import torch
     import torch.distributed as dist
 
-    from rankwatch.hooks.collective_ops import _PAYLOAD, _payload_reader
-    from rankwatch.hooks.collectives import CollectiveInstrumentation
+    from rankwatch.hooks.instrument.op_record import _PAYLOAD, _payload_reader
+    from rankwatch.hooks.instrument.collectives import CollectiveInstrumentation
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29611")

@@ -48,7 +48,7 @@ def body() -> bytes:
 def paced_batches(rank: int, rate: float, stop_at: float) -> Iterator[bytes]:
     """One client's stream, serialised: its hello, then the shared body as fast as it goes, or
     at ``rate`` records/s, until ``stop_at`` (monotonic)."""
-    from rankwatch.hooks.recorder import OPS
+    from rankwatch.hooks.instrument.recorder import OPS
     from rankwatch.proto import pb
 
     yield pb.ReportMessage(hello=pb.Hello(rank=rank, world_size=CLIENTS, pid=mp.current_process().pid,

@@ -90,7 +90,7 @@ def per_step_cost(n: int = 1_000_000) -> float:
     ``tier.stepped(done)`` call (the try/except around the step costs nothing in CPython 3.11)."""
     import timeit
 
-    from rankwatch.hooks.recovery import InProcessRecovery
+    from rankwatch.hooks.recovery.inprocess import InProcessRecovery
 
     tier = InProcessRecovery(lambda m: None)
     return timeit.timeit(lambda: tier.stepped(1), number=n) / n - timeit.timeit(lambda: None, number=n) / n

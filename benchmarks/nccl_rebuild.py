@@ -43,9 +43,9 @@ def _train(args: argparse.Namespace) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from rankwatch.hooks import recovery_net as net
-    from rankwatch.hooks.recovery import InProcessRecovery, Job, Membership, is_peer_failure
-    from rankwatch.hooks.recovery_decide import Decision
+    from rankwatch.hooks.recovery import net
+    from rankwatch.hooks.recovery.inprocess import InProcessRecovery, Job, Membership, is_peer_failure
+    from rankwatch.hooks.recovery.decide import Decision
 
     dev, DIM = args.device, args.dim
     if dev == "cuda":

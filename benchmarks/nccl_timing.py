@@ -30,8 +30,8 @@ os.environ["TORCH_NCCL_ENABLE_TIMING"] = "1"
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from rankwatch.hooks.collectives import CollectiveInstrumentation  # noqa: E402
-from rankwatch.hooks.recorder import OPS, Recorder  # noqa: E402
+from rankwatch.hooks.instrument.collectives import CollectiveInstrumentation  # noqa: E402
+from rankwatch.hooks.instrument.recorder import OPS, Recorder  # noqa: E402
 
 SIZES = (4 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30)  # bytes
 _BUSY_CYCLES = 5_000_000  # ~2.5 ms of GPU clock: longer than the host takes to issue a collective

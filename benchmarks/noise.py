@@ -5,7 +5,7 @@
 A real torchrun job (the harness, gloo) streams to an agent that runs in this
 process, so every step of every rank can be read off the agent's state: own
 work, data-loader wait, collective wait, the training thread's run delay
-(:mod:`rankwatch.agent.starvation`) and the step's start time (Unix seconds,
+(:mod:`rankwatch.agent.node.starvation`) and the step's start time (Unix seconds,
 kept relative to the run's first step).  Each run is appended to the file as
 ``run<i>_<column>`` arrays of shape (ranks, steps), float32, plus
 ``run<i>_step_seconds``.  :func:`load_runs` reads them back for the replay in
@@ -29,7 +29,7 @@ from conftest import torchrun  # noqa: E402
 
 from rankwatch.address import Address  # noqa: E402
 from rankwatch.agent.server import Agent, AgentConfig  # noqa: E402
-from rankwatch.agent.starvation import StarvationTracker  # noqa: E402
+from rankwatch.agent.node.starvation import StarvationTracker  # noqa: E402
 
 COLUMNS = ("own", "data", "wait", "delay", "start")
 _POLL_SECONDS = 0.04

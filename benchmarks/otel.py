@@ -83,9 +83,9 @@ def _sink(port: mp.Queue, stop: mp.Event) -> None:
 def in_process(endpoint: str, rounds: int, batches: int) -> dict[str, tuple[float, float]]:
     """Per arm: median CPU microseconds per batch of the ingesting thread and of the process."""
     from rankwatch.agent.export import otel
-    from rankwatch.agent.incidents import IncidentLog
-    from rankwatch.agent.state import NodeState
-    from rankwatch.hooks.recorder import OPS
+    from rankwatch.agent.durable.incidents import IncidentLog
+    from rankwatch.agent.node.intake import NodeState
+    from rankwatch.hooks.instrument.recorder import OPS
     from rankwatch.proto import pb
 
     work = [batch(i) for i in range(batches)]
@@ -126,7 +126,7 @@ def in_process(endpoint: str, rounds: int, batches: int) -> dict[str, tuple[floa
 def client(addr: str, rank: int, stop_at: float) -> None:
     import grpc
 
-    from rankwatch.hooks.recorder import OPS
+    from rankwatch.hooks.instrument.recorder import OPS
     from rankwatch.proto import pb
 
     hello = pb.ReportMessage(hello=pb.Hello(rank=rank, world_size=CLIENTS, pid=os.getpid(),

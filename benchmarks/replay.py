@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from noise import load_runs
-from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector
+from rankwatch.agent.detect.straggler import RankWork, StragglerConfig, StragglerDetector
 
 KEEP = 64  # steps of history the agent keeps per rank
 

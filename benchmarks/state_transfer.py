@@ -1,14 +1,14 @@
 """A joiner's state from a live replica: pickled objects against tensors on the wire.
 
 When a spare joins in process, the rank at its position in a live replica sends it its
-shards of the parameters and of AdamW's state (:func:`rankwatch.hooks.recovery_state.transfer`).
+shards of the parameters and of AdamW's state (:func:`rankwatch.hooks.recovery.state.transfer`).
 This measures that hop alone, between two processes on gloo over loopback, for states the
 size of a replica's shard of a model:
 
 * ``pickled``: ``send_object_list`` of the whole state (what the tier did first): the
   sender serialises every tensor into one byte buffer, the receiver deserialises it;
-* ``tensors``: :func:`~rankwatch.hooks.recovery_state.send_state` /
-  :func:`~rankwatch.hooks.recovery_state.recv_state`: a small header of plain data, then each
+* ``tensors``: :func:`~rankwatch.hooks.recovery.state.send_state` /
+  :func:`~rankwatch.hooks.recovery.state.recv_state`: a small header of plain data, then each
   large tensor sent as it is into memory the receiver allocated.
 
 The state is shaped like a transformer's: tensors of one layer's sizes, repeated until the
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rankwatch.hooks.recovery_state import recv_state, send_state
+from rankwatch.hooks.recovery.state import recv_state, send_state
 
 
 def _state(params_mb: int, dim: int = 1024) -> dict:

@@ -46,13 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coordinator_load
 from coordinator_load import TOKEN, SimNode
-from rankwatch.agent import validate_sync
-from rankwatch.agent.coordinator import Coordinator
-from rankwatch.agent.evaluate import evaluate
-from rankwatch.agent.gate import Gate
-from rankwatch.agent.watchdog import Watchdog
-from rankwatch.agent.incidents import IncidentLog
-from rankwatch.agent.straggler_score import recent_window
+from rankwatch.agent.wire import summary as validate_sync
+from rankwatch.agent.job.coordinator import Coordinator
+from rankwatch.agent.detect.evaluate import evaluate
+from rankwatch.agent.rpc.gate import Gate
+from rankwatch.agent.rpc.deadlines import Watchdog
+from rankwatch.agent.durable.incidents import IncidentLog
+from rankwatch.agent.detect.work_scores import recent_window
 from rankwatch.proto import pb
 
 REPEATS = 7

@@ -2,7 +2,7 @@
 
 Run as a torchrun entry point in place of ``rankwatch.hooks.train`` (same arguments, plus
 ``--commit-out DIR``); writes ``DIR/commit<rank>.json``: the seconds each step spent in the
-commit's all-reduce (:class:`rankwatch.hooks.recovery_commit.StepCommit`).  That wait is an
+commit's all-reduce (:class:`rankwatch.hooks.recovery.commit.StepCommit`).  That wait is an
 upper bound on what the commit costs a step: it also holds the ranks' skew, which the next
 collective would otherwise absorb.  With ``--commit-aligned``, each commit comes after an
 untimed barrier, so the time is the commit's own: the all-reduce with every rank there.
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from rankwatch.hooks import recovery_commit
+from rankwatch.hooks.recovery import commit as recovery_commit
 from rankwatch.hooks.train import main
 
 _agree = recovery_commit.StepCommit._agree

@@ -15,7 +15,7 @@ Instrument your own loop in a few lines::
 or run the bundled harness: ``torchrun ... -m rankwatch.hooks.train``.
 """
 
-from rankwatch.hooks.monitor import Monitor, NullMonitor, init
-from rankwatch.hooks.recorder import OPS, PHASES, Recorder
+from rankwatch.hooks.instrument.monitor import Monitor, NullMonitor, init
+from rankwatch.hooks.instrument.recorder import OPS, PHASES, Recorder
 
 __all__ = ["OPS", "PHASES", "Monitor", "NullMonitor", "Recorder", "init"]

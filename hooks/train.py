@@ -23,14 +23,14 @@ os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from rankwatch.hooks import monitor as _monitor  # noqa: E402
-from rankwatch.hooks.checkpoint import Checkpointer  # noqa: E402
-from rankwatch.hooks.data import SyntheticTokens, build_loader  # noqa: E402
-from rankwatch.hooks.flops import transformer_flops_per_token  # noqa: E402
-from rankwatch.hooks.model import ModelConfig, Transformer  # noqa: E402
-from rankwatch.hooks.parallel import ParallelDims, build_mesh, device_type, dp_mesh, parallelize  # noqa: E402
-from rankwatch.hooks.recovery import InProcessRecovery, Job, Membership  # noqa: E402
-from rankwatch.hooks.train_parts import (  # noqa: E402
+from rankwatch.hooks.instrument import monitor as _monitor  # noqa: E402
+from rankwatch.hooks.harness.dcp import Checkpointer  # noqa: E402
+from rankwatch.hooks.harness.data import SyntheticTokens, build_loader  # noqa: E402
+from rankwatch.hooks.harness.flops import transformer_flops_per_token  # noqa: E402
+from rankwatch.hooks.harness.model import ModelConfig, Transformer  # noqa: E402
+from rankwatch.hooks.harness.parallel import ParallelDims, build_mesh, device_type, dp_mesh, parallelize  # noqa: E402
+from rankwatch.hooks.recovery.inprocess import InProcessRecovery, Job, Membership  # noqa: E402
+from rankwatch.hooks.harness.parts import (  # noqa: E402
     ABSwitch, RunRecord, after_step, global_batch_for, report_saves, train_step,
 )
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 model = Transformer(cfg)
             model = parallelize(model, mesh, dims).to_empty(device=dev)
         # The fused AdamW by default, on a GPU and on the CPU alike.  On a GPU the step commit
-        # gates it on the device, without a host synchronisation (hooks/recovery_commit.py).
+        # gates it on the device, without a host synchronisation (hooks/recovery/commit.py).
         # Either way it is one DTensor op per step, not ~8 per parameter: DTensor works out
         # each op's sharding again for a new generation's mesh, so after an in-process
         # recovery the loop's first optimizer step cost 10-20x a usual one (BENCHMARKS.md).

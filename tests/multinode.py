@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import AgentProcess, wait_for
-from rankwatch.agent.ports import free_port
+from rankwatch.agent.cli.ports import free_port
 from rankwatch.status import AgentUnreachable
 
 __all__ = ["Cluster", "check_buckets", "free_port", "seconds_per_step"]
@@ -128,7 +128,7 @@ class Cluster:
         if launcher == "torchrun":
             cmd = [sys.executable, "-m", "torch.distributed.run", *tr]
         else:
-            cmd = [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr),
+            cmd = [sys.executable, "-m", "rankwatch.agent.cli.app", "run", "--agent", str(agent.addr),
                    "--node-id", agent.node, "--", *tr]
         log = open(self.tmp / f"job-n{node}.log", "a")
         job = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT,

@@ -7,7 +7,7 @@ import queue
 
 import grpc
 
-from rankwatch.hooks.recorder import OPS
+from rankwatch.hooks.instrument.recorder import OPS
 from rankwatch.proto import pb
 
 REPORT = "/rankwatch.v1.Agent/Report"

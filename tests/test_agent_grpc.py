@@ -14,8 +14,8 @@ from prometheus_client import generate_latest
 from conftest import parse_metrics, wait_for
 from rankwatch.address import Address
 from rankwatch.agent.server import Agent, AgentConfig
-from rankwatch.hooks.client import AgentClient
-from rankwatch.hooks.recorder import OPS, Recorder
+from rankwatch.hooks.instrument.client import AgentClient
+from rankwatch.hooks.instrument.recorder import OPS, Recorder
 from rankwatch.proto import pb
 from rankwatch.status import AgentUnreachable, fetch_status
 

@@ -1,4 +1,4 @@
-"""The bounds on what an agent keeps (agent/bounds.py), without an agent."""
+"""The bounds on what an agent keeps (agent/wire/bounds.py), without an agent."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rankwatch.agent import bounds, validate_sync, work_windows
-from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.wire import bounds, summary as validate_sync, windows as work_windows
+from rankwatch.agent.durable.incidents import IncidentLog
 from rankwatch.proto import pb
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from rankwatch.hooks.monitor import Monitor, NullMonitor
-from rankwatch.hooks.recorder import Recorder
+from rankwatch.hooks.instrument.monitor import Monitor, NullMonitor
+from rankwatch.hooks.instrument.recorder import Recorder
 
 
 class _HeardAt:

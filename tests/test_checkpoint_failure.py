@@ -22,7 +22,7 @@ _WORKER = r"""
 import json, os, resource, signal, sys
 from pathlib import Path
 import torch, torch.distributed as dist
-from rankwatch.hooks.checkpoint import MARKER, Checkpointer
+from rankwatch.hooks.harness.dcp import MARKER, Checkpointer
 
 root, store, asynchronous = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "async"
 dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import wait_for
 
-RW = [sys.executable, "-m", "rankwatch.agent.cli"]
+RW = [sys.executable, "-m", "rankwatch.agent.cli.app"]
 
 
 def rw(*args, **kw):
@@ -18,7 +18,7 @@ def rw(*args, **kw):
 
 
 def test_agent_side_imports_no_torch():
-    code = ("import sys, rankwatch.agent.cli, rankwatch.agent.server, rankwatch.status, "
+    code = ("import sys, rankwatch.agent.cli.app, rankwatch.agent.server, rankwatch.status, "
             "rankwatch.address, rankwatch.hooks; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -95,7 +95,7 @@ def test_run_starts_a_local_agent(tmp_path):
 
 
 def test_the_metrics_port_line_says_when_the_default_port_was_taken(agent_proc):
-    from rankwatch.agent.run import metrics_port_line
+    from rankwatch.agent.cli.run import metrics_port_line
 
     port = agent_proc.status()["metrics_port"]  # the test agent binds port 0: never 9478
     assert metrics_port_line(agent_proc.addr) == (

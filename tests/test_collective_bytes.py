@@ -41,8 +41,8 @@ def _rank(rank: int, store: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from rankwatch.hooks.collectives import CollectiveInstrumentation
-    from rankwatch.hooks.recorder import Recorder
+    from rankwatch.hooks.instrument.collectives import CollectiveInstrumentation
+    from rankwatch.hooks.instrument.recorder import Recorder
 
     dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
     rec = Recorder()

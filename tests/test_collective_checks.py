@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rankwatch.agent import validate, validate_stream
-from rankwatch.agent.oplatency import OpLatency
+from rankwatch.agent.wire import ranges as validate, report as validate_stream
+from rankwatch.agent.node.oplatency import OpLatency
 
 NOW = 1.7e9
 DAY = 86400.0

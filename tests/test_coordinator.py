@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rankwatch.agent import work_windows
-from rankwatch.agent.coordinator import Coordinator, PolicyConfig
-from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.wire import windows as work_windows
+from rankwatch.agent.job.coordinator import Coordinator, PolicyConfig
+from rankwatch.agent.durable.incidents import IncidentLog
 from rankwatch.proto import pb
 
 
@@ -242,7 +242,7 @@ def test_checkpoint_step_is_ahead_of_the_fastest_rank_and_duplicates_merge():
 
 
 def test_the_coordinator_keeps_a_bounded_number_of_nodes():
-    from rankwatch.agent.state import Rejected
+    from rankwatch.agent.node.intake import Rejected
 
     c, _ = make(policy=PolicyConfig(max_nodes=2))
     c.sync(summary("a", 1, 1.0, []))
@@ -292,7 +292,7 @@ def windows(packed: bool, own: float, comm: float) -> dict:
 # (an upgrade under way): the coordinator reads either form alike.
 @pytest.mark.parametrize(("n0_packed", "n1_packed"), [(True, True), (False, False), (False, True), (True, False)])
 def test_a_costly_straggling_node_is_evicted_after_the_next_checkpoint(n0_packed, n1_packed):
-    from rankwatch.agent.straggler import StragglerConfig
+    from rankwatch.agent.detect.straggler import StragglerConfig
 
     c, clock = make(straggler=StragglerConfig(warmup_steps=0))
     t = clock.t
@@ -342,7 +342,7 @@ def test_a_restart_is_over_only_when_new_workers_step():
 def test_a_job_straggler_is_resolved_when_the_node_recovers():
     import json
 
-    from rankwatch.agent.straggler import StragglerConfig
+    from rankwatch.agent.detect.straggler import StragglerConfig
 
     c, clock = make(PolicyConfig(evict_straggler_speedup=100.0),  # flag only, never evict
                     straggler=StragglerConfig(warmup_steps=0, clear_after=10))
@@ -383,7 +383,7 @@ def test_the_job_straggler_hold_is_counted_in_the_period_the_node_sends(sent_per
     # of scope time, 40 ms from step start to step start.  The 2 s hold is 50 of those steps;
     # counted in scope time, it would be 200.  A node that sends no period (an older agent)
     # is held in scope time, as before.
-    from rankwatch.agent.straggler import StragglerConfig
+    from rankwatch.agent.detect.straggler import StragglerConfig
 
     c, clock = make(PolicyConfig(evict_straggler_speedup=100.0),  # flag only, never evict
                     straggler=StragglerConfig(warmup_steps=0))
@@ -545,8 +545,8 @@ def first_flag(every: int) -> tuple[int | None, set[str]]:
     move none of them).  The step at which a straggler was first flagged, and the nodes flagged."""
     import random
 
-    from rankwatch.agent.rankrecord import WORK_WINDOW
-    from rankwatch.agent.straggler import StragglerConfig
+    from rankwatch.agent.node.rankrecord import WORK_WINDOW
+    from rankwatch.agent.detect.straggler import StragglerConfig
 
     c, clock = make(PolicyConfig(min_nodes=1, node_timeout_seconds=600, evict_straggler_speedup=100.0),
                     straggler=StragglerConfig(warmup_steps=0))
@@ -575,7 +575,7 @@ def test_a_straggler_is_flagged_from_whole_copies_as_stale_as_the_relays_send_th
     ``RelayConfig.whole_every_steps`` steps, so its copies of two nodes are up to that many
     steps apart.  Their 64-step windows still line up: the slow node is flagged, and no other,
     at most that many steps later than from copies fresh at every step."""
-    from rankwatch.agent.relay_policy import RelayConfig
+    from rankwatch.agent.job.routing import RelayConfig
 
     every = RelayConfig().whole_every_steps
     fresh, fresh_flagged = first_flag(1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from rankwatch.agent.demoscreen import DemoNotes, next_line, screen, versus_torchrun
+from rankwatch.agent.cli.screen import DemoNotes, next_line, screen, versus_torchrun
 
 T0 = 1_800_000_000.0
 NODES = ("demo-n0", "demo-n1", "demo-n2", "demo-n3")

@@ -22,7 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from rankwatch.agent.cli_args import build_parser
+from rankwatch.agent.cli.parser import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "kubernetes"
@@ -335,8 +335,8 @@ def test_training_job_example_reaches_the_agent_and_its_command_parses():
 def test_etcd_example_wires_a_per_job_agent_elected_in_etcd_to_the_training_container():
     from torch.distributed.run import get_args_parser
 
-    from rankwatch.agent.election import parse_endpoints
-    from rankwatch.agent.torchrun_args import plan
+    from rankwatch.agent.job.election import parse_endpoints
+    from rankwatch.agent.cli.torchrun_args import plan
 
     pod = _one(_docs(ETCD_EXAMPLE), "Job")["spec"]["template"]["spec"]
     sidecar, train = _container(pod, "job-agent", "initContainers"), _container(pod, "train")

@@ -31,8 +31,8 @@ import pytest
 from conftest import wait_for
 from etcdcluster import EtcdCluster
 from rankwatch.address import Address
-from rankwatch.agent.incidents import IncidentLog
-from rankwatch.agent.ports import free_port
+from rankwatch.agent.durable.incidents import IncidentLog
+from rankwatch.agent.cli.ports import free_port
 from rankwatch.status import fetch_status
 
 REPO = Path(__file__).resolve().parents[1]

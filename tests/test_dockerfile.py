@@ -89,7 +89,7 @@ def _in_context(path: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
 
 def test_dockerignore_keeps_the_build_sources_and_nothing_else():
     rules = _ignore_rules()
-    for kept in ("pyproject.toml", "README.md", "agent/cli.py", "proto/rankwatch/v1/agent.proto"):
+    for kept in ("pyproject.toml", "README.md", "agent/cli/app.py", "proto/rankwatch/v1/agent.proto"):
         assert _in_context(kept, rules), kept
     for dropped in ("tests/conftest.py", ".git/HEAD", ".venv/bin/python", "agent/__pycache__/cli.cpython-311.pyc",
                     "benchmarks/ingest.py", "deploy/kubernetes/daemonset.yaml", "Dockerfile"):
@@ -118,8 +118,11 @@ def test_build_stage_context_builds_a_complete_wheel(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    for module in ("rankwatch/__init__.py", "rankwatch/agent/cli.py", "rankwatch/agent/server.py",
-                   "rankwatch/hooks/train.py", "rankwatch/proto/rankwatch/v1/agent.proto"):
+    # Every module of every subpackage (pyproject.toml lists each one), and the wire's definition.
+    modules = [f"rankwatch/{p.relative_to(REPO).as_posix()}" for folder in ("agent", "hooks")
+               for p in (REPO / folder).rglob("*.py") if "__pycache__" not in p.parts]
+    for module in ("rankwatch/__init__.py", "rankwatch/agent/cli/app.py", "rankwatch/agent/server.py",
+                   "rankwatch/hooks/train.py", "rankwatch/proto/rankwatch/v1/agent.proto", *modules):
         assert module in names, f"{module} missing from the image's wheel"
     torch_reqs = [line for line in meta.splitlines() if line.startswith("Requires-Dist: torch")]
     assert torch_reqs and all('extra == "' in line for line in torch_reqs), \

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import torchrun
-from rankwatch.hooks.checkpoint import MARKER, complete_checkpoints
+from rankwatch.hooks.harness.dcp import MARKER, complete_checkpoints
 
 pytestmark = pytest.mark.e2e
 
@@ -86,7 +86,7 @@ def test_killed_during_saves_every_resume_loads_a_complete_checkpoint(tmp_path):
     import re
     import time
 
-    from rankwatch.hooks.checkpoint import latest_complete
+    from rankwatch.hooks.harness.dcp import latest_complete
 
     steps = 60
     ckpt = tmp_path / "ckpt"

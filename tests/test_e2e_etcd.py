@@ -25,7 +25,7 @@ import pytest
 from conftest import wait_for
 from etcdcluster import EtcdCluster
 from multinode import Cluster
-from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.durable.incidents import IncidentLog
 
 pytestmark = pytest.mark.e2e
 

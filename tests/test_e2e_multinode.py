@@ -100,7 +100,7 @@ def test_checkpoint_on_demand_saves_one_step_on_every_node(tmp_path):
         assert remote["op_latency"]["all_gather"]["count"] > 0 and remote["collectives"] > 0, remote
         step_s = seconds_per_step(c.coordinator.status)
         # Asked through the second node's agent: it forwards to the coordinator.
-        from rankwatch.agent.jobsync import forward_checkpoint
+        from rankwatch.agent.job.uplink import forward_checkpoint
 
         reply = forward_checkpoint(c.agents[1].addr, "test")
         assert reply.accepted, reply.message

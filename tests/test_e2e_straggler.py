@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import AgentProcess, parse_metrics, torchrun, wait_for
-from rankwatch.agent.straggler_score import StragglerConfig
+from rankwatch.agent.detect.work_scores import StragglerConfig
 
 pytestmark = pytest.mark.e2e
 

@@ -10,8 +10,8 @@ import pytest
 
 from conftest import AgentProcess, wait_for
 from etcdcluster import EtcdCluster
-from rankwatch.agent.decisions import DecisionLog
-from rankwatch.agent.election import Election, EtcdDecisions, parse_endpoints
+from rankwatch.agent.job.decisions import DecisionLog
+from rankwatch.agent.job.election import Election, EtcdDecisions, parse_endpoints
 
 pytestmark = pytest.mark.e2e
 

@@ -8,16 +8,16 @@ import time
 import pytest
 
 from rankwatch.address import Address
-from rankwatch.agent import work_windows
-from rankwatch.agent.coordinator import Coordinator, PolicyConfig
-from rankwatch.agent.evaluate import Snapshot, evaluate
-from rankwatch.agent.hang import HangConfig, RankProgress
-from rankwatch.agent.incidents import IncidentLog
-from rankwatch.agent.nodewatch import NodeWatch, snapshot
-from rankwatch.agent.rankexit import ExitConfig
+from rankwatch.agent.wire import windows as work_windows
+from rankwatch.agent.job.coordinator import Coordinator, PolicyConfig
+from rankwatch.agent.detect.evaluate import Snapshot, evaluate
+from rankwatch.agent.detect.hang_verdict import HangConfig, RankProgress
+from rankwatch.agent.durable.incidents import IncidentLog
+from rankwatch.agent.node.sweep import NodeWatch, snapshot
+from rankwatch.agent.node.rankexit import ExitConfig
 from rankwatch.agent.server import Agent, AgentConfig
-from rankwatch.agent.state import OPS, NodeState
-from rankwatch.agent.straggler import StragglerConfig
+from rankwatch.agent.node.intake import OPS, NodeState
+from rankwatch.agent.detect.straggler import StragglerConfig
 from rankwatch.proto import pb
 
 HANG = HangConfig(floor_seconds=1, first_step_seconds=1, silence_seconds=2)

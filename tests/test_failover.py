@@ -15,7 +15,7 @@ import pytest
 from conftest import wait_for
 from rankwatch.address import Address
 from rankwatch.status import fetch_status
-from rankwatch.agent.decisions import DecisionLog
+from rankwatch.agent.job.decisions import DecisionLog
 from rankwatch.agent.server import Agent, AgentConfig
 
 
@@ -62,7 +62,7 @@ def test_a_coordinator_that_takes_over_continues_the_decision_log(job, monkeypat
 
     # The rendezvous handler writes what the relay reads from a node's status: the second
     # coordinator's exclusion moves the store's generation on.
-    from rankwatch.hooks.rendezvous import create_handler
+    from rankwatch.hooks.rendezvous.handler import create_handler
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     monkeypatch.setenv("RANKWATCH_NODE_ID", "n1")

@@ -1,6 +1,6 @@
 import pytest
 
-from rankwatch.hooks.flops import peak_flops_for, transformer_flops_per_token
+from rankwatch.hooks.harness.flops import peak_flops_for, transformer_flops_per_token
 
 
 @pytest.mark.parametrize("name,peak", [

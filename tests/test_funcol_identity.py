@@ -22,8 +22,8 @@ def _rank(rank: int, store: str, out: str) -> None:
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rankwatch.hooks.collectives import CollectiveInstrumentation
-    from rankwatch.hooks.recorder import OPS, Recorder
+    from rankwatch.hooks.instrument.collectives import CollectiveInstrumentation
+    from rankwatch.hooks.instrument.recorder import OPS, Recorder
 
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from conftest import wait_for
-from rankwatch.agent.gate import Gate, StreamLimits
-from rankwatch.agent.watchdog import Watchdog
+from rankwatch.agent.rpc.gate import Gate, StreamLimits
+from rankwatch.agent.rpc.deadlines import Watchdog
 from rankwatch.proto import pb
 
 TOKEN = "gate-test-token"

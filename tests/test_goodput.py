@@ -10,9 +10,9 @@ from prometheus_client import generate_latest
 
 from conftest import parse_metrics
 from rankwatch.address import Address
-from rankwatch.agent.decisions import Decision
-from rankwatch.agent.goodput import KINDS, Progress, StepProgress, breakdown
-from rankwatch.agent.incidents import Incident
+from rankwatch.agent.job.decisions import Decision
+from rankwatch.agent.job.goodput import KINDS, Progress, StepProgress, breakdown
+from rankwatch.agent.durable.incidents import Incident
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.proto import pb
 
@@ -77,7 +77,7 @@ def test_a_superseded_restart_is_closed_at_the_next_ones_decision():
 
 
 def recovery(at: float, n: int = 1, node: str = "n0", ok: bool = True, **phases: float) -> Incident:
-    """An in-process recovery's incident as the node agent records it (agent/recoveries.py)."""
+    """An in-process recovery's incident as the node agent records it (agent/node/recoveries.py)."""
     return incident("restart", at, n=n, step=50, node=node, tier="in_process", ok=ok, old_world_size=8,
                     new_world_size=6, dropped_nodes=["n3"], phases=phases, error="" if ok else "store timeout",
                     started_at=at)

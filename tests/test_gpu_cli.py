@@ -7,8 +7,8 @@ import json
 import pytest
 
 from conftest import has_gpu
-from rankwatch.agent.cli import main
-from rankwatch.agent.gpu.config import GpuConfig, open_source
+from rankwatch.agent.cli.app import main
+from rankwatch.agent.gpu.settings import GpuConfig, open_source
 from rankwatch.agent.gpu.nvml import NvmlSource, NvmlUnavailable
 
 

@@ -146,7 +146,7 @@ def test_agent_with_dcgm_exports_and_raises_incidents(exporter, tmp_path):
 
 def test_an_exporter_outage_hides_readings_but_not_what_changed_during_it(exporter):
     from rankwatch.agent.gpu import GpuCollector, GpuMonitor
-    from rankwatch.agent.incidents import IncidentLog
+    from rankwatch.agent.durable.incidents import IncidentLog
 
     incidents = IncidentLog(None)
     monitor = GpuMonitor("n0", GpuConfig(dcgm_url=exporter.url), incidents, list,

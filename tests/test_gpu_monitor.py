@@ -17,7 +17,7 @@ from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuEvent, GpuMonitor, R
 from rankwatch.agent.gpu.base import XidEvent
 from rankwatch.agent.gpu.monitor import gpu_of
 from rankwatch.agent.gpu.script import ScriptedSource, parse_script
-from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.durable.incidents import IncidentLog
 
 SCRIPT = parse_script({
     "gpus": {"count": 2, "name": "NVIDIA H100 80GB HBM3", "nvlinks": 1},

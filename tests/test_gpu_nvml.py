@@ -19,7 +19,7 @@ from datetime import timedelta
 import pytest
 
 from conftest import has_gpu
-from rankwatch.agent.gpu.config import GpuConfig, open_source
+from rankwatch.agent.gpu.settings import GpuConfig, open_source
 from rankwatch.agent.gpu.nvml import NvmlSource, NvmlUnavailable
 
 NOT_SUPPORTED, NO_PERMISSION, TIMEOUT, GPU_IS_LOST, UNKNOWN = 3, 4, 10, 15, 999
@@ -231,7 +231,7 @@ def test_no_nvml_is_an_error_only_when_asked_for(nv, monkeypatch, caplog):
     nv.init_error = 9  # NVML_ERROR_DRIVER_NOT_LOADED
     with pytest.raises(NvmlUnavailable, match="did not initialise"):
         NvmlSource(nv)
-    monkeypatch.setattr("rankwatch.agent.gpu.config.NvmlSource", lambda: NvmlSource(nv))
+    monkeypatch.setattr("rankwatch.agent.gpu.settings.NvmlSource", lambda: NvmlSource(nv))
     with caplog.at_level(logging.INFO):
         assert open_source(GpuConfig(source="auto")) is None
     assert any("GPU source: none" in r.getMessage() for r in caplog.records)

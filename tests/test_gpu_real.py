@@ -24,7 +24,7 @@ from conftest import AgentProcess, parse_metrics, torchrun
 from rankwatch.agent.gpu import GpuCollector, GpuConfig, GpuMonitor
 from rankwatch.agent.gpu.base import RECOVERY_ACTIONS, THROTTLE_REASONS
 from rankwatch.agent.gpu.nvml import NvmlSource
-from rankwatch.agent.incidents import IncidentLog
+from rankwatch.agent.durable.incidents import IncidentLog
 
 pytestmark = pytest.mark.gpu
 
@@ -91,7 +91,7 @@ def test_the_ranks_device_uuid_is_the_one_nvml_names(nvml):
     """What a CUDA rank puts in its hello matches NVML's UUID of the same device."""
     code = textwrap.dedent("""
         import torch
-        from rankwatch.hooks.monitor import _device_uuid
+        from rankwatch.hooks.instrument.monitor import _device_uuid
         torch.cuda.set_device(0)
         print(_device_uuid(torch))
     """)
@@ -107,8 +107,8 @@ _NCCL_PROBE = textwrap.dedent("""
     import json, os, statistics, sys, time
     os.environ["TORCH_NCCL_ENABLE_TIMING"] = "1"
     import torch, torch.distributed as dist
-    from rankwatch.hooks.collectives import CollectiveInstrumentation
-    from rankwatch.hooks.recorder import OPS, Recorder
+    from rankwatch.hooks.instrument.collectives import CollectiveInstrumentation
+    from rankwatch.hooks.instrument.recorder import OPS, Recorder
 
     torch.cuda.set_device(0)
     store = dist.FileStore(sys.argv[1], 1)

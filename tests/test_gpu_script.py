@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 
 from rankwatch.agent.gpu import DEMO_SCRIPT
-from rankwatch.agent.gpu.config import GpuConfig, parse_gpu_source
+from rankwatch.agent.gpu.settings import GpuConfig, parse_gpu_source
 from rankwatch.agent.gpu.script import ScriptedSource, ScriptError, load_script, parse_script
 
 SCRIPT = {

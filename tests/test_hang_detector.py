@@ -2,7 +2,7 @@
 
 import pytest
 
-from rankwatch.agent.hang import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
+from rankwatch.agent.detect.hang_verdict import HangConfig, RankProgress, detect_hang, flight_recorder_evidence
 
 CFG = HangConfig(floor_seconds=5.0, step_multiple=5.0, first_step_seconds=60.0,
                  checkpoint_seconds=300.0, silence_seconds=2.0)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rankwatch.agent.hang import RankProgress
-from rankwatch.agent.hangend import hang_end, steps_at
+from rankwatch.agent.detect.hang_verdict import RankProgress
+from rankwatch.agent.detect.hang_end import hang_end, steps_at
 
 
 def rank(r: int, steps: int, *, connected: bool = True, clean: bool = False) -> RankProgress:

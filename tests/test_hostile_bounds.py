@@ -14,9 +14,9 @@ import pytest
 
 from conftest import AgentProcess, parse_metrics, wait_for
 from rankstream import REPORT, Stream, hello
-from rankwatch.agent import bounds
-from rankwatch.agent.jobsync import forward_checkpoint
-from rankwatch.hooks.recorder import OPS
+from rankwatch.agent.wire import bounds
+from rankwatch.agent.job.uplink import forward_checkpoint
+from rankwatch.hooks.instrument.recorder import OPS
 from rankwatch.proto import pb
 
 WORLD = 4096

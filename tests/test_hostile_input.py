@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import AgentProcess, wait_for
-from rankwatch.hooks.client import AgentClient
-from rankwatch.hooks.recorder import OPS, Recorder
+from rankwatch.hooks.instrument.client import AgentClient
+from rankwatch.hooks.instrument.recorder import OPS, Recorder
 from rankwatch.proto import pb
 
 REPORT = "/rankwatch.v1.Agent/Report"

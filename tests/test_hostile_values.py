@@ -20,8 +20,8 @@ import pytest
 
 from conftest import AgentProcess, parse_metrics, wait_for
 from rankstream import REPORT, Stream, hello
-from rankwatch.agent import validate, validate_stream, validate_sync, work_windows
-from rankwatch.agent.jobsync import forward_checkpoint
+from rankwatch.agent.wire import ranges as validate, report as validate_stream, summary as validate_sync, windows as work_windows
+from rankwatch.agent.job.uplink import forward_checkpoint
 from rankwatch.proto import pb, pb_grpc
 
 @pytest.fixture(scope="module")
@@ -238,7 +238,7 @@ def test_rejection_reasons_are_a_bounded_label_set(agent):
 
 
 def test_status_cli_still_prints(agent):
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr),
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--agent", str(agent.addr),
                           "--json"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["node"] == "n0"
@@ -260,7 +260,7 @@ def test_markup_and_control_characters_never_reach_the_terminal(agent, channel):
     with pytest.raises(grpc.RpcError) as err:
         call(iter([pb.ReportMessage(hello=hello(7, mesh_coords={"\x9b31m": 0}))]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr)],
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--agent", str(agent.addr)],
                          capture_output=True, text=True, timeout=30)
     s.close()
     assert out.returncode == 0, out.stderr
@@ -271,7 +271,7 @@ def test_markup_and_control_characters_never_reach_the_terminal(agent, channel):
 def test_views_escape_every_wire_string():
     from rich.console import Console
 
-    from rankwatch.agent.view import rank_table, timeline
+    from rankwatch.agent.cli.tables import rank_table, timeline
 
     rank = {"rank": 0, "node": "[/n]\x1b[2J", "pid": 1, "mesh": {"[/x]": 0}, "step": 1, "step_seconds": 0.1,
             "phase_seconds": {}, "collectives": 0, "dropped": 0, "slowdown": 1.0, "state": "[/s]",

@@ -1,6 +1,6 @@
 """A rank id belongs to the process that holds it: SO_PEERCRED on the Unix socket.
 
-The decision (agent/identity.py) is tested as a pure function; the rest against a
+The decision (agent/rpc/identity.py) is tested as a pure function; the rest against a
 real agent process over real gRPC, with this process presenting its nonce on the
 agent's credentials socket as a rank does.
 """
@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from conftest import AgentProcess, wait_for
-from rankwatch.agent.identity import Claim, Holder, judge
-from rankwatch.hooks.client import AgentClient
-from rankwatch.hooks.recorder import OPS, Recorder
+from rankwatch.agent.rpc.identity import Claim, Holder, judge
+from rankwatch.hooks.instrument.client import AgentClient
+from rankwatch.hooks.instrument.recorder import OPS, Recorder
 from rankwatch.peercred import PeerCred, present
 from rankwatch.proto import pb, pb_grpc
 
@@ -147,8 +147,8 @@ _POD_RANK = """
 import os, sys, time
 from datetime import timedelta
 from rankwatch.address import Address
-from rankwatch.hooks.client import AgentClient
-from rankwatch.hooks.recorder import OPS, Recorder
+from rankwatch.hooks.instrument.client import AgentClient
+from rankwatch.hooks.instrument.recorder import OPS, Recorder
 from rankwatch.proto import pb
 hello = pb.Hello(rank=6, world_size=8, pid=os.getpid(), node_id="n0", backend="gloo", op_names=list(OPS))
 c = AgentClient(Recorder(), hello, Address(path=sys.argv[1]), flush_interval=timedelta(milliseconds=20))

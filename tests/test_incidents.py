@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 
 from rankwatch.address import Address
-from rankwatch.agent.coordinator import Coordinator, PolicyConfig
-from rankwatch.agent.incidents import Incident, IncidentLog
+from rankwatch.agent.job.coordinator import Coordinator, PolicyConfig
+from rankwatch.agent.durable.incidents import Incident, IncidentLog
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.proto import pb
 from test_coordinator import Clock, summary
@@ -110,7 +110,7 @@ def test_a_node_agent_records_the_coordinators_resolution_in_its_own_file(tmp_pa
 
 
 def test_diagnose_replays_the_state_directory_after_the_agent_is_gone(tmp_path, capsys):
-    from rankwatch.agent.cli import main
+    from rankwatch.agent.cli.app import main
 
     log = IncidentLog(tmp_path / "incidents.jsonl", run_id="job-2")
     hang = log.add(kind="hang", node="n0", rank=1, step=7, detected_at=50.0, detail={"alive": True})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.agent.load_policy import (Load, LoadConfig, first_sync_delay, hang_shown_by_reports, interval_floor,
+from rankwatch.agent.job.pacing import (Load, LoadConfig, first_sync_delay, hang_shown_by_reports, interval_floor,
                                          node_silent, overload, quiet_until, retry_delay, silence_allowance,
                                          straggler_due, sync_interval)
 
@@ -256,7 +256,7 @@ def test_a_sync_whose_caller_is_gone_before_a_server_thread_takes_it_is_shed(tmp
     from conftest import wait_for
     from rankwatch.address import Address
     from rankwatch.agent.server import Agent, AgentConfig
-    from rankwatch.agent.streamlimits import StreamLimits
+    from rankwatch.agent.rpc.limits import StreamLimits
     from rankwatch.proto import pb, pb_grpc
 
     sock = Address(path=str(tmp_path / "c.sock"))

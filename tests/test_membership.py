@@ -1,8 +1,8 @@
-"""The coordinator's count of nodes it cannot hear (``agent/membership.py``)."""
+"""The coordinator's count of nodes it cannot hear (``agent/job/node_floor.py``)."""
 
 from __future__ import annotations
 
-from rankwatch.agent.membership import agentless_nodes
+from rankwatch.agent.job.node_floor import agentless_nodes
 
 
 def test_every_rank_heard_means_no_agentless_node():

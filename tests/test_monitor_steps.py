@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from rankwatch.hooks.monitor import Monitor, NullMonitor
-from rankwatch.hooks.recorder import Recorder
+from rankwatch.hooks.instrument.monitor import Monitor, NullMonitor
+from rankwatch.hooks.instrument.recorder import Recorder
 
 FETCH, WORK = 0.03, 0.01
 

@@ -1,8 +1,8 @@
-"""The coordinator's rule for a dead node (rankwatch.agent.node_death), case by case."""
+"""The coordinator's rule for a dead node (rankwatch.agent.job.node_death), case by case."""
 
 from __future__ import annotations
 
-from rankwatch.agent.node_death import all_ranks_died, judge, silence_is_evidence
+from rankwatch.agent.job.node_death import all_ranks_died, judge, silence_is_evidence
 from rankwatch.proto import pb
 
 

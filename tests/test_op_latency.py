@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rankwatch.agent.oplatency import OpLatency, quantiles, to_pb
+from rankwatch.agent.node.oplatency import OpLatency, quantiles, to_pb
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 

@@ -32,8 +32,8 @@ from rankwatch.address import Address
 from rankwatch.agent.gpu import GpuConfig
 from rankwatch.agent.gpu.script import load_script
 from rankwatch.agent.server import Agent, AgentConfig
-from rankwatch.hooks.client import AgentClient
-from rankwatch.hooks.recorder import OPS, Recorder
+from rankwatch.hooks.instrument.client import AgentClient
+from rankwatch.hooks.instrument.recorder import OPS, Recorder
 from rankwatch.proto import pb
 
 OTEL_VARS = ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from rankwatch.agent.ports import free_port, port_free
+from rankwatch.agent.cli.ports import free_port, port_free
 
 
 def _ephemeral_low() -> int:

@@ -38,7 +38,7 @@ import pytest
 import yaml
 
 from conftest import AgentProcess, parse_metrics, torchrun, wait_for
-from rankwatch.agent.ports import free_port
+from rankwatch.agent.cli.ports import free_port
 from test_dashboards import (
     DASHBOARDS,
     HISTOGRAM_SUFFIXES,
@@ -154,7 +154,7 @@ def send_undecodable(agent: AgentProcess) -> None:
 
 
 def request_checkpoint(agent: AgentProcess) -> None:
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "checkpoint", "--agent", str(agent.addr)],
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "checkpoint", "--agent", str(agent.addr)],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import wait_for
 from rankwatch.address import Address
-from rankwatch.agent.incidents import IncidentLog
-from rankwatch.agent.rankexit import BrokenStream, ExitConfig, ExitWatch, judge
+from rankwatch.agent.durable.incidents import IncidentLog
+from rankwatch.agent.node.rankexit import BrokenStream, ExitConfig, ExitWatch, judge
 from rankwatch.agent.server import Agent, AgentConfig
 
 _RANK = """

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rankwatch.agent.rankstate import EVENTS, INITIAL, STATES, next_state
+from rankwatch.agent.node.transitions import EVENTS, INITIAL, STATES, next_state
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,13 +18,13 @@ import pytest
 
 from conftest import parse_metrics, wait_for
 from rankwatch.address import Address
-from rankwatch.agent import recoveries
-from rankwatch.agent.coordinator import PolicyConfig
-from rankwatch.agent.incidents import Incident
+from rankwatch.agent.node import recoveries
+from rankwatch.agent.job.coordinator import PolicyConfig
+from rankwatch.agent.durable.incidents import Incident
 from rankwatch.agent.server import Agent, AgentConfig
-from rankwatch.hooks.client import AgentClient
-from rankwatch.hooks.monitor import Monitor, NullMonitor
-from rankwatch.hooks.recorder import OPS, Recorder
+from rankwatch.hooks.instrument.client import AgentClient
+from rankwatch.hooks.instrument.monitor import Monitor, NullMonitor
+from rankwatch.hooks.instrument.recorder import OPS, Recorder
 from rankwatch.proto import pb
 from rankwatch.status import fetch_status
 
@@ -49,7 +49,7 @@ def recovered(mon: Monitor, started_at: float, rank_after: int, **over) -> None:
 
 
 def cli(addr: Address, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", *args, "--agent", str(addr)],
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", *args, "--agent", str(addr)],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -219,8 +219,8 @@ def test_reports_of_one_recovery_match_by_step_worlds_outcome_and_time():
 
 
 def test_the_timeline_and_the_demo_feed_tell_a_recovery_in_one_line():
-    from rankwatch.agent.demoscreen import DemoNotes, feed
-    from rankwatch.agent.view import brief
+    from rankwatch.agent.cli.screen import DemoNotes, feed
+    from rankwatch.agent.cli.tables import brief
 
     detail = {"tier": "in_process", "ok": False, "step": 7, "old_world_size": 4, "new_world_size": 3,
               "dropped_nodes": ["n2"], "phases": {"left_step": 0.25}, "error": "peer gone", "started_at": 5.0}
@@ -234,8 +234,8 @@ def test_the_timeline_and_the_demo_feed_tell_a_recovery_in_one_line():
 
 
 def test_an_exclusion_is_answered_by_the_in_process_recovery_that_left_its_node_out():
-    from rankwatch.agent.incidents import Incident
-    from rankwatch.agent.recoveries import handled_at
+    from rankwatch.agent.durable.incidents import Incident
+    from rankwatch.agent.node.recoveries import handled_at
 
     def rec(at: float, dropped: list[str], ok: bool = True, first_step: float | None = 0.4) -> Incident:
         phases = {"left_step": 0.01, "agreed": 0.05}

@@ -1,4 +1,4 @@
-"""The step commit (``hooks/recovery_commit.py``): what one rank's read of it means, the
+"""The step commit (``hooks/recovery/commit.py``): what one rank's read of it means, the
 commit on a real gloo group, and the NCCL watchdog mode the tier asks for."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rankwatch.hooks import recovery_net as net
-from rankwatch.hooks.recovery import is_peer_failure
-from rankwatch.hooks.recovery_commit import (FAILED_BEFORE, FAILED_INSIDE, PASSED, CommitIncomplete, StepCommit,
+from rankwatch.hooks.recovery import net
+from rankwatch.hooks.recovery.inprocess import is_peer_failure
+from rankwatch.hooks.recovery.commit import (FAILED_BEFORE, FAILED_INSIDE, PASSED, CommitIncomplete, StepCommit,
                                              gates_on_device, outcome)
 
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from rankwatch.hooks.recovery import RecoveryFailed, is_peer_failure
-from rankwatch.hooks.recovery_decide import JOINER_BASE, Decision, Joiner, decide
-from rankwatch.hooks.recovery_net import Liveness, refused
+from rankwatch.hooks.recovery.inprocess import RecoveryFailed, is_peer_failure
+from rankwatch.hooks.recovery.decide import JOINER_BASE, Decision, Joiner, decide
+from rankwatch.hooks.recovery.net import Liveness, refused
 
 # Four nodes of two ranks; original ranks 0..7, node i holds ranks 2i and 2i+1.
 MEMBERS = tuple(range(8))
@@ -219,7 +219,7 @@ def test_a_sigterm_during_the_decision_takes_effect_after_it(tmp_path):
 
     done = tmp_path / "decision"
     code = ("import os, signal, sys\n"
-            "from rankwatch.hooks.recovery_net import deferred_termination\n"
+            "from rankwatch.hooks.recovery.net import deferred_termination\n"
             "with deferred_termination():\n"
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
             f"    open({str(done)!r}, 'w').write('written')\n"

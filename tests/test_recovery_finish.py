@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from rankwatch.hooks.recovery_store import JOIN_ENV, ROUND_ENV, STORE_ENV
+from rankwatch.hooks.recovery.store import JOIN_ENV, ROUND_ENV, STORE_ENV
 
 SCRIPT = Path(__file__).parent / "data" / "recovery_finish.py"
 
@@ -72,8 +72,8 @@ def test_no_joiner_is_let_in_after_the_last_step(store):
     # pending for finish() to answer.  Rank 0's real watch, its background look included.
     from conftest import wait_for
 
-    from rankwatch.hooks.recovery_joins import JoinWatch
-    from rankwatch.hooks.recovery_round import Round
+    from rankwatch.hooks.recovery.joins import JoinWatch
+    from rankwatch.hooks.recovery.protocol import Round
 
     env = _env(store, RANKWATCH_NODE_ID="n0")
     watch = JoinWatch(Round(store, "job/round/1/", env, settle=1.0), env, total_steps=5)

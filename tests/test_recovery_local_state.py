@@ -25,7 +25,7 @@ def _job(meta: bool):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from rankwatch.hooks.recovery import Job
+    from rankwatch.hooks.recovery.inprocess import Job
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
@@ -62,7 +62,7 @@ def _step(job, step: int, fail: str = "") -> None:
 
 
 def _run(rank: int, fail: str, out: str) -> None:
-    from rankwatch.hooks.recovery_state import local_state, restore
+    from rankwatch.hooks.recovery.state import local_state, restore
 
     torch.set_num_threads(1)
     failed, reference = _job(meta=False), _job(meta=False)

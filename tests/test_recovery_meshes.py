@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).parent / "data" / "mesh_generations.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    from rankwatch.agent.ports import free_port
+    from rankwatch.agent.cli.ports import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MESH_STORE_PORT": str(free_port())}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",

@@ -1,7 +1,7 @@
 """The recovery store's values are sealed with the job's token: a writer without it (anyone who
 can reach the TCPStore) cannot make the workers take its decision, its join request or its
 "restarting" mark.  A real TCPStore on loopback; the workers' protocol is the real
-:class:`~rankwatch.hooks.recovery_round.Round`."""
+:class:`~rankwatch.hooks.recovery.protocol.Round`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import threading
 import pytest
 from torch.distributed import TCPStore
 
-from rankwatch.hooks.recovery_decide import JOINER_BASE, Decision, Membership
-from rankwatch.hooks.recovery_round import RecoveryFailed, Round
-from rankwatch.hooks.recovery_store import RESTARTING_KEY, ForgedValue, Seal
+from rankwatch.hooks.recovery.decide import JOINER_BASE, Decision, Membership
+from rankwatch.hooks.recovery.protocol import RecoveryFailed, Round
+from rankwatch.hooks.recovery.store import RESTARTING_KEY, ForgedValue, Seal
 
 PREFIX = "rankwatch/job/round/1/"
 ENV = {"RANKWATCH_TOKEN": "s3cret", "RANKWATCH_NODE_ID": "n0"}
@@ -121,15 +121,15 @@ def test_an_unreadable_token_gives_a_seal_that_opens_nothing():
 def test_the_handler_treats_a_forged_mark_as_absent_and_warns_once(store, caplog):
     """The rendezvous handler's reader of its round's marks, asked again at every poll as
     torchrun's agent asks, against a mark a writer without the token left."""
-    from rankwatch.hooks.rdzv_inprocess import InProcessRound
-    from rankwatch.hooks.recovery_store import mark_regrouped
+    from rankwatch.hooks.rendezvous.round_keys import InProcessRound
+    from rankwatch.hooks.recovery.store import mark_regrouped
 
     mine = InProcessRound(store, "job", "n0", Seal("s3cret"), current_round=lambda: 1)
     mine.export(1, None, 2)
     prefix = mine.prefix
     assert prefix == PREFIX
     mark_regrouped(store, prefix, "n1", 1, Seal(None))   # the forger "left n1 out"
-    with caplog.at_level("DEBUG", logger="rankwatch.hooks.rdzv_inprocess"):
+    with caplog.at_level("DEBUG", logger="rankwatch.hooks.rendezvous.round_keys"):
         assert not any(mine.regrouped("n1") for _ in range(5))
     warned = [r for r in caplog.records if r.levelname == "WARNING" and "not sealed" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]

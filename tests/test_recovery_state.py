@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_gloo_pair
-from rankwatch.hooks.recovery_state import _SLOT, StateMismatch, _send_header, recv_state, send_state
+from rankwatch.hooks.recovery.state import _SLOT, StateMismatch, _send_header, recv_state, send_state
 
 
 def _state() -> dict:

@@ -1,4 +1,4 @@
-"""Relays: a big job's nodes sync through one agent per group (agent/relay_policy.py, agent/relay.py).
+"""Relays: a big job's nodes sync through one agent per group (agent/job/routing.py, agent/job/relay.py).
 
 The rules and the relay's bounds are checked directly; the tier itself with real agent
 processes over real gRPC: a relayed node's decisions reach it through its relay, and a
@@ -16,14 +16,14 @@ from contextlib import contextmanager
 import pytest
 
 from conftest import AgentProcess, parse_metrics, wait_for
-from rankwatch.agent.coordinator import Coordinator, PolicyConfig
-from rankwatch.agent.incidents import IncidentLog
-from rankwatch.agent.ports import free_port
-from rankwatch.agent.bounds import MAX_SUMMARY_BYTES
-from rankwatch.agent.relay import MAX_GROUP, Relay, RelayBusy, RelayUnavailable
-from rankwatch.agent.relay_policy import (RelayConfig, assign, callers, relay_answer, send_whole, signature,
+from rankwatch.agent.job.coordinator import Coordinator, PolicyConfig
+from rankwatch.agent.durable.incidents import IncidentLog
+from rankwatch.agent.cli.ports import free_port
+from rankwatch.agent.wire.bounds import MAX_SUMMARY_BYTES
+from rankwatch.agent.job.relay import MAX_GROUP, Relay, RelayBusy, RelayUnavailable
+from rankwatch.agent.job.routing import (RelayConfig, assign, callers, relay_answer, send_whole, signature,
                                           wait_spread)
-from rankwatch.agent.validate import Rejected
+from rankwatch.agent.wire.ranges import Rejected
 from rankwatch.proto import pb
 
 

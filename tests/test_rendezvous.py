@@ -17,7 +17,7 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError, RendezvousParameters
 
-from rankwatch.hooks.recovery_store import (
+from rankwatch.hooks.recovery.store import (
     ATTEMPTS_COUNT,
     CAPABLE_KEY,
     DECIDED_COUNT,
@@ -28,8 +28,8 @@ from rankwatch.hooks.recovery_store import (
     mark_regrouped,
 )
 from rankwatch.address import Address
-from rankwatch.hooks.rdzv_relay import DecisionRelay
-from rankwatch.hooks.rendezvous import create_handler
+from rankwatch.hooks.rendezvous.poller import DecisionRelay
+from rankwatch.hooks.rendezvous.handler import create_handler
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rankwatch.agent.restarting import shown_state
+from rankwatch.agent.node.restarting import shown_state
 
 DECIDED = 100.0
 

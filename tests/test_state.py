@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from rankwatch.agent.histogram import HistogramSet
-from rankwatch.agent.state import OPS, NodeState, Rejected
+from rankwatch.agent.node.histogram import HistogramSet
+from rankwatch.agent.node.intake import OPS, NodeState, Rejected
 from rankwatch.proto import pb
 
 

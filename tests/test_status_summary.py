@@ -53,7 +53,7 @@ def coordinator(tmp_path_factory):
 
 
 def _cli(agent: AgentProcess, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr),
+    return subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--agent", str(agent.addr),
                            *flags], capture_output=True, text=True, timeout=60, check=True)
 
 
@@ -86,6 +86,6 @@ def test_the_table_says_what_it_left_out(coordinator):
 
 
 def test_states_are_counted_in_the_contracts_names_only():
-    from rankwatch.agent.status_ranks import by_state
+    from rankwatch.agent.views.rank_list import by_state
 
     assert by_state(["ok", "hung", "ok", "x" * 60, "made-up"]) == {"hung": 1, "ok": 2, "other": 2}

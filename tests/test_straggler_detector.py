@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rankwatch.agent.starvation import StarvationTracker, critical_run_delays
-from rankwatch.agent.straggler import RankWork, StragglerConfig, StragglerDetector, cost_ratio, score
-from rankwatch.agent.straggler_score import _loo_median
+from rankwatch.agent.node.starvation import StarvationTracker, critical_run_delays
+from rankwatch.agent.detect.straggler import RankWork, StragglerConfig, StragglerDetector, cost_ratio, score
+from rankwatch.agent.detect.work_scores import _loo_median
 
 CFG = StragglerConfig(warmup_steps=0, hold_seconds=1.0)  # the mechanism at a 1 s hold (the default is longer)
 N = 64  # steps the agent keeps per rank
@@ -388,7 +388,7 @@ def test_run_delay_of_this_process_is_readable():
 
 
 def test_agent_flags_set_the_config():
-    from rankwatch.agent.cli import _straggler_config, build_parser
+    from rankwatch.agent.cli.app import _straggler_config, build_parser
 
     args = build_parser().parse_args(["agent", "--straggler-threshold", "0.02", "--straggler-window", "24",
                                       "--straggler-evidence", "3"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from torch.distributed.run import get_args_parser
 
-from rankwatch.agent import torchrun_args
-from rankwatch.agent.torchrun_args import DEFAULT_MAX_RESTARTS, fast_timings, plan
+from rankwatch.agent.cli import torchrun_args
+from rankwatch.agent.cli.torchrun_args import DEFAULT_MAX_RESTARTS, fast_timings, plan
 
 FAST3 = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=600"
 

@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from rankwatch import __version__
-from rankwatch.agent.export.otel_spans import SHUTDOWN_TIMEOUT, SpanExport, TraceIds, flush_within, step_trace_id
+from rankwatch.agent.export.spans import SHUTDOWN_TIMEOUT, SpanExport, TraceIds, flush_within, step_trace_id
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider

@@ -1,8 +1,8 @@
 """GPU health: NVML, a dcgm-exporter scrape or a scripted fault source, one path downstream."""
 
 from rankwatch.agent.gpu.base import GpuReading, GpuSource, XidEvent
-from rankwatch.agent.gpu.config import GpuConfig, parse_gpu_source
-from rankwatch.agent.gpu.metrics import GpuCollector
+from rankwatch.agent.gpu.settings import GpuConfig, parse_gpu_source
+from rankwatch.agent.gpu.gauges import GpuCollector
 from rankwatch.agent.gpu.monitor import GpuEvent, GpuMonitor, RankDevice
 from rankwatch.agent.gpu.script import DEMO_SCRIPT, ScriptError, load_script
 

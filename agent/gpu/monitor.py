@@ -26,10 +26,10 @@ from datetime import timedelta
 from typing import Any
 
 from rankwatch.agent.gpu.base import SLOWDOWN_REASONS, GpuReading, GpuSource, XidEvent
-from rankwatch.agent.gpu.config import GpuConfig, open_source
+from rankwatch.agent.gpu.settings import GpuConfig, open_source
 from rankwatch.agent.gpu.faults import Finding, ThrottleTracker, compare, xid_finding
 from rankwatch.agent.gpu.xid import describe
-from rankwatch.agent.incidents import Incident, IncidentLog
+from rankwatch.agent.durable.incidents import Incident, IncidentLog
 
 __all__ = ["GpuEvent", "GpuMonitor", "RankDevice", "gpu_of"]
 

@@ -1,6 +1,6 @@
 """The peer benchmark's job under nvidia-resiliency-ext's in-process restart (``inprocess.Wrapper``).
 
-Launched by ``run.py`` as three single-process torchrun "nodes" on c10d.  The wrapped
+Launched by ``cli/run.py`` as three single-process torchrun "nodes" on c10d.  The wrapped
 function re-creates the process group on each restart (a prefix of the wrapper's
 iteration in the torchrun store); the model and the AdamW state live outside it, in
 memory, so the survivors go on from the weights they hold.  ``PEERS_TUNED=1``: gloo timeout

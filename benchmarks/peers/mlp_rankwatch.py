@@ -1,6 +1,6 @@
 """The peer benchmark's job under rankwatch's in-process recovery tier (a user loop).
 
-Launched by ``run.py`` through ``rankwatch run`` (one torchrun per member).  Plain data
+Launched by ``cli/run.py`` through ``rankwatch run`` (one torchrun per member).  Plain data
 parallelism: a replicated model and one flat gradient all-reduce per step
 (``replica_size=1``: each rank is a whole replica).  ``PEERS_FT=0`` runs the same loop
 without the tier (the steady-state control).
@@ -13,7 +13,7 @@ import os
 import torch.distributed as dist
 
 from _job import STEPS, StepLog, average_gradients, loss_of, make_model, make_optimizer
-from rankwatch.hooks.recovery import InProcessRecovery, Job, Membership
+from rankwatch.hooks.recovery.inprocess import InProcessRecovery, Job, Membership
 
 
 def make(membership: Membership | None) -> Job:

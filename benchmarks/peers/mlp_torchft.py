@@ -1,7 +1,7 @@
 """The peer benchmark's job under torchft (Manager + lighthouse), as its README shows it.
 
 Each member is a replica group of one process, started by its own single-node torchrun;
-``run.py`` starts the lighthouse.  torchft's DistributedDataParallel and Optimizer wrappers
+``cli/run.py`` starts the lighthouse.  torchft's DistributedDataParallel and Optimizer wrappers
 do the gradient all-reduce and the commit.  ``PEERS_TUNED=1`` sets 1 s timeouts on the
 group and the manager, 3 s on the quorum (the lighthouse gets a 1 s heartbeat timeout).
 ``PEERS_FT=0`` runs the same model and data with torch's own DDP on one gloo group of a

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from rankwatch.hooks.recovery_net import forget_old_meshes
+from rankwatch.hooks.recovery.net import forget_old_meshes
 
 
 def generation(g: int, rank: int, store: dist.Store, forget: bool) -> None:

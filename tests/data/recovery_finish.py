@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rankwatch.hooks.recovery import InProcessRecovery, Job, Membership
-from rankwatch.hooks.recovery_store import connect
+from rankwatch.hooks.recovery.store import connect
 
 
 def make(m: Membership) -> Job:

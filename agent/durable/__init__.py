@@ -1,0 +1,1 @@
+"""What outlives the agent: incidents and decisions in JSON Lines under a private state directory."""

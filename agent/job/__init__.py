@@ -1,0 +1,1 @@
+"""The job across nodes: the coordinator, relays, the decision log, election, goodput."""

@@ -1,0 +1,319 @@
+"""The coordinator's view of the job: each node's latest summary, on the coordinator's clock.
+
+Node agents send summaries; :meth:`JobView.take` checks one and keeps it whole in
+place of the node's previous one (a summary is never changed after it arrived).  The
+readers below turn them into what the detectors and the surfaces need: the
+:class:`Snapshot` that :func:`~rankwatch.agent.detect.evaluate.evaluate` reads, the incidents
+the nodes raised, each node's state.  Nothing here decides: the coordinator's policy
+(``job/coordinator.py``) reads this view and the decision log.
+
+Times in summaries are the sending node's clock; they are moved onto the coordinator's
+clock by the offset seen when the summary arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, replace
+
+from rankwatch.agent.job import node_death
+
+from rankwatch.agent.wire import summary as validate_sync, windows as work_windows
+from rankwatch.agent.job.decisions import DecisionLog
+from rankwatch.agent.detect.evaluate import STACKS_FRESH_SECONDS, Snapshot
+from rankwatch.agent.detect.hang_verdict import RankProgress
+from rankwatch.agent.durable.incidents import Incident
+from rankwatch.agent.job.loadmeter import LoadMeter
+from rankwatch.agent.job.node_floor import agentless_nodes
+from rankwatch.agent.detect.straggler import RankWork
+from rankwatch.agent.wire.ranges import Rejected, parse_flight_recorder
+from rankwatch.proto import pb
+
+__all__ = ["JobView", "NodeView"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeView:
+    """One node's latest summary and what the coordinator saw of its arrival."""
+
+    summary: pb.NodeSummary
+    received_at: float
+    offset: float           # coordinator clock - node clock (plus transit)
+    ranks_dead_since: float | None = None
+    interval: float = 0.25  # how often the node was last told to sync
+    best_offset: float = float("inf")   # its smallest offset: clock skew plus the fastest transit
+    latest_progress: float = float("-inf")   # its ranks' latest progress, on the coordinator's clock
+    syncs: int = 1          # summaries this coordinator heard from it (beats too)
+    seq: int = 0            # its latest summary's or beat's seq and sending time
+    sent_at: float = 0.0
+    moved_since_copy: bool = False   # a beat said its ranks progressed after ``summary`` was sent
+    witness: tuple[float, float] | None = None   # its relay's word: (unheard since, said at)
+    relayed: bool = False   # its latest summary or beat came through a relay
+    ranks_died: bool = False   # node_death.all_ranks_died of its summary (read once per summary)
+    progressed: float = float("-inf")   # its ranks' latest progress on its own clock (summary or beat)
+    streams: tuple[int, ...] = ()   # pids of its ranks that stream (connected, not exited cleanly)
+
+
+class JobView:
+    """Args:
+        log: the decision log (which nodes are excluded).
+        load: the coordinator's load meter (sync intervals; when silence is evidence).
+        max_nodes: the most node ids kept (a bound on what Sync callers can make it hold).
+    """
+
+    def __init__(self, log: DecisionLog, load: LoadMeter, max_nodes: int) -> None:
+        self.lock = threading.Lock()
+        self.nodes: dict[str, NodeView] = {}
+        self.dead: set[str] = set()
+        self.log = log
+        self.load = load
+        self.max_nodes = max_nodes
+        # node -> (the summary its straggler inputs were read from, those inputs): only the
+        # detector loop reads and writes it.
+        self._work: dict[str, tuple[pb.NodeSummary, list[RankWork]]] = {}
+        # node -> (its summary, the incidents it raised), kept between reads (:meth:`job_incidents`).
+        self._incidents: dict[str, tuple[pb.NodeSummary, list[Incident]]] = {}
+        self._incidents_lock = threading.Lock()
+        self.moves = 0
+        """Summaries and beats that showed a node's ranks progressed, its streams open or
+        close, or a new node (a counter: :func:`~rankwatch.agent.detect.hang_end.end_possible`)."""
+
+    @property
+    def excluded(self) -> dict[str, str]:
+        return self.log.excluded
+
+    # -- intake -----------------------------------------------------------------
+    def take(self, summary: pb.NodeSummary, now: float, relayed: bool = False) -> None:
+        """Keep ``summary`` as its node's latest (``relayed``: a relay sent it on).
+
+        Raises:
+            ValueError: no node id, a stale or replayed summary, or one out of range
+                (:class:`Rejected`, a ValueError): nothing of it is kept.
+        """
+        if not summary.node_id:
+            raise ValueError("summary without node_id")
+        validate_sync.check_summary(summary)
+        with self.lock:
+            prev = self.nodes.get(summary.node_id)
+            if prev is None and len(self.nodes) >= self.max_nodes:
+                raise Rejected("too_many_nodes", f"{summary.node_id!r}: the coordinator keeps "
+                                                 f"{self.max_nodes} nodes already")
+            # A lower seq with a later clock is the node's agent restarted, not a replay.
+            if prev is not None and summary.seq <= prev.seq and summary.sent_at <= prev.sent_at:
+                raise ValueError(f"stale summary {summary.seq} from {summary.node_id} (have {prev.seq})")
+            offset = now - summary.sent_at
+            best = min(offset, prev.best_offset if prev else offset)
+            self.load.heard(offset - best, len(self.nodes) + (summary.node_id not in self.nodes))
+            latest = max((r.progress_at for r in summary.ranks if not r.exited_cleanly), default=float("-inf"))
+            streams = tuple(r.pid for r in summary.ranks if r.connected and not r.exited_cleanly)
+            if prev is None or latest > prev.progressed or streams != prev.streams:
+                self.moves += 1
+            self.nodes[summary.node_id] = NodeView(summary, now, offset, prev.ranks_dead_since if prev else None,
+                                                   interval=self.load.reply_interval(), best_offset=best,
+                                                   latest_progress=latest + offset,
+                                                   syncs=prev.syncs + 1 if prev else 1,
+                                                   seq=summary.seq, sent_at=summary.sent_at, relayed=relayed,
+                                                   ranks_died=node_death.all_ranks_died(summary.ranks),
+                                                   progressed=latest, streams=streams)
+            if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
+                self.dead.discard(summary.node_id)
+
+    def beat(self, b: pb.NodeBeat, now: float) -> None:
+        """A relay heard a node whose summary changed in nothing the detectors act on at once:
+        the node is heard now, its ranks' latest progress moves; its last summary stays.
+
+        Raises:
+            ValueError: a beat out of range, stale, or from a node not yet heard whole.
+        """
+        validate_sync.check_beat(b)
+        with self.lock:
+            prev = self.nodes.get(b.node_id)
+            if prev is None:
+                raise Rejected("malformed", f"a beat from node {b.node_id!r}, never heard whole")
+            if b.seq <= prev.seq and b.sent_at <= prev.sent_at:
+                raise ValueError(f"stale beat {b.seq} from {b.node_id} (have {prev.seq})")
+            offset = now - b.sent_at
+            best = min(offset, prev.best_offset)
+            self.load.heard(offset - best, len(self.nodes))
+            latest = b.latest_progress + offset if b.latest_progress > 0 else prev.latest_progress
+            moved = prev.moved_since_copy or b.latest_progress > prev.summary.sent_at   # (the node's clock)
+            if b.latest_progress > prev.progressed:
+                self.moves += 1
+            self.nodes[b.node_id] = replace(prev, received_at=now, offset=offset, interval=self.load.reply_interval(),
+                                            best_offset=best, latest_progress=latest, syncs=prev.syncs + 1,
+                                            seq=b.seq, sent_at=b.sent_at, moved_since_copy=moved, witness=None,
+                                            relayed=True, progressed=max(prev.progressed, b.latest_progress))
+
+    # -- readers ------------------------------------------------------------------
+    def absent(self, a: pb.NodeAbsence, now: float) -> bool:
+        """The node's relay (the caller checked it is) has not heard it for
+        ``a.unheard_seconds``, said ``now``; False if the node is not known.
+
+        Raises:
+            Rejected: a word out of range."""
+        validate_sync.check_absence(a)
+        with self.lock:
+            n = self.nodes.get(a.node_id)
+            if n is None:
+                return False
+            n.witness = (now - a.unheard_seconds, now)
+        return True
+
+    def silent(self, n: NodeView, now: float) -> bool:
+        return self.load.silent(now, n.received_at, n.interval, n.syncs, n.witness, n.relayed)
+
+    def live_nodes(self) -> list[NodeView]:
+        """The nodes not excluded (call with the lock held)."""
+        excluded = self.excluded
+        return [n for name, n in self.nodes.items() if name not in excluded]
+
+    def remaining_without(self, node: str) -> int:
+        """Nodes the job would keep without ``node`` and those already excluded, counting the
+        nodes that run ranks but no agent (call with the lock held)."""
+        excluded = self.excluded
+        gone = set(excluded) | {node}
+        remaining = len([n for n in self.nodes if n not in gone])
+        return remaining + agentless_nodes(
+            ((name, r.world_rank if r.HasField("world_rank") else r.rank, r.world_size)
+             for name, n in self.nodes.items() for r in n.summary.ranks if r.connected),
+            rankless_nodes=sum(1 for name, n in self.nodes.items() if name not in gone
+                               and not any(r.connected for r in n.summary.ranks)))
+
+    def latest_progress(self) -> float:
+        """The latest progress of any included rank, on this clock (-inf: none yet)."""
+        with self.lock:
+            return max((n.latest_progress for n in self.live_nodes()), default=float("-inf"))
+
+    def snapshot(self, now: float) -> Snapshot:
+        """Every included rank on the coordinator's clock, as :func:`evaluate` reads it.
+
+        Summaries are replaced whole on each sync, never changed, so what it reads of them is
+        referenced here rather than copied, and the lock is held only to collect them.  The
+        ranks' work windows are left out: the job's straggler detector reads them from
+        :meth:`straggler_work` (at 16,384 ranks, reading them here was a third of a hang pass,
+        which runs up to once a second while a hang is possible).
+        """
+        with self.lock:
+            nodes = [(name, n, self.silent(n, now)) for name, n in self.nodes.items()
+                     if name not in self.excluded]
+            names = tuple(self.nodes)
+        out = []
+        for name, n, silent_node in nodes:
+            for r in n.summary.ranks:
+                fresh = now - (r.stacks_at + n.offset) < STACKS_FRESH_SECONDS
+                fr = r.flight_recorder
+                out.append(RankProgress(
+                    rank=r.rank, node=name, step=r.step, step_seconds=r.step_seconds,
+                    steps_completed=r.steps_completed, activity=r.activity or "train",
+                    progress_at=r.progress_at + n.offset,
+                    # A node's report is its ranks' state as of its sending: between syncs (slow
+                    # under backpressure), a rank it saw is not silent for the coordinator either.
+                    last_seen=min(r.last_seen + n.offset, n.received_at) if silent_node
+                    else r.last_seen + n.offset + (now - n.received_at),
+                    # The rank's own last word: its last message, carried on to the node's
+                    # latest beat while no beat said its ranks moved (a beat goes only while
+                    # nothing else about them changed).
+                    reported_at=r.last_seen + n.offset + (0.0 if n.moved_since_copy
+                                                          else max(0.0, n.sent_at - n.summary.sent_at)),
+                    connected=r.connected and not silent_node, exited_cleanly=r.exited_cleanly,
+                    group_seqs=r.group_seqs,   # read only: no copy (16,384 of them)
+                    inflight=({"op": r.inflight.op, "group": r.inflight.group,
+                               "seq": r.inflight.seq, "since": r.inflight.since + n.offset}
+                              if r.HasField("inflight") else None),
+                    stacks=r.stacks if r.stacks and fresh else None,
+                    flight_recorder=_flight_recorder(r.rank, fr) if fr else None, pid=r.pid, alive=r.alive,
+                    stopped=r.stopped, current=not n.moved_since_copy))
+        return Snapshot(ranks=out, scope="job", nodes=names,
+                        silent_nodes=frozenset(name for name, _, silent in nodes if silent))
+
+    def straggler_work(self, now: float) -> list[RankWork]:
+        """The straggler detector's inputs: the connected ranks of every included node still
+        heard, as :attr:`Verdicts.work <rankwatch.agent.detect.evaluate.Verdicts.work>` reads them
+        from a :meth:`snapshot`, without building one.
+
+        A node's inputs are read once per summary it sends whole (beats change nothing in
+        them) and kept: at 16,384 ranks, building the whole snapshot for them took a fifth of
+        a 2,048-node coordinator's time, in the thread that holds the GIL its syncs need.
+        The windows are the summaries' own, not copies (the detector only reads them).
+        """
+        with self.lock:
+            nodes = [(name, n.summary) for name, n in self.nodes.items()
+                     if name not in self.excluded and not self.silent(n, now)]
+        kept, out = self._work, []
+        for name, summary in nodes:
+            held = kept.get(name)
+            if held is None or held[0] is not summary:
+                held = kept[name] = (summary, [_rank_work(name, r) for r in summary.ranks if r.connected])
+            out.extend(held[1])
+        if len(kept) > 2 * len(nodes) + 64:   # nodes excluded, silent or gone: read again if back
+            listed = {name for name, _ in nodes}
+            self._work = {name: held for name, held in kept.items() if name in listed}
+        return out
+
+    def job_incidents(self) -> list[Incident]:
+        """Incidents the nodes raised themselves (gpu_fault, checkpoint, rank_exit), on this clock.
+
+        A node speaks for itself only: an incident naming another node is left out, as is
+        one that does not parse (logged); a node's bad record never stops the coordinator.
+        Each summary's are read once, on the node's clock offset as of that read, and kept:
+        the evaluation loop reads them four times a second, and a beat changes none.
+        """
+        with self.lock:
+            nodes = [(name, n.summary, n.offset) for name, n in self.nodes.items()]
+        out = []
+        with self._incidents_lock:   # (status and the relays' answers read them too)
+            kept = self._incidents
+            for name, summary, offset in nodes:
+                held = kept.get(name)
+                if held is None or held[0] is not summary:
+                    held = kept[name] = (summary, _node_incidents(name, summary, offset))
+                out.extend(held[1])
+            if len(kept) > len(nodes):
+                listed = {name for name, _, _ in nodes}
+                self._incidents = {name: held for name, held in kept.items() if name in listed}
+        return out
+
+    def node_states(self) -> dict[str, str]:
+        with self.lock:
+            excluded = self.excluded
+            return {n: "excluded" if n in excluded else "dead" if n in self.dead else "ok"
+                    for n in self.nodes}
+
+    def rank_summaries(self) -> list[tuple[str, pb.RankSummary, bool]]:
+        """(node, rank summary, node excluded) for every rank the coordinator knows."""
+        with self.lock:
+            excluded = self.excluded
+            return [(name, r, name in excluded) for name, n in sorted(self.nodes.items())
+                    for r in n.summary.ranks]
+
+
+def _rank_work(node: str, r: pb.RankSummary) -> RankWork:
+    """What the straggler detector reads of a rank's summary (its windows not copied)."""
+    own, data, wait = work_windows.windows(r)
+    return RankWork(rank=r.rank, node=node, step=r.step, own=own, data=data, wait=wait,
+                    step_seconds=r.step_seconds, completed=r.steps_completed, period=r.step_period)
+
+
+def _node_incidents(name: str, summary: pb.NodeSummary, offset: float) -> list[Incident]:
+    """The incidents a node's summary raises of itself, on the coordinator's clock."""
+    out = []
+    for i in summary.incidents:
+        if i.node != name:
+            continue
+        try:
+            out.append(Incident.from_pb(i, clock_offset=offset))
+        except ValueError as exc:
+            log.debug("node incident %s left out: %s", i.id, exc)
+    return out
+
+
+def _flight_recorder(rank: int, text: str) -> dict | None:
+    """A node's rank's Flight Recorder extract; a malformed one is left out of the evidence."""
+    try:
+        return parse_flight_recorder(text)
+    except ValueError as exc:
+        log.debug("rank %d: flight_recorder left out: %s", rank, exc)
+        return None

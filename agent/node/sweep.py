@@ -1,0 +1,297 @@
+"""The node's own detectors, run over its ranks: hang, straggler, rank exit.
+
+:class:`NodeWatch` holds what the detectors remember between ticks (the open
+hang, the straggler detector's windows, broken streams under watch) and turns
+their verdicts into incidents and rank states.  What is a hang, and what its
+incident says, is decided in :mod:`rankwatch.agent.detect.evaluate` (shared with the
+coordinator); how a rank's state changes, in :mod:`rankwatch.agent.node.transitions`.
+The agent's loop (:meth:`Agent._detect_loop`) only sequences the ticks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import psutil
+
+from rankwatch.agent.detect.evaluate import STACKS_FRESH_SECONDS, Snapshot, evaluate, straggler_detail
+from rankwatch.agent.detect.hang_verdict import HangConfig, RankProgress
+from rankwatch.agent.detect.hang_end import hang_end, steps_at
+from rankwatch.agent.durable.incidents import Incident, IncidentLog
+from rankwatch.agent.node.rankexit import BrokenStream, ExitConfig, ExitWatch, exit_detail
+from rankwatch.agent.node.transitions import next_state
+from rankwatch.agent.node.starvation import StarvationTracker
+from rankwatch.agent.node.intake import NodeState, RankState, _pid_alive
+from rankwatch.agent.node.stepstarts import StepStarts
+from rankwatch.agent.detect.straggler import StragglerConfig, StragglerDetector, period_of, score
+from rankwatch.agent.detect.work_scores import CAUSES
+from rankwatch.agent.wire.ranges import MAX_DURATION
+
+__all__ = ["NodeWatch", "process_state", "snapshot"]
+
+log = logging.getLogger(__name__)
+
+_FORGET_AFTER = 5.0   # seconds a gone worker of an earlier generation is kept
+
+
+def process_state(pid: int) -> tuple[bool, bool]:
+    """(alive, stopped) of a local process."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        return False, False
+    if status == psutil.STATUS_ZOMBIE:
+        return False, False
+    return True, status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+
+
+def snapshot(state: NodeState, now: float) -> Snapshot:
+    """The node's ranks as :func:`evaluate` reads them (windows copied under the lock)."""
+    with state.lock:
+        rows = [(r, dict(r.group_seqs), r.inflight, list(r.own_work), list(r.data_wait), list(r.comm_wait))
+                for r in state.ranks.values()]
+    views = []
+    for r, seqs, inflight, own, data, wait in rows:
+        fresh = now - r.stacks_at < STACKS_FRESH_SECONDS
+        alive, stopped = process_state(r.pid)
+        views.append(RankProgress(
+            rank=r.rank, node=r.node, step=r.step, step_seconds=r.step_seconds,
+            steps_completed=r.steps_completed, activity=r.activity, progress_at=r.progress_at,
+            last_seen=r.last_seen, connected=r.connected, exited_cleanly=r.exited_cleanly,
+            group_seqs=seqs, inflight=inflight, stacks=r.stacks if fresh and r.stacks else None,
+            flight_recorder=r.flight_recorder if fresh else None, pid=r.pid, alive=alive,
+            stopped=stopped, own=own, data=data, wait=wait))
+    return Snapshot(ranks=views, scope="node")
+
+
+class NodeWatch:
+    """Args:
+        state: the node's ranks.
+        incidents: where verdicts are recorded.
+        gpu_throttle: a rank's active GPU slowdown reasons (for the straggler cause).
+    """
+
+    def __init__(self, state: NodeState, incidents: IncidentLog, *, hang: HangConfig,
+                 straggler: StragglerConfig, exits: ExitConfig,
+                 gpu_throttle: Callable[[int], list[str]]) -> None:
+        self.state = state
+        self.incidents = incidents
+        self.hang = hang
+        self.straggler = straggler
+        self._gpu_throttle = gpu_throttle
+        self._open_hang: Incident | None = None
+        self._hang_steps: dict[tuple[str, int], int] = {}   # each rank's completed steps at the verdict
+        self._exits = ExitWatch(exits)
+        self.stragglers = StragglerDetector(straggler, gpu_throttle=gpu_throttle)
+        self._starvation = StarvationTracker()
+        self._step_starts = StepStarts()
+        state.step_listeners.append(self._step_starts.on_steps)
+        self._evaluated_steps = 0
+        self._local_view: tuple[dict[int, str], float] = ({}, 1.0)   # this node's own detector's
+        self._marked_at: dict[int, float] = {}   # rank -> when a job verdict marked it hung
+        # Ranks the coordinator flags as stragglers: (cause, the job's speed-up without them).
+        self._job_stragglers: dict[int, tuple[str, float]] = {}
+
+    def step_period(self, rank: int, step_seconds: float) -> float:
+        """The rank's step time from start to start (its summary carries it to the coordinator,
+        whose straggler hold is counted in it; :func:`.straggler.period_of`), within the
+        coordinator's range for a duration (a job paused for days must not void the summary)."""
+        return min(period_of(self._step_starts.latest(rank), step_seconds, self.straggler.window), MAX_DURATION)
+
+    # -- hang -------------------------------------------------------------------
+    def check_hang(self, now: float) -> Incident | None:
+        """Run the hang detector once over the node; record a ``hang`` incident per stall,
+        and how an open one ended (:func:`hang_end`: resumed, or the ranks are gone)."""
+        snap = snapshot(self.state, now)
+        if self._open_hang is not None:
+            end = hang_end(snap.ranks, self._hang_steps)
+            if end is not None:
+                log.info("progress resumed after hang %s" if end == "resumed" else
+                         "the job's ranks ended while hang %s was open", self._open_hang.id)
+                self.incidents.resolve(self._open_hang.id, now, outcome=end)
+                if end == "resumed":
+                    self._set_all("progressed")
+                self._open_hang = None
+            return None
+        found = evaluate(now, snap, self.hang).hang
+        if found is None:
+            return None
+        st = self.state
+        with st.lock:
+            r = st.ranks.get(found.rank)
+            if r is not None:
+                r.state = next_state(r.state, "hang")
+        self._open_hang = self.incidents.add(kind="hang", node=found.node, rank=found.rank,
+                                             step=found.step, detected_at=now, detail=found.detail)
+        self._hang_steps = steps_at(snap.ranks)
+        v, d = found.verdict, found.detail
+        log.warning("HANG: rank %d (pid %d, %s) %s; stalled %.1fs (allowance %.1fs); "
+                    "others wait in %s", found.rank, v.culprit.pid,
+                    "stopped" if d["stopped"] else "alive" if d["alive"] else "gone", v.reason,
+                    v.stalled_for, v.allowance, v.collective)
+        return self._open_hang
+
+    def _set_all(self, event: str) -> None:
+        with self.state.lock:
+            for r in self.state.ranks.values():
+                r.state = next_state(r.state, event)  # type: ignore[arg-type]
+
+    # -- rank exits -------------------------------------------------------------
+    def stream_broke(self, rank: RankState, error: str) -> None:
+        """Keep what the agent knew of a rank whose stream broke, for :meth:`check_exits`."""
+        with self.state.lock:
+            broken = BrokenStream(
+                rank=rank.rank, node=rank.node, pid=rank.pid, stream=rank.stream, step=rank.step,
+                activity=rank.activity, last_seen=rank.last_seen, ended_at=self.state.clock(),
+                error=error, inflight=dict(rank.inflight) if rank.inflight else None)
+        self._exits.broke(broken)
+
+    def check_exits(self, now: float, restarts: Iterable[float] = ()) -> list[Incident]:
+        """Judge each broken stream once more; record a ``rank_exit`` incident per dead rank.
+
+        ``restarts``: when restarts were decided (a restart's exits are not news).
+        """
+        st = self.state
+        with st.lock:
+            streaming = {r.pid: r.stream for r in st.ranks.values() if r.connected}
+        exited = self._exits.review(now, alive=lambda pid: process_state(pid)[0], streaming=streaming,
+                                    restarts=restarts)
+        made = []
+        for b in exited:
+            with st.lock:
+                r = st.ranks.get(b.rank)
+                if r is not None and r.stream == b.stream:
+                    r.state = next_state(r.state, "exited")
+            made.append(self.incidents.add(kind="rank_exit", node=b.node, rank=b.rank, step=b.step,
+                                           detected_at=now, detail=exit_detail(b, now)))
+            log.warning("RANK EXIT: rank %d (pid %d) died at step %d (%s, stream %s)", b.rank, b.pid,
+                        b.step, b.activity, b.error)
+        return made
+
+    # -- stragglers -------------------------------------------------------------
+    def check_stragglers(self, now: float) -> list[Incident]:
+        """Score the ranks once per completed step of the slowest; record incidents.
+
+        Each rank's run delay (CPU starvation of its training thread and, apart, of its
+        collective threads) is sampled here, and its step starts come from a step
+        listener, so the detector can tell a starved host or late collectives from slow
+        compute, and count what a starved rank costs.
+        """
+        st = self.state
+        with st.lock:
+            ranks = [r for r in st.ranks.values() if r.connected]
+            done = min((r.steps_completed for r in ranks), default=0)
+            if done <= self._evaluated_steps or len(ranks) < 2:
+                return []
+            self._evaluated_steps = done
+        work = evaluate(now, snapshot(st, now), self.hang).work
+        pids = {r.rank: r.pid for r in ranks}
+        self._starvation.retain(set(pids))
+        for w in work:
+            self._starvation.sample(w.rank, pids.get(w.rank, 0), w.completed)
+            w.delay = self._starvation.per_step(w.rank)
+            w.comm_delay = self._starvation.collective_per_step(w.rank)
+            w.start = self._step_starts.for_rank(w.rank, w.completed)
+            w.gap = self._step_starts.gaps_for_rank(w.rank, w.completed)
+        events = self.stragglers.update(work, done)
+        scores = {s.rank: s for s in score(work, self.straggler, self._gpu_throttle)}
+        flagged = self.stragglers.flagged
+        with st.lock:
+            for r in ranks:
+                if r.rank in scores:
+                    r.slowdown = scores[r.rank].slowdown
+                job = r.rank in self._job_stragglers   # the coordinator's flag, kept until lifted
+                r.state = next_state(r.state, "flagged" if r.rank in flagged or job else "cleared")
+        job_step = max(w.step_seconds for w in work)
+        self._local_view = ({rank: s.cause for rank, s in flagged.items()}, self.stragglers.cost_ratio(job_step))
+        made = []
+        for ev in events:
+            s = ev.score
+            if ev.kind == "cleared":
+                log.info("rank %d is no longer a straggler (slowdown %.2f)", s.rank, s.slowdown)
+                continue
+            made.append(self.incidents.add(kind="straggler", node=ev.work.node, rank=s.rank,
+                                           step=ev.work.step, detected_at=now,
+                                           detail=straggler_detail(ev, self.straggler.window, "node")))
+            log.warning("STRAGGLER: %s at step %d, %.0f%% slower own work (%s); "
+                        "the job would step %.2fx faster without it",
+                        f"node {ev.work.node} (ranks {ev.ranks})" if ev.scope == "node" else f"rank {s.rank}",
+                        ev.work.step, (s.slowdown - 1) * 100, s.cause, s.speedup)
+        return made
+
+    @property
+    def straggler_view(self) -> tuple[dict[int, str], float]:
+        """(flagged rank -> cause, the job's step-time cost ratio), for /metrics: this node's
+        own detector's flags, and the coordinator's verdicts on this node's ranks (the only
+        flags a node of one rank, or a rank slow against other nodes, ever gets)."""
+        own, cost = self._local_view
+        with self.state.lock:
+            job = dict(self._job_stragglers)
+        causes = {**{rank: cause for rank, (cause, _) in job.items()}, **own}
+        return causes, max([cost, *(speedup for _, speedup in job.values())])
+
+    # -- the coordinator's verdicts about this node's ranks --------------------------
+    def mark(self, incident: Incident) -> None:
+        """A job verdict sets the rank's state.  A hung rank returns to ok once it progresses
+        again (:meth:`unmark_progressed`); a job straggler once the coordinator resolves the
+        incident (:meth:`lift`)."""
+        event = {"hang": "hang", "straggler": "flagged"}.get(incident.kind)
+        if event is None or (event == "flagged" and incident.resolved_at is not None):
+            return
+        with self.state.lock:
+            for rank in incident.detail.get("ranks") or [incident.rank]:
+                if event == "flagged":
+                    self._job_stragglers[rank] = _job_flag(incident.detail)
+                r = self.state.ranks.get(rank)
+                if r is not None:
+                    r.state = next_state(r.state, event)  # type: ignore[arg-type]
+                    if event == "hang":
+                        self._marked_at[rank] = self.state.clock()
+
+    def lift(self, incident: Incident) -> None:
+        """The coordinator lifted a job straggler flag: its ranks are ok again (unless this
+        node's own detector flags them)."""
+        if incident.kind != "straggler":
+            return
+        with self.state.lock:
+            for rank in incident.detail.get("ranks") or [incident.rank]:
+                self._job_stragglers.pop(rank, None)
+                r = self.state.ranks.get(rank)
+                if r is not None and rank not in self.stragglers.flagged:
+                    r.state = next_state(r.state, "cleared")
+
+    def unmark_progressed(self) -> None:
+        """A rank the coordinator marked hung that progressed since: the hang is over."""
+        with self.state.lock:
+            for k, at in list(self._marked_at.items()):
+                r = self.state.ranks.get(k)
+                if r is None or r.state != "hung" or r.progress_at > at:
+                    if r is not None:
+                        r.state = next_state(r.state, "progressed")
+                    del self._marked_at[k]
+
+    def exclude_all(self) -> None:
+        """The coordinator excluded this node."""
+        self._set_all("excluded")
+
+    def forget_gone(self, now: float) -> None:
+        """After a restart: forget workers of earlier generations once they are gone."""
+        st = self.state
+        with st.lock:
+            for k in [k for k, r in st.ranks.items()
+                      if not r.connected and not r.exited_cleanly and now - r.last_seen > _FORGET_AFTER
+                      and not _pid_alive(r.pid)]:
+                del st.ranks[k]
+
+
+def _job_flag(detail: Mapping[str, Any]) -> tuple[str, float]:
+    """A job straggler verdict's cause and the job's speed-up without the rank, as exported
+    (values from the wire: an unknown cause or a speed-up out of range is not passed on)."""
+    cause = detail.get("cause")
+    cost = detail.get("cost")
+    speedup = cost.get("speedup_if_removed") if isinstance(cost, dict) else None
+    if not isinstance(speedup, (int, float)) or isinstance(speedup, bool) or not 1.0 <= speedup <= 1e6:
+        speedup = 1.0
+    return (cause if cause in CAUSES else "unknown"), float(speedup)

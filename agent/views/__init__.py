@@ -1,0 +1,1 @@
+"""What an agent shows: its Status answer and the summary it sends its coordinator."""

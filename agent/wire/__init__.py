@@ -1,0 +1,1 @@
+"""Ranges and bounds of everything that reaches an agent from the wire."""

@@ -1,0 +1,1 @@
+"""The rank's instrumentation: the hot-path recorder, collective timers, the client stream to the agent."""

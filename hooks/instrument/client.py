@@ -1,0 +1,330 @@
+"""The rank's side of the wire: drain the recorder, batch, stream to the agent.
+
+Two daemon threads, neither of which the training thread ever waits on:
+
+* the **flusher** drains the recorder's deques into columnar ``Batch``
+  messages (:mod:`rankwatch.hooks.instrument.batches`), by size (``max_batch`` records) or by time (``flush_interval``),
+  whichever comes first, and puts them on a bounded queue;
+* the **sender** holds one long-lived ``Report`` stream to the agent and
+  feeds it from that queue.  When the agent is absent or dies it reconnects
+  with capped exponential backoff.
+
+A third thread holds the ``Commands`` stream, on which the agent sends
+checkpoint requests; the training thread reads them with
+:meth:`AgentClient.requested_checkpoint` at a step boundary.
+
+Fail-open: a full queue drops the batch, a full deque drops its oldest
+records, and both are counted into ``dropped_total``, which every batch
+carries so the agent learns the count once it is back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import grpc
+
+from rankwatch.address import Address
+from rankwatch.credentials import ClientCredentials, open_channel
+from rankwatch.peercred import present
+from rankwatch.hooks.instrument.batches import BatchBuilder
+from rankwatch.hooks.instrument.recorder import Recorder
+from rankwatch.proto import pb, pb_grpc
+
+__all__ = ["AgentClient"]
+
+log = logging.getLogger(__name__)
+
+_RECONNECT_MIN = timedelta(milliseconds=100)
+_RECONNECT_MAX = timedelta(seconds=2)
+_CONNECT_TIMEOUT = timedelta(seconds=1)
+_IDLE_PROGRESS = timedelta(milliseconds=500)
+# Records sent this recently before a stream broke may never have been taken
+# (and a dead agent lost whatever it took): they are counted as dropped.
+_IN_FLIGHT = timedelta(seconds=1)
+_THREAD_STOP = timedelta(seconds=1)   # the most close() waits for a thread whose calls it cancelled
+
+
+class AgentClient:
+    """Streams one rank's records to its node agent.
+
+    Args:
+        recorder: the buffers the training thread writes.
+        hello: this rank's identity, sent first on every stream.
+        address: the agent.
+        flush_interval: the longest a record waits before it is sent.
+        max_batch: records per batch; a full batch is sent at once.
+        queue_batches: batches held while the agent is slow or away.
+        last_seq: returns the rank's latest collective sequence number.
+        creds: the job's token and TLS files, for an agent over TCP (default: none).
+    """
+
+    def __init__(self, recorder: Recorder, hello: pb.Hello, address: Address, *,
+                 flush_interval: timedelta = timedelta(milliseconds=100),
+                 max_batch: int = 1024, queue_batches: int = 256,
+                 last_seq: Callable[[], int] = lambda: -1,
+                 group_seqs: Callable[[], dict[str, int]] = dict,
+                 creds: ClientCredentials | None = None) -> None:
+        self._rec = recorder
+        self._creds = creds or ClientCredentials()
+        self._hello = hello
+        self._address = address
+        self._interval = flush_interval.total_seconds()
+        self._max_batch = max_batch
+        self._queue: queue.Queue[pb.Batch] = queue.Queue(maxsize=queue_batches)
+        self._batches = BatchBuilder(recorder, max_batch, last_seq, group_seqs)
+        self._stop = threading.Event()
+        self._dropped_batches_records = 0
+        self._lost_in_flight = 0
+        self._yielded: deque[tuple[float, int]] = deque(maxlen=1024)  # (monotonic, records)
+        self.connected = threading.Event()
+        self.streams_opened = 0
+        self._threads: list[threading.Thread] = []
+        self._channels: set[grpc.Channel] = set()   # open now; close() cancels their calls
+        self._channels_lock = threading.Lock()
+        # close() flushes from the caller's thread while the flusher may be flushing: batches
+        # must enter the queue in the order of their numbers (the agent refuses one that
+        # comes after a higher number as a duplicate).
+        self._flush_lock = threading.Lock()
+        self._closed = False
+        self._cmd_lock = threading.Lock()
+        self._requests_pending: dict[str, tuple[int, str]] = {}   # command id -> (step, reason)
+        self._requests_seen: set[str] = set()
+        self._checkpoints: deque[pb.CheckpointRecord] = deque(maxlen=64)
+        self._recoveries: deque[pb.RecoveryRecord] = deque(maxlen=16)
+
+    # -- lifecycle ----------------------------------------------------------
+    def start(self) -> None:
+        for name, target in (("flusher", self._flush_loop), ("sender", self._send_loop),
+                             ("commands", self._command_loop)):
+            t = threading.Thread(target=target, name=f"rankwatch-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        # A daemon thread still inside a gRPC call when the interpreter finalises is ended by
+        # pthread_exit in the middle of gRPC's C++ code, which aborts the process ("terminate
+        # called without an active exception") after training ended: close before that.
+        atexit.register(self.close)
+
+    def close(self, timeout: timedelta = timedelta(seconds=2)) -> None:
+        """Flush what is buffered, say goodbye and stop every thread; gives up waiting for
+        the agent after ``timeout``.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        deadline = time.monotonic() + timeout.total_seconds()
+        self._flush_once(force=True)
+        while not self._queue.empty() and self.connected.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._stop.set()
+        sender = [t for t in self._threads if t.name == "rankwatch-sender"]
+        for t in sender:  # its stream ends with the goodbye, once the agent has read it
+            t.join(max(0.0, deadline - time.monotonic()))
+        # The command stream waits for the agent's next command; cancel it (and a report stream
+        # the agent never answered).  The threads then return at once.
+        with self._channels_lock:
+            channels = list(self._channels)
+        for channel in channels:
+            channel.close()
+        for t in self._threads:
+            t.join(_THREAD_STOP.total_seconds())
+
+    def _open(self) -> grpc.Channel:
+        channel = open_channel(self._address, self._creds)
+        with self._channels_lock:
+            self._channels.add(channel)
+        if self._stop.is_set():  # close() may have looked before this one was added
+            channel.close()
+        return channel
+
+    def _shut(self, channel: grpc.Channel) -> None:
+        with self._channels_lock:
+            self._channels.discard(channel)
+        channel.close()
+
+    @property
+    def dropped_total(self) -> int:
+        return self._batches.overflow + self._dropped_batches_records + self._lost_in_flight
+
+    # -- flusher ------------------------------------------------------------
+    def _flush_loop(self) -> None:
+        last = time.monotonic()
+        idle_every = _IDLE_PROGRESS.total_seconds()
+        # Each wake-up takes the GIL from the training thread, so wake once per
+        # interval while records trickle in, and 8x per interval only while a
+        # full batch is building up (to honour "size or time, whichever first").
+        while not self._stop.is_set():
+            filling = len(self._rec.collectives) >= self._max_batch // 8
+            time.sleep(self._interval / 8 if filling else self._interval)
+            now = time.monotonic()
+            due = now - last >= self._interval
+            if len(self._rec.collectives) >= self._max_batch or (due and self._has_records()):
+                self._flush_once()
+                last = now
+            elif now - last >= idle_every:
+                self._flush_once(force=True)   # progress only: proves the rank is alive
+                last = now
+
+    def _has_records(self) -> bool:
+        return (bool(self._rec.collectives) or bool(self._rec.steps) or bool(self._checkpoints)
+                or bool(self._recoveries))
+
+    def _flush_once(self, force: bool = False) -> None:
+        with self._flush_lock:
+            self._flush_locked(force)
+
+    def _flush_locked(self, force: bool) -> None:
+        try:
+            while True:
+                batch, n = self._build_batch()
+                if n == 0 and not force:
+                    return
+                self._enqueue(batch, n)
+                if n < self._max_batch:
+                    return
+                force = False
+        except Exception:  # noqa: BLE001 - the flusher must outlive any bug
+            log.exception("rankwatch: flusher error")
+
+    def _enqueue(self, batch: pb.Batch, n: int) -> None:
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            self._dropped_batches_records += n
+
+    def _build_batch(self) -> tuple[pb.Batch, int]:
+        return self._batches.build(self._checkpoints, self._recoveries, lambda: self.dropped_total)
+
+    # -- sender ---------------------------------------------------------------
+    def _send_loop(self) -> None:
+        delay = _RECONNECT_MIN.total_seconds()
+        warned = False
+        while not self._stop.is_set():
+            channel = self._open()
+            try:
+                grpc.channel_ready_future(channel).result(timeout=_CONNECT_TIMEOUT.total_seconds())
+                self.connected.set()
+                self.streams_opened += 1
+                log.info("rankwatch: streaming to agent at %s", self._address)
+                delay = _RECONNECT_MIN.total_seconds()
+                warned = False
+                pb_grpc.AgentStub(channel).Report(self._requests(self._stream_hello()))
+            except grpc.FutureTimeoutError:
+                if not warned:
+                    log.warning("rankwatch: no agent at %s; training goes on, retrying",
+                                self._address)
+                    warned = True
+            except grpc.RpcError as exc:
+                self._count_in_flight()
+                log.warning("rankwatch: agent stream ended: %s", _describe(exc))
+            except Exception:  # noqa: BLE001
+                log.exception("rankwatch: sender error")
+            finally:
+                self.connected.clear()
+                self._shut(channel)
+            self._stop.wait(delay * (0.5 + random.random()))
+            delay = min(delay * 2, _RECONNECT_MAX.total_seconds())
+
+    # -- commands -------------------------------------------------------------
+    def requested_checkpoint(self) -> tuple[int, str, str] | None:
+        """The earliest pending checkpoint request: (step, command id, reason), or None."""
+        with self._cmd_lock:
+            if not self._requests_pending:
+                return None
+            cid, (step, reason) = min(self._requests_pending.items(), key=lambda kv: kv[1][0])
+            return step, cid, reason
+
+    def serve_requests(self, step: int) -> str:
+        """A save of ``step`` began: requests at or before it are served by it (a failed save
+        is reported, not retried every step).  Returns the earliest served request's id, or ""."""
+        with self._cmd_lock:
+            served = sorted((s, c) for c, (s, _) in self._requests_pending.items() if s <= step)
+            for _, cid in served:
+                del self._requests_pending[cid]
+        return served[0][1] if served else ""
+
+    def checkpoint_saved(self, record: pb.CheckpointRecord) -> None:
+        """Report a finished save (or a failed one)."""
+        self.serve_requests(record.step)
+        self._checkpoints.append(record)
+
+    def recovered(self, record: pb.RecoveryRecord) -> None:
+        """Report an in-process recovery (or a failed attempt); sent with the next batch."""
+        self._recoveries.append(record)
+
+    def _command_loop(self) -> None:
+        delay = _RECONNECT_MIN.total_seconds()
+        request = pb.CommandRequest(rank=self._hello.rank, pid=self._hello.pid)
+        while not self._stop.is_set():
+            channel = self._open()
+            try:
+                for cmd in pb_grpc.AgentStub(channel).Commands(request):
+                    delay = _RECONNECT_MIN.total_seconds()
+                    self._take(cmd)
+                    if self._stop.is_set():
+                        break
+            except grpc.RpcError:
+                pass  # absent or restarting agent (or close()): the sender logs that; retry quietly
+            except Exception:  # noqa: BLE001
+                log.exception("rankwatch: command stream error")
+            finally:
+                self._shut(channel)
+            self._stop.wait(delay * (0.5 + random.random()))
+            delay = min(delay * 2, _RECONNECT_MAX.total_seconds())
+
+    def _take(self, cmd: pb.Command) -> None:
+        if cmd.WhichOneof("body") != "checkpoint":
+            log.warning("rankwatch: ignoring unknown command %r", cmd.id)
+            return
+        with self._cmd_lock:
+            if cmd.id in self._requests_seen:
+                return  # a duplicate (replayed after a reconnect)
+            self._requests_seen.add(cmd.id)
+            self._requests_pending[cmd.id] = (cmd.checkpoint.step, cmd.checkpoint.reason)
+        log.info("rankwatch: checkpoint %s requested at step %d (%s)", cmd.id,
+                 cmd.checkpoint.step, cmd.checkpoint.reason)
+
+    def _count_in_flight(self) -> None:
+        horizon = time.monotonic() - _IN_FLIGHT.total_seconds()
+        self._lost_in_flight += sum(n for t, n in self._yielded if t >= horizon)
+        self._yielded.clear()
+
+    def _stream_hello(self) -> pb.Hello:
+        """The hello for a new stream: on a Unix socket, with the nonce this process just
+        showed the agent, so that it knows the rank's true pid (rankwatch/peercred.py)."""
+        hello = pb.Hello()
+        hello.CopyFrom(self._hello)
+        if self._address.path is not None:
+            hello.peer_nonce = present(self._address.path)
+        return hello
+
+    def _requests(self, hello: pb.Hello) -> Iterator[pb.ReportMessage]:
+        self._yielded.clear()
+        yield pb.ReportMessage(hello=hello)
+        while not self._stop.is_set():
+            try:
+                batch = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            batch.dropped_total = max(batch.dropped_total, self.dropped_total)
+            self._yielded.append((time.monotonic(), _records_in(batch)))
+            yield pb.ReportMessage(batch=batch)
+        yield pb.ReportMessage(goodbye=pb.Goodbye())  # closed on purpose: not a death
+
+
+def _records_in(batch: pb.Batch) -> int:
+    return len(batch.collectives.op) + len(batch.steps.step)
+
+
+def _describe(exc: grpc.RpcError) -> str:
+    code = getattr(exc, "code", lambda: None)()
+    details = getattr(exc, "details", lambda: "")()
+    return f"{code.name if code else 'error'}: {details}"

@@ -1,0 +1,384 @@
+"""Collective latency: every collective FSDP2, TP/DTensor and the user issue.
+
+Two sources, one record format (:meth:`Recorder.collective`):
+
+* **Python wrappers** (gloo and any backend without GPU timing).  The
+  ``torch.distributed`` verbs are wrapped where they are looked up, in both
+  ``torch.distributed`` and ``distributed_c10d`` (so ``all_gather_object``'s
+  inner ``all_gather`` counts).  Only primitives are wrapped; aliases such as
+  ``all_gather_into_tensor`` delegate to a wrapped primitive and count once.
+  A collective is timed from issue to completion as the issuing thread sees
+  it: a sync call to its return, an async one to the return of its
+  ``Work.wait()``, and DTensor's functional collectives to the first wait on
+  their ``AsyncCollectiveTensor``.  (A ``Work`` future callback would give the
+  backend thread's view, but it costs ~30 us per collective in GIL hand-offs
+  and its timestamp waits for the GIL anyway.)
+* **NCCL completion hooks**: with ``TORCH_NCCL_ENABLE_TIMING=1``,
+  ``ProcessGroup._register_on_completion_hook`` on every NCCL group (the
+  default one, DeviceMesh's, and groups made later, found at each flush)
+  reports each collective's duration between CUDA events on the NCCL stream,
+  funcols included; the wrappers then stand down.  That duration includes the
+  time a collective's kernel waited for its slowest peer.  NCCL reports no
+  byte counts, so these records carry 0 bytes.
+
+Bookkeeping never raises into training: its errors are counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rankwatch.hooks.instrument.op_record import (
+    _DIST_OPS,
+    _FUNCOL_OPS,
+    _NCCL_OP_CODES,
+    _PAYLOAD,
+    _arg_reader,
+    _group_key,
+    _payload_reader,
+    _storage_key,
+    backend_of,
+)
+from rankwatch.hooks.instrument.recorder import OP_CODE, Recorder
+
+__all__ = ["CollectiveInstrumentation", "backend_of"]
+
+log = logging.getLogger(__name__)
+
+_MAX_PENDING = 4096
+
+class CollectiveInstrumentation:
+    """Installs and removes the collective timers of one process.
+
+    Args:
+        recorder: where records go.
+    """
+
+    def __init__(self, recorder: Recorder) -> None:
+        self._rec = recorder
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._pg_codes: dict[Any, int] = {}
+        self._group_calls: dict[Any, tuple[int, Callable[[], int]]] = {}   # the timers' per-group cache
+        self.pgs: list[Any] = []  # process groups seen, index = pg code
+        self.errors = 0
+        self.source = "none"
+        self._pending: dict[int, tuple[int, int, int, int, int]] = {}  # funcol results not yet waited
+        self._default_pg: Any = None
+        self._pending_work: dict[int, tuple[int, int, int, int, int]] = {}  # async Works
+        self._nccl_on = False
+        self._nccl_hooked: set[int] = set()  # id() of the groups whose completion hook is ours
+        # _group_key -> (the group argument, kept so its id is not reused; its ProcessGroup)
+        self._funcol_groups: dict[Any, tuple[Any, Any]] = {}
+
+    # -- public -----------------------------------------------------------
+    def install(self) -> str:
+        """Install the best source for this process; return its name."""
+        import torch.distributed as dist
+
+        if self._saved or self.source != "none":
+            return self.source
+        if self._try_nccl_hooks(dist):
+            self.source = "nccl_completion_hook"
+            return self.source
+        self._wrap_dist(dist)
+        self._wrap_funcol()
+        self.source = "python_wrappers"
+        return self.source
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+        self._default_pg = None
+        # A completion hook cannot be removed from its group: it stays and records nothing.
+        self._nccl_on = False
+        self.source = "none"
+
+    def refresh(self) -> None:
+        """Hook NCCL groups made since :meth:`install` (sender thread, every flush).
+
+        A DeviceMesh or ``new_group`` made after ``init()`` has its own communicator;
+        its collectives are timed from the first flush after it appears.
+        """
+        if self._nccl_on:
+            try:
+                import torch.distributed as dist
+
+                self._hook_nccl_groups(dist)
+            except Exception:  # noqa: BLE001 - sampling must not fail
+                self.errors += 1
+
+    def group_seqs(self) -> dict[str, int]:
+        """Sequence number of every group seen, by group name (sender thread).
+
+        Sampled every flush, so it also hooks NCCL groups made since the last one.
+        """
+        self.refresh()
+        out = {}
+        for pg in list(self.pgs):
+            try:
+                out[str(pg.group_name)] = int(pg._get_sequence_number_for_group())
+            except Exception:  # noqa: BLE001 - a destroyed group
+                continue
+        return out
+
+    def last_seq(self) -> int:
+        """Highest collective sequence number on the default group (sender thread)."""
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+        except Exception:  # noqa: BLE001 - progress sampling must not fail
+            pass
+        return -1
+
+    # -- internals --------------------------------------------------------
+    def _patch(self, owner: Any, name: str, wrapper: Callable) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, wrapper)
+
+    def _pg_code(self, pg: Any) -> int:
+        code = self._pg_codes.get(pg)
+        if code is None:
+            code = self._pg_codes[pg] = len(self.pgs)
+            self.pgs.append(pg)
+        return code
+
+    def _patch_everywhere(self, original: Callable, wrapper: Callable) -> None:
+        """Replace ``original`` in every loaded torch.distributed module that holds it.
+
+        Modules that imported a verb by name (DTensor's ``_collective_utils``
+        does ``from distributed_c10d import scatter``) hold their own reference.
+        """
+        for modname, module in list(sys.modules.items()):
+            if module is None or not modname.startswith("torch.distributed"):
+                continue
+            for attr, value in list(vars(module).items()):
+                if value is original:
+                    self._patch(module, attr, wrapper)
+
+    def _wrap_dist(self, dist: Any) -> None:
+        c10d = dist.distributed_c10d
+        for fname, op in _DIST_OPS.items():
+            fn = getattr(c10d, fname, None)
+            if fn is not None:
+                self._patch_everywhere(fn, self._dist_wrapper(fn, OP_CODE[op], c10d,
+                                                              _payload_reader(fn, _PAYLOAD.get(fname))))
+        self._wrap_work_wait(dist.Work)
+
+    def _find_default(self, c10d: Any) -> Any:
+        self._default_pg = c10d._get_default_group()
+        return self._default_pg
+
+    def _track(self, pending: dict, key: int, value: tuple) -> None:
+        if len(pending) > _MAX_PENDING:  # issued and never waited on
+            self.errors += len(pending)
+            pending.clear()
+        pending[key] = value
+
+    def _wrap_work_wait(self, work_cls: type) -> None:
+        rec = self._rec
+        clock = time.perf_counter_ns
+        pending = self._pending_work
+        wait = work_cls.wait
+
+        pgs = self.pgs
+
+        @functools.wraps(wait)
+        def timed_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            p = pending.pop(id(work), None) if pending else None
+            if p is None:
+                return wait(work, *args, **kwargs)
+            op, pgc, seq, t0, nbytes = p
+            rec.inflight = (op, pgs[pgc], t0)
+            tw = clock()
+            out = wait(work, *args, **kwargs)
+            t1 = clock()
+            rec.inflight = None
+            rec.blocked_ns += t1 - tw
+            rec.collective(op, pgc, seq, t0, t1, nbytes)
+            return out
+
+        self._patch(work_cls, "wait", timed_wait)
+
+    def _dist_wrapper(self, fn: Callable, op: int, c10d: Any,
+                      payload: Callable[[tuple, dict], int]) -> Callable:
+        params = list(inspect.signature(fn).parameters)
+        g_index = params.index("group") if "group" in params else None
+        rec = self._rec
+        clock = time.perf_counter_ns
+        groups = self._group_calls   # pg -> (its code, its sequence-number getter), made once
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                group = kwargs.get("group")
+                if group is None and g_index is not None and len(args) > g_index:
+                    group = args[g_index]
+                pg = group if group is not None else (self._default_pg or self._find_default(c10d))
+            except Exception:  # noqa: BLE001 - the verb itself will report a bad call
+                return fn(*args, **kwargs)
+            rec.inflight = (op, pg, t0)
+            try:
+                work = fn(*args, **kwargs)
+            finally:
+                rec.inflight = None
+            try:
+                known = groups.get(pg)
+                if known is None:
+                    known = groups[pg] = (self._pg_code(pg), pg._get_sequence_number_for_group)
+                pgc, seq_of = known
+                seq = seq_of()
+                nbytes = payload(args, kwargs)
+                if work is None:
+                    t1 = clock()
+                    rec.blocked_ns += t1 - t0
+                    rec.collective(op, pgc, seq, t0, t1, nbytes)
+                else:
+                    self._track(self._pending_work, id(work), (op, pgc, seq, t0, nbytes))
+            except Exception:  # noqa: BLE001 - never raise into training
+                self.errors += 1
+            return work
+
+        return timed
+
+    def _wrap_funcol(self) -> None:
+        import torch.distributed._functional_collectives as funcol
+
+        act_cls = funcol.AsyncCollectiveTensor
+        for fname, op in _FUNCOL_OPS.items():
+            fn = getattr(funcol, fname, None)
+            if fn is not None:
+                first = next(iter(inspect.signature(fn).parameters), None)  # the input tensor(s)
+                self._patch_everywhere(fn, self._funcol_wrapper(fn, OP_CODE[op], act_cls,
+                                                                _payload_reader(fn, first),
+                                                                _arg_reader(fn, "group")))
+
+        # DTensor waits with .wait(), other uses with .trigger_wait(): time both.
+        for method in ("trigger_wait", "wait"):
+            self._patch(act_cls, method, self._timed_wait(getattr(act_cls, method)))
+
+    def _timed_wait(self, wait: Callable) -> Callable:
+        rec = self._rec
+        clock = time.perf_counter_ns
+
+        @functools.wraps(wait)
+        def timed_wait(act: Any) -> Any:
+            pending = self._pending.pop(_storage_key(act), None) if self._pending else None
+            if pending is None:
+                return wait(act)
+            op, pgc, seq, t0, nbytes = pending
+            rec.inflight = (op, self.pgs[pgc] if pgc >= 0 else None, t0)
+            tw = clock()
+            out = wait(act)
+            t1 = clock()
+            rec.inflight = None
+            rec.blocked_ns += t1 - tw
+            rec.collective(op, max(pgc, 0), seq, t0, t1, nbytes)
+            return out
+
+        return timed_wait
+
+    def _funcol_wrapper(self, fn: Callable, op: int, act_cls: type,
+                        payload: Callable[[tuple, dict], int],
+                        group_arg: Callable[[tuple, dict], Any]) -> Callable:
+        rec = self._rec
+        clock = time.perf_counter_ns
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            out = fn(*args, **kwargs)
+            try:
+                nbytes = payload(args, kwargs)
+                # The group and its sequence number as c10d (and Flight Recorder) count them.
+                pg = self._funcol_group(group_arg(args, kwargs))
+                pgc = self._pg_code(pg) if pg is not None else -1
+                seq = int(pg._get_sequence_number_for_group()) if pg is not None else -1
+                if isinstance(out, act_cls) and not out.completed:
+                    # Keyed by storage: views of the result (new ACTs) share it.
+                    self._track(self._pending, _storage_key(out), (op, pgc, seq, t0, nbytes))
+                else:  # already waited (tracing, or a view that forced the wait)
+                    rec.collective(op, max(pgc, 0), seq, t0, clock(), nbytes)
+            except Exception:  # noqa: BLE001 - never raise into training
+                self.errors += 1
+            return out
+
+        return timed
+
+    def _funcol_group(self, group: Any) -> Any:
+        """The ProcessGroup behind a functional collective's ``group`` (cached), or None."""
+        if group is None:
+            return None
+        key = _group_key(group)
+        hit = self._funcol_groups.get(key)
+        if hit is not None:
+            return hit[1]
+        import torch.distributed._functional_collectives as funcol
+        from torch.distributed import distributed_c10d as c10d
+
+        pg = c10d._resolve_process_group(funcol._resolve_group_name(group))
+        if len(self._funcol_groups) >= 256:  # groups made per call: keep the cache bounded
+            self._funcol_groups.clear()
+        self._funcol_groups[key] = (group, pg)
+        return pg
+
+    def _try_nccl_hooks(self, dist: Any) -> bool:
+        """Use NCCL's GPU timing when the default group is NCCL with timing on."""
+        import os
+
+        if not dist.is_initialized() or backend_of() != "nccl":
+            return False
+        if os.environ.get("TORCH_NCCL_ENABLE_TIMING") != "1":
+            log.info("rankwatch: NCCL without TORCH_NCCL_ENABLE_TIMING=1; timing in Python")
+            return False
+        self._nccl_on = True
+        try:
+            self._hook_nccl_groups(dist)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rankwatch: NCCL completion hook unavailable (%s); timing in Python", exc)
+            self._nccl_on = False
+        return self._nccl_on
+
+    def _hook_nccl_groups(self, dist: Any) -> None:
+        """Register the completion hook on every NCCL group not hooked yet.
+
+        The default group's failure is raised (the caller falls back to the
+        Python wrappers); a subgroup's is counted, and the group is not tried again.
+        """
+        c10d = dist.distributed_c10d
+        default = c10d._get_default_group()
+        for pg in [default, *c10d._world.pg_map]:
+            if id(pg) in self._nccl_hooked:
+                continue
+            try:
+                if backend_of(pg) != "nccl":
+                    self._nccl_hooked.add(id(pg))
+                    continue
+                pgc = self._pg_code(pg)
+                pg._register_on_completion_hook(functools.partial(self._on_nccl_completion, pgc))
+            except Exception:
+                if pg is default:
+                    raise
+                self.errors += 1
+            self._nccl_hooked.add(id(pg))
+
+    def _on_nccl_completion(self, pgc: int, info: Any) -> None:
+        # Runs on the group's hook thread, never the training thread.
+        if not self._nccl_on:
+            return
+        try:
+            op = _NCCL_OP_CODES.get(str(info.op_type).rsplit(".", 1)[-1].lower(), OP_CODE["other"])
+            t1_ns = time.perf_counter_ns()
+            dur_ns = int(info.active_duration.total_seconds() * 1e9)
+            self._rec.collective(op, pgc, int(info.seq), t1_ns - dur_ns, t1_ns, 0)
+        except Exception:  # noqa: BLE001
+            self.errors += 1

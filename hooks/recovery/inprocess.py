@@ -1,0 +1,418 @@
+"""In-process recovery: the workers that survive a node's loss train on, without exiting.
+
+torchrun's answer to a lost node is to stop every worker and start new ones: new
+Python processes, torch imported again, the model wrapped again, the state read from
+disk.  This tier keeps the survivors' processes and their state in memory:
+
+1. **Leave the failed step.**  On NCCL the survivor aborts its communicators.  On gloo,
+   the survivor whose collective failed shuts down its own connections of the failed
+   process groups (:func:`~rankwatch.hooks.recovery.net.shut_group_sockets`).  Gloo
+   cannot cancel a pending collective, and only a dead peer's direct neighbours see its
+   connections break; shutting ours breaks our neighbours' pending collectives in
+   turn, so every survivor leaves the step within milliseconds.  (A hung peer breaks
+   nothing: the groups' timeout bounds that wait.)
+2. **Agree** on the new membership in the recovery store (:mod:`recovery_store`), under a
+   fresh prefix per generation: the first survivor to arrive decides, once every member
+   arrived or is proven gone (its liveness port refuses connections), or after ``settle``
+   seconds (a host that is down proves nothing).  The decision is
+   :func:`~rankwatch.hooks.recovery.decide.decide`, a pure function.
+3. **Re-initialise** the default process group among the survivors and call the user's
+   ``make(membership)``, which builds the mesh, the model and the optimizer for the new
+   world, exactly as it did at the start.
+4. **Restore** each survivor's own shards of the parameters and of the optimizer state
+   from memory.  That needs every lost rank's shards to have a copy on a survivor:
+   replicas (HSDP's ``replicate`` dimension, or plain data parallelism) that lie whole on
+   nodes.  A lost node then takes whole replicas with it, and the survivors' layout
+   within a replica is unchanged.  A survivor whose step differs from the newest whole
+   replica's takes that replica's state instead (:mod:`recovery_state`).
+
+**Joining.**  A spare or returning node that the rendezvous handler sends to a round which
+lost nodes in process (``RANKWATCH_RECOVERY_JOIN``) does not make torchrun restart anyone:
+its workers first pay a fresh process's one-time imports, then ask to join in the store
+and wait.  The survivors' rank 0 sees the request (:mod:`recovery_joins`, off the training
+thread) and, at its next step boundary, leaves the step as a failure would; every survivor
+then agrees with the joiners in, and the joiners take their state from a live replica,
+point to point, not from disk.  The world grows back.
+
+Whatever cannot be done in process (a partial node, a broken replica, no replica whole at
+one step) fails the attempt on every survivor: :class:`RecoveryFailed` is raised, the
+workers exit, and torchrun's restart recovers the job as before.
+
+Use from a training loop (the harness does the same)::
+
+    tier = InProcessRecovery(make, monitor=mon)   # make(Membership) -> Job
+    job = tier.start()
+    step = tier.completed                         # 0, or where a joiner comes in
+    while step < total:
+        try:
+            train_step(job, step)                 # forward, backward, optimizer step
+            step += 1
+            tier.stepped(step)                    # cheap: a flag, and a recovery's report
+        except Exception as exc:
+            job, step = tier.recover(exc, job, completed=step)   # or raises
+    tier.finish(step)                             # workers still asking to join exit cleanly
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rankwatch.hooks.recovery import net
+from rankwatch.hooks.recovery.decide import MAX_MESSAGE, Decision, Job, Membership, decide
+from rankwatch.hooks.recovery.commit import CommitIncomplete, StepCommit
+from rankwatch.hooks.recovery.joins import JoinWatch
+from rankwatch.hooks.recovery.protocol import RESTARTING, JobFinished, RecoveryFailed, Round
+from rankwatch.hooks.recovery.state import local_state, restore, transfer
+from rankwatch.hooks.recovery.store import JOIN_ENV, connect
+
+__all__ = ["Decision", "InProcessRecovery", "Job", "JobFinished", "Membership", "RecoveryFailed", "decide",
+           "is_peer_failure"]
+
+log = logging.getLogger(__name__)
+
+_PEER_FAILURE_MARKERS = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error",
+    "Write error", "Timed out waiting", "NCCL communicator was aborted", "ProcessGroupNCCL is aborted",
+    "Socket Timeout", "Connection refused",
+)
+
+
+def _warm_up() -> None:
+    """Pay a fresh process's one-time costs that building the job would otherwise pay while
+    the survivors wait for it: torch imports its compiler stack (``torch._dynamo``, about a
+    second) on the first use of a meta-device initialiser or of FSDP2's lazy paths."""
+    try:
+        importlib.import_module("torch._dynamo")
+    except Exception as exc:  # noqa: BLE001 - only a cost moved, nothing lost
+        log.debug("rankwatch: warm-up import failed: %s", exc)
+
+
+_RESTART_GRACE = 60.0
+"""Seconds a worker waits to be stopped when torchrun is already restarting the round."""
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for a collective that failed because a peer died or hung (the tier's business)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, RecoveryFailed):
+        return False
+    if isinstance(exc, CommitIncomplete):
+        return True
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_FAILURE_MARKERS)
+
+
+class InProcessRecovery:
+    """Args:
+        make: builds the job for a membership; called after the default process group
+            exists, by every member, with the same arguments.
+        backend: the process groups' backend (``gloo``, ``nccl``).
+        monitor: a rankwatch Monitor (its ``recovered`` reports each attempt), or None.
+        settle: seconds the agreement waits for a member that neither arrived nor is proven
+            gone (a hung process, a host that is down).
+        timeout: the process groups' timeout: how long a collective waits for a hung peer.
+        max_recoveries: in-process recoveries before the tier leaves it to torchrun.
+        join_timeout: seconds a joining worker waits to be admitted.
+        commit: before each optimizer step, agree in one all-reduce of one element over the
+            world (an optimizer step pre-hook on ``job.optimizer``), so that every rank
+            applies a step or none does.  Without it, a worker lost in the middle of a step
+            (its node's other workers live on a moment) can leave some of the survivors'
+            shards a step ahead of the others', and then no replica is whole at one step.
+        total_steps: the loop's last step, if known: no joiner is let in after it (the
+            survivors' next collectives are then the job's own end, not a step a joiner
+            could break); :meth:`finish` tells the ones still waiting that the job finished.
+    """
+
+    def __init__(self, make: Callable[[Membership], Job], *, backend: str = "gloo", monitor: Any = None,
+                 settle: float = 1.0, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+                 max_recoveries: int = 8, join_timeout: float = 600.0, commit: bool = True,
+                 total_steps: int | None = None, env: Mapping[str, str] = os.environ) -> None:
+        if backend == "nccl":
+            net.nccl_errors_to_caller()
+        self._make = make
+        self._total_steps = total_steps
+        self._commit = StepCommit(backend) if commit else None
+        self._backend = backend
+        self._monitor = monitor
+        self._settle = settle
+        self._timeout = timeout
+        self._max = max_recoveries
+        self._join_timeout = join_timeout
+        self._env = env
+        self._round: Round | None = None
+        self._joins: JoinWatch | None = None   # with a store: rank 0's watch for joiners
+        self._baseline: set[tuple] = set()
+        self._excluded_endpoints: set[tuple[str, int]] = set()
+        self.membership: Membership | None = None
+        self.completed = 0
+        """The steps the job had applied when this worker's tier started: 0, or, for a
+        joiner, the step the survivors admitted it at (its loop goes on from there)."""
+        self._report: dict[str, Any] | None = None
+        self._liveness: net.Liveness | None = None
+        self._breaking = False
+
+    # -- the start ------------------------------------------------------------------
+    def start(self) -> Job:
+        """Join the default process group (collective) and build the job for generation 0;
+        a joining worker instead waits to be admitted by the survivors (see the module)."""
+        import torch.distributed as dist
+
+        try:
+            self._round = Round(*connect(self._env), self._env, self._settle)
+            self._joins = JoinWatch(self._round, self._env, self._total_steps)
+            self._excluded_endpoints = net.store_endpoints(self._env)
+        except Exception as exc:  # noqa: BLE001 - training goes on; only this tier is off
+            if self._env.get(JOIN_ENV):
+                raise RecoveryFailed(f"a joining worker needs the recovery store: {exc}") from exc
+            log.warning("rankwatch: in-process recovery is off: no recovery store (%s)", exc)
+            self._round = self._joins = None
+        # Connections opened from here on are the process groups' (and the worker store's,
+        # used only to create them): a failure shuts them.
+        self._baseline = net.tcp_sockets()
+        if self._joins is not None and self._env.get(JOIN_ENV):
+            job = self._join()
+            self._joins.start()
+            return job
+        if not dist.is_initialized():
+            dist.init_process_group(self._backend, timeout=self._timeout)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.membership = Membership(generation=0, rank=rank, world_size=world, members=tuple(range(world)))
+        if self._round is not None:
+            self._liveness = net.Liveness()
+            self._round.register(rank, world, self._liveness.address)
+        job = self._build(self.membership)
+        if self._joins is not None:
+            self._joins.follow(rank, job.replica_size)
+            self._joins.start()
+        return job
+
+    # -- the hot path ---------------------------------------------------------------
+    def stepped(self, step: int) -> dict[str, float] | None:
+        """Call after each completed step.  After a recovery's first step, reports the
+        recovery and returns its phases; else None.  On rank 0, with workers waiting to
+        join, leaves the step here so that every survivor admits them (see the module)."""
+        phases = self._finish_report(step) if self._report is not None else None
+        if self._joins is not None and self._joins.due(step):
+            log.warning("rankwatch: leaving the training after step %d to admit joining workers", step)
+            self._breaking = True
+            shut = self._leave_step()
+            log.debug("rankwatch: shut %d connection(s) to admit joiners", shut)
+        return phases
+
+    def carry(self, values: Any) -> bool:
+        """Call before ``job.optimizer.step()`` with numbers your loop sums over the world
+        every step anyway (a 1-element tensor of its loss for the log, a token count; on the
+        commit's device): the step's commit sums them in its own all-reduce, in place, so
+        the tier adds no collective to the step.  False: no commit runs (the tier is off,
+        or ``commit=False``); sum them yourself."""
+        return self._commit is not None and self._commit.carry(values)
+
+    def _build(self, membership: Membership) -> Job:
+        """``make(membership)``, with the commit before each optimizer step."""
+        job = self._make(membership)
+        if self._commit is None or self._round is None:   # without a store no recovery needs it
+            return job
+        self._commit.attach(job.optimizer)
+        return job
+
+    # -- a failure ------------------------------------------------------------------
+    def recover(self, exc: BaseException, job: Job, completed: int) -> tuple[Job, int]:
+        """Recover from ``exc`` in process and return the new job and the step to go on from.
+
+        Raises ``exc`` itself when it is not a lost peer, and :class:`RecoveryFailed` when
+        the survivors cannot go on in process (then the worker should exit, so that
+        torchrun restarts it).
+        """
+        breaking, self._breaking = self._breaking, False
+        # Not a hang while it lasts: the agent gives a recovery its own, longer allowance.
+        with self._activity("recovery"), self._joins.paused() if self._joins else contextlib.nullcontext():
+            return self._recover(exc, job, completed, breaking)
+
+    def _recover(self, exc: BaseException, job: Job, completed: int, breaking: bool) -> tuple[Job, int]:
+        if not breaking and not is_peer_failure(exc):
+            raise exc
+        caught = time.time()
+        t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+        shut = 0 if breaking else self._leave_step()
+        ready = self._commit is not None and self._commit.failed_inside() and not breaking
+        assert self.membership is not None
+        old = self.membership
+        log.warning("rankwatch: rank %d: a collective failed at step %d (%s); shut %d connection(s) of "
+                    "the failed groups; recovering in process", old.rank, completed + 1,
+                    "admitting joiners" if breaking else str(exc).splitlines()[0][:MAX_MESSAGE], shut)
+        try:
+            if self._round is None or self._joins is None:
+                raise RecoveryFailed("no recovery store")
+            if old.generation >= self._max:
+                raise RecoveryFailed(f"{self._max} in-process recoveries already; leaving it to torchrun")
+            skipped = self._commit.unapplied() if self._commit is not None else 0
+            if skipped:   # the device skipped steps the host saw return (their commits failed)
+                log.warning("rankwatch: the last %d optimizer step(s) were skipped on the device: completed "
+                            "step %d, not %d", skipped, completed - skipped, completed)
+                completed -= skipped
+            shards = local_state(job)
+            net.destroy_groups()
+            phases["left_step"] = time.perf_counter() - t0
+            decision = self._round.agree(old, completed, job.replica_size, ready, self._joins.settled)
+            phases["agreed"] = time.perf_counter() - t0
+            if not decision.ok:
+                raise RecoveryFailed(decision.error)
+            me = old.members[old.rank]
+            if me in decision.finish and self._commit is not None:
+                shards = self._commit.finish_step(job, completed)
+            if me not in decision.members:
+                if self._round.node in decision.dropped_nodes:
+                    raise RecoveryFailed(f"node {self._round.node} lost a worker and is left out whole; "
+                                         "its torchrun restarts its workers")
+                raise RecoveryFailed("this rank arrived after the survivors had agreed without it")
+            new = Membership(generation=old.generation + 1, rank=decision.members.index(me),
+                             world_size=len(decision.members), members=decision.members,
+                             dropped_nodes=old.dropped_nodes + decision.dropped_nodes)
+            self._init_group(new)
+            job = self._build(new)
+            phases["reinitialised"] = time.perf_counter() - t0
+            fresh = me in decision.fresh
+            if not fresh:
+                restore(job, shards)
+            transfer(job, decision, new.rank, None if fresh else shards)
+            phases["restored"] = time.perf_counter() - t0
+        except Exception as failure:  # noqa: BLE001 - reported, then torchrun's restart takes over
+            error = f"{type(failure).__name__}: {failure}"[:MAX_MESSAGE]
+            log.error("rankwatch: in-process recovery failed (%s); the worker exits for torchrun's restart",
+                      error)
+            # torchrun may stop this worker any moment now (another survivor's exit starts its
+            # restart): the report reaches the agent first, a SIGTERM waiting meanwhile.
+            with net.deferred_termination():
+                self._send(caught, completed, old, old, phases, ok=False, error=error)
+                self._deliver_reports()
+            if RESTARTING in error:
+                # torchrun stops this worker itself: exiting first would read as a failure of
+                # its own (and spend one of --max-restarts).
+                log.warning("rankwatch: waiting for torchrun to stop this worker")
+                time.sleep(_RESTART_GRACE)
+            if isinstance(failure, RecoveryFailed):
+                raise
+            raise RecoveryFailed(error) from failure
+        self.membership = new
+        self._joins.follow(new.rank, job.replica_size)
+        self._joins.settle(decision)
+        self._report = {"caught": caught, "t0": t0, "step": decision.step, "old": old, "phases": phases}
+        joined = [r for r in decision.members if r not in old.members]
+        log.warning("rankwatch: recovered in process: rank %d -> %d of %d, without node(s) %s%s, from step %d "
+                    "(%.3f s so far)", old.rank, new.rank, new.world_size, ", ".join(decision.dropped_nodes) or "-",
+                    f", with {len(joined)} joining worker(s)" if joined else "", decision.step, phases["restored"])
+        return job, decision.step
+
+    def _leave_step(self) -> int:
+        """Break every survivor out of the failed step (see the module); the connections shut."""
+        if self._backend == "nccl":  # NCCL cancels its pending collectives itself
+            try:
+                net.abort_nccl()
+            except Exception as err:  # noqa: BLE001 - the watchdog's timeout still bounds the wait
+                log.warning("rankwatch: could not abort the NCCL communicators: %s", err)
+        try:   # a gloo group beside NCCL's (object collectives, the CPU side) too
+            return net.shut_group_sockets(self._baseline, self._excluded_endpoints)
+        except Exception as err:  # noqa: BLE001 - the groups' timeout still bounds the others' wait
+            log.warning("rankwatch: could not shut the failed groups' connections: %s", err)
+            return 0
+
+    # -- joining ----------------------------------------------------------------------
+    def _join(self) -> Job:
+        """Ask to join the round's survivors; wait until they admit this worker at a step
+        boundary; build the job and take its state from a live replica."""
+        assert self._round is not None and self._joins is not None
+        _warm_up()   # before asking: the survivors pause from the moment they admit this worker
+        self._liveness = net.Liveness()
+        local_rank = int(self._env.get("LOCAL_RANK", "0"))
+        me = self._round.ask_to_join(self._liveness.address, local_rank, int(self._env.get("LOCAL_WORLD_SIZE", "1")))
+        log.warning("rankwatch: worker %d of node %s asks to join the training in process", local_rank,
+                    self._round.node)
+        gen, decision = self._round.await_admission(me, self._join_timeout)
+        new = Membership(generation=gen, rank=decision.members.index(me), world_size=len(decision.members),
+                         members=decision.members, dropped_nodes=decision.dropped_nodes)
+        self.membership = new
+        self._init_group(new)
+        job = self._build(new)
+        transfer(job, decision, new.rank, None)
+        self.completed = decision.step
+        self._joins.follow(new.rank, job.replica_size)
+        self._joins.settle(decision)
+        self._round.mark_admitted(gen)
+        log.warning("rankwatch: joined in process as rank %d of %d at step %d", new.rank, new.world_size,
+                    decision.step)
+        return job
+
+    # -- the end ----------------------------------------------------------------------
+    def finish(self, step: int) -> None:
+        """Call once the loop is done (every rank, after its last step).  Rank 0 tells the
+        workers still asking to join that the job finished, so they exit cleanly (each gets
+        :class:`JobFinished`) instead of waiting out ``join_timeout`` and failing their node.
+        Never raises: the job's end does not depend on it."""
+        if self._joins is not None:
+            self._joins.finish(step)
+
+    # -- parts ----------------------------------------------------------------------
+    def _init_group(self, new: Membership) -> None:
+        import torch.distributed as dist
+
+        assert self._round is not None
+        dist.init_process_group(self._backend, store=self._round.process_group_store(new.generation),
+                                rank=new.rank, world_size=new.world_size, timeout=self._timeout)
+        net.forget_old_meshes()
+
+    def _activity(self, name: str) -> Any:
+        mark = getattr(self._monitor, "activity", None)
+        return mark(name) if mark is not None else contextlib.nullcontext()
+
+    def set_monitor(self, monitor: Any) -> None:
+        """The Monitor that reports each recovery (made after the first generation's mesh)."""
+        self._monitor = monitor
+
+    def _finish_report(self, step: int) -> dict[str, float]:
+        r, self._report = self._report, None
+        assert r is not None and self.membership is not None
+        r["phases"]["first_step"] = time.perf_counter() - r["t0"]
+        log.warning("rankwatch: first step after the in-process recovery: step %d, %.3f s after the failure "
+                    "(%s)", step, r["phases"]["first_step"],
+                    ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
+        self._send(r["caught"], r["step"], r["old"], self.membership, r["phases"], ok=True)
+        return r["phases"]
+
+    def _send(self, caught: float, step: int, old: Membership, new: Membership, phases: dict[str, float],
+              ok: bool, error: str = "") -> None:
+        recovered = getattr(self._monitor, "recovered", None)
+        if recovered is None:
+            return
+        try:
+            recovered(started_at=caught, step=step, old_world_size=old.world_size, new_world_size=new.world_size,
+                      dropped_nodes=list(new.dropped_nodes[len(old.dropped_nodes):]), phases=dict(phases),
+                      ok=ok, error=error, rank_after=new.rank)
+        except Exception as exc:  # noqa: BLE001 - reporting never breaks training
+            log.warning("rankwatch: could not report the recovery: %s", exc)
+
+    def _deliver_reports(self) -> None:
+        """Send what the monitor holds and end its stream, waiting (boundedly) for the agent to
+        read it: the worker exits next, and a report still buffered would die with it.  The
+        monitor reports nothing after this."""
+        close = getattr(self._monitor, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - reporting never breaks the exit
+            log.warning("rankwatch: could not deliver the recovery report: %s", exc)
+
+    @property
+    def last_phases(self) -> dict[str, float] | None:
+        """The phases of the recovery whose first step is still to come (for tests, logs)."""
+        return dict(self._report["phases"]) if self._report else None

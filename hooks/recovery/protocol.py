@@ -1,0 +1,288 @@
+"""The workers' side of the in-process recovery protocol, in the recovery store.
+
+One :class:`Round` per worker: the keys of its torchrun round (``<prefix>inproc/...``), every
+value sealed with the job's token when it has one (:class:`~rankwatch.hooks.recovery.store.Seal`).
+What lives here is what the workers say to each other through the store:
+
+* **members**: each rank's node and liveness address, and the world it started with;
+* **agreement** (:meth:`Round.agree`): each survivor posts the step it completed; the first to
+  arrive waits for the others (or proof that they are gone, or ``settle`` seconds), then
+  writes the decision of :func:`~rankwatch.hooks.recovery.decide.decide` for every one;
+* **joining**: a joiner's request, the survivors' answer (a generation, or why not), and the
+  mark that the job finished.
+
+The process side (process groups, the job, the state) is :mod:`rankwatch.hooks.recovery.inprocess`'s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from rankwatch.address import NODE_ID_ENV
+from rankwatch.hooks.recovery import net
+from rankwatch.hooks.recovery.decide import JOINER_BASE, MAX_MESSAGE, Decision, Joiner, Membership, decide
+from rankwatch.hooks.recovery.store import (
+    ATTEMPTS_COUNT,
+    CAPABLE_KEY,
+    DECIDED_COUNT,
+    RESTARTING_KEY,
+    ForgedValue,
+    Seal,
+    admitted_key,
+    mark_regrouped,
+)
+
+__all__ = ["JobFinished", "RecoveryFailed", "Round", "RESTARTING"]
+
+log = logging.getLogger(__name__)
+
+RESTARTING = "torchrun is restarting the round"
+"""In a failed decision's error: torchrun stops the workers itself (they wait, not exit)."""
+_MAX_JOIN_LOOK = 1024
+"""The most recent join requests read per look (a counter in the store is no bound of its own)."""
+_FINISHED = "finished"       # a join answer: the survivors finished the job
+_DECISION_WAIT = 30.0        # seconds past ``settle`` a survivor waits for the first one's decision
+
+
+class RecoveryFailed(RuntimeError):
+    """The in-process attempt cannot recover this failure; torchrun's restart must."""
+
+
+class JobFinished(SystemExit):
+    """Raised by a joining worker's :meth:`InProcessRecovery.start` when the survivors finished
+    the job while it waited: nothing is left to train.  A ``SystemExit`` with status 0, so an
+    uncaught one ends the worker cleanly (and its node's torchrun with success); a loop with
+    work of its own to do at the end may catch it."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(0)
+        self.step = step
+        """The job's last step, as the survivors finished it."""
+
+
+class Round:
+    """Args:
+        store: a client of the recovery store (:func:`~rankwatch.hooks.recovery.store.connect`).
+        prefix: this round's prefix in it.
+        env: the worker's environment (node id, the job's token).
+        settle: seconds the agreement waits for a member that neither arrived nor is proven gone.
+
+    Raises:
+        ValueError: the job's token file is named but unreadable.
+    """
+
+    def __init__(self, store: Any, prefix: str, env: Mapping[str, str], settle: float) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.node = env.get(NODE_ID_ENV) or socket.gethostname()
+        self.seal = Seal.from_env(env)
+        self._settle = settle
+
+    # -- values ----------------------------------------------------------------------
+    def key(self, suffix: str) -> str:
+        return self.prefix + "inproc/" + suffix
+
+    def _put(self, key: str, value: str) -> None:
+        self.store.set(key, self.seal.seal(key, value))
+
+    def _read(self, key: str, store: Any = None, cap: int = MAX_MESSAGE) -> str:
+        """The value at ``key``, opened; raises :class:`ForgedValue` for one that does not open."""
+        return self.seal.open(key, (store or self.store).get(key)).decode(errors="replace")[:cap]
+
+    def put(self, suffix: str, value: str) -> None:
+        self._put(self.key(suffix), value)
+
+    def read(self, suffix: str, store: Any = None, cap: int = MAX_MESSAGE) -> str:
+        return self._read(self.key(suffix), store, cap)
+
+    def has(self, suffix: str, store: Any = None) -> bool:
+        return bool((store or self.store).check([self.key(suffix)]))
+
+    # -- members ---------------------------------------------------------------------
+    def register(self, rank: int, world: int, live_address: str) -> None:
+        """A member of generation 0: its node, its liveness port; rank 0 the world's size.
+        Then the node's rendezvous handler defers its restarts to the workers."""
+        self.put(f"node/{rank}", self.node)
+        self.put(f"live/{rank}", live_address)
+        if rank == 0:
+            self.put("world0", str(world))
+        self.store.set(self.prefix + CAPABLE_KEY, "1")
+
+    def live_address(self, rank: int) -> str:
+        """Where member ``rank``'s liveness port listens; "" when unknown (or forged)."""
+        try:
+            return self.read(f"live/{rank}", cap=64) if self.has(f"live/{rank}") else ""
+        except ForgedValue as exc:
+            log.warning("rankwatch: %s", exc)
+            return ""
+
+    def process_group_store(self, generation: int) -> Any:
+        import torch.distributed as dist
+
+        return dist.PrefixStore(self.key(f"gen/{generation}/pg/"), self.store)
+
+    # -- joining ---------------------------------------------------------------------
+    def ask_to_join(self, live_address: str, local_rank: int, local_world: int) -> int:
+        """Post a join request; returns this worker's id (``JOINER_BASE + n``)."""
+        n = int(self.store.add(self.key("join/seq"), 1))
+        me = JOINER_BASE + n
+        self.put(f"node/{me}", self.node)
+        self.put(f"live/{me}", live_address)
+        self.put(f"join/{n}", json.dumps({"node": self.node, "local_rank": local_rank, "local_world": local_world}))
+        return me
+
+    def await_admission(self, me: int, timeout: float) -> tuple[int, Decision]:
+        """Wait until the survivors answer joiner ``me``; its generation and their decision.
+
+        Raises:
+            JobFinished: the survivors finished the job meanwhile.
+            RecoveryFailed: not admitted in time, turned away, or a forged answer.
+        """
+        # Asked first, then looked: the survivors' rank 0 marks the job finished first, then
+        # answers whoever asked, so one of the two sees the other (:meth:`tell_finished`).
+        self.raise_if_finished()
+        try:
+            self.store.wait([self.key(f"joined/{me}")], datetime.timedelta(seconds=timeout))
+        except Exception as exc:  # noqa: BLE001 - the store's timeout error varies by backend
+            raise RecoveryFailed(f"not admitted within {timeout:.0f} s: {exc}") from exc
+        try:
+            answer = self.read(f"joined/{me}")
+            if answer.startswith(_FINISHED):
+                self.raise_if_finished()
+            if not answer.isdigit():
+                raise RecoveryFailed(f"the survivors turned this worker away: {answer}")
+            gen = int(answer)
+            key = f"gen/{gen}/decision"
+            self.store.wait([self.key(key)], datetime.timedelta(seconds=60))
+            world0 = int(self.read("world0", cap=16))
+            within = tuple(range(world0)) + self._joiner_ids()
+            return gen, Decision.from_json(self.read(key, cap=1 << 20), within)
+        except ForgedValue as exc:
+            raise RecoveryFailed(str(exc)) from exc
+
+    def raise_if_finished(self, store: Any = None) -> None:
+        if not self.has("finished", store):
+            return
+        try:
+            text = self.read("finished", store, cap=32)
+        except ForgedValue as exc:
+            log.warning("rankwatch: %s", exc)
+            return
+        step = int(text) if text.isdigit() else -1
+        log.warning("rankwatch: the job finished at step %d while this worker asked to join; it exits", step)
+        raise JobFinished(step)
+
+    def mark_admitted(self, generation: int) -> None:
+        """The node's rendezvous handler reads it: its workers are members now, so when one of
+        them dies, the node joins the same way again."""
+        key = self.prefix + admitted_key(self.node)
+        self.store.set(key, self.seal.seal(key, str(generation)))
+
+    def joiners_asked(self, store: Any = None) -> int:
+        return int((store or self.store).add(self.key("join/seq"), 0))  # add(0) reads
+
+    def _joiner_ids(self) -> tuple[int, ...]:
+        return tuple(range(JOINER_BASE + 1, JOINER_BASE + self.joiners_asked() + 1))
+
+    def waiting_joiners(self, store: Any, settled: set[int]) -> list[Joiner]:
+        """Workers that asked to join and were neither admitted nor turned away yet (one that
+        does not parse, or is forged, is settled as ignored)."""
+        out = []
+        asked = self.joiners_asked(store)
+        for n in range(max(1, asked - _MAX_JOIN_LOOK + 1), asked + 1):  # a bound on what the store can make us read
+            if JOINER_BASE + n in settled or not self.has(f"join/{n}", store):
+                continue  # settled, or asking now: seen at the next look
+            try:
+                d = json.loads(self.read(f"join/{n}", store, cap=512))
+                out.append(Joiner(id=JOINER_BASE + n, node=str(d["node"])[:64], local_rank=int(d["local_rank"]),
+                                  local_world=int(d["local_world"])))
+            except (ValueError, KeyError, TypeError) as exc:   # ForgedValue is a ValueError
+                log.warning("rankwatch: a join request that does not parse is ignored: %s", exc)
+                settled.add(JOINER_BASE + n)
+        return out
+
+    def tell_finished(self, step: int, settled: set[int]) -> int:
+        """Mark the job finished at ``step`` and answer every waiting joiner so; how many."""
+        self.put("finished", str(step))   # first: a joiner asking now looks
+        waiting = self.waiting_joiners(self.store, settled)
+        for j in waiting:
+            self.put(f"joined/{j.id}", f"{_FINISHED} at step {step}")
+            settled.add(j.id)
+        return len(waiting)
+
+    # -- agreement -------------------------------------------------------------------
+    def agree(self, old: Membership, completed: int, replica_size: int, ready: bool,
+              settled: set[int]) -> Decision:
+        """Post this survivor's step; the first to arrive decides for all (see the module).
+        A forged value read on the way fails the decision (torchrun's restart recovers)."""
+        gen = f"gen/{old.generation + 1}/"
+        me = old.members[old.rank]
+        store = self.store
+        if ready:   # posted first: whoever decides reads it once this rank's step is there
+            self.put(f"{gen}ready/{me}", "1")
+        self.put(f"{gen}alive/{me}", str(completed))
+        if store.add(self.key(f"{gen}arrived"), 1) != 1:
+            store.wait([self.key(f"{gen}decision")], datetime.timedelta(seconds=self._settle + _DECISION_WAIT))
+            try:
+                text = self.read(f"{gen}decision", cap=1 << 20)
+            except ForgedValue as exc:
+                return Decision(ok=False, error=str(exc)[:MAX_MESSAGE])
+            return Decision.from_json(text, tuple(old.members) + self._joiner_ids())
+        # torchrun may be stopping this worker right now (its node lost another): the
+        # others wait on this decision, so it is written before a SIGTERM takes effect.
+        with net.deferred_termination():
+            store.add(self.prefix + ATTEMPTS_COUNT, 1)   # a restarting node waits while one is under way
+            joiners = self.waiting_joiners(store, settled)
+            try:
+                decision = self._decide(old, gen, replica_size, joiners)
+            except ForgedValue as exc:
+                decision = Decision(ok=False, error=str(exc)[:MAX_MESSAGE])
+            if decision.ok:
+                for node in decision.dropped_nodes:  # the round goes on without it: no restart
+                    mark_regrouped(store, self.prefix, node, old.generation + 1, self.seal)
+            else:   # every worker exits for torchrun's restart: no node waits to join in process
+                key = self.prefix + RESTARTING_KEY
+                store.set(key, self.seal.seal(key, self.node))
+            self.put(f"{gen}decision", decision.to_json())
+            store.add(self.prefix + DECIDED_COUNT, 1)
+            # Joiners wait on their own key: admitted ones read this generation's decision.
+            for j in (r for r in decision.members if r not in old.members):
+                self.put(f"joined/{j}", str(old.generation + 1))
+            turned = set(decision.refused) | ({j.id for j in joiners} if not decision.ok else set())
+            for j in turned:
+                self.put(f"joined/{j}", f"refused: {decision.note or decision.error}"[:MAX_MESSAGE])
+            return decision
+
+    def _decide(self, old: Membership, gen: str, replica_size: int, joiners: list[Joiner]) -> Decision:
+        keys = {r: f"{gen}alive/{r}" for r in old.members}
+        self._await_survivors(keys, self.key(f"{gen}arrived"))
+        arrived = {r: int(self.read(k, cap=32)) for r, k in keys.items() if self.has(k)}
+        node_of = {r: self.read(f"node/{r}", cap=64) for r in old.members}
+        restarting = self.prefix + RESTARTING_KEY
+        if self.store.check([restarting]):  # torchrun stops the workers itself
+            by = self._read(restarting, cap=64)
+            return Decision(ok=False, error=f"{RESTARTING}: node {by} restarts its workers")
+        ready_ids = [r for r in arrived if self.has(f"{gen}ready/{r}") and self.read(f"{gen}ready/{r}") == "1"]
+        return decide(old.members, arrived, node_of, replica_size, joiners, ready_ids)
+
+    def _await_survivors(self, keys: dict[int, str], arrived_key: str) -> None:
+        """Until every member arrived, or every one missing is proven dead (its liveness
+        port refuses connections: the process is gone), or ``settle`` seconds passed."""
+        deadline = time.monotonic() + self._settle
+        dead: set[int] = set()
+        while True:
+            count = int(self.store.add(arrived_key, 0))
+            if count == len(keys) or time.monotonic() >= deadline:
+                return
+            for r, k in keys.items():
+                if r not in dead and not self.has(k) and net.refused(self.live_address(r)):
+                    dead.add(r)
+            if count + len(dead) >= len(keys) and int(self.store.add(arrived_key, 0)) == count:
+                return  # all that are alive arrived; the rest are gone
+            time.sleep(0.005)

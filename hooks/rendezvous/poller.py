@@ -1,0 +1,101 @@
+"""The rendezvous handler's relay: a thread in each node's torchrun that polls the node's
+agent, writes the coordinator's decisions into the rendezvous store (only the agent that is
+the coordinator does, and checks in at the round's exit barrier for an excluded node of its
+round, :mod:`.rdzv_exit`), and SIGKILLs an excluded node's workers (torchrun would wait its
+30 s shutdown timeout before it kills a stopped or hung one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from rankwatch.address import Address
+
+if TYPE_CHECKING:
+    from rankwatch.hooks.rendezvous.handler import ExcludingRendezvousHandler
+
+__all__ = ["DecisionRelay"]
+
+log = logging.getLogger(__name__)
+
+_KILL_GRACE = 1.0
+"""Seconds an excluded node's workers live on, so that the healthy nodes restart first."""
+
+
+class DecisionRelay:
+    """Polls the node's agent: writes the coordinator's decisions, kills an excluded node's workers."""
+
+    def __init__(self, handler: ExcludingRendezvousHandler, agent: Address, interval: float) -> None:
+        self._handler = handler
+        self._agent = agent
+        self._interval = interval
+        self._written: set[str] = set()
+        self._killed: set[int] = set()
+        self._excluded_at = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="rankwatch-rdzv-relay", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        from rankwatch.status import AgentUnreachable, fetch_status
+
+        while not self._stop.wait(self._interval):
+            try:
+                status = fetch_status(self._agent, timedelta(seconds=1))
+            except AgentUnreachable:
+                continue
+            try:
+                self._apply(status)
+            except Exception:  # noqa: BLE001 - never take torchrun down
+                log.exception("rankwatch: rendezvous relay error")
+
+    def _apply(self, status: dict[str, Any]) -> None:
+        h = self._handler
+        for d in status["decisions"]:
+            if status["coordinator"] and d["id"] not in self._written:
+                h.write_decision(d)
+                if d["kind"] == "exclude":
+                    h.stand_in_for_excluded(d["node"])
+                self._written.add(d["id"])   # last: a store error retries both, both idempotent
+        if h.relay_excluded() is None:
+            return
+        # A grace period first, so the healthy nodes restart their workers on the new
+        # generation before this node's dying workers break their collectives.
+        self._excluded_at = self._excluded_at or time.monotonic()
+        # The others restart on the new generation first, unless they recover in process, which
+        # needs these workers gone: that breaks the collectives the others wait in.
+        if time.monotonic() - self._excluded_at < _KILL_GRACE and not h.in_process():
+            return
+        mine = os.getpid()
+        for r in status["ranks"]:
+            pid = r["pid"]
+            if r["node"] == h.node and pid not in self._killed and _child_of(pid, mine):
+                log.warning("rankwatch: this node is excluded; killing worker pid %d (rank %d)",
+                            pid, r["rank"])
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._killed.add(pid)
+
+
+def _child_of(pid: int, parent: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).ppid() == parent
+    except psutil.Error:
+        return False
