@@ -3,9 +3,13 @@
 An :class:`Agent` owns the node's state (:class:`NodeState`), its detectors
 (:class:`NodeWatch`), its link to the job (:class:`JobLink`, and the
 :class:`Coordinator` it runs when it is the coordinator), its logs, and its
-servers (:mod:`.listeners`): gRPC (Unix socket, optional TCP; the RPCs are
-:mod:`.servicer`'s, what they show :mod:`.views`') and HTTP /metrics (the collectors
-of :mod:`.export`).
+servers (:mod:`.rpc.listeners`): gRPC (Unix socket, optional TCP; the RPCs are
+:mod:`.rpc.servicer`'s, what they show :mod:`.views.answer`') and HTTP /metrics (the
+collectors of :mod:`.export`).
+
+It is the one place that wires the parts together: each part is handed what it reads
+(the servicer its :class:`ServiceParts`, the link its :class:`LinkParts`, the views and
+exporters the state, :class:`JobKnowledge` and the storage report), never the agent.
 It decides nothing itself: each decision lives in the module named for it.
 """
 
@@ -21,7 +25,6 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from rankwatch.agent.export import otel
-from rankwatch.address import Address
 from rankwatch.agent.rpc.gate import Gate
 from rankwatch.agent.rpc.identity import RankStreams
 from rankwatch.agent.rpc.listeners import Listeners
@@ -30,8 +33,10 @@ from rankwatch.agent.job.decisions import Decision, DecisionLog
 from rankwatch.agent.export.prom_host import HostCollector
 from rankwatch.agent.job import goodput
 from rankwatch.agent.views import answer as views
-from rankwatch.agent.export import prom_store as storemetrics
-from rankwatch.agent.node.restarting import shown_state
+from rankwatch.agent.export.prom_store import StorageCollector
+from rankwatch.agent.export.prom_gate import GateCollector
+from rankwatch.agent.durable.storage import storage_report
+from rankwatch.agent.job.known import JobKnowledge
 from rankwatch.agent.durable.statedir import Snapshots, write_pointer
 from rankwatch.agent.config import AgentConfig
 from rankwatch.agent.node.checkpoints import NodeCheckpoints
@@ -39,13 +44,13 @@ from rankwatch.agent.gpu import GpuCollector, GpuMonitor, RankDevice
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
 from rankwatch.agent.export.prom_job import JobCollector
 from rankwatch.agent.rpc.command_stream import CommandHub
-from rankwatch.agent.job.uplink import JobLink, forward_checkpoint
+from rankwatch.agent.job.uplink import JobLink, LinkParts, forward_checkpoint
 from rankwatch.agent.export.prom_node import NodeCollector
 from rankwatch.agent.job.election import Election, parse_endpoints
 from rankwatch.agent.node.recoveries import RecoveryLog
 from rankwatch.agent.job.relay import Relay
 from rankwatch.agent.node.sweep import NodeWatch
-from rankwatch.agent.rpc.servicer import Servicer
+from rankwatch.agent.rpc.servicer import ServiceParts, Servicer
 from rankwatch.agent.wire.ranges import clean_text
 from rankwatch.agent.node.intake import NodeState, RankState, Rejected
 from rankwatch.proto import pb
@@ -76,13 +81,21 @@ class Agent:
         self.commands = CommandHub()
         self.relay: Relay | None = None
         """This agent as a relay for its group (set once it serves TCP)."""
-        self.link = JobLink(self, config.coordinators, config.sync_interval, elected=config.election is not None)
+        self.link = JobLink(LinkParts(config=config, decision_log=self.decision_log, coordinator=self.coordinator,
+                                      summary=self.summary, relay=lambda: self.relay,
+                                      on_checkpoint=self.commands.publish_checkpoint,
+                                      on_exclusion=self.on_exclusion, on_job_incident=self.on_job_incident),
+                            config.coordinators, config.sync_interval, elected=config.election is not None)
         self.progress = goodput.StepProgress()
+        self.job = JobKnowledge(self.state, self.decision_log, self.coordinator,
+                                coordinates=self.is_coordinator, coordinator_node=lambda: self.link.coordinator_node,
+                                progress=self.progress, relay=lambda: self.relay)
+        """What this agent knows of the job: the views and the job's exporter read it."""
         self.recoveries = RecoveryLog(config.node_id, self.incidents)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(self.state, lambda: self.watch.straggler_view, config.rank_grace))
-        self.registry.register(JobCollector(self))
-        self.registry.register(storemetrics.StorageCollector(self))
+        self.registry.register(JobCollector(config.node_id, self.state.clock, self.job, self.recoveries))
+        self.registry.register(StorageCollector(config.node_id, self.incidents, self.decision_log))
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
         self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
         self.gpu_listeners = self.gpu.listeners  # called with every fatal and risk GpuEvent
@@ -93,23 +106,23 @@ class Agent:
         self.gate = Gate(config.token, config.streams, node=config.node_id,
                          on_unauthenticated=lambda method, peer: self.state.note_rejected(
                              Rejected("unauthenticated", f"{method} from {peer}")))
-        self.registry.register(self.gate)
+        self.registry.register(GateCollector(config.node_id, self.gate))
         self.rank_streams = RankStreams()
         self.servers = Listeners(config)
         self.peer_cred = self.servers.peer_cred
         """Who presented a nonce on a credentials socket (the servicer's Hello asks)."""
         self._stopped = threading.Event()
         self._otel: otel.OtelExport | None = None
-        self._snapshots = Snapshots(config.state_dir, lambda: status_dict(views.status_response(self)),
+        self._snapshots = Snapshots(config.state_dir, lambda: status_dict(self.status()),
                                     lambda: self.incidents.run_id)
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
         # /metrics first: once gRPC answers, Status must report the metrics port.
         self.servers.serve_metrics(self.registry)
-        self._otel = otel.install(self)
+        self._otel = otel.install(self.config.node_id, self.state, self.incidents, self.gpu)
         try:
-            self.servers.serve_grpc(Servicer(self).handlers(), self.gate)
+            self.servers.serve_grpc(Servicer(self._service_parts()).handlers(), self.gate)
             me = self.advertised()
             if me and (self.config.coordinators or self.config.election is not None):
                 self.relay = Relay(me, cfg=self.config.relay)   # a node of a job of several can relay
@@ -186,13 +199,27 @@ class Agent:
             except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
                 log.exception("detector error")
 
-    # -- the job: coordinator, commands ------------------------------------------
-    def serves(self, addr: Address) -> bool:
-        return any(str(addr) == str(mine) for mine in self.config.listen)
+    def _service_parts(self) -> ServiceParts:
+        return ServiceParts(node_id=self.config.node_id, token=self.config.token, state=self.state,
+                            incidents=self.incidents, decision_log=self.decision_log,
+                            rank_streams=self.rank_streams, peer_cred=self.peer_cred, watch=self.watch,
+                            checkpoints=self.checkpoints, commands=self.commands,
+                            on_recoveries=self.on_recoveries, status=self.status, checkpoint=self.checkpoint,
+                            coordinator=self.coordinator, coordinates=self.is_coordinator,
+                            relay=lambda: self.relay)
+
+    # -- what it shows ------------------------------------------------------------
+    def status(self, request: pb.StatusRequest | None = None) -> pb.StatusResponse:
+        """The agent's ``Status`` answer (:func:`views.status_response`)."""
+        return views.status_response(self.state, self.job, storage_report(self.incidents, self.decision_log),
+                                     metrics_port=self.metrics_port, max_ranks=self.config.status_max_ranks,
+                                     request=request)
 
     def summary(self, seq: int) -> pb.NodeSummary:
         """This node's compact summary for the coordinator (:func:`views.node_summary`)."""
-        return views.node_summary(self, seq)
+        return views.node_summary(self.state, seq, decisions=self.decision_log.items, run_id=self.incidents.run_id,
+                                  relay_address=self.relay.address if self.relay is not None else None,
+                                  step_period=self.watch.step_period)
 
     def _observe_progress(self, now: float) -> None:
         ranks = self.state.snapshot()
@@ -201,14 +228,8 @@ class Agent:
                               [(r.pid, r.step, r.steps_completed) for r in live])
 
     def goodput(self, now: float) -> dict[str, float] | None:
-        """Where the job's time went (:func:`goodput.breakdown` over this agent's view)."""
-        return goodput.breakdown(now, incidents=self.incident_view(), decisions=self.decisions(),
-                                 progress=self.progress.snapshot())
-
-    def restarting(self, state: str, last_seen: float, now: float) -> bool:
-        """Whether a dead rank's worker was stopped by a restart (:mod:`restarting`)."""
-        return shown_state(state, last_seen=last_seen, now=now,
-                           restarts=[d.decided_at for d in self.decisions() if d.kind == "exclude"]) == "restarting"
+        """Where the job's time went (:meth:`JobKnowledge.goodput`)."""
+        return self.job.goodput(now)
 
     def is_coordinator(self) -> bool:
         return self.link.coordinates_job
@@ -219,11 +240,7 @@ class Agent:
 
     def incident_view(self) -> list[Incident]:
         """This agent's incidents, plus, on the coordinator, the other nodes' own."""
-        with self.state.lock:
-            items = list(self.state.incidents)
-        if self.is_coordinator():
-            items += [i for i in self.coordinator.job_incidents() if i.node != self.state.node_id]
-        return items
+        return self.job.incidents()
 
     def on_recoveries(self, rank: RankState, records: Any) -> None:
         """A rank reports in-process recoveries: each valid one moves the rank into its new

@@ -387,7 +387,7 @@ def _start_agent(tmp: Path, name: str, port: int, coordinator: int, *extra: str)
     """A real ``rankwatch agent`` named ``name``, serving TCP on ``port`` and ``tmp/<name>.sock``,
     syncing with the coordinator on ``coordinator``; its log in ``tmp/<name>.log``."""
     return subprocess.Popen(
-        [sys.executable, "-m", "rankwatch.agent.cli.app", "agent", "--node-id", name,
+        [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--node-id", name,
          "--listen", f"127.0.0.1:{port}", "--listen", f"unix:{tmp / f'{name}.sock'}",
          "--coordinator", f"127.0.0.1:{coordinator}", "--gpu-source", "none", *extra],
         env={**os.environ, "RANKWATCH_TOKEN": TOKEN},   # as a job runs it: every node holds the token
@@ -407,7 +407,7 @@ def _start_relay(tmp: Path, port: int, relay_port: int, metrics_port: int, whole
 
 
 def _coordinator_knows(sock: Path, node: str) -> bool:
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--json", "--agent",
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--json", "--agent",
                           f"unix:{sock}"], capture_output=True, timeout=30)
     return out.returncode == 0 and node in json.loads(out.stdout).get("nodes", {})
 
@@ -689,7 +689,7 @@ def _ms(sorted_seconds: list[float], q: float) -> float | None:
 def status_seconds(sock: Path, *flags: str) -> tuple[float, int]:
     """Seconds and bytes of ``rankwatch status --json`` (the CLI, as a user runs it)."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--json", "--agent",
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--json", "--agent",
                           f"unix:{sock}", *flags], capture_output=True, check=True, timeout=60).stdout
     return round(time.perf_counter() - t0, 2), len(out)
 

@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import psutil
@@ -93,9 +92,8 @@ def in_process(endpoint: str, rounds: int, batches: int) -> dict[str, tuple[floa
     setups = {}
     for arm, sample in ARMS.items():
         state = NodeState("n0")
-        agent = SimpleNamespace(config=SimpleNamespace(node_id="n0"), state=state, incidents=IncidentLog(None))
         os.environ.update(_otel_env(sample, endpoint))
-        export = otel.install(agent) if sample is not None else None  # type: ignore[arg-type]
+        export = otel.install("n0", state, IncidentLog(None), gpu=None) if sample is not None else None
         rank = state.hello(pb.Hello(rank=0, world_size=1, pid=os.getpid(), op_names=list(OPS), job_id="bench"))
         setups[arm] = (state, rank, export)
         os.environ.clear()

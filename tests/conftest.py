@@ -35,7 +35,7 @@ class AgentProcess:
     def start(self, timeout: float = 15.0) -> AgentProcess:
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rankwatch.agent.cli.app", "agent", "--listen", str(self.sock),
+                [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--listen", str(self.sock),
                  "--metrics-port", "0", "--metrics-addr", "127.0.0.1", "--node-id", self.node,
                  "--state-dir", str(self.sock.parent / f"state-{self.node}"), *self.extra],
                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env} if self.env else None)

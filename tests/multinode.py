@@ -128,7 +128,7 @@ class Cluster:
         if launcher == "torchrun":
             cmd = [sys.executable, "-m", "torch.distributed.run", *tr]
         else:
-            cmd = [sys.executable, "-m", "rankwatch.agent.cli.app", "run", "--agent", str(agent.addr),
+            cmd = [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr),
                    "--node-id", agent.node, "--", *tr]
         log = open(self.tmp / f"job-n{node}.log", "a")
         job = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT,

@@ -38,7 +38,7 @@ def test_sync_and_checkpoint_need_the_token(tmp_path):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # With the token the request is heard (and refused for a real reason: no ranks).
         assert "no rank is connected" in forward_checkpoint(n0.addr, "ok", "s3cret").message
-        r = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "checkpoint", "--agent",
+        r = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "checkpoint", "--agent",
                             str(n0.addr)], capture_output=True, text=True, timeout=30,
                            env={k: v for k, v in os.environ.items() if k != "RANKWATCH_TOKEN"})
         assert r.returncode == 1 and "needs the job's token" in r.stderr

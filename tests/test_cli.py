@@ -10,7 +10,7 @@ import pytest
 
 from conftest import wait_for
 
-RW = [sys.executable, "-m", "rankwatch.agent.cli.app"]
+RW = [sys.executable, "-m", "rankwatch.agent.cli"]
 
 
 def rw(*args, **kw):

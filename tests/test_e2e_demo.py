@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 def test_demo_runs_and_tells_the_story(tmp_path):
     # Its own default address, so a developer's running agent is not in the way.
     env = {**os.environ, "RANKWATCH_AGENT": str(tmp_path / "demo.sock"), "COLUMNS": "200"}
-    r = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "demo", "--no-live"],
+    r = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "demo", "--no-live"],
                        capture_output=True, text=True, timeout=400, env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]

@@ -51,7 +51,7 @@ def test_sigstopped_worker_named_within_10s(agent_proc, tmp_path):
         # Kept on disk, and readable with diagnose.
         on_disk = IncidentLog.replay(agent_proc.sock.parent / "state-n0" / "incidents.jsonl")
         assert [i.rank for i in on_disk if i.id == inc["id"] and i.kind == "hang"] == [1]
-        out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "diagnose", "--json", "--agent",
+        out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "diagnose", "--json", "--agent",
                               str(agent_proc.addr), inc["id"]], capture_output=True, text=True, timeout=30)
         assert out.returncode == 0 and json.loads(out.stdout)["rank"] == 1
         os.kill(victim["pid"], signal.SIGCONT)

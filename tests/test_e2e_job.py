@@ -42,7 +42,7 @@ def job(tmp_path_factory):
     try:
         ranks = run_job(tmp, "on", agent=agent.addr)
         status = json.loads(subprocess.run(
-            [sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--agent", str(agent.addr), "--json"],
+            [sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr), "--json"],
             capture_output=True, text=True, check=True).stdout)
         metrics = parse_metrics(agent.metrics())
     finally:

@@ -27,7 +27,7 @@ SCRIPT = Path(__file__).parent / "data" / "user_fsdp.py"
 
 
 def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", *args], capture_output=True,
                           text=True, timeout=60, env=env)
 
 
@@ -44,7 +44,7 @@ def test_a_hung_job_ended_by_sigterm_is_diagnosed_after_its_agent_is_gone(tmp_pa
     # `diagnose` and `status` get no --state-dir: they find it by the socket's name.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANKWATCH_STATE_DIR": str(state)}
     run = subprocess.Popen(
-        [sys.executable, "-m", "rankwatch.agent.cli.app", "run", "--agent", str(sock), "--node-id", "n0", "--",
+        [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(sock), "--node-id", "n0", "--",
          "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--steps", "400", "--hang-at", "1:12"],
         env=env, stdout=open(tmp_path / "run.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:

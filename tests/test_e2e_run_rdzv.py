@@ -46,7 +46,7 @@ def run(tmp_path, agent, store, run_id: str, rdzv: str | None) -> tuple[subproce
         env["RANKWATCH_RDZV"] = rdzv
     out = tmp_path / run_id
     r = subprocess.run(
-        [sys.executable, "-m", "rankwatch.agent.cli.app", "run", "--agent", str(agent.addr), "--node-id", "nx", "--",
+        [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr), "--node-id", "nx", "--",
          "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "0", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", run_id, "--rdzv-conf", "is_host=0",
          "-m", "rankwatch.hooks.train", "--steps", "3", "--log-every", "0", "--metrics-out", str(out)],
@@ -80,7 +80,7 @@ def test_designs_multi_node_command_trains_on_a_rendezvous_it_was_not_told(tmp_p
     with Cluster(tmp_path, 2) as c:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [subprocess.Popen(
-            [sys.executable, "-m", "rankwatch.agent.cli.app", "run", "--agent", str(a.addr), "--node-id", a.node, "--",
+            [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(a.addr), "--node-id", a.node, "--",
              "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
              "--rdzv-id", "job1", "-m", "rankwatch.hooks.train", "--steps", "20", "--log-every", "0"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for a in c.agents]

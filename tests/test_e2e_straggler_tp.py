@@ -31,7 +31,7 @@ SHAPES = {"dp1xtp2": (2, 2), "dp2xtp2": (4, 2)}
 
 def _run(agent: AgentProcess, nproc: int, tp: int, *script_args: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "rankwatch.agent.cli.app", "run", "--agent", str(agent.addr), "--node-id", "n0",
+        [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr), "--node-id", "n0",
          "--", "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT), "--tp", str(tp), *script_args],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -25,7 +25,7 @@ STEPS = 40
 
 def _run(agent, tmp_path: Path, *script_args: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "rankwatch.agent.cli.app", "run", "--agent", str(agent.addr), "--node-id", "n0",
+        [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr), "--node-id", "n0",
          "--", "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--steps", str(STEPS), *script_args],
         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -48,7 +48,7 @@ def test_a_users_fsdp2_script(agent_proc, tmp_path):
         for op in ("all_gather", "reduce_scatter"):
             lat = r["op_latency"][op]
             assert lat["count"] >= STEPS and 0 < lat["p50_seconds"] <= lat["p99_seconds"], (op, lat)
-    table = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--agent", str(agent_proc.addr)],
+    table = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent_proc.addr)],
                            capture_output=True, text=True, timeout=60)
     assert "collective latency per rank" in table.stdout and "reduce_scatter" in table.stdout, table.stdout
     m = parse_metrics(agent_proc.metrics())

@@ -64,7 +64,7 @@ def test_xid_79_names_gpu_and_rank_and_training_goes_on(tmp_path):
         assert (d["gpu"], d["xid"], d["action"], d["ranks"], d["source"]) == (1, 79, "reboot", [1], "script")
 
         # The contract view: rankwatch status --json.
-        out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--agent", str(agent.addr),
+        out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr),
                               "--json"], capture_output=True, text=True, timeout=30, check=True).stdout
         faults = {(i["detail"]["reason"], i["detail"]["gpu"], i["rank"]) for i in gpu_faults(json.loads(out))}
         assert ("xid", 1, 1) in faults

@@ -238,7 +238,7 @@ def test_rejection_reasons_are_a_bounded_label_set(agent):
 
 
 def test_status_cli_still_prints(agent):
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--agent", str(agent.addr),
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr),
                           "--json"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["node"] == "n0"
@@ -260,7 +260,7 @@ def test_markup_and_control_characters_never_reach_the_terminal(agent, channel):
     with pytest.raises(grpc.RpcError) as err:
         call(iter([pb.ReportMessage(hello=hello(7, mesh_coords={"\x9b31m": 0}))]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--agent", str(agent.addr)],
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr)],
                          capture_output=True, text=True, timeout=30)
     s.close()
     assert out.returncode == 0, out.stderr

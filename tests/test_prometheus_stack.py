@@ -154,7 +154,7 @@ def send_undecodable(agent: AgentProcess) -> None:
 
 
 def request_checkpoint(agent: AgentProcess) -> None:
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "checkpoint", "--agent", str(agent.addr)],
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "checkpoint", "--agent", str(agent.addr)],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
 

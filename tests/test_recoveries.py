@@ -49,7 +49,7 @@ def recovered(mon: Monitor, started_at: float, rank_after: int, **over) -> None:
 
 
 def cli(addr: Address, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", *args, "--agent", str(addr)],
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", *args, "--agent", str(addr)],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return out.stdout

@@ -27,7 +27,7 @@ from rankwatch.proto import pb
 
 
 def agent_cmd(*extra: str) -> list[str]:
-    return [sys.executable, "-m", "rankwatch.agent.cli.app", "agent", "--metrics-port", "0",
+    return [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--metrics-port", "0",
             "--metrics-addr", "127.0.0.1", "--node-id", "n0", *extra]
 
 
@@ -150,7 +150,7 @@ def test_an_unwritable_state_directory_at_start_is_loud_and_the_agent_serves(tmp
         st = storage(agent)
         assert st["ok"] is False and "Not a directory" in st["last_error"]
         assert "cannot write" in agent.log.read_text()
-        out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--agent", str(agent.addr),
+        out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr),
                               "--json"], capture_output=True, text=True, timeout=30)
         assert json.loads(out.stdout)["storage"]["decisions"]["ok"] is False
     finally:
@@ -176,7 +176,7 @@ def test_a_torn_line_never_makes_the_file_unreadable(tmp_path):
         agent.stop()
     replayed = IncidentLog.replay(path)
     assert [i.step for i in replayed] == [5, 7] and replayed.skipped == 1
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "diagnose", "--json", "--state-dir", str(state)],
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "diagnose", "--json", "--state-dir", str(state)],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and json.loads(out.stdout)["step"] == 7, out.stderr
 
@@ -200,7 +200,7 @@ def test_the_demo_refuses_a_planted_default_directory_too(tmp_path):
     planted = tmp_path / f"rankwatch-{os.getuid()}"
     planted.mkdir()
     planted.chmod(0o755)
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "demo", "--no-live"], env=default_env(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "demo", "--no-live"], env=default_env(tmp_path),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "mode 0755" in out.stdout, out.stdout + out.stderr
     assert list(planted.iterdir()) == []

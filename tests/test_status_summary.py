@@ -53,7 +53,7 @@ def coordinator(tmp_path_factory):
 
 
 def _cli(agent: AgentProcess, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--agent", str(agent.addr),
+    return subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr),
                            *flags], capture_output=True, text=True, timeout=60, check=True)
 
 

@@ -127,18 +127,18 @@ def test_rank_client_and_cli_send_the_token_over_tcp(guarded, tmp_path):
         stranger.close()
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("RANKWATCH_TOKEN")}
-    cmd = [sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--json", "--agent", str(tcp)]
+    cmd = [sys.executable, "-m", "rankwatch.agent.cli", "status", "--json", "--agent", str(tcp)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env)
     assert r.returncode == 1 and "UNAUTHENTICATED" not in r.stdout and "token" in r.stderr, r.stderr
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env={**env, "RANKWATCH_TOKEN": TOKEN})
     assert r.returncode == 0 and '"ranks"' in r.stdout, r.stderr
     (tmp_path / "tok").write_text(TOKEN)
     (tmp_path / "tok").chmod(0o600)
-    r = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "diagnose", "--agent", str(tcp),
+    r = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "diagnose", "--agent", str(tcp),
                         "--token-file", str(tmp_path / "tok")], capture_output=True, text=True,
                        timeout=30, env=env)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "diagnose", "--agent", str(tcp)],
+    r = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "diagnose", "--agent", str(tcp)],
                        capture_output=True, text=True, timeout=30,
                        env={**env, "RANKWATCH_TOKEN_FILE": str(tmp_path / "tok")})
     assert r.returncode == 0, r.stderr

@@ -99,7 +99,7 @@ def test_rank_client_and_cli_over_mutual_tls(job, pki):
     finally:
         client.close()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RANKWATCH_TOKEN", "RANKWATCH_TLS"))}
-    cmd = [sys.executable, "-m", "rankwatch.agent.cli.app", "status", "--json", "--agent", str(coord)]
+    cmd = [sys.executable, "-m", "rankwatch.agent.cli", "status", "--json", "--agent", str(coord)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=30,
                        env={**base, **pki["client"].env(), "RANKWATCH_TOKEN": TOKEN})
     assert r.returncode == 0 and '"node": "n0"' in r.stdout, r.stderr
@@ -112,7 +112,7 @@ def test_rank_client_and_cli_over_mutual_tls(job, pki):
 
 def test_agent_refuses_incomplete_tls_flags(tmp_path, pki):
     c = pki["n0"]
-    r = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "agent", "--listen", str(tmp_path / "a.sock"),
+    r = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "agent", "--listen", str(tmp_path / "a.sock"),
                         "--tls-cert", str(c.cert), "--tls-key", str(c.key)],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "--tls-ca" in r.stderr, r.stderr

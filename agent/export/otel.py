@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import importlib
 import logging
-import math
 import os
 import socket
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from rankwatch import __version__
-from rankwatch.agent.export.spans import SHUTDOWN_TIMEOUT, SpanExport, TraceIds, flush_within, step_trace_id
+from rankwatch.agent.export.spans import (
+    SHUTDOWN_TIMEOUT, STEP_SAMPLE_ENV, SpanExport, StepSampling, TraceIds, flush_within, step_trace_id,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
     from rankwatch.agent.gpu import GpuMonitor
     from rankwatch.agent.gpu.base import GpuReading
-    from rankwatch.agent.server import Agent
+    from rankwatch.agent.durable.incidents import IncidentLog
+    from rankwatch.agent.node.intake import NodeState
 
 __all__ = [
     "STEP_SAMPLE_ENV", "ExporterUnavailable", "OtelExport", "SpanExport", "StepSampling", "exporters",
@@ -47,7 +48,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-STEP_SAMPLE_ENV = "RANKWATCH_OTEL_STEP_SAMPLE"
 DEFAULT_SERVICE_NAME = "rankwatch-agent"
 
 
@@ -56,56 +56,6 @@ class ExporterUnavailable(RuntimeError):
 
 
 # -- configuration --------------------------------------------------------------------------
-
-@dataclass(frozen=True, kw_only=True)
-class StepSampling:
-    """Which completed steps become spans: ``every=N,slower=K`` in ``RANKWATCH_OTEL_STEP_SAMPLE``."""
-
-    every: int = 100
-    """Every step whose number is a multiple of this, on every rank (0: none)."""
-    slower: float = 2.0
-    """Every step longer than this many times the rank's median step time (0: none)."""
-
-    def __post_init__(self) -> None:
-        if self.every < 0:
-            raise ValueError(f"{STEP_SAMPLE_ENV}: every={self.every} must be >= 0")
-        if not (self.slower == 0 or (math.isfinite(self.slower) and self.slower >= 1)):
-            raise ValueError(f"{STEP_SAMPLE_ENV}: slower={self.slower} must be 0 or >= 1")
-
-    @classmethod
-    def parse(cls, text: str) -> StepSampling:
-        """``"every=100,slower=2"``; either key may be left out (its default holds).
-
-        Raises:
-            ValueError: an unknown key or a bad number, naming the variable.
-        """
-        fields: dict[str, Any] = {}
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            key, _, value = item.partition("=")
-            try:
-                fields[key.strip()] = {"every": int, "slower": float}[key.strip()](value)
-            except KeyError:
-                raise ValueError(f"{STEP_SAMPLE_ENV}: unknown key {key!r} (every, slower)") from None
-            except ValueError:
-                raise ValueError(f"{STEP_SAMPLE_ENV}: {item!r} is not a number") from None
-        return cls(**fields)
-
-    def pick(self, steps: Sequence[int], durations: Sequence[float], median: float) -> list[tuple[int, bool]]:
-        """``(index, slow)`` of each sampled step of one batch.
-
-        Plain Python, not numpy: a batch holds a handful of steps, where numpy's per-call
-        overhead would be most of the cost.
-
-        Args:
-            steps: step numbers.
-            durations: wall seconds of those steps.
-            median: the rank's median step time; 0 when there is too little history.
-        """
-        every = self.every
-        limit = self.slower * median if self.slower and median > 0 else math.inf
-        return [(i, d > limit) for i, (n, d) in enumerate(zip(steps, durations))
-                if d > limit or (every and n % every == 0)]
-
 
 # signal -> (its exporter variable, OTLP module and class, console module and class)
 _SIGNALS = {
@@ -177,8 +127,10 @@ class OtelExport:
             flush_within(self.metrics.shutdown, timeout, "the last GPU metrics")
 
 
-def install(agent: Agent) -> OtelExport | None:
-    """Export the agent's spans and GPU metrics as the ``OTEL_*`` variables ask.
+def install(node_id: str, state: NodeState, incidents: IncidentLog,
+            gpu: GpuMonitor | None) -> OtelExport | None:
+    """Export the node's spans (its ranks' steps, its incidents) and GPU metrics as the
+    ``OTEL_*`` variables ask.
 
     Never raises: when they ask for nothing, or an exporter cannot be built, this logs one
     line and the agent runs on without that signal (None: without OpenTelemetry at all).
@@ -187,13 +139,12 @@ def install(agent: Agent) -> OtelExport | None:
     problems = []
     try:
         if span_exporters := exporters("traces"):
-            spans = SpanExport(_tracer_provider(agent.config.node_id, span_exporters), agent.state,
-                               agent.incidents, _sampling())
+            spans = SpanExport(_tracer_provider(node_id, span_exporters), state, incidents, _sampling())
     except Exception as exc:  # noqa: BLE001 - the agent runs on without spans
         problems.append(f"spans: {exc}")
     try:
         if metric_exporters := exporters("metrics"):
-            metrics = _meter_provider(agent, metric_exporters)
+            metrics = _meter_provider(node_id, gpu, metric_exporters)
     except Exception as exc:  # noqa: BLE001 - the agent runs on without metrics
         problems.append(f"GPU metrics: {exc}")
     if problems:
@@ -229,13 +180,14 @@ def _tracer_provider(node_id: str, chosen: list[SpanExporter]) -> TracerProvider
     return provider
 
 
-def _meter_provider(agent: Agent, chosen: list[Any]) -> MeterProvider:
+def _meter_provider(node_id: str, gpu: GpuMonitor | None, chosen: list[Any]) -> MeterProvider:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
     provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(e) for e in chosen],
-                             resource=_resource(agent.config.node_id), shutdown_on_exit=False)
-    gpu_instruments(provider.get_meter("rankwatch.agent", __version__), agent.gpu)
+                             resource=_resource(node_id), shutdown_on_exit=False)
+    if gpu is not None:
+        gpu_instruments(provider.get_meter("rankwatch.agent", __version__), gpu)
     return provider
 
 

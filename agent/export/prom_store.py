@@ -1,44 +1,35 @@
-"""The agent's durable files in /metrics and ``status``: writes that failed, what waits.
+"""The agent's durable files in /metrics: writes that failed, what waits, what was lost.
 
-An incident or decision that could not be written (a full disk, an unwritable or
-hijacked path) waits in its writer's spool (:class:`rankwatch.agent.durable.jsonl.Writer`) and is
-retried; these series and ``status --json``'s ``storage`` make that visible.
+Reads :func:`~rankwatch.agent.durable.storage.storage_report`, the same report
+``status --json``'s ``storage`` shows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from rankwatch.proto import pb
+from rankwatch.agent.durable.storage import storage_report
 
-__all__ = ["StorageCollector", "fill_status", "storage"]
+if TYPE_CHECKING:
+    from rankwatch.agent.durable.incidents import IncidentLog
+    from rankwatch.agent.job.decisions import DecisionLog
 
-
-def storage(agent: Any) -> dict[str, Any]:
-    """``{file name: (writer, records the run's bound kept out)}`` of an agent's logs with a file."""
-    out = {}
-    for name, log in (("incidents", agent.incidents), ("decisions", agent.decision_log)):
-        if getattr(log, "writer", None) is not None:
-            out[name] = (log.writer, getattr(log, "file_dropped", 0))
-    return out
-
-
-def fill_status(resp: pb.StatusResponse, agent: Any) -> None:
-    for name, (w, bound) in storage(agent).items():
-        resp.storage[name].CopyFrom(pb.StorageStatus(
-            path=str(w.path), ok=not w.last_error, written=w.written, spooled=w.spooled,
-            failures=w.failures, dropped=w.dropped + bound, last_error=w.last_error))
+__all__ = ["StorageCollector"]
 
 
 class StorageCollector:
-    def __init__(self, agent: Any) -> None:
-        self._agent = agent
+    """The ``rankwatch_state_*`` series and ``rankwatch_incidents_evicted`` of one node's logs."""
+
+    def __init__(self, node_id: str, incidents: IncidentLog, decisions: DecisionLog) -> None:
+        self._node = node_id
+        self._incidents = incidents
+        self._decisions = decisions
 
     def collect(self) -> Iterable[Metric]:
-        node = self._agent.config.node_id
+        node = self._node
         ok = GaugeMetricFamily("rankwatch_state_writable", "1 while the agent's last write of the file "
                                "succeeded.", labels=["node", "file"])
         spooled = GaugeMetricFamily("rankwatch_state_spooled_records", "Records waiting in memory for "
@@ -49,13 +40,13 @@ class StorageCollector:
         dropped = CounterMetricFamily("rankwatch_state_records_dropped", "Records never written: the "
                                       "spool was full (spool_full) or the run's bound was reached "
                                       "(run_bound).", labels=["node", "file", "reason"])
-        for name, (w, bound) in storage(self._agent).items():
-            ok.add_metric([node, name], 0.0 if w.last_error else 1.0)
-            spooled.add_metric([node, name], w.spooled)
-            failures.add_metric([node, name], w.failures)
-            dropped.add_metric([node, name, "spool_full"], w.dropped)
-            dropped.add_metric([node, name, "run_bound"], bound)
+        for name, h in storage_report(self._incidents, self._decisions).items():
+            ok.add_metric([node, name], 1.0 if h.ok else 0.0)
+            spooled.add_metric([node, name], h.spooled)
+            failures.add_metric([node, name], h.failures)
+            dropped.add_metric([node, name, "spool_full"], h.spool_dropped)
+            dropped.add_metric([node, name, "run_bound"], h.bound_dropped)
         evicted = CounterMetricFamily("rankwatch_incidents_evicted", "Incidents let go from the agent's "
                                       "memory by its bounds (the file keeps them).", labels=["node"])
-        evicted.add_metric([node], getattr(self._agent.incidents, "dropped", 0))
+        evicted.add_metric([node], getattr(self._incidents, "dropped", 0))
         yield from (ok, spooled, failures, dropped, evicted)

@@ -12,7 +12,8 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -22,12 +23,11 @@ from rankwatch.agent.node import recoveries
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from rankwatch.agent.export.otel import StepSampling
     from rankwatch.agent.durable.incidents import Incident, IncidentLog
     from rankwatch.agent.node.intake import NodeState, RankState
     from rankwatch.proto import pb
 
-__all__ = ["SHUTDOWN_TIMEOUT", "SpanExport", "TraceIds", "flush_within", "rank_attributes", "step_trace_id"]
+__all__ = ["SHUTDOWN_TIMEOUT", "STEP_SAMPLE_ENV", "SpanExport", "StepSampling", "TraceIds", "flush_within", "rank_attributes", "step_trace_id"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,59 @@ def flush_within(call: Callable[[], Any], timeout: timedelta, what: str) -> None
     flush.join(timeout.total_seconds())
     if flush.is_alive():
         log.warning("OpenTelemetry: the collector did not take %s within %s; they are lost", what, timeout)
+
+
+STEP_SAMPLE_ENV = "RANKWATCH_OTEL_STEP_SAMPLE"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSampling:
+    """Which completed steps become spans: ``every=N,slower=K`` in ``RANKWATCH_OTEL_STEP_SAMPLE``."""
+
+    every: int = 100
+    """Every step whose number is a multiple of this, on every rank (0: none)."""
+    slower: float = 2.0
+    """Every step longer than this many times the rank's median step time (0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"{STEP_SAMPLE_ENV}: every={self.every} must be >= 0")
+        if not (self.slower == 0 or (math.isfinite(self.slower) and self.slower >= 1)):
+            raise ValueError(f"{STEP_SAMPLE_ENV}: slower={self.slower} must be 0 or >= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> StepSampling:
+        """``"every=100,slower=2"``; either key may be left out (its default holds).
+
+        Raises:
+            ValueError: an unknown key or a bad number, naming the variable.
+        """
+        fields: dict[str, Any] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, _, value = item.partition("=")
+            try:
+                fields[key.strip()] = {"every": int, "slower": float}[key.strip()](value)
+            except KeyError:
+                raise ValueError(f"{STEP_SAMPLE_ENV}: unknown key {key!r} (every, slower)") from None
+            except ValueError:
+                raise ValueError(f"{STEP_SAMPLE_ENV}: {item!r} is not a number") from None
+        return cls(**fields)
+
+    def pick(self, steps: Sequence[int], durations: Sequence[float], median: float) -> list[tuple[int, bool]]:
+        """``(index, slow)`` of each sampled step of one batch.
+
+        Plain Python, not numpy: a batch holds a handful of steps, where numpy's per-call
+        overhead would be most of the cost.
+
+        Args:
+            steps: step numbers.
+            durations: wall seconds of those steps.
+            median: the rank's median step time; 0 when there is too little history.
+        """
+        every = self.every
+        limit = self.slower * median if self.slower and median > 0 else math.inf
+        return [(i, d > limit) for i, (n, d) in enumerate(zip(steps, durations))
+                if d > limit or (every and n % every == 0)]
 
 
 class TraceIds:

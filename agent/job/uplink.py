@@ -14,6 +14,8 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -28,10 +30,13 @@ from rankwatch.agent.job.relay import node_reply
 from rankwatch.proto import pb, pb_grpc
 
 if TYPE_CHECKING:
+    from rankwatch.agent.config import AgentConfig
+    from rankwatch.agent.job.coordinator import Coordinator
+    from rankwatch.agent.job.decisions import DecisionLog
     from rankwatch.agent.job.election import Election
-    from rankwatch.agent.server import Agent
+    from rankwatch.agent.job.relay import Relay
 
-__all__ = ["JobLink", "forward_checkpoint", "summary_incidents"]
+__all__ = ["JobLink", "LinkParts", "forward_checkpoint", "summary_incidents"]
 
 log = logging.getLogger(__name__)
 
@@ -43,23 +48,46 @@ _MAX_CHANNELS = 16   # open channels to coordinator candidates and relays
 _MAX_INTERVAL = LoadConfig.max_interval   # the slowest sync a coordinator may ask for
 
 
+@dataclass(frozen=True, kw_only=True)
+class LinkParts:
+    """What the link reads from its node, and where the coordinator's reply goes."""
+
+    config: AgentConfig
+    """The node's id, addresses, credentials and the job's policy, relay and size."""
+    decision_log: DecisionLog
+    """The job's decisions: the coordinator's are adopted here."""
+    coordinator: Coordinator
+    """This agent's own coordinator, which takes the node's summary while it coordinates."""
+    summary: Callable[[int], pb.NodeSummary]
+    """This node's summary, numbered."""
+    relay: Callable[[], Relay | None]
+    """This agent as a relay for its group (None until it serves TCP, or never)."""
+    on_checkpoint: Callable[[Decision], None]
+    on_exclusion: Callable[[Decision], None]
+    on_job_incident: Callable[[str, pb.Incident], None]
+
+    def serves(self, addr: Address) -> bool:
+        """Whether ``addr`` is one of this agent's own listening addresses."""
+        return any(str(addr) == str(mine) for mine in self.config.listen)
+
+
 class JobLink:
     """Args:
-        agent: this node's agent.
+        node: what the link reads from this node and hands the replies to.
         candidates: coordinator agents in node-rank order (may include this agent).
         interval: seconds between summaries.
     """
 
-    def __init__(self, agent: Agent, candidates: list[Address], interval: float = 0.25,
+    def __init__(self, node: LinkParts, candidates: list[Address], interval: float = 0.25,
                  elected: bool = False) -> None:
-        self.agent = agent
+        self.node = node
         self.candidates = candidates
         self.elected = elected
         self.election: Election | None = None
         """Set before :meth:`start` when ``elected`` (it needs the agent's bound port)."""
         self.base_interval = self.interval = interval
         self.acting = not candidates and not elected
-        self.coordinator_node = agent.config.node_id if self.acting else ""
+        self.coordinator_node = node.config.node_id if self.acting else ""
         self.coordinator_addr: Address | None = None
         self.relay_addr: Address | None = None
         """The relay the coordinator told this node to sync through (None: the coordinator)."""
@@ -105,18 +133,18 @@ class JobLink:
     @property
     def generation(self) -> int:
         """The job's restart generation as far as this node knows."""
-        return self.agent.decision_log.generation
+        return self.node.decision_log.generation
 
     def coordinated(self, now: float) -> bool:
         """True while another agent coordinates this node and answers."""
-        timeout = silence_allowance(self.interval, self.agent.config.policy.node_timeout_seconds, LoadConfig())
+        timeout = silence_allowance(self.interval, self.node.config.policy.node_timeout_seconds, LoadConfig())
         return not self.acting and now - self.last_ok < timeout
 
     # -- the loop ---------------------------------------------------------------
     def _loop(self) -> None:
         first = self.candidates[0] if self.candidates else None
-        coordinates = self.acting or (first is not None and self.agent.serves(first))
-        nodes = max(self.agent.config.job_nodes, self.agent.config.policy.min_nodes)
+        coordinates = self.acting or (first is not None and self.node.serves(first))
+        nodes = max(self.node.config.job_nodes, self.node.config.policy.min_nodes)
         if self._stop.wait(first_sync_delay(random.random(), coordinates, LoadConfig(), nodes)):
             return
         while True:
@@ -136,7 +164,7 @@ class JobLink:
         Backing off a busy coordinator, a new one elected meanwhile is tried at the next
         interval, not after the backoff."""
         cfg = LoadConfig()
-        allowance = silence_allowance(self.interval, self.agent.config.policy.node_timeout_seconds, cfg)
+        allowance = silence_allowance(self.interval, self.node.config.policy.node_timeout_seconds, cfg)
         delay = retry_delay(self.busy_failures, self.interval, random.random(), cfg, allowance, took)
         if delay <= self.interval:
             return self._stop.wait(delay)
@@ -167,8 +195,8 @@ class JobLink:
     def sync_once(self) -> None:
         """Send this node's summary: through its group's relay if the coordinator named one,
         else to the coordinator; as a relay, with the summaries its group sent meanwhile."""
-        summary = self.agent.summary(self._next_seq())
-        relay = self.agent.relay
+        summary = self.node.summary(self._next_seq())
+        relay = self.node.relay()
         group = relay.group(summary) if relay is not None and relay.pending() else None
         candidates = self._tried = self._candidates()
         busy = False   # a candidate answered busy (not that it was unreachable)
@@ -177,11 +205,11 @@ class JobLink:
                 return
             self.relay_addr = None   # the relay failed: the coordinator, at once
         for addr in candidates:
-            if addr is None or (self.election is None and self.agent.serves(addr)):
+            if addr is None or (self.election is None and self.node.serves(addr)):
                 if group is None:
-                    reply = self.agent.coordinator.sync(summary)
+                    reply = self.node.coordinator.sync(summary)
                 else:
-                    reply = self._own_reply(self.agent.coordinator.sync_group(group), summary.node_id)
+                    reply = self._own_reply(self.node.coordinator.sync_group(group), summary.node_id)
                 self._took_role(True, addr)
             else:
                 stub = pb_grpc.AgentStub(self._channel(addr))
@@ -224,7 +252,7 @@ class JobLink:
             reply = pb_grpc.AgentStub(self._channel(addr)).Sync(summary, timeout=_RPC_TIMEOUT)
         except grpc.RpcError as exc:
             if (exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                    and time.time() - self.last_ok < self.agent.config.relay.busy_hold_seconds):
+                    and time.time() - self.last_ok < self.node.config.relay.busy_hold_seconds):
                 self._busy = True
                 if not self._held:
                     log.info("relay %s holds this node's summaries while the coordinator is busy: "
@@ -254,7 +282,7 @@ class JobLink:
             log.warning("this agent %s the job's coordinator", "is now" if acting else "is no longer")
             if acting and self.election is not None:   # go on from the job's log in etcd
                 try:
-                    taken = self.agent.decision_log.adopt(self.election.decisions.load())
+                    taken = self.node.decision_log.adopt(self.election.decisions.load())
                     log.info("took over %d decision(s) from the job's log in etcd", len(taken))
                 except Exception as exc:  # noqa: BLE001 - the nodes' summaries carry them too
                     log.warning("could not read the job's decision log in etcd: %s", exc)
@@ -269,8 +297,8 @@ class JobLink:
         except ValueError:
             self._warn_once(f"the coordinator named relay {named[:256]!r}, not an address")
             return None
-        relay = self.agent.relay
-        if addr.is_unix or self.agent.serves(addr) or (relay is not None and relay.address == named):
+        relay = self.node.relay()
+        if addr.is_unix or self.node.serves(addr) or (relay is not None and relay.address == named):
             return None
         return addr
 
@@ -284,7 +312,7 @@ class JobLink:
             if len(self._channels) >= _MAX_CHANNELS:   # relays come and go: keep a bounded few
                 stale = next(iter(self._channels))
                 self._channels.pop(stale).close()
-            self._channels[key] = open_channel(addr, self.agent.config.client_credentials())
+            self._channels[key] = open_channel(addr, self.node.config.client_credentials())
         return self._channels[key]
 
     # -- applying the coordinator's reply ---------------------------------------
@@ -300,18 +328,18 @@ class JobLink:
                 log.info("the coordinator asks for a sync every %.2fs", interval)
                 self.interval = interval
         decisions = [Decision.from_pb(d) for d in reply.decisions]
-        self.agent.decision_log.adopt(decisions)
+        self.node.decision_log.adopt(decisions)
         for d in decisions:
             if d.id in self._applied:
                 continue
             self._applied.add(d.id)
             if d.kind == "checkpoint":
-                self.agent.commands.publish_checkpoint(d)
+                self.node.on_checkpoint(d)
             elif d.kind == "exclude":
-                self.agent.on_exclusion(d)
+                self.node.on_exclusion(d)
         if not self.acting:
             for inc in reply.incidents:
-                self.agent.on_job_incident(reply.coordinator, inc)
+                self.node.on_job_incident(reply.coordinator, inc)
 
 
 def forward_checkpoint(addr: Address, reason: str,

@@ -35,11 +35,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from rankwatch.agent.rpc.auth import authorized
 from rankwatch.agent.rpc.limits import StreamLimits, is_local_peer, peer_host
@@ -55,7 +54,7 @@ _CAPACITY = ("streams_total", "waiting", "no_request", "expired")   # refusals f
 
 
 class Gate(grpc.ServerInterceptor):
-    """Checks credentials and stream caps for every call; also a Prometheus collector.
+    """Checks credentials and stream caps for every call (its series: :mod:`..export.prom_gate`).
 
     Args:
         token: the job's bearer token (None: TCP calls need none).
@@ -292,23 +291,10 @@ class Gate(grpc.ServerInterceptor):
         with self._lock:
             return self._open
 
-    def collect(self) -> Iterable[Metric]:
+    def refusals(self) -> dict[str, int]:
+        """Calls refused so far, by reason (the ``rankwatch_rpcs_refused`` series read it)."""
         with self._lock:
-            refused = dict(self.refused)
-            streams = self._open
-        c = CounterMetricFamily("rankwatch_rpcs_refused", "Calls the agent refused at its door, by reason "
-                                "(unauthenticated, streams_total, streams_per_peer, no_hello, waiting, no_request, expired)",
-                                labels=["node", "reason"])
-        for reason, n in sorted(refused.items()):
-            c.add_metric([self.node, reason], n)
-        yield c
-        g = GaugeMetricFamily("rankwatch_streams_open", "Report and Commands streams being served",
-                              labels=["node"])
-        g.add_metric([self.node], streams)
-        yield g
-        cap = GaugeMetricFamily("rankwatch_streams_limit", "Streams served at once, at most", labels=["node"])
-        cap.add_metric([self.node], self.limits.total)
-        yield cap
+            return dict(self.refused)
 
 
 def _kind(handler: Any) -> str:

@@ -14,21 +14,29 @@ counted and logged by the agent before gRPC refuses it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 
-from rankwatch.agent.views import answer as views
-from rankwatch.agent.rpc.auth import authorized
 from rankwatch.agent.job.relay import RelayBusy, RelayUnavailable
 from rankwatch.agent.node.intake import Rejected
+from rankwatch.agent.rpc.auth import authorized
 from rankwatch.agent.wire.ranges import clean_text
 from rankwatch.proto import pb
 
 if TYPE_CHECKING:
-    from rankwatch.agent.server import Agent
+    from rankwatch.agent.durable.incidents import IncidentLog
+    from rankwatch.agent.job.coordinator import Coordinator
+    from rankwatch.agent.job.decisions import DecisionLog
+    from rankwatch.agent.job.relay import Relay
+    from rankwatch.agent.node.checkpoints import NodeCheckpoints
+    from rankwatch.agent.node.intake import NodeState, RankState
+    from rankwatch.agent.node.sweep import NodeWatch
+    from rankwatch.agent.rpc.command_stream import CommandHub
+    from rankwatch.agent.rpc.identity import RankStreams
 
-__all__ = ["SERVICE", "Servicer"]
+__all__ = ["SERVICE", "ServiceParts", "Servicer"]
 
 SERVICE = "rankwatch.v1.Agent"
 
@@ -38,11 +46,40 @@ _CODES = {"duplicate_rank": grpc.StatusCode.ALREADY_EXISTS, "pid_not_peer": grpc
 R = TypeVar("R")
 
 
-class Servicer:
-    """The RPCs of ``rankwatch.v1.Agent`` for one :class:`Agent`."""
+@dataclass(frozen=True, kw_only=True)
+class ServiceParts:
+    """The parts of a node agent its RPCs hand over to: each owns one call's concern."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    node_id: str
+    token: str | None
+    """The job's token: the calls that move the job need it, on the socket too."""
+    state: NodeState
+    """A rank's batches go here (``Report``), and every refusal is counted here."""
+    incidents: IncidentLog
+    decision_log: DecisionLog
+    """Both carry the job's run id, which a rank's hello names."""
+    rank_streams: RankStreams
+    """Which stream may speak for a rank id."""
+    peer_cred: Any
+    """Who presented a nonce on a credentials socket (``RankStreams.admit`` asks)."""
+    watch: NodeWatch
+    """Told of a stream that broke without a goodbye."""
+    checkpoints: NodeCheckpoints
+    commands: CommandHub
+    on_recoveries: Callable[[RankState, Any], None]
+    status: Callable[[pb.StatusRequest], pb.StatusResponse]
+    checkpoint: Callable[[str], pb.CheckpointReply]
+    coordinator: Coordinator
+    coordinates: Callable[[], bool]
+    """Whether this agent coordinates the job now (else a summary is relayed)."""
+    relay: Callable[[], Relay | None]
+
+
+class Servicer:
+    """The RPCs of ``rankwatch.v1.Agent`` over one node agent's parts."""
+
+    def __init__(self, parts: ServiceParts) -> None:
+        self.parts = parts
 
     def handlers(self) -> grpc.GenericRpcHandler:
         # (method, gRPC kind, handler, request type, response type)
@@ -64,14 +101,14 @@ class Servicer:
             try:
                 return cls.FromString(data)
             except Exception as exc:
-                self.agent.state.note_rejected(Rejected("undecodable", f"{cls.__name__}: {exc}"))
+                self.parts.state.note_rejected(Rejected("undecodable", f"{cls.__name__}: {exc}"))
                 raise
         return decode
 
     # -- a rank's stream -----------------------------------------------------------
     def report(self, requests: Iterator[pb.ReportMessage], context: grpc.ServicerContext) -> pb.ReportSummary:
-        agent = self.agent
-        st = agent.state
+        parts = self.parts
+        st = parts.state
         rank = None
         accepted = rejected = 0
         said_goodbye = False
@@ -83,11 +120,11 @@ class Servicer:
                     if body != "hello":
                         self._refuse(context, Rejected("no_hello", f"stream opened with {body!r}"))
                     try:
-                        rank = agent.rank_streams.admit(st, msg.hello, context, agent.peer_cred)
+                        rank = parts.rank_streams.admit(st, msg.hello, context, parts.peer_cred)
                     except Rejected as exc:
                         self._refuse(context, exc)
                     if rank.job_id:  # the job's run id, on every incident and decision
-                        agent.incidents.run_id = agent.decision_log.run_id = rank.job_id
+                        parts.incidents.run_id = parts.decision_log.run_id = rank.job_id
                     continue
                 if body == "goodbye":
                     said_goodbye = True
@@ -99,9 +136,9 @@ class Servicer:
                     st.ingest(rank, batch)
                     accepted += 1
                     if batch.checkpoints:
-                        agent.checkpoints.recorded(rank, batch.checkpoints)
+                        parts.checkpoints.recorded(rank, batch.checkpoints)
                     if batch.recoveries:
-                        agent.on_recoveries(rank, batch.recoveries)
+                        parts.on_recoveries(rank, batch.recoveries)
                 except Rejected as exc:
                     st.note_rejected(exc)
                     rejected += 1
@@ -111,43 +148,43 @@ class Servicer:
             # Only a rank's goodbye makes its end clean: a rank whose process died can end
             # the stream as a close does (the iteration just stops), not only as an error.
             if rank is not None:
-                agent.rank_streams.release(rank.rank, context)
+                parts.rank_streams.release(rank.rank, context)
                 st.goodbye(rank, said_goodbye)
                 if not said_goodbye:
-                    agent.watch.stream_broke(rank, error)
+                    parts.watch.stream_broke(rank, error)
         return pb.ReportSummary(batches_accepted=accepted, batches_rejected=rejected)
 
     def commands(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> Iterator[pb.Command]:
-        ranks = self.agent.state.ranks
+        ranks = self.parts.state.ranks
 
         def step() -> int:
             r = ranks.get(request.rank)
             return r.step if r is not None else -1
-        yield from self.agent.commands.stream(request.rank, context, step)
+        yield from self.parts.commands.stream(request.rank, context, step)
 
     # -- control calls ------------------------------------------------------------
     def status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        return views.status_response(self.agent, request)
+        return self.parts.status(request)
 
     def sync(self, request: pb.NodeSummary, context: grpc.ServicerContext) -> pb.SyncReply:
         """The coordinator takes the summary; any other agent relays it for its group."""
-        agent = self.agent
+        parts = self.parts
         self._authorize(context, "Sync")
         try:
-            if agent.is_coordinator():
-                return _timed(context, agent.coordinator, agent.coordinator.sync(request))
-            relay = agent.relay
+            if parts.coordinates():
+                return _timed(context, parts.coordinator, parts.coordinator.sync(request))
+            relay = parts.relay()
             if relay is None:   # an agent alone, or one without a TCP address
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"{agent.config.node_id} is not the job's coordinator")
+                              f"{parts.node_id} is not the job's coordinator")
                 raise AssertionError("context.abort raises")
             return relay.take(request)
         except RelayBusy as exc:   # held: the node backs off and stays behind this relay
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{agent.config.node_id}: {exc}")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{parts.node_id}: {exc}")
             raise  # context.abort raised already
         except RelayUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"{agent.config.node_id} is not the job's coordinator, and cannot relay: {exc}")
+                          f"{parts.node_id} is not the job's coordinator, and cannot relay: {exc}")
             raise  # context.abort raised already
         except ValueError as exc:
             self._summary_refused(exc)
@@ -156,36 +193,36 @@ class Servicer:
 
     def sync_group(self, request: pb.GroupSummary, context: grpc.ServicerContext) -> pb.GroupReply:
         """A relay's summaries: the coordinator takes each; a bad one is refused alone."""
-        agent = self.agent
+        parts = self.parts
         self._authorize(context, "SyncGroup")
-        if not agent.is_coordinator():
+        if not parts.coordinates():
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"{agent.config.node_id} is not the job's coordinator")
+                          f"{parts.node_id} is not the job's coordinator")
         try:
-            return _timed(context, agent.coordinator, agent.coordinator.sync_group(request, self._summary_refused))
+            return _timed(context, parts.coordinator, parts.coordinator.sync_group(request, self._summary_refused))
         except ValueError as exc:
             self._summary_refused(exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise
 
     def _summary_refused(self, exc: ValueError) -> None:
-        self.agent.state.note_rejected(exc if isinstance(exc, Rejected) else Rejected("malformed", f"summary: {exc}"))
+        self.parts.state.note_rejected(exc if isinstance(exc, Rejected) else Rejected("malformed", f"summary: {exc}"))
 
     def request_checkpoint(self, request: pb.CheckpointRequest,
                            context: grpc.ServicerContext) -> pb.CheckpointReply:
         self._authorize(context, "RequestCheckpoint")
-        return self.agent.checkpoint(clean_text(request.reason, 256) or "operator")
+        return self.parts.checkpoint(clean_text(request.reason, 256) or "operator")
 
     # -- refusals -------------------------------------------------------------------
     def _refuse(self, context: grpc.ServicerContext, exc: Rejected) -> NoReturn:
-        self.agent.state.note_rejected(exc)
+        self.parts.state.note_rejected(exc)
         context.abort(_CODES.get(exc.reason, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
         raise AssertionError("context.abort raises")  # for the type checker: abort never returns
 
     def _authorize(self, context: grpc.ServicerContext, what: str) -> None:
         """The job's token, on the socket too, for the calls that move the job."""
-        if not authorized(context, self.agent.config.token):
-            self.agent.state.note_rejected(Rejected("unauthenticated", f"{what} from {context.peer()}"))
+        if not authorized(context, self.parts.token):
+            self.parts.state.note_rejected(Rejected("unauthenticated", f"{what} from {context.peer()}"))
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{what} needs the job's token")
 
 

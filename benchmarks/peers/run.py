@@ -98,7 +98,7 @@ class Run:
         port = free_port()
         for i in range(MEMBERS):
             if self.system == "rankwatch":
-                cmd = [PY, "-m", "rankwatch.agent.cli.app", "run", "--agent", f"unix:{self.dir}/n{i}.sock",
+                cmd = [PY, "-m", "rankwatch.agent.cli", "run", "--agent", f"unix:{self.dir}/n{i}.sock",
                        "--node-id", f"n{i}", "--", *self.c10d(i, port, "2:3"), "mlp_rankwatch.py"]
                 self.spawn(str(i), cmd)
             elif self.system == "torchft" and self.variant != "off":
