@@ -96,6 +96,26 @@ def test_with_the_token_every_tcp_rpc_is_served(guarded):
     assert codes == dict.fromkeys(codes, grpc.StatusCode.OK), codes
 
 
+@pytest.mark.parametrize("headers", [
+    ("Bearer bad", f"Bearer {TOKEN}"),      # the last value would win in a dict
+    (f"Bearer {TOKEN}", "Bearer bad"),      # the first would win elsewhere
+    (f"Bearer {TOKEN}", f"Bearer {TOKEN}"),  # even twice the same: a call carries one credential
+])
+def test_a_call_that_carries_the_header_more_than_once_is_refused(guarded, headers):
+    agent, tcp = guarded
+    meta = tuple(("authorization", h) for h in headers)
+    with grpc.insecure_channel(str(tcp)) as ch:
+        stub = pb_grpc.AgentStub(ch)
+        for call in (lambda: stub.Status(pb.StatusRequest(), timeout=5, metadata=meta),
+                     lambda: stub.RequestCheckpoint(pb.CheckpointRequest(reason="t"), timeout=5, metadata=meta)):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+        # The same channel with the header once is served: the refusal was the repetition.
+        assert stub.Status(pb.StatusRequest(), timeout=5,
+                           metadata=(("authorization", f"Bearer {TOKEN}"),)).node_id == "n0"
+
+
 def test_the_unix_socket_asks_no_token_of_ranks_and_status(guarded):
     agent, _ = guarded
     with open_channel(agent.addr) as ch:

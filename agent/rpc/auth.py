@@ -39,7 +39,15 @@ def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def authorized(context: grpc.ServicerContext, token: str | None) -> bool:
+    """Whether the call carries ``authorization: Bearer <token>``, once.
+
+    A call that carries the header more than once is refused whatever its values: which
+    one "wins" differs between readers of the metadata (a dict keeps the last), and a
+    proxy or client may add one of its own; one credential per call leaves nothing to choose.
+    """
     if token is None:
         return True
-    given = dict(context.invocation_metadata()).get(_HEADER, "")
-    return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+    given = [value for key, value in context.invocation_metadata() if key.lower() == _HEADER]
+    if len(given) != 1 or not isinstance(given[0], str):
+        return False
+    return hmac.compare_digest(given[0].encode(), f"Bearer {token}".encode())
