@@ -34,7 +34,7 @@ from rankwatch.agent.export.prom_host import HostCollector
 from rankwatch.agent.job import goodput
 from rankwatch.agent.views import answer as views
 from rankwatch.agent.export.prom_store import StorageCollector
-from rankwatch.agent.export.prom_gate import GateCollector
+from rankwatch.agent.export.prom_refusals import GateCollector
 from rankwatch.agent.durable.storage import storage_report
 from rankwatch.agent.job.known import JobKnowledge
 from rankwatch.agent.durable.statedir import Snapshots, write_pointer

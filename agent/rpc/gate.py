@@ -54,7 +54,7 @@ _CAPACITY = ("streams_total", "waiting", "no_request", "expired")   # refusals f
 
 
 class Gate(grpc.ServerInterceptor):
-    """Checks credentials and stream caps for every call (its series: :mod:`..export.prom_gate`).
+    """Checks credentials and stream caps for every call (its series: :mod:`..export.prom_refusals`).
 
     Args:
         token: the job's bearer token (None: TCP calls need none).
