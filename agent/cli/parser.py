@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from rankwatch import __version__
 from rankwatch.address import Address
@@ -17,6 +17,9 @@ from rankwatch.agent.views.rank_list import DEFAULT_MAX_RANKS
 __all__ = ["build_parser"]
 
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
@@ -69,8 +72,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rankwatch {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_agent_parser, _run_parser, _status_parser, _diagnose_parser, _checkpoint_parser, _demo_parser):
+        add(sub)
+    return p
 
+
+def _agent_parser(sub: _Commands) -> None:
+    """``rankwatch agent``: its flags by concern, in the order its help lists them."""
     a = sub.add_parser("agent", help="run the node agent")
+    _agent_node(a)
+    _agent_detectors(a)
+    _agent_coordination(a)
+    _agent_trust(a)
+    _agent_policy(a)
+    _agent_gpu(a)
+    a.add_argument("--rank-grace", type=_positive, default=60.0, metavar="SECONDS",
+                   help="how long a disconnected rank stays in /metrics (default 60)")
+    _agent_relays(a)
+    a.add_argument("--status-max-ranks", type=int, default=DEFAULT_MAX_RANKS, metavar="N",
+                   help=f"the most ranks a status answer lists unless asked for all: a bigger job's "
+                        f"view lists the ranks not ok first (default {DEFAULT_MAX_RANKS})")
+
+
+def _agent_node(a: argparse.ArgumentParser) -> None:
+    """The agent's flags for what it serves: where it listens, its /metrics, its node id and state directory."""
     a.add_argument("--listen", type=_address, action="append", default=None, metavar="ADDR",
                    help="socket path, unix:PATH or HOST:PORT; repeatable "
                         "(default: $RANKWATCH_AGENT, then the per-user socket)")
@@ -81,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--state-dir", type=Path, default=None,
                    help="keep incidents, decisions and the last status view here "
                         "(default $RANKWATCH_STATE_DIR, else /tmp/rankwatch-<uid>/<node-id>)")
+
+
+def _agent_detectors(a: argparse.ArgumentParser) -> None:
+    """The agent's flags for hang and straggler detection."""
     a.add_argument("--hang-floor", type=_positive, default=5.0, metavar="SECONDS",
                    help="shortest stall called a hang (default 5)")
     a.add_argument("--straggler-threshold", type=_positive, default=None, metavar="RATIO",
@@ -89,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps per straggler slowdown estimate (default 16)")
     a.add_argument("--straggler-evidence", type=_positive, default=None, metavar="LEVEL",
                    help="CUSUM level that confirms a slowdown: higher is slower and surer")
+
+
+def _agent_coordination(a: argparse.ArgumentParser) -> None:
+    """The agent's flags for which agent coordinates the job."""
     a.add_argument("--coordinator", type=_address, action="append", default=None, metavar="ADDR",
                    help="the job's coordinator candidates in node-rank order, repeatable; the "
                         "first that answers coordinates (this agent's own address may be one). "
@@ -99,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--job-id", default="", metavar="ID", help="the job's id in etcd (with --election)")
     a.add_argument("--advertise", default=None, metavar="HOST:PORT",
                    help="this agent's address for the other agents (default: its first TCP --listen)")
+
+
+def _agent_trust(a: argparse.ArgumentParser) -> None:
+    """The agent's flags for the token, mutual TLS and the stream caps."""
     a.add_argument("--token-file", type=Path, default=None, metavar="PATH",
                    help="the job's shared token (mode 0600): every call over TCP needs it, and "
                         "Sync and RequestCheckpoint on the socket too (default: $RANKWATCH_TOKEN_FILE, "
@@ -118,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calls from one TCP host that may wait for their request's message (default 2)")
     a.add_argument("--max-streams-per-peer", type=int, default=None, metavar="N",
                    help="rank streams served at once from one TCP host (default 32)")
+
+
+def _agent_policy(a: argparse.ArgumentParser) -> None:
+    """The agent's flags for the coordinator's policy: evictions, the minimum job, silent bursts."""
     a.add_argument("--evict-straggler-speedup", type=_positive, default=1.25, metavar="X",
                    help="evict a straggling node at the next checkpoint when the job would step "
                         "X times faster without it (default 1.25; inf never evicts)")
@@ -132,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--silent-burst-seconds", type=float, default=30.0, metavar="SECONDS",
                    help="a node excluded for its silence counts in the burst this long, so that at "
                         "most the burst's size are excluded for silence in that time (default 30)")
+
+
+def _agent_gpu(a: argparse.ArgumentParser) -> None:
+    """The agent's flags for GPU health."""
     a.add_argument("--gpu-source", type=_gpu_source, default="auto", metavar="{auto,nvml,none,script:PATH}",
                    help="GPU health: NVML, none, or a fault script (JSON); auto (default) uses NVML "
                         "if it initialises, else none")
@@ -139,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scrape this dcgm-exporter /metrics for GPU health instead of NVML")
     a.add_argument("--gpu-interval", type=_positive, default=None, metavar="SECONDS",
                    help="between GPU readings (default 5; 0.5 for a script)")
-    a.add_argument("--rank-grace", type=_positive, default=60.0, metavar="SECONDS",
-                   help="how long a disconnected rank stays in /metrics (default 60)")
+
+
+def _agent_relays(a: argparse.ArgumentParser) -> None:
+    """The agent's flags for a big job's relays and first syncs."""
     a.add_argument("--relay-group", type=int, default=64, metavar="N",
                    help="in a big job, nodes sync through one relay agent per N nodes (default 64; "
                         "0: every node syncs with the coordinator; the coordinator's setting)")
@@ -168,16 +215,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"as a relay whose coordinator is busy, hold the nodes' summaries and have them back "
                         f"off for up to S seconds after its last reply, before sending them to the "
                         f"coordinator themselves (default {RelayConfig().busy_hold_seconds:g}; 0: never)")
-    a.add_argument("--status-max-ranks", type=int, default=DEFAULT_MAX_RANKS, metavar="N",
-                   help=f"the most ranks a status answer lists unless asked for all: a bigger job's "
-                        f"view lists the ranks not ok first (default {DEFAULT_MAX_RANKS})")
 
+
+def _run_parser(sub: _Commands) -> None:
     r = sub.add_parser("run", help="run torchrun with rankwatch wired in",
                        usage="rankwatch run [--agent ADDR] [--node-id ID] -- <torchrun args>")
     r.add_argument("--agent", type=_address, default=None, metavar="ADDR")
     r.add_argument("--node-id", default=None)
     r.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="after --: passed to torchrun")
 
+
+def _status_parser(sub: _Commands) -> None:
     s = sub.add_parser("status", help="the agent's live view (or, when none answers, what it left)")
     s.add_argument("--agent", type=_address, default=None, metavar="ADDR")
     s.add_argument("--json", action="store_true", help="machine-readable output")
@@ -190,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node-id", default=None, help="whose default state directory to read")
     s.add_argument("--token-file", type=Path, default=None, metavar="PATH", help=_TOKEN_HELP)
 
+
+def _diagnose_parser(sub: _Commands) -> None:
     d = sub.add_parser("diagnose", help="the evidence of an incident, told as a story")
     d.add_argument("--agent", type=_address, default=None, metavar="ADDR")
     d.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
@@ -201,13 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="incident id (default: the latest hang, else the latest incident)")
     d.add_argument("--token-file", type=Path, default=None, metavar="PATH", help=_TOKEN_HELP)
 
+
+def _checkpoint_parser(sub: _Commands) -> None:
     c = sub.add_parser("checkpoint", help="ask the job for a checkpoint now")
     c.add_argument("--agent", type=_address, default=None, metavar="ADDR")
     c.add_argument("--reason", default="operator", help="recorded with the request")
     c.add_argument("--token-file", type=Path, default=None, metavar="PATH", help=_TOKEN_HELP)
 
+
+def _demo_parser(sub: _Commands) -> None:
     m = sub.add_parser("demo", help="a local CPU job under rankwatch, with a live view")
     m.add_argument("--steps", type=int, default=None,
                    help="training steps (default: enough for the whole story, demo.DEMO_STEPS)")
     m.add_argument("--no-live", action="store_true", help="print lines instead of a live table")
-    return p
