@@ -6,9 +6,11 @@ summaries (:meth:`Coordinator.snapshot`).  Both run :func:`evaluate` over theirs
 so a hang incident's content is decided here once, whoever detects it, and the
 straggler detector is fed the same inputs on both sides.
 
-What stays with the caller is what a verdict *does*: record the incident, mark
-the rank (:func:`rankwatch.agent.node.transitions.next_state`), and on the coordinator
-apply the policy (an exclusion).
+What stays with the caller is what a verdict *does*: record the incident (on the
+coordinator :class:`~rankwatch.agent.job.hang_watch.HangWatch`, on a node
+:class:`~rankwatch.agent.node.sweep.NodeWatch`), mark the rank
+(:func:`rankwatch.agent.node.transitions.next_state`), and on the coordinator apply the
+policy (an exclusion).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ A user's loop imports the tier from here::
 The protocol's parts live beside it: ``decide`` (who trains on, from which step), ``commit``
 (every rank applies a step or none does), ``protocol`` (the workers' side of a round), ``store``
 (where members agree), ``net`` (proving a process gone), ``state`` (each rank's shards),
-``joins`` (workers asking to join).
+``joins`` (workers asking to join), ``failure`` (which failures the tier answers), ``report``
+(what it tells the monitor).
 """
 
 from rankwatch.hooks.recovery.inprocess import (

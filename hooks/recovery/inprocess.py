@@ -64,9 +64,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rankwatch.hooks.recovery import net
+from rankwatch.hooks.recovery import net, report
 from rankwatch.hooks.recovery.decide import MAX_MESSAGE, Decision, Job, Membership, decide
-from rankwatch.hooks.recovery.commit import CommitIncomplete, StepCommit
+from rankwatch.hooks.recovery.commit import StepCommit
+from rankwatch.hooks.recovery.failure import is_peer_failure
 from rankwatch.hooks.recovery.joins import JoinWatch
 from rankwatch.hooks.recovery.protocol import RESTARTING, JobFinished, RecoveryFailed, Round
 from rankwatch.hooks.recovery.state import local_state, restore, transfer
@@ -76,12 +77,6 @@ __all__ = ["Decision", "InProcessRecovery", "Job", "JobFinished", "Membership", 
            "is_peer_failure"]
 
 log = logging.getLogger(__name__)
-
-_PEER_FAILURE_MARKERS = (
-    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error",
-    "Write error", "Timed out waiting", "NCCL communicator was aborted", "ProcessGroupNCCL is aborted",
-    "Socket Timeout", "Connection refused",
-)
 
 
 def _warm_up() -> None:
@@ -96,19 +91,6 @@ def _warm_up() -> None:
 
 _RESTART_GRACE = 60.0
 """Seconds a worker waits to be stopped when torchrun is already restarting the round."""
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """True for a collective that failed because a peer died or hung (the tier's business)."""
-    import torch.distributed as dist
-
-    if isinstance(exc, RecoveryFailed):
-        return False
-    if isinstance(exc, CommitIncomplete):
-        return True
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_FAILURE_MARKERS)
 
 
 class InProcessRecovery:
@@ -234,7 +216,8 @@ class InProcessRecovery:
         """
         breaking, self._breaking = self._breaking, False
         # Not a hang while it lasts: the agent gives a recovery its own, longer allowance.
-        with self._activity("recovery"), self._joins.paused() if self._joins else contextlib.nullcontext():
+        with (report.activity(self._monitor, "recovery"),
+              self._joins.paused() if self._joins else contextlib.nullcontext()):
             return self._recover(exc, job, completed, breaking)
 
     def _recover(self, exc: BaseException, job: Job, completed: int, breaking: bool) -> tuple[Job, int]:
@@ -293,8 +276,8 @@ class InProcessRecovery:
             # torchrun may stop this worker any moment now (another survivor's exit starts its
             # restart): the report reaches the agent first, a SIGTERM waiting meanwhile.
             with net.deferred_termination():
-                self._send(caught, completed, old, old, phases, ok=False, error=error)
-                self._deliver_reports()
+                report.send(self._monitor, caught, completed, old, old, phases, ok=False, error=error)
+                report.deliver(self._monitor)
             if RESTARTING in error:
                 # torchrun stops this worker itself: exiting first would read as a failure of
                 # its own (and spend one of --max-restarts).
@@ -370,10 +353,6 @@ class InProcessRecovery:
                                 rank=new.rank, world_size=new.world_size, timeout=self._timeout)
         net.forget_old_meshes()
 
-    def _activity(self, name: str) -> Any:
-        mark = getattr(self._monitor, "activity", None)
-        return mark(name) if mark is not None else contextlib.nullcontext()
-
     def set_monitor(self, monitor: Any) -> None:
         """The Monitor that reports each recovery (made after the first generation's mesh)."""
         self._monitor = monitor
@@ -385,32 +364,8 @@ class InProcessRecovery:
         log.warning("rankwatch: first step after the in-process recovery: step %d, %.3f s after the failure "
                     "(%s)", step, r["phases"]["first_step"],
                     ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
-        self._send(r["caught"], r["step"], r["old"], self.membership, r["phases"], ok=True)
+        report.send(self._monitor, r["caught"], r["step"], r["old"], self.membership, r["phases"], ok=True)
         return r["phases"]
-
-    def _send(self, caught: float, step: int, old: Membership, new: Membership, phases: dict[str, float],
-              ok: bool, error: str = "") -> None:
-        recovered = getattr(self._monitor, "recovered", None)
-        if recovered is None:
-            return
-        try:
-            recovered(started_at=caught, step=step, old_world_size=old.world_size, new_world_size=new.world_size,
-                      dropped_nodes=list(new.dropped_nodes[len(old.dropped_nodes):]), phases=dict(phases),
-                      ok=ok, error=error, rank_after=new.rank)
-        except Exception as exc:  # noqa: BLE001 - reporting never breaks training
-            log.warning("rankwatch: could not report the recovery: %s", exc)
-
-    def _deliver_reports(self) -> None:
-        """Send what the monitor holds and end its stream, waiting (boundedly) for the agent to
-        read it: the worker exits next, and a report still buffered would die with it.  The
-        monitor reports nothing after this."""
-        close = getattr(self._monitor, "close", None)
-        if close is None:
-            return
-        try:
-            close()
-        except Exception as exc:  # noqa: BLE001 - reporting never breaks the exit
-            log.warning("rankwatch: could not deliver the recovery report: %s", exc)
 
     @property
     def last_phases(self) -> dict[str, float] | None:

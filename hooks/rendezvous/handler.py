@@ -51,7 +51,6 @@ import logging
 import os
 import socket
 import time
-from datetime import timedelta
 from typing import Any
 
 from torch.distributed import Store
@@ -63,8 +62,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from rankwatch.address import AGENT_ENV, EXIT_NOTE_ENV, NODE_ID_ENV, Address
+from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
+from rankwatch.hooks.rendezvous import stock
 from rankwatch.hooks.rendezvous.exclusions import Exclusions
+from rankwatch.hooks.rendezvous.exit_note import write_exit_note
 from rankwatch.hooks.rendezvous.round_keys import IN_PROCESS_WAIT, InProcessRound
 from rankwatch.hooks.rendezvous.exit_barrier import own_client, stand_in
 from rankwatch.hooks.rendezvous.poller import DecisionRelay
@@ -78,7 +79,6 @@ log = logging.getLogger(__name__)
 BACKEND = "rankwatch"
 ETCD_BACKEND = "rankwatch-etcd"
 MEMBER_PREFIX = "rankwatch/member/"  # in a round's own store: one key per member node
-_LEAVE_TIMEOUT = timedelta(seconds=10)
 _SPARE_POLL = 0.5
 # A node whose torchrun restarts its workers (one of them failed) waits this long for the
 # round's other workers to begin leaving it out in process, before restarting the round.
@@ -150,7 +150,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             log.warning("rankwatch: %s: the workers' marks in the recovery store will not open here; this "
                         "node restarts its workers through torchrun instead", exc)
             seal = Seal.unusable()
-        self._round = InProcessRound(store, inner.get_run_id(), node, seal, self._current_round)
+        self._round = InProcessRound(store, inner.get_run_id(), node, seal, lambda: stock.current_round(inner))
 
     # -- the store ------------------------------------------------------------------
     @property
@@ -226,9 +226,9 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         reason = self.excluded()
         if reason is not None:
             self._check_in_leaving()
-            self._leave()
+            stock.leave(self._inner)
             why = f"node {self._node} is excluded from the job: {reason}"
-            _write_exit_note(why)
+            write_exit_note(why)
             raise RendezvousGracefulExitError(why)
         generation = self.generation()  # read before joining: a later exclusion is checked
         rejoin = self._round.prefix is not None   # this node's torchrun restarts its workers
@@ -260,29 +260,8 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         except Exception as exc:  # noqa: BLE001 - without it every exclusion restarts this round
             log.warning("rankwatch: could not record this node in the round (%s)", exc)
             self._round_store = None
-        self._round.export(self._stock_round(), self._round_store, info.world_size)
+        self._round.export(stock.stock_round(self._inner), self._round_store, info.world_size)
         return info
-
-    def _state(self, sync: bool = True) -> Any:
-        """The stock handler's view of the rendezvous (private API), synced with the store."""
-        inner = self._inner
-        if sync:
-            with inner._heartbeat_lock:
-                inner._state_holder.sync()
-        return inner._state_holder.state
-
-    def _stock_round(self) -> int | None:
-        """The stock rendezvous's round number, as this node last read it."""
-        try:
-            return int(self._state(sync=False).round)
-        except Exception:  # noqa: BLE001 - private API: the workers fall back to their own store
-            return None
-
-    def _current_round(self) -> int | None:
-        """The stock rendezvous's round number, synced with the store, when that round is
-        complete and open; None otherwise."""
-        state = self._state()
-        return int(state.round) if state.complete and not state.closed else None
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join, as torchrun's agent asks between its worker checks.
@@ -327,16 +306,8 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         return waiting
 
     def _job_full(self, sync: bool = True, spare: bool = True) -> bool:
-        """True when the current round is complete with MAX nodes (and, with ``spare``, this
-        node is not among them)."""
-        inner = self._inner
-        try:
-            state = self._state(sync)
-            return (state.complete and not state.closed
-                    and len(state.participants) >= inner._settings.max_nodes
-                    and not (spare and inner._this_node in state.participants))
-        except Exception:  # noqa: BLE001 - private API: behave as the stock handler
-            return False
+        """True when the current round is complete with MAX nodes (:func:`stock.job_full`)."""
+        return stock.job_full(self._inner, sync, spare)
 
     def _wait_as_spare(self) -> bool:
         """Wait, outside the stock join loop, while the job is full.  True: the round lost a
@@ -411,31 +382,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             # for the next round, where an excluded node leaves), so that a spare finds room
             # without waiting for this node's keep-alive to expire; and do not close the
             # rendezvous for every node, as the stock shutdown would.
-            self._leave()
+            stock.leave(self._inner)
             return True
         return self._inner.shutdown()
-
-    def _leave(self) -> None:
-        """Leave the rendezvous now rather than when this node's keep-alive expires."""
-        try:
-            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
-
-            self._inner._stop_heartbeats()
-            self._inner._op_executor.run(_RendezvousExitOp(),
-                                         self._inner._get_deadline(_LEAVE_TIMEOUT))
-        except Exception as exc:  # noqa: BLE001 - private API; the keep-alive expiry still works
-            log.warning("rankwatch: could not leave the rendezvous early (%s); the others wait "
-                        "for this node's keep-alive to expire", exc)
-
-
-def _write_exit_note(why: str) -> None:
-    """Tell ``rankwatch run`` (through ``RANKWATCH_EXIT_NOTE``) that this node was refused."""
-    path = os.environ.get(EXIT_NOTE_ENV)
-    if not path:
-        return
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(why[:1000])
-    except OSError as exc:  # the refusal stands; only the wrapper's exit code depends on it
-        log.warning("rankwatch: could not write the exit note %s (%s)", path, exc)
 
