@@ -29,7 +29,7 @@ Which question is answered where (``job/`` unless named):
 * which nodes straggle: ``slow_nodes.py``; when one is evicted: ``evictions.py``
   (``checkpoint_due.wants_eviction``, ``evictions_due``);
 * does the job train again after an exclusion: ``restartwatch.py``;
-* which relay a node syncs through: ``relay_groups.py`` (``routing.assign``, ``place``);
+* which relay a node syncs through: ``assignments.py`` (``routing.assign``, ``place``);
 * the policy, here: exclude a dead node, a hung culprit's node, a node with a fatal GPU
   fault, an evicted straggler, unless the job would fall below its minimum
   (:meth:`Coordinator.exclude`); the step a checkpoint is saved at
@@ -55,7 +55,7 @@ from rankwatch.agent.job.hang_watch import HangWatch
 from rankwatch.agent.job.loadmeter import LoadMeter
 from rankwatch.agent.job.pacing import LoadConfig
 from rankwatch.agent.job.policy import PolicyConfig
-from rankwatch.agent.job.relay_groups import RelayGroups, check_group, held_for
+from rankwatch.agent.job.assignments import RelayGroups, check_group, held_for
 from rankwatch.agent.job.restartwatch import RestartWatch
 from rankwatch.agent.job.routing import RelayConfig
 from rankwatch.agent.job.slow_nodes import JobStragglers

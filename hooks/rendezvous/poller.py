@@ -13,12 +13,9 @@ import signal
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rankwatch.address import Address
-
-if TYPE_CHECKING:
-    from rankwatch.hooks.rendezvous.handler import ExcludingRendezvousHandler
 
 __all__ = ["DecisionRelay"]
 
@@ -28,10 +25,25 @@ _KILL_GRACE = 1.0
 """Seconds an excluded node's workers live on, so that the healthy nodes restart first."""
 
 
+class RelayedHandler(Protocol):
+    """What the relay asks of the rendezvous handler (``ExcludingRendezvousHandler``)."""
+
+    @property
+    def node(self) -> str: ...
+
+    def write_decision(self, decision: dict[str, Any]) -> None: ...
+
+    def stand_in_for_excluded(self, node: str) -> bool: ...
+
+    def relay_excluded(self) -> Any: ...
+
+    def in_process(self) -> bool: ...
+
+
 class DecisionRelay:
     """Polls the node's agent: writes the coordinator's decisions, kills an excluded node's workers."""
 
-    def __init__(self, handler: ExcludingRendezvousHandler, agent: Address, interval: float) -> None:
+    def __init__(self, handler: RelayedHandler, agent: Address, interval: float) -> None:
         self._handler = handler
         self._agent = agent
         self._interval = interval
