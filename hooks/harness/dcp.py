@@ -126,12 +126,18 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
 
     def regroup(self) -> None:
-        """After an in-process recovery (collective over the new world): forget a save that was
-        in flight on the failed groups (it never completes: its marker is never written) and
-        create the background saves' group anew."""
+        """After an in-process recovery (collective over the new world): create the background
+        saves' group anew, so that no later save runs on a group of the old world.
+
+        A save still in flight on the old groups never completes: a lost peer cut it (its
+        marker is never written, and its record comes out of :meth:`finished` failed).  A
+        recovery that the job chose (admitting joiners) waits for it first (:meth:`wait`,
+        which the tier's ``drain`` calls): its save is written and marked."""
         if self._pending is not None:
-            log.warning("rankwatch: the save of step %d was cut short by the failure; it is not "
-                        "marked complete", self._pending[0].step)
+            rec, written = self._pending
+            if not written.is_set():
+                log.warning("rankwatch: the save of step %d was cut short by the failure; it is not "
+                            "marked complete", rec.step)
             self._pending = None
         self._group = None
         self.setup()

@@ -112,15 +112,21 @@ class InProcessRecovery:
         total_steps: the loop's last step, if known: no joiner is let in after it (the
             survivors' next collectives are then the job's own end, not a step a joiner
             could break); :meth:`finish` tells the ones still waiting that the job finished.
+        drain: called on rank 0 before it leaves a healthy step to admit joiners, to finish
+            the work in flight on the process groups that the break would cut (an
+            asynchronous checkpoint save: ``Checkpointer.wait``).  A lost peer's failure
+            cuts such work whatever is done; a break the job chose need not.
     """
 
     def __init__(self, make: Callable[[Membership], Job], *, backend: str = "gloo", monitor: Any = None,
                  settle: float = 1.0, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
                  max_recoveries: int = 8, join_timeout: float = 600.0, commit: bool = True,
-                 total_steps: int | None = None, env: Mapping[str, str] = os.environ) -> None:
+                 total_steps: int | None = None, drain: Callable[[], object] | None = None,
+                 env: Mapping[str, str] = os.environ) -> None:
         if backend == "nccl":
             net.nccl_errors_to_caller()
         self._make = make
+        self._drain = drain
         self._total_steps = total_steps
         self._commit = StepCommit(backend) if commit else None
         self._backend = backend
@@ -185,6 +191,8 @@ class InProcessRecovery:
         phases = self._finish_report(step) if self._report is not None else None
         if self._joins is not None and self._joins.due(step):
             log.warning("rankwatch: leaving the training after step %d to admit joining workers", step)
+            if self._drain is not None:   # the break shuts every group's connections, its own too
+                self._drain()
             self._breaking = True
             shut = self._leave_step()
             log.debug("rankwatch: shut %d connection(s) to admit joiners", shut)
