@@ -86,46 +86,93 @@ def run_demo(steps: int = DEMO_STEPS, live: bool = True, out: Console | None = N
     console = out or Console(width=None if sys.stdout.isatty() else 140)
     live = live and console.is_terminal  # plain lines into a pipe or a file (CI)
     addr = resolve(None)
+    if not _may_start(addr, console):
+        return 1
+    workdir = Path(tempfile.mkdtemp(prefix="rankwatch-demo-"))
+    logs = _agent_logs_to(workdir / "agents.log") if live else None
+    agents = _start_agents(addr, workdir)
+    _announce(console, agents, addr, steps, workdir)
+    rdzv_port = free_port()
+    started = time.time()
+    notes = DemoNotes(nodes=_NODES, spare=_NODES[_SPARE], hung=_NODES[2], xid=_NODES[1], steps=steps,
+                      started=started)
+
+    def launch(i: int) -> subprocess.Popen:
+        return _launch(_NODES[i], i, agents[i].config.listen[0], workdir, rdzv_port, steps)
+
+    jobs = [launch(i) for i in range(len(_NODES)) if i != _SPARE]
+    story = _Story(agents, jobs, launch, notes, console, live)
+    status = None
+    watch = _Watch()
+    try:
+        status = watch.run(jobs, addr, console, live, story, notes)
+    finally:
+        _stop_jobs(jobs, logs)
+    codes = [j.returncode for j in jobs]
+    _report(console, _final_status(addr, status), started, watch, codes)
+    if live:
+        console.print(f"logs: {workdir}/agents.log and {workdir}/<node>.log")
+    console.print(f"nodes exited with {codes} after {time.time() - started:.0f} s")
+    for agent in agents:
+        agent.stop(timedelta(seconds=1))
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+def _may_start(addr: Address, console: Console) -> bool:
+    """No agent answers at the default address yet, and its directory is safe to use (else False,
+    the reason printed)."""
     if reachable(addr):
         console.print(f"[red]an agent already answers at {addr}; stop it (or set {AGENT_ENV}) "
                       "and run the demo again[/]")
-        return 1
+        return False
     try:
         check_default([addr])   # the coordinator's socket goes in the default directory
     except UnsafeDirectory as exc:
         console.print(f"[red]refusing the default directory: {escape(str(exc))}[/]")
-        return 1
-    workdir = Path(tempfile.mkdtemp(prefix="rankwatch-demo-"))
-    logs = _agent_logs_to(workdir / "agents.log") if live else None
+        return False
+    return True
+
+
+def _start_agents(addr: Address, workdir: Path) -> list[Agent]:
+    """The four nodes' agents, started: node 0's at ``addr`` and a TCP port (the coordinator)."""
     script = workdir / "gpu-n1.json"
     script.write_text(json.dumps(_GPU_SCRIPT))
     coord = Address.parse(f"127.0.0.1:{free_port()}")
     agents = []
     for i, node in enumerate(_NODES):
-        listen = [addr, coord] if i == 0 else [Address(path=str(workdir / f"{node}.sock"))]
-        port = (DEFAULT_METRICS_PORT if port_free(DEFAULT_METRICS_PORT) else 0) if i == 0 else 0
-        # A short job: a throttle is a risk after 3 s of it, not the default 10 s.
-        gpu = (GpuConfig(source="script", script=load_script(script), throttle_sustain=timedelta(seconds=3))
-               if i == 1 else GpuConfig(source="none"))
-        agent = Agent(AgentConfig(node_id=node, listen=listen, metrics_port=port,
-                                  # A short job: score ranks after 30 steps, not the default
-                                  # warm-up, and flag a confirmed slowdown at once, with no
-                                  # hold.  The coordinator's straggler pass runs once a second,
-                                  # so a hold of 1-2 s is 2-3 passes: 50-80 steps of this job,
-                                  # more on a faster machine, and the straggler came after the
-                                  # hang.  Node 1's slowdown is injected and large (x2), and the
-                                  # warm-up keeps the job's uneven first steps out.
-                                  straggler=StragglerConfig(warmup_steps=30, hold_seconds=0.0),
-                                  hang=HangConfig(floor_seconds=HANG_ALLOWANCE_SECONDS),
-                                  metrics_addr="127.0.0.1", state_dir=workdir / node,
-                                  coordinators=[coord], gpu=gpu,
-                                  # The straggler stays (it is shown, not evicted), so the
-                                  # hang on node 2 is what takes a node out.
-                                  policy=PolicyConfig(min_nodes=2, evict_straggler_speedup=float("inf"),
-                                                      # Fast steps: save half a second ahead.
-                                                      checkpoint_lead_seconds=0.5)))
+        agent = Agent(_agent_config(i, node, addr, coord, workdir, script))
         agent.start()
         agents.append(agent)
+    return agents
+
+
+def _agent_config(i: int, node: str, addr: Address, coord: Address, workdir: Path, script: Path) -> AgentConfig:
+    """Node ``i``'s agent, set for a short job: node 1's GPU scripted, the others' none."""
+    listen = [addr, coord] if i == 0 else [Address(path=str(workdir / f"{node}.sock"))]
+    port = (DEFAULT_METRICS_PORT if port_free(DEFAULT_METRICS_PORT) else 0) if i == 0 else 0
+    # A short job: a throttle is a risk after 3 s of it, not the default 10 s.
+    gpu = (GpuConfig(source="script", script=load_script(script), throttle_sustain=timedelta(seconds=3))
+           if i == 1 else GpuConfig(source="none"))
+    return AgentConfig(node_id=node, listen=listen, metrics_port=port,
+                       # A short job: score ranks after 30 steps, not the default
+                       # warm-up, and flag a confirmed slowdown at once, with no
+                       # hold.  The coordinator's straggler pass runs once a second,
+                       # so a hold of 1-2 s is 2-3 passes: 50-80 steps of this job,
+                       # more on a faster machine, and the straggler came after the
+                       # hang.  Node 1's slowdown is injected and large (x2), and the
+                       # warm-up keeps the job's uneven first steps out.
+                       straggler=StragglerConfig(warmup_steps=30, hold_seconds=0.0),
+                       hang=HangConfig(floor_seconds=HANG_ALLOWANCE_SECONDS),
+                       metrics_addr="127.0.0.1", state_dir=workdir / node,
+                       coordinators=[coord], gpu=gpu,
+                       # The straggler stays (it is shown, not evicted), so the
+                       # hang on node 2 is what takes a node out.
+                       policy=PolicyConfig(min_nodes=2, evict_straggler_speedup=float("inf"),
+                                           # Fast steps: save half a second ahead.
+                                           checkpoint_lead_seconds=0.5))
+
+
+def _announce(console: Console, agents: list[Agent], addr: Address, steps: int, workdir: Path) -> None:
     taken = "" if agents[0].metrics_port == DEFAULT_METRICS_PORT else f" (port {DEFAULT_METRICS_PORT} is taken)"
     console.print(f"coordinator agent [bold]{_NODES[0]}[/] at {addr}; metrics at "
                   f"http://127.0.0.1:{agents[0].metrics_port}/metrics{taken}")
@@ -135,90 +182,91 @@ def run_demo(steps: int = DEMO_STEPS, live: bool = True, out: Console | None = N
                   f"logs ECC errors; demo-n2 is stuck in forward at step {HANG_STEP}; once the spare "
                   "demo-n3 trains, demo-n1's GPU raises XID 79")
     console.print("try [bold]rankwatch status[/] in another terminal")
-    rdzv_port = free_port()
-    started = time.time()
-    notes = DemoNotes(nodes=_NODES, spare=_NODES[_SPARE], hung=_NODES[2], xid=_NODES[1], steps=steps,
-                      started=started)
 
-    def say(text: str) -> None:
-        notes.note(text)
-        if not live:
-            console.print(text)
 
-    def launch(i: int) -> subprocess.Popen:
-        node = _NODES[i]
-        agent_addr = agents[i].config.listen[0]
-        fault = {1: ["--fault", "slow_compute:-1:20:0.5"], 2: ["--fault", f"sleep_forward:-1:{HANG_STEP}:120"]}
-        cmd = [sys.executable, "-m", "rankwatch.agent.cli.app", "run", "--agent", str(agent_addr),
-               "--node-id", node, "--",
-               "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", "rankwatch-demo",
-               "--rdzv-conf", f"{_RDZV_CONF},is_host={int(i == 0)}",
-               "--max-restarts", "0", "--monitor-interval", "0.1",
-               "-m", "rankwatch.hooks.train", "--steps", str(steps), "--log-every", "0",
-               "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-interval", "40",
-               "--replicate", "3", "--in-process-recovery",
-               *fault.get(i, [])]
-        env = {**os.environ, AGENT_ENV: str(agent_addr), NODE_ID_ENV: node, "OMP_NUM_THREADS": "1"}
-        log = open(workdir / f"{node}.log", "w")
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+def _launch(node: str, i: int, agent_addr: Address, workdir: Path, rdzv_port: int, steps: int) -> subprocess.Popen:
+    """Node ``i``'s ``rankwatch run`` (torchrun, one rank), its faults injected, logging to ``<node>.log``."""
+    fault = {1: ["--fault", "slow_compute:-1:20:0.5"], 2: ["--fault", f"sleep_forward:-1:{HANG_STEP}:120"]}
+    cmd = [sys.executable, "-m", "rankwatch.agent.cli.app", "run", "--agent", str(agent_addr),
+           "--node-id", node, "--",
+           "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", "rankwatch-demo",
+           "--rdzv-conf", f"{_RDZV_CONF},is_host={int(i == 0)}",
+           "--max-restarts", "0", "--monitor-interval", "0.1",
+           "-m", "rankwatch.hooks.train", "--steps", str(steps), "--log-every", "0",
+           "--checkpoint-dir", str(workdir / "checkpoints"), "--checkpoint-interval", "40",
+           "--replicate", "3", "--in-process-recovery",
+           *fault.get(i, [])]
+    env = {**os.environ, AGENT_ENV: str(agent_addr), NODE_ID_ENV: node, "OMP_NUM_THREADS": "1"}
+    log = open(workdir / f"{node}.log", "w")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    jobs = [launch(i) for i in range(len(_NODES)) if i != _SPARE]
-    fired = False
-    changes = list(_GPU_CHANGES)
 
-    def story(status: dict) -> None:
-        """Start the spare once three ranks train; change node 1's GPU at its steps; fire the
-        fatal XID once the spare trains."""
-        nonlocal fired
+class _Story:
+    """The demo's own moves, at each status: start the spare once three ranks train; change
+    node 1's GPU at its steps; fire the fatal XID once the spare trains."""
+
+    def __init__(self, agents: list[Agent], jobs: list[subprocess.Popen], launch: Callable[[int], subprocess.Popen],
+                 notes: DemoNotes, console: Console, live: bool) -> None:
+        self.agents, self.jobs, self.launch, self.notes = agents, jobs, launch, notes
+        self.console, self.live = console, live
+        self.fired = False
+        self.changes = list(_GPU_CHANGES)
+
+    def say(self, text: str) -> None:
+        self.notes.note(text)
+        if not self.live:
+            self.console.print(text)
+
+    def __call__(self, status: dict) -> None:
         training = {r["node"] for r in status["ranks"] if r["connected"] and r["step"] > 0}
-        source = agents[1].gpu.source
+        source = self.agents[1].gpu.source
         n1_step = max((r["step"] for r in status["ranks"] if r["node"] == _NODES[1]), default=-1)
-        while changes and n1_step >= changes[0][0] and isinstance(source, ScriptedSource):
-            source.change(0, **changes.pop(0)[1])
-        if len(jobs) < len(_NODES) and len(training) >= 3:
-            jobs.append(launch(_SPARE))
-            notes.spare_started = True
-            say(f"hot spare {_NODES[_SPARE]} started: the job is full, so it waits")
-        if not fired and _NODES[2] in status["excluded_nodes"] and _NODES[_SPARE] in training:
+        while self.changes and n1_step >= self.changes[0][0] and isinstance(source, ScriptedSource):
+            source.change(0, **self.changes.pop(0)[1])
+        if len(self.jobs) < len(_NODES) and len(training) >= 3:
+            self.jobs.append(self.launch(_SPARE))
+            self.notes.spare_started = True
+            self.say(f"hot spare {_NODES[_SPARE]} started: the job is full, so it waits")
+        if not self.fired and _NODES[2] in status["excluded_nodes"] and _NODES[_SPARE] in training:
             if isinstance(source, ScriptedSource):
                 source.fire(0, 79)
-                fired = notes.xid_fired = True
-                say(f"{_NODES[_SPARE]} took {_NODES[2]}'s place; {_NODES[1]}'s GPU 0 now raises XID 79")
+                self.fired = self.notes.xid_fired = True
+                self.say(f"{_NODES[_SPARE]} took {_NODES[2]}'s place; {_NODES[1]}'s GPU 0 now raises XID 79")
 
-    status = None
-    watch = _Watch()
+
+def _stop_jobs(jobs: list[subprocess.Popen], logs: logging.FileHandler | None) -> None:
+    """The agents' log file closed; every node's ``rankwatch run`` still running stopped."""
+    if logs is not None:
+        logs.close()
+    for job in jobs:
+        if job.poll() is None:
+            job.terminate()
+            try:
+                job.wait(10)
+            except subprocess.TimeoutExpired:
+                job.kill()
+
+
+def _final_status(addr: Address, last: dict | None) -> dict | None:
+    """The coordinator's view now; the last one the watch saw if it no longer answers."""
     try:
-        status = watch.run(jobs, addr, console, live, story, notes)
-    finally:
-        if logs is not None:
-            logs.close()
-        for job in jobs:
-            if job.poll() is None:
-                job.terminate()
-                try:
-                    job.wait(10)
-                except subprocess.TimeoutExpired:
-                    job.kill()
-    try:
-        status = fetch_status(addr)
+        return fetch_status(addr)
     except AgentUnreachable:
-        pass
-    codes = [j.returncode for j in jobs]
-    if status is not None:
-        console.print(rank_table(status, title="final view (the coordinator's)"))
-        console.print(timeline(status, started))
-        console.print(goodput_line(status))
-        versus = versus_torchrun(status, started, watch.productive_at_hang,
-                                 finished=all(c == 0 for c in codes))
-        if versus:
-            console.print(versus, soft_wrap=True)
-    if live:
-        console.print(f"logs: {workdir}/agents.log and {workdir}/<node>.log")
-    console.print(f"nodes exited with {codes} after {time.time() - started:.0f} s")
-    for agent in agents:
-        agent.stop(timedelta(seconds=1))
-    return 0 if all(c == 0 for c in codes) else 1
+        return last
+
+
+def _report(console: Console, status: dict | None, started: float, watch: _Watch, codes: list[int | None]) -> None:
+    """The final view, the timeline, goodput, and the comparison with plain torchrun."""
+    if status is None:
+        return
+    console.print(rank_table(status, title="final view (the coordinator's)"))
+    console.print(timeline(status, started))
+    console.print(goodput_line(status))
+    versus = versus_torchrun(status, started, watch.productive_at_hang,
+                             finished=all(c == 0 for c in codes))
+    if versus:
+        console.print(versus, soft_wrap=True)
 
 
 class _Watch:
