@@ -10,7 +10,6 @@ components (model, data, checkpointer, monitor) decide.
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import sys
@@ -20,19 +19,11 @@ from pathlib import Path
 # Flight Recorder is on in every run; it must be set before the first group.
 os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from rankwatch.hooks.instrument import monitor as _monitor  # noqa: E402
-from rankwatch.hooks.harness.dcp import Checkpointer  # noqa: E402
-from rankwatch.hooks.harness.data import SyntheticTokens, build_loader  # noqa: E402
-from rankwatch.hooks.harness.flops import transformer_flops_per_token  # noqa: E402
-from rankwatch.hooks.harness.model import ModelConfig, Transformer  # noqa: E402
-from rankwatch.hooks.harness.parallel import ParallelDims, build_mesh, device_type, dp_mesh, parallelize  # noqa: E402
-from rankwatch.hooks.recovery.inprocess import InProcessRecovery, Job, Membership  # noqa: E402
-from rankwatch.hooks.harness.parts import (  # noqa: E402
-    ABSwitch, RunRecord, after_step, global_batch_for, report_saves, train_step,
-)
+from rankwatch.hooks.harness.parts import ABSwitch, RunRecord, after_step, report_saves, train_step  # noqa: E402
+from rankwatch.hooks.harness.setup import Run, start  # noqa: E402
+from rankwatch.hooks.recovery.inprocess import Job  # noqa: E402
 
 log = logging.getLogger("rankwatch.train")
 
@@ -114,106 +105,32 @@ def _fault(text: str) -> tuple[str, int, int, float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    dev = device_type()
-    backend = "nccl" if dev == "cuda" else "gloo"
-    if dev == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers,
-                      n_heads=args.heads, hidden_dim=args.hidden_dim, seq_len=args.seq_len)
-    ckpt = Checkpointer(root=args.checkpoint_dir, interval=args.checkpoint_interval,
-                        keep=args.keep_checkpoints, asynchronous=not args.checkpoint_sync
-                        ) if args.checkpoint_dir else None
-    monitors: list = []  # the one Monitor, made with the first generation's mesh
-
-    def make(m: Membership) -> Job:
-        """The job for a membership: at the start, and again after an in-process recovery."""
-        world = dist.get_world_size()
-        if m.generation == 0:
-            dims = ParallelDims.from_flags(args.dp, args.tp, world, args.replicate)
-        elif replica_size:  # whole replicas survived; each keeps its layout
-            dims = ParallelDims.from_flags(None, args.tp, world, world // replica_size[0])
-        else:  # a worker joining in process: the job's layout, from the flags
-            dims = ParallelDims.from_flags(None, args.tp, world, args.replicate)
-        mesh = build_mesh(dims, dev)
-        if not monitors:  # before parallelising, so the collectives that shard the weights are timed too
-            monitors.append(_monitor.NullMonitor() if args.no_rankwatch else _monitor.init(
-                mesh=mesh, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None))
-        if m.generation == 0:
-            torch.manual_seed(args.seed)  # identical initial weights on every rank
-            model = parallelize(Transformer(cfg).to(dev), mesh, dims)
-        else:  # the weights come from this rank's own shards in memory: allocate, don't initialise
-            with torch.device("meta"):
-                model = Transformer(cfg)
-            model = parallelize(model, mesh, dims).to_empty(device=dev)
-        # The fused AdamW by default, on a GPU and on the CPU alike.  On a GPU the step commit
-        # gates it on the device, without a host synchronisation (hooks/recovery/commit.py).
-        # Either way it is one DTensor op per step, not ~8 per parameter: DTensor works out
-        # each op's sharding again for a new generation's mesh, so after an in-process
-        # recovery the loop's first optimizer step cost 10-20x a usual one (BENCHMARKS.md).
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.adamw == "fused",
-                                foreach=args.adamw == "foreach")
-        if ckpt:
-            ckpt.regroup() if m.generation else ckpt.setup()
-        return Job(model=model, optimizer=opt, replica_size=dims.replica_size,
-                   extra={"mesh": mesh, "dims": dims})
-
-    replica_size: list[int] = []
-    tier = InProcessRecovery(make, backend=backend, settle=args.recovery_settle,
-                             timeout=datetime.timedelta(seconds=args.collective_timeout),
-                             total_steps=args.steps) if args.in_process_recovery else None
-    try:
-        if tier is not None:
-            job = tier.start()
-        else:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.collective_timeout))
-            job = make(Membership(generation=0, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                                  members=tuple(range(dist.get_world_size()))))
-    except ValueError as exc:
-        if dist.get_rank() == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        dist.destroy_process_group()
+    run = start(args)
+    if run is None:
         return 2
-    replica_size.append(job.replica_size)
-    mon = monitors[0]
-    if tier is not None:
-        tier.set_monitor(mon)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # This worker's rank at the start (its metrics file keeps it); a joiner's id (no start rank).
-    first_rank = tier.membership.members[rank] if tier is not None and tier.membership is not None else rank
-    n_params = sum(p.numel() for p in job.model.parameters())
-    if tier is not None and tier.completed:  # joined in process: the state came from a live replica
-        start, extra = tier.completed, {}
-    else:
-        start, extra = ckpt.load(job.model, job.optimizer) if ckpt else (0, {})
-    global_batch = extra.get("global_batch")
-
-    def feed(job: Job, done: int) -> tuple:
-        """The data and the per-step accounting for the job's current world, from step ``done`` on."""
-        dims, mesh = job.extra["dims"], job.extra["mesh"]
-        gb, accum = global_batch_for(global_batch, args.batch_size, dims.dp, dist.get_rank())
-        ds = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
-        batches = iter(build_loader(ds, args.batch_size, dp_mesh(mesh).get_local_rank(), dims.dp, done * gb))
-        # Each rank's share of the job's tokens and FLOPs (TP ranks split a batch).
-        tokens = accum * args.batch_size * cfg.seq_len / dims.tp
-        flops = tokens * transformer_flops_per_token(n_params, cfg.n_layers, cfg.dim, cfg.seq_len)
-        return gb, accum, batches, tokens, flops
-
-    global_batch, accum, batches, tokens, flops = feed(job, start)
-    ckpt_extra = {"world_size": world, "dp": job.extra["dims"].dp, "global_batch": global_batch}
     record = RunRecord()
+    job, done = _train(run, record)
+    _finish(run, job, done, record)
+    return 0
+
+
+def _train(run: Run, record: RunRecord) -> tuple[Job, int]:
+    """Steps until ``--steps``; after a failure the in-process tier recovers from, on in the new
+    world (any other failure is raised: torchrun restarts).  Returns the job and the steps done."""
+    args, tier, mon, job, feed = run.args, run.tier, run.mon, run.job, run.feed
     ab = ABSwitch(mon, args.ab_block)
     carry = tier.carry if tier is not None and not args.recovery_own_loss_reduce else None
-    done = start  # optimizer steps applied
+    done = run.start  # optimizer steps applied
     while done < args.steps:
         step = done
         rank = dist.get_rank()
-        m = ab.monitor_for(step - start)
+        m = ab.monitor_for(step - run.start)
         t0 = time.perf_counter()
         record.step_starts.append(t0)
         try:
-            with m.step(step + 1, tokens=tokens, flops=flops):
-                loss, summed = train_step(m, job, batches, accum, args, cfg.vocab_size, dev, rank, step, record,
-                                          carry)
+            with m.step(step + 1, tokens=feed.tokens, flops=feed.flops):
+                loss, summed = train_step(m, job, feed.batches, feed.accum, args, run.vocab, run.dev, rank, step,
+                                          record, carry)
                 done = step + 1
                 m.mark("optimizer")
                 if args.step_sleep:
@@ -221,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             record.step_times.append(time.perf_counter() - t0)
             record.arms.append(ab.on)
             record.losses.append(loss.item())
-            after_step(mon, job, ckpt, ckpt_extra, args, dev, rank, step, record, summed)
+            after_step(mon, job, run.ckpt, run.ckpt_extra, args, run.dev, rank, step, record, summed)
         except Exception as exc:
             if tier is None:
                 raise
@@ -234,23 +151,26 @@ def main(argv: list[str] | None = None) -> int:
             # (its step "from"+1..."step" was trained by the others, not recorded here).
             record.recoveries.append({"step": done, "from": before, "world_size": dist.get_world_size(),
                                       "rank": dist.get_rank(), "phases": tier.last_phases})
-            global_batch, accum, batches, tokens, flops = feed(job, done)
+            feed = run.feeder(job, done)
             continue
         if tier is not None and (phases := tier.stepped(done)) is not None:
             record.recoveries[-1]["phases"] = phases  # the recovery's first step is done
-    if tier is not None:
-        tier.finish(done)
+    return job, done
 
-    if ckpt:  # the last save in flight is written before the job ends
-        with mon.activity("checkpoint"):
-            ckpt.wait()
-        report_saves(mon, ckpt.finished(), record.saves)
-    if args.metrics_out:
-        record.write(args.metrics_out, first_rank, start, job.model)
-    mon.close()
+
+def _finish(run: Run, job: Job, done: int, record: RunRecord) -> None:
+    """The tier told the job is done, the last save written, the metrics file, the group closed."""
+    if run.tier is not None:
+        run.tier.finish(done)
+    if run.ckpt:  # the last save in flight is written before the job ends
+        with run.mon.activity("checkpoint"):
+            run.ckpt.wait()
+        report_saves(run.mon, run.ckpt.finished(), record.saves)
+    if run.args.metrics_out:
+        record.write(run.args.metrics_out, run.first_rank, run.start, job.model)
+    run.mon.close()
     dist.barrier()
     dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,198 @@
+"""How the harness's run is set up: the job for a membership (mesh, monitor, model, optimizer),
+the step it starts from, and each world's data and per-step accounting.
+
+:mod:`rankwatch.hooks.train` sequences the loop over what :func:`start` returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rankwatch.hooks.instrument import monitor as _monitor
+from rankwatch.hooks.harness.dcp import Checkpointer
+from rankwatch.hooks.harness.data import SyntheticTokens, build_loader
+from rankwatch.hooks.harness.flops import transformer_flops_per_token
+from rankwatch.hooks.harness.model import ModelConfig, Transformer
+from rankwatch.hooks.harness.parallel import ParallelDims, build_mesh, device_type, dp_mesh, parallelize
+from rankwatch.hooks.harness.parts import global_batch_for
+from rankwatch.hooks.recovery.inprocess import InProcessRecovery, Job, Membership
+
+__all__ = ["Feed", "Feeder", "JobBuilder", "Run", "start"]
+
+
+class JobBuilder:
+    """Builds the job for a membership: at the start, and again after an in-process recovery.
+
+    Its first call also makes the run's one monitor (:attr:`monitor`), with the first mesh.
+    """
+
+    def __init__(self, args: argparse.Namespace, cfg: ModelConfig, dev: str, ckpt: Checkpointer | None) -> None:
+        self.args, self.cfg, self.dev, self.ckpt = args, cfg, dev, ckpt
+        self.monitor: Any = None
+        self.replica_size: int | None = None
+        """The job's replica size once it started (its starter sets it): whole replicas that
+        survive a recovery keep their layout."""
+
+    def __call__(self, m: Membership) -> Job:
+        args, dev = self.args, self.dev
+        dims = self._dims(m, dist.get_world_size())
+        mesh = build_mesh(dims, dev)
+        if self.monitor is None:  # before parallelising, so the collectives that shard the weights are timed too
+            self.monitor = _monitor.NullMonitor() if args.no_rankwatch else _monitor.init(
+                mesh=mesh, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None)
+        if m.generation == 0:
+            torch.manual_seed(args.seed)  # identical initial weights on every rank
+            model = parallelize(Transformer(self.cfg).to(dev), mesh, dims)
+        else:  # the weights come from this rank's own shards in memory: allocate, don't initialise
+            with torch.device("meta"):
+                model = Transformer(self.cfg)
+            model = parallelize(model, mesh, dims).to_empty(device=dev)
+        # The fused AdamW by default, on a GPU and on the CPU alike.  On a GPU the step commit
+        # gates it on the device, without a host synchronisation (hooks/recovery/commit.py).
+        # Either way it is one DTensor op per step, not ~8 per parameter: DTensor works out
+        # each op's sharding again for a new generation's mesh, so after an in-process
+        # recovery the loop's first optimizer step cost 10-20x a usual one (BENCHMARKS.md).
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.adamw == "fused",
+                                foreach=args.adamw == "foreach")
+        if self.ckpt:
+            self.ckpt.regroup() if m.generation else self.ckpt.setup()
+        return Job(model=model, optimizer=opt, replica_size=dims.replica_size,
+                   extra={"mesh": mesh, "dims": dims})
+
+    def _dims(self, m: Membership, world: int) -> ParallelDims:
+        args = self.args
+        if m.generation == 0:
+            return ParallelDims.from_flags(args.dp, args.tp, world, args.replicate)
+        if self.replica_size is not None:  # whole replicas survived; each keeps its layout
+            return ParallelDims.from_flags(None, args.tp, world, world // self.replica_size)
+        # a worker joining in process: the job's layout, from the flags
+        return ParallelDims.from_flags(None, args.tp, world, args.replicate)
+
+
+@dataclass
+class Feed:
+    """The data and the per-step accounting for the job's current world."""
+
+    global_batch: int
+    accum: int
+    """Micro-batches per step (gradient accumulation keeps the global batch of a shrunk job)."""
+    batches: Iterator[torch.Tensor]
+    tokens: float
+    """This rank's share of a step's tokens (TP ranks split a batch) ..."""
+    flops: float
+    """... and of its FLOPs."""
+
+
+class Feeder:
+    """Each world's :class:`Feed`, from a step on, keeping the job's global batch: the
+    checkpoint's at the start, then the one each feed kept."""
+
+    def __init__(self, args: argparse.Namespace, cfg: ModelConfig, n_params: int, global_batch: int | None) -> None:
+        self.args, self.cfg, self.n_params = args, cfg, n_params
+        self.global_batch = global_batch
+
+    def __call__(self, job: Job, done: int) -> Feed:
+        args, cfg = self.args, self.cfg
+        dims, mesh = job.extra["dims"], job.extra["mesh"]
+        gb, accum = global_batch_for(self.global_batch, args.batch_size, dims.dp, dist.get_rank())
+        self.global_batch = gb
+        ds = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
+        batches = iter(build_loader(ds, args.batch_size, dp_mesh(mesh).get_local_rank(), dims.dp, done * gb))
+        tokens = accum * args.batch_size * cfg.seq_len / dims.tp
+        flops = tokens * transformer_flops_per_token(self.n_params, cfg.n_layers, cfg.dim, cfg.seq_len)
+        return Feed(global_batch=gb, accum=accum, batches=batches, tokens=tokens, flops=flops)
+
+
+@dataclass
+class Run:
+    """A started run: what the loop sequences, and where it started."""
+
+    args: argparse.Namespace
+    dev: str
+    vocab: int
+    ckpt: Checkpointer | None
+    tier: InProcessRecovery | None
+    """The in-process recovery tier (``--in-process-recovery``), else None."""
+    mon: Any
+    job: Job
+    start: int
+    """Optimizer steps applied before this worker's first (a checkpoint's, or a live replica's)."""
+    first_rank: int
+    """This worker's rank at the start (its metrics file keeps it); a joiner's id (no start rank)."""
+    feeder: Feeder
+    feed: Feed
+    ckpt_extra: dict
+
+
+def start(args: argparse.Namespace) -> Run | None:
+    """Everything before the first step: the device, the process group (or the in-process
+    tier's start), the job, its monitor, the step to start from and the first world's data.
+
+    None: the flags' layout does not fit the world (said on rank 0; the group is destroyed).
+    """
+    dev, backend = _device()
+    cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers,
+                      n_heads=args.heads, hidden_dim=args.hidden_dim, seq_len=args.seq_len)
+    ckpt = Checkpointer(root=args.checkpoint_dir, interval=args.checkpoint_interval,
+                        keep=args.keep_checkpoints, asynchronous=not args.checkpoint_sync
+                        ) if args.checkpoint_dir else None
+    build = JobBuilder(args, cfg, dev, ckpt)
+    timeout = datetime.timedelta(seconds=args.collective_timeout)
+    tier = InProcessRecovery(build, backend=backend, settle=args.recovery_settle, timeout=timeout,
+                             total_steps=args.steps) if args.in_process_recovery else None
+    try:
+        job = _first_job(build, tier, backend, timeout)
+    except ValueError as exc:
+        if dist.get_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        dist.destroy_process_group()
+        return None
+    build.replica_size = job.replica_size
+    if tier is not None:
+        tier.set_monitor(build.monitor)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first_rank = tier.membership.members[rank] if tier is not None and tier.membership is not None else rank
+    n_params = sum(p.numel() for p in job.model.parameters())
+    begin, extra = _resume(job, ckpt, tier)
+    feeder = Feeder(args, cfg, n_params, extra.get("global_batch"))
+    feed = feeder(job, begin)
+    ckpt_extra = {"world_size": world, "dp": job.extra["dims"].dp, "global_batch": feed.global_batch}
+    return Run(args=args, dev=dev, vocab=cfg.vocab_size, ckpt=ckpt, tier=tier, mon=build.monitor, job=job,
+               start=begin, first_rank=first_rank, feeder=feeder, feed=feed, ckpt_extra=ckpt_extra)
+
+
+def _device() -> tuple[str, str]:
+    """This worker's device type and its process group's backend (on a GPU, LOCAL_RANK's device is set)."""
+    dev = device_type()
+    backend = "nccl" if dev == "cuda" else "gloo"
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return dev, backend
+
+
+def _first_job(build: JobBuilder, tier: InProcessRecovery | None, backend: str,
+               timeout: datetime.timedelta) -> Job:
+    """The job at the start: the in-process tier's (a joiner's, admitted by a live replica),
+    else built once the process group is up."""
+    if tier is not None:
+        return tier.start()
+    dist.init_process_group(backend, timeout=timeout)
+    return build(Membership(generation=0, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                            members=tuple(range(dist.get_world_size()))))
+
+
+def _resume(job: Job, ckpt: Checkpointer | None, tier: InProcessRecovery | None) -> tuple[int, dict]:
+    """The step to start from and the checkpoint's extra: a joiner's from the live replica whose
+    state it took, else the newest complete checkpoint's (step 0 without one)."""
+    if tier is not None and tier.completed:  # joined in process: the state came from a live replica
+        return tier.completed, {}
+    return ckpt.load(job.model, job.optimizer) if ckpt else (0, {})
