@@ -48,7 +48,9 @@ from rich.markup import escape
 
 from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address, resolve
 from rankwatch.agent.job.coordinator import PolicyConfig
-from rankwatch.agent.cli.screen import HANG_ALLOWANCE_SECONDS, HANG_STEP, DemoNotes, screen, versus_torchrun
+from rankwatch.agent.cli.screen import (
+    HANG_ALLOWANCE_SECONDS, HANG_STEP, DemoNotes, progress_line, screen, versus_torchrun,
+)
 from rankwatch.agent.gpu import GpuConfig, load_script
 from rankwatch.agent.gpu.script import ScriptedSource
 from rankwatch.agent.detect.hang_verdict import HangConfig
@@ -295,10 +297,7 @@ class _Watch:
                     view.update(screen(status, notes))
                 elif time.monotonic() - last_print > 5:
                     last_print = time.monotonic()
-                    steps = [r["step"] for r in status["ranks"] if r["connected"]]
-                    console.print(f"ranks {len(steps)} steps {min(steps, default=-1)}..{max(steps, default=-1)}"
-                                  f" tokens/s {status['tokens_per_second']:.0f}"
-                                  f" incidents {len(status['incidents'])}")
+                    console.print(progress_line(status))
         return status
 
 

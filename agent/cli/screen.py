@@ -6,6 +6,7 @@ screen can be rendered and checked without a job:
 * :func:`screen`: a header (time, goodput so far, tokens/s), the ranks, the nodes,
   a running feed of incidents and decisions, and a one-line story of what happens next;
 * :func:`next_line`: that story, from where the demo's faults have got to;
+* :func:`progress_line`: the plain line printed every few seconds instead (``--no-live``);
 * :func:`versus_torchrun`: one line comparing the run with plain torchrun under the
   same faults, from measured figures whose source it names.
 """
@@ -29,7 +30,7 @@ from rankwatch.agent.cli.story import recovery_line
 from rankwatch.agent.cli.tables import brief
 
 __all__ = ["DemoNotes", "GLOO_TIMEOUT_SECONDS", "HANG_ALLOWANCE_SECONDS", "HANG_STEP", "feed", "next_line",
-           "screen", "versus_torchrun"]
+           "progress_line", "screen", "versus_torchrun"]
 
 GLOO_TIMEOUT_SECONDS = 1800.0
 """torch.distributed's default process-group timeout for gloo (30 minutes): what ends a hung
@@ -205,6 +206,14 @@ def screen(status: dict[str, Any] | None, notes: DemoNotes, now: float | None = 
     root["story"].update(Panel(Text(next_line(status, notes)), title="what happens next",
                                title_align="left", box=box.ROUNDED))
     return root
+
+
+def progress_line(status: dict[str, Any]) -> str:
+    """The job's progress on one plain line (``--no-live``): ranks, steps, tokens/s, incidents."""
+    steps = [r["step"] for r in status["ranks"] if r["connected"]]
+    return (f"ranks {len(steps)} steps {min(steps, default=-1)}..{max(steps, default=-1)}"
+            f" tokens/s {status['tokens_per_second']:.0f}"
+            f" incidents {len(status['incidents'])}")
 
 
 def versus_torchrun(status: dict[str, Any], started: float, productive_at_hang: float | None,
