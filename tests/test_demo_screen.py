@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from rankwatch.agent.cli.screen import DemoNotes, next_line, screen, versus_torchrun
+from rankwatch.agent.cli.screen import DemoNotes, next_line, progress_line, screen, versus_torchrun
 
 T0 = 1_800_000_000.0
 NODES = ("demo-n0", "demo-n1", "demo-n2", "demo-n3")
@@ -77,3 +77,19 @@ def test_the_comparison_with_plain_torchrun():
                     "the job unfinished (BENCHMARKS.md, 'Cross-node hangs and recovery'): goodput 1.4% "
                     "(25.0s trained of 1835s), against 50.0% with rankwatch (30.0s of 60s, the job finished)")
     assert versus_torchrun({**STATUS, "incidents": []}, T0, 25.0) is None
+
+
+def test_the_progress_line_shows_the_jobs_ranks_when_they_are_done():
+    # The demo's last plain lines come while torchrun shuts down: the job's ranks finished and
+    # their streams closed, but the coordinator still holds their last steps.
+    out = {"state": "excluded"}
+    done = {**STATUS, "excluded_nodes": ["demo-n2", "demo-n1"], "tokens_per_second": 0.0,
+            "ranks": [rank(0, "demo-n0", 160, connected=False), {**rank(1, "demo-n1", 141, connected=False), **out},
+                      {**rank(2, "demo-n2", 120, connected=False), **out}, rank(3, "demo-n3", 160, connected=False)]}
+    assert progress_line(done) == "ranks 2 steps 160..160 (2 gone) tokens/s 0 incidents 1"
+    # While it trains: the ranks of the nodes in the job, not those of an excluded one.
+    assert progress_line(STATUS) == "ranks 2 steps 72..72 tokens/s 900 incidents 1"
+    between = {**STATUS, "ranks": [rank(0, "demo-n0", 75), rank(1, "demo-n1", 74, connected=False)]}
+    assert progress_line(between) == "ranks 2 steps 74..75 (1 gone) tokens/s 900 incidents 1"
+    bare = {"ranks": [], "incidents": [], "excluded_nodes": [], "tokens_per_second": 0.0}
+    assert progress_line(bare) == "ranks 0 tokens/s 0 incidents 0"

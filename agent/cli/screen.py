@@ -209,11 +209,19 @@ def screen(status: dict[str, Any] | None, notes: DemoNotes, now: float | None = 
 
 
 def progress_line(status: dict[str, Any]) -> str:
-    """The job's progress on one plain line (``--no-live``): ranks, steps, tokens/s, incidents."""
-    steps = [r["step"] for r in status["ranks"] if r["connected"]]
-    return (f"ranks {len(steps)} steps {min(steps, default=-1)}..{max(steps, default=-1)}"
-            f" tokens/s {status['tokens_per_second']:.0f}"
-            f" incidents {len(status['incidents'])}")
+    """The job's progress on one plain line (``--no-live``): ranks, steps, tokens/s, incidents.
+
+    The job's ranks are those of the nodes still in it, connected or not: a rank that finished
+    (or is between workers) keeps its last step in the coordinator's view, and the demo's last
+    lines come while torchrun shuts down after its ranks are done.
+    """
+    excluded = set(status.get("excluded_nodes", []))
+    ranks = [r for r in status["ranks"] if r["node"] not in excluded and r.get("state") != "excluded"]
+    steps = [r["step"] for r in ranks]
+    gone = sum(1 for r in ranks if not r.get("connected"))
+    return (f"ranks {len(ranks)}" + (f" steps {min(steps)}..{max(steps)}" if steps else "")
+            + (f" ({gone} gone)" if gone else "")
+            + f" tokens/s {status['tokens_per_second']:.0f} incidents {len(status['incidents'])}")
 
 
 def versus_torchrun(status: dict[str, Any], started: float, productive_at_hang: float | None,
