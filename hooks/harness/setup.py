@@ -1,7 +1,8 @@
-"""How the harness's run is set up: the job for a membership (mesh, monitor, model, optimizer),
-the step it starts from, and each world's data and per-step accounting.
+"""How the harness's run is set up: the job for a membership, its start step, each world's data.
 
-:mod:`rankwatch.hooks.train` sequences the loop over what :func:`start` returns.
+The job is a membership's mesh, model and optimizer (and, the first time, the run's monitor);
+the data comes with its per-step accounting.  :mod:`rankwatch.hooks.train` sequences the loop
+over what :func:`start` returns.
 """
 
 from __future__ import annotations
