@@ -148,8 +148,11 @@ def start(args: argparse.Namespace) -> Run | None:
                         ) if args.checkpoint_dir else None
     build = JobBuilder(args, cfg, dev, ckpt)
     timeout = datetime.timedelta(seconds=args.collective_timeout)
+    # Admitting joiners breaks a healthy step, and the asynchronous save in flight is drained
+    # first: the break shuts every group's connections, the save's own too.
     tier = InProcessRecovery(build, backend=backend, settle=args.recovery_settle, timeout=timeout,
-                             total_steps=args.steps) if args.in_process_recovery else None
+                             total_steps=args.steps, drain=ckpt.wait if ckpt else None
+                             ) if args.in_process_recovery else None
     try:
         job = _first_job(build, tier, backend, timeout)
     except ValueError as exc:
