@@ -152,6 +152,9 @@ def _train(run: Run, record: RunRecord) -> tuple[Job, int]:
             record.recoveries.append({"step": done, "from": before, "world_size": dist.get_world_size(),
                                       "rank": dist.get_rank(), "phases": tier.last_phases})
             feed = run.feeder(job, done)
+            # Later saves record the world they are made in (a restart from one keeps its batch).
+            run.ckpt_extra.update(world_size=dist.get_world_size(), dp=job.extra["dims"].dp,
+                                  global_batch=feed.global_batch)
             continue
         if tier is not None and (phases := tier.stepped(done)) is not None:
             record.recoveries[-1]["phases"] = phases  # the recovery's first step is done

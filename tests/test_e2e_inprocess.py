@@ -54,7 +54,9 @@ def test_node_kill_survivors_regroup_in_process(tmp_path):
     steps = 120
     with Cluster(tmp_path, 4) as c:
         jobs = [c.torchrun(i, "2:4", 1, "--steps", str(steps), "--log-every", "0", "--replicate", "4",
-                           "--in-process-recovery", "--metrics-out", str(out), launcher="rankwatch")
+                           "--in-process-recovery", "--metrics-out", str(out),
+                           "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "10",
+                           launcher="rankwatch")
                 for i in range(4)]
         before = _kill_and_finish(c, jobs, victim=2, nodes=4, ranks=4)
         status = c.coordinator.status()
@@ -80,6 +82,11 @@ def test_node_kill_survivors_regroup_in_process(tmp_path):
     assert d["ok"] is True and d["dropped_nodes"] == ["n2"] and (d["old_world_size"], d["new_world_size"]) == (4, 3), d
     assert "n2" in status["excluded_nodes"]
     assert status["time_seconds"]["restart"] > 0
+    # The last save says what the world was when it was made, not at the job's start: a
+    # restart from it keeps the survivors' global batch (16 samples over dp 4 became 12 over dp 3).
+    (marker,) = sorted((tmp_path / "ckpt").glob("step_*/COMPLETE"))[-1:]
+    saved = json.loads(marker.read_text())
+    assert saved["step"] == steps and (saved["world_size"], saved["dp"], saved["global_batch"]) == (3, 3, 12), saved
 
 
 def test_tensor_parallel_replicas_regroup_in_process(tmp_path):
