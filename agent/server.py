@@ -32,7 +32,7 @@ from rankwatch.agent.job.coordinator import Coordinator
 from rankwatch.agent.job.decisions import Decision, DecisionLog
 from rankwatch.agent.export.prom_host import HostCollector
 from rankwatch.agent.job import goodput
-from rankwatch.agent.views import answer as views
+from rankwatch.agent.views import answer
 from rankwatch.agent.export.prom_store import StorageCollector
 from rankwatch.agent.export.prom_refusals import GateCollector
 from rankwatch.agent.durable.storage import storage_report
@@ -210,14 +210,14 @@ class Agent:
 
     # -- what it shows ------------------------------------------------------------
     def status(self, request: pb.StatusRequest | None = None) -> pb.StatusResponse:
-        """The agent's ``Status`` answer (:func:`views.status_response`)."""
-        return views.status_response(self.state, self.job, storage_report(self.incidents, self.decision_log),
+        """The agent's ``Status`` answer (:func:`answer.status_response`)."""
+        return answer.status_response(self.state, self.job, storage_report(self.incidents, self.decision_log),
                                      metrics_port=self.metrics_port, max_ranks=self.config.status_max_ranks,
                                      request=request)
 
     def summary(self, seq: int) -> pb.NodeSummary:
-        """This node's compact summary for the coordinator (:func:`views.node_summary`)."""
-        return views.node_summary(self.state, seq, decisions=self.decision_log.items, run_id=self.incidents.run_id,
+        """This node's compact summary for the coordinator (:func:`answer.node_summary`)."""
+        return answer.node_summary(self.state, seq, decisions=self.decision_log.items, run_id=self.incidents.run_id,
                                   relay_address=self.relay.address if self.relay is not None else None,
                                   step_period=self.watch.step_period)
 

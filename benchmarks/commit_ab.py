@@ -30,10 +30,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rankwatch.hooks.recovery import commit as recovery_commit
+from rankwatch.hooks.recovery import commit
 from rankwatch.hooks.train import main
 
-_agree, _carry = recovery_commit.StepCommit._agree, recovery_commit.StepCommit.carry
+_agree, _carry = commit.StepCommit._agree, commit.StepCommit.carry
 block = 10
 own_reduce = aa = False
 arms: list[bool] = []   # the arm of each optimizer step, in order
@@ -75,8 +75,8 @@ if __name__ == "__main__":
         if flag in argv:
             argv.remove(flag)
             own_reduce, aa = own_reduce or flag == "--ab-own-reduce", aa or flag == "--ab-aa"
-    recovery_commit.StepCommit._agree = _agree_by_arm
-    recovery_commit.StepCommit.carry = _carry_by_arm
+    commit.StepCommit._agree = _agree_by_arm
+    commit.StepCommit.carry = _carry_by_arm
     rc = main(argv)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"ab{os.environ.get('RANK', '0')}.json").write_text(json.dumps(arms))

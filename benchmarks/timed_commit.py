@@ -17,10 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from rankwatch.hooks.recovery import commit as recovery_commit
+from rankwatch.hooks.recovery import commit
 from rankwatch.hooks.train import main
 
-_agree = recovery_commit.StepCommit._agree
+_agree = commit.StepCommit._agree
 waits: list[float] = []
 aligned = False
 
@@ -45,7 +45,7 @@ if __name__ == "__main__":
     if "--commit-aligned" in argv:
         argv.remove("--commit-aligned")
         aligned = True
-    recovery_commit.StepCommit._agree = _timed
+    commit.StepCommit._agree = _timed
     rc = main(argv)
     (out / f"commit{os.environ.get('RANK', '0')}.json").write_text(json.dumps(waits))
     sys.exit(rc)

@@ -1,5 +1,5 @@
 """The collective columns' checks, in their fast whole-column form, refuse exactly what a
-value-by-value reading of the ranges refuses (validate_stream.check_collective_columns)."""
+value-by-value reading of the ranges refuses (report.check_collective_columns)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rankwatch.agent.wire import ranges as validate, report as validate_stream
+from rankwatch.agent.wire import ranges, report
 from rankwatch.agent.node.oplatency import OpLatency
 
 NOW = 1.7e9
@@ -43,9 +43,9 @@ def test_fast_checks_refuse_exactly_the_values_out_of_range(columns):
     cols = {"seq": np.array(seq, "<i8"), "start": np.array(start, "<f8"),
             "duration": np.array(duration, "<f8"), "nbytes": np.array(nbytes, "<i8")}
     try:
-        validate_stream.check_collective_columns(cols, NOW)
+        report.check_collective_columns(cols, NOW)
         refused = False
-    except validate.Rejected as exc:
+    except ranges.Rejected as exc:
         assert exc.reason == "invalid_value"
         refused = True
     assert refused != in_range(seq, start, duration, nbytes)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from rankwatch.address import Address
-from rankwatch.agent.wire import windows as work_windows
+from rankwatch.agent.wire import windows
 from rankwatch.agent.job.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.detect.evaluate import Snapshot, evaluate
 from rankwatch.agent.detect.hang_verdict import HangConfig, RankProgress
@@ -159,7 +159,7 @@ def test_the_summary_carries_each_ranks_period_from_step_start_to_step_start(tmp
     (sent,) = agent.summary(1).ranks
     assert sent.step_seconds == pytest.approx(0.005) and sent.step_period == pytest.approx(0.04)
     # The windows go packed in one field (RankSummary.work), not as repeated doubles.
-    assert len(sent.work) == 3 * n * work_windows.VALUE_BYTES and not sent.own_work and not sent.comm_wait
+    assert len(sent.work) == 3 * n * windows.VALUE_BYTES and not sent.own_work and not sent.comm_wait
     coordinator = Coordinator("c", incidents=IncidentLog(None), hang=HANG,
                               policy=PolicyConfig(node_timeout_seconds=600))
     coordinator.sync(agent.summary(2))

@@ -189,7 +189,7 @@ def _announce(console: Console, agents: list[Agent], addr: Address, steps: int, 
 def _launch(node: str, i: int, agent_addr: Address, workdir: Path, rdzv_port: int, steps: int) -> subprocess.Popen:
     """Node ``i``'s ``rankwatch run`` (torchrun, one rank), its faults injected, logging to ``<node>.log``."""
     fault = {1: ["--fault", "slow_compute:-1:20:0.5"], 2: ["--fault", f"sleep_forward:-1:{HANG_STEP}:120"]}
-    cmd = [sys.executable, "-m", "rankwatch.agent.cli.app", "run", "--agent", str(agent_addr),
+    cmd = [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent_addr),
            "--node-id", node, "--",
            "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", "rankwatch-demo",

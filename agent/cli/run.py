@@ -39,7 +39,7 @@ def start_local_agent(addr: Address, node: str, metrics_port: int | None = None)
     """
     if metrics_port is None:
         metrics_port = DEFAULT_METRICS_PORT if port_free(DEFAULT_METRICS_PORT) else 0
-    cmd = [sys.executable, "-m", "rankwatch.agent.cli.app", "agent", "--listen", str(addr),
+    cmd = [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--listen", str(addr),
            "--node-id", node, "--metrics-port", str(metrics_port)]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + _AGENT_START.total_seconds()

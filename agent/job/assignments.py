@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from rankwatch.agent.job import routing as relay_policy
+from rankwatch.agent.job import routing
 from rankwatch.agent.job.global_view import JobView
 from rankwatch.agent.job.loadmeter import LoadMeter
 from rankwatch.agent.job.relay import MAX_GROUP
@@ -58,7 +58,7 @@ class RelayGroups:
         self.cfg = cfg
         self.load = load
         self.relays: dict[str, str] = {}
-        """Node -> the relay it syncs through ('' or absent: this coordinator; relay_policy)."""
+        """Node -> the relay it syncs through ('' or absent: this coordinator; routing)."""
         self._groups: dict[str, tuple[str, int]] = {}
         """Relay node -> (its address, its group's size): where a new node is placed."""
         self._lock = threading.Lock()   # the assignment, the groups and placements
@@ -104,7 +104,7 @@ class RelayGroups:
                 refused(exc)
 
     def _assign(self, now: float) -> None:
-        """Draw the relay groups again (:func:`relay_policy.assign`)."""
+        """Draw the relay groups again (:func:`routing.assign`)."""
         view = self.view
         with view.lock:
             excluded = view.excluded
@@ -114,24 +114,24 @@ class RelayGroups:
                      for name, n in view.nodes.items() if name != self.own]
         addresses = {name: addr for name, addr, _ in nodes}
         with self._lock:
-            relays = relay_policy.assign(nodes, self.cfg, self.relays)
+            relays = routing.assign(nodes, self.cfg, self.relays)
             if bool(relays) != bool(self.relays):
                 log.warning("nodes now sync %s", f"through {sum(1 for a in relays.values() if not a)} relay(s)"
                             if relays else "with the coordinator directly")
             self.relays = relays
             self._groups = {r: (addresses[r], size)
-                            for r, size in relay_policy.group_sizes(relays, addresses).items()}
-        self.load.callers = relay_policy.callers(relays, len(nodes) + 1) if relays else None
+                            for r, size in routing.group_sizes(relays, addresses).items()}
+        self.load.callers = routing.callers(relays, len(nodes) + 1) if relays else None
 
     def _place(self, summary: pb.NodeSummary) -> str:
         """A node new to the coordinator (not its own), put in a group at its first sync
-        (:func:`relay_policy.place`); the address of the relay it syncs through next, or ''."""
+        (:func:`routing.place`); the address of the relay it syncs through next, or ''."""
         name = summary.node_id
         eligible = bool(summary.relay_address) and name not in self.view.excluded and name not in self.view.dead
         with self._lock:
             if name in self.relays or not self._groups:
                 return self.relays.get(name, "")
-            relay = relay_policy.place(name, eligible, {r: n for r, (_, n) in self._groups.items()}, self.cfg)
+            relay = routing.place(name, eligible, {r: n for r, (_, n) in self._groups.items()}, self.cfg)
             if relay is None:
                 return ""
             addr, size = self._groups.get(relay, (summary.relay_address, 0))

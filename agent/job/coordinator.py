@@ -46,7 +46,7 @@ from rankwatch.agent.detect.hang_verdict import HangConfig
 from rankwatch.agent.detect.straggler import StragglerConfig
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
-from rankwatch.agent.job import checkpoint_due as checkpoint_policy, node_death, pacing as load_policy
+from rankwatch.agent.job import checkpoint_due, node_death, pacing
 from rankwatch.agent.job.death_watch import DeathWatch
 from rankwatch.agent.job.decisions import Decision, DecisionLog
 from rankwatch.agent.job.evictions import Evictions
@@ -228,7 +228,7 @@ class Coordinator:
             if not ranks:
                 raise LookupError("no rank is connected to any node of this job")
             checkpoints = [d for d in self.log.items if d.kind == "checkpoint"]
-            step, new = checkpoint_policy.save_step(
+            step, new = checkpoint_due.save_step(
                 max(r.step for r in ranks), max((r.step_seconds for r in ranks), default=0.0),
                 self.policy.checkpoint_lead_seconds, pending=(d.step for d in checkpoints))
             if not new:  # a duplicate: the pending request already covers it
@@ -288,9 +288,9 @@ class Coordinator:
 
     def _check_stragglers(self, now: float) -> None:
         """The straggler detector, once per sync interval (less often while overloaded:
-        :func:`load_policy.straggler_due`), over each node's latest whole summary, kept between
+        :func:`pacing.straggler_due`), over each node's latest whole summary, kept between
         runs (:meth:`JobView.straggler_work`); a costly straggler is evicted (:class:`Evictions`)."""
-        if not load_policy.straggler_due(now, self._stragglers_at, self.load.interval,
+        if not pacing.straggler_due(now, self._stragglers_at, self.load.interval,
                                          self.load.overloaded is not None, self.load.cfg, self._straggler_cost):
             return
         self._stragglers_at, began = now, self._monotonic()

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Collection, Iterable
 
 from rankwatch.agent.durable.incidents import Incident
-from rankwatch.agent.job import checkpoint_due as checkpoint_policy
+from rankwatch.agent.job import checkpoint_due
 from rankwatch.agent.job.decisions import Decision
 from rankwatch.agent.job.policy import PolicyConfig
 
@@ -34,7 +34,7 @@ class Evictions:
              checkpoint: Callable[[str], Decision]) -> None:
         """A costly straggling node: checkpoint now (``checkpoint``: the request, raising
         LookupError when no rank could save), exclude it once that checkpoint is complete."""
-        if (not checkpoint_policy.wants_eviction(speedup, self.policy.evict_straggler_speedup)
+        if (not checkpoint_due.wants_eviction(speedup, self.policy.evict_straggler_speedup)
                 or node in self._planned or node in excluded):
             return
         reason = f"straggler: the job would step {speedup:.2f}x faster without node {node} ({cause})"
@@ -52,7 +52,7 @@ class Evictions:
             return []
         saved = [i.step for i in incidents() if i.kind == "checkpoint" and i.detail.get("ok")]
         out = []
-        for node in checkpoint_policy.evictions_due({n: step for n, (step, _) in self._planned.items()}, saved):
+        for node in checkpoint_due.evictions_due({n: step for n, (step, _) in self._planned.items()}, saved):
             _, reason = self._planned.pop(node)
             out.append((node, reason))
         return out

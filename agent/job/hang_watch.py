@@ -17,7 +17,7 @@ from rankwatch.agent.detect.evaluate import HangFinding, Snapshot, Verdicts, eva
 from rankwatch.agent.detect.hang_end import end_possible, hang_end, steps_at
 from rankwatch.agent.detect.hang_verdict import HangConfig, hang_possible
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
-from rankwatch.agent.job import pacing as load_policy
+from rankwatch.agent.job import pacing
 from rankwatch.agent.job.global_view import JobView
 from rankwatch.agent.job.loadmeter import LoadMeter
 
@@ -64,7 +64,7 @@ class HangWatch:
         hang_due = self.due(now, restarting, quiet_nodes)
         began, took = self._pass
         verdicts, seen = None, self._changes(quiet_nodes)   # (as of the snapshot)
-        if hang_due and load_policy.detector_due(self._monotonic(), began, took, self.load.cfg):
+        if hang_due and pacing.detector_due(self._monotonic(), began, took, self.load.cfg):
             began = self._monotonic()
             verdicts = evaluate(now, snapshot(now), self.hang)
             self._pass = (began, self._monotonic() - began)
@@ -81,7 +81,7 @@ class HangWatch:
         interval, and only once something that can end it changed (:func:`end_possible`).
         While an exclusion's restart is under way, never (at 16,384 ranks a discarded pass a
         third of the time, for up to ``restart_quiet_seconds``, slowed the syncs' calls).  The
-        pass's own cost spaces it further (:func:`load_policy.detector_due`, in :meth:`look`).
+        pass's own cost spaces it further (:func:`pacing.detector_due`, in :meth:`look`).
         """
         if restarting:
             return False
@@ -94,14 +94,14 @@ class HangWatch:
     def _evidence(self, now: float, verdicts: Verdicts) -> bool:
         """Whether this evaluation may open or close a hang: summaries that arrived late
         after the coordinator's own overload are no evidence, except a new verdict the ranks'
-        own reports show (:func:`load_policy.hang_shown_by_reports`)."""
+        own reports show (:func:`pacing.hang_shown_by_reports`)."""
         if now >= self.load.quiet:
             return True
         found = verdicts.hang
         if self.open is not None or found is None:
             return False
         v = found.verdict
-        return load_policy.hang_shown_by_reports(now, self.load.quiet, v.reported_for, v.allowance, v.by_silence)
+        return pacing.hang_shown_by_reports(now, self.load.quiet, v.reported_for, v.allowance, v.by_silence)
 
     def _changes(self, quiet_nodes: int) -> tuple[int, int, int]:
         """What alone can end an open hang, counted (:func:`end_possible`)."""

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from rankwatch.agent.job import pacing as load_policy
+from rankwatch.agent.job import pacing
 from rankwatch.agent.job.pacing import LoadConfig
 
 __all__ = ["LoadMeter"]
@@ -49,7 +49,7 @@ class LoadMeter:
         self.node_timeout = node_timeout
         self._refusals = refusals
         self.interval = cfg.base_interval
-        """How often nodes are told to sync (:func:`load_policy.sync_interval`)."""
+        """How often nodes are told to sync (:func:`pacing.sync_interval`)."""
         self.overloaded: str | None = None
         """Why the coordinator is itself a bottleneck now (None: it is not)."""
         self.overloads = 0
@@ -80,7 +80,7 @@ class LoadMeter:
 
     def reply_interval(self) -> float:
         """The interval to ask of a node now: never below the floor for the nodes known."""
-        return max(self.interval, load_policy.interval_floor(self._callers(self._count), self.cfg))
+        return max(self.interval, pacing.interval_floor(self._callers(self._count), self.cfg))
 
     def _callers(self, nodes: int) -> int:
         callers = self.callers
@@ -93,7 +93,7 @@ class LoadMeter:
         through a relay) has gone silent, as far as this coordinator can tell."""
         if now - received_at <= self.node_timeout:
             return False   # no allowance is shorter (the evaluation asks of every node, 4 times a second)
-        return load_policy.node_silent(now, received_at, max(node_interval, self.interval), self.node_timeout,
+        return pacing.node_silent(now, received_at, max(node_interval, self.interval), self.node_timeout,
                                        self.quiet, self.cfg, syncs, witness, relayed)
 
     def measure(self, now: float, lock: threading.Lock, node_intervals: Callable[[], list[float]]) -> None:
@@ -117,22 +117,22 @@ class LoadMeter:
             late = self._late
         self._tick = (wall, cpu, synced, refused, late)
         cores = (cpu - c0) / (wall - w0)
-        load = load_policy.Load(cores=cores, loop_lag=lag,
+        load = pacing.Load(cores=cores, loop_lag=lag,
                                 sync_delay=delays[len(delays) // 2] if delays else 0.0,
                                 refused=refused - r0, late=late - l0,
                                 heard=min(1.0, (synced - s0) / due) if due > 0 else 1.0, nodes=len(intervals))
-        interval = max(load_policy.sync_interval(self.interval, load, self.cfg),
-                       load_policy.interval_floor(self._callers(len(intervals)), self.cfg))
+        interval = max(pacing.sync_interval(self.interval, load, self.cfg),
+                       pacing.interval_floor(self._callers(len(intervals)), self.cfg))
         if interval != self.interval:
             log.info("nodes now sync every %.2fs (%d nodes, %.0f syncs/s, %.2f cores)", interval,
                      len(intervals), (synced - s0) / (wall - w0), cores)
             self.interval = interval
-        why = load_policy.overload(load, self.cfg, self._burst(len(intervals)))
+        why = pacing.overload(load, self.cfg, self._burst(len(intervals)))
         if why is not None:
             if self.overloaded is None:
                 log.warning("coordinator overloaded: %s; no node is called silent until it recovers", why)
             self.overloads += 1
-            self.quiet = load_policy.quiet_until(now, self.interval, self.node_timeout, self.cfg)
+            self.quiet = pacing.quiet_until(now, self.interval, self.node_timeout, self.cfg)
         elif self.overloaded is not None:
             log.info("coordinator load back to normal")
         self.overloaded = why

@@ -14,7 +14,7 @@ from typing import Any
 
 from rankwatch.agent.wire import bounds
 
-from rankwatch.agent.job import checkpoint_due as checkpoint_policy
+from rankwatch.agent.job import checkpoint_due
 from rankwatch.agent.job.decisions import DecisionLog
 from rankwatch.agent.durable.incidents import IncidentLog
 from rankwatch.agent.rpc.command_stream import CommandHub
@@ -83,7 +83,7 @@ class NodeCheckpoints:
         if event.kind != "risk":
             return
         key = (event.gpu, event.reason)
-        if not checkpoint_policy.risk_due(event.at, self._risk_requested.get(key)):
+        if not checkpoint_due.risk_due(event.at, self._risk_requested.get(key)):
             return
         self._risk_requested[key] = event.at
         self.ask_for_risk(f"gpu risk: {event.reason} on gpu {event.gpu} of {event.node}")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from rankwatch.agent.node.histogram import COLLECTIVE_BUCKETS, STEP_BUCKETS, HistogramSet
-from rankwatch.agent.wire import bounds, ranges as validate, report as validate_stream
+from rankwatch.agent.wire import bounds, ranges, report
 from rankwatch.agent.wire.ranges import Rejected, parse_flight_recorder
 from rankwatch.agent.durable.incidents import Incident
 from rankwatch.agent.node.rankrecord import ACTIVITY, OP_INDEX, OPS, PHASES, STATES, RankState
@@ -71,7 +71,7 @@ class NodeState:
         Raises:
             Rejected: invalid identity, or the rank is already live on another stream.
         """
-        validate_stream.check_hello(msg)
+        report.check_hello(msg)
         with self.lock:
             old = self.ranks.get(msg.rank)
             if (not replace and old is not None and old.connected
@@ -120,11 +120,11 @@ class NodeState:
         Raises:
             Rejected: the batch is malformed; nothing of it is applied.
         """
-        coll = validate_stream.decode_collectives(batch.collectives, len(rank.op_map)) if batch.HasField("collectives") else None
-        steps = validate_stream.check_step_shapes(batch.steps) if batch.HasField("steps") else None
+        coll = report.decode_collectives(batch.collectives, len(rank.op_map)) if batch.HasField("collectives") else None
+        steps = report.check_step_shapes(batch.steps) if batch.HasField("steps") else None
         if batch.HasField("progress"):
-            validate_stream.check_progress_shape(batch.progress)
-        validate_stream.check_batch(batch, coll)
+            report.check_progress_shape(batch.progress)
+        report.check_batch(batch, coll)
         with self.lock:
             if batch.seq <= rank.last_batch_seq:
                 raise self._reject("duplicate_batch",
@@ -219,7 +219,7 @@ class NodeState:
         valid = []
         for rec in records:
             try:
-                validate_stream.check_recovery(rec, now)
+                report.check_recovery(rec, now)
             except Rejected as exc:
                 detail = str(exc).removeprefix(f"{exc.reason}: ")
                 self.note_rejected(Rejected(exc.reason, f"rank {rank.rank}'s recovery record: {detail}"))
@@ -239,7 +239,7 @@ class NodeState:
     def note_rejected(self, exc: Rejected) -> None:
         """Count a refused message and log it: one line per reason per 10 s."""
         with self.lock:
-            reason = validate.reason_label(exc.reason)
+            reason = ranges.reason_label(exc.reason)
             count = self.rejected[reason] = self.rejected.get(reason, 0) + 1
             now = self.clock()
             loud = now - self._last_log.get(exc.reason, 0.0) >= 10.0

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
-from rankwatch.agent.wire import windows as work_windows
+from rankwatch.agent.wire import windows
 from rankwatch.proto import pb
 
 __all__ = [
@@ -161,7 +161,7 @@ def cap_summary(s: pb.NodeSummary, limit: int = MAX_SUMMARY_BYTES) -> pb.NodeSum
     if s.ByteSize() > limit:
         for r in s.ranks:
             if r.work:
-                r.work = work_windows.pack(*(w[-8:] for w in work_windows.windows(r)))
+                r.work = windows.pack(*(w[-8:] for w in windows.windows(r)))
             for window in (r.own_work, r.data_wait, r.comm_wait):
                 del window[:-8]
     if s.ByteSize() > limit:

@@ -17,7 +17,7 @@ from rankwatch.agent.wire.ranges import (
     check_durations, check_flight_recorder, check_label, check_recovery_phases, check_timestamp,
     parse_flight_recorder,
 )
-from rankwatch.agent.wire import windows as work_windows
+from rankwatch.agent.wire import windows
 from rankwatch.proto import pb
 
 __all__ = ["check_absence", "check_beat", "check_incident", "check_summary"]
@@ -45,7 +45,7 @@ def check_summary(s: pb.NodeSummary, now: float | None = None) -> None:
             raise Rejected("invalid_value", f"time account {key} {value!r} out of range")
     # Every rank's packed windows, checked in one pass (ufunc reductions: numpy's min and max
     # wrap them in Python).
-    work = work_windows.all_windows([_check_rank_summary(r, now) for r in s.ranks])
+    work = windows.all_windows([_check_rank_summary(r, now) for r in s.ranks])
     if work.size and not (0.0 <= np.minimum.reduce(work) and np.maximum.reduce(work) <= MAX_DURATION):   # NaN fails both
         check_durations(work.tolist(), "a per-step time")   # names the value
         raise Rejected("invalid_value", "a per-step time out of range")
@@ -174,7 +174,7 @@ def _check_rank_rest(r: pb.RankSummary, now: float) -> bytes:
         if work:
             raise Rejected("malformed", "rank summary has its windows both packed and repeated")
     if work:
-        steps = work_windows.steps(work)
+        steps = windows.steps(work)
         if steps is None:
             raise Rejected("malformed", f"rank summary work of {len(work)} bytes: not whole steps")
         if steps > MAX_WINDOW:
