@@ -43,11 +43,11 @@ class AgentConfig:
         advertise: this agent's address for the other agents (default: its first TCP one).
         rank_grace: seconds a disconnected rank stays in /metrics.
         status_max_ranks: the most ranks a ``Status`` answer lists unless asked for all
-            (:mod:`.status_ranks`).
-        relay: how a big job's nodes are grouped behind relays (:mod:`.relay_policy`; the
+            (:mod:`.views.rank_list`).
+        relay: how a big job's nodes are grouped behind relays (:mod:`.routing`; the
             coordinator's setting).
         job_nodes: how many nodes the job has, if known (0: not known); a big job's agents
-            spread their first syncs by it (:func:`~.load_policy.first_sync_delay`).
+            spread their first syncs by it (:func:`~.pacing.first_sync_delay`).
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,

@@ -20,7 +20,7 @@ Injected, all from outside the code under test, in this order:
 * once the spare trains, node 1's scripted GPU raises XID 79 (fatal: reboot):
   node 1 is excluded, and nodes 0 and 3 regroup in process and finish the job.
 
-In a terminal the demo shows one full-screen live view (:mod:`demoscreen`): the
+In a terminal the demo shows one full-screen live view (:mod:`screen`): the
 ranks and nodes, a running feed of incidents and decisions, goodput as it goes and
 a line on what happens next; the agents log to ``agents.log`` and each node's
 ``rankwatch run`` to ``<node>.log`` in the demo's directory.  ``--no-live`` (or an

@@ -28,7 +28,7 @@ that is slow for everyone cancels out):
   others: CPU contention on a shared host comes and goes;
 * a whole node: when every rank of one node is flagged (and the job spans more
   than one node), one node-level event replaces the per-rank ones;
-* the cause (:func:`.straggler_score._cause`): ``data`` when most of the excess is data-loader
+* the cause (:func:`.work_scores._cause`): ``data`` when most of the excess is data-loader
   wait, ``host`` when most of it is the training thread waiting for a CPU
   (run delay, :mod:`rankwatch.agent.node.starvation`), ``data`` again when most of it is the rank's own time between its step scopes (a loop that fetches its batch
   before ``with mon.step(n):``), ``communication`` when most of it is the rank
@@ -37,9 +37,9 @@ that is slow for everyone cancels out):
   throttle, else ``compute``;
 * the cost: the job's step-time speed-up if the straggler's excess were gone.  A
   ``host`` straggler's excess and slowdown count its collective threads' run delay too
-  (:func:`.straggler_score._starved`): the job waits for them inside its collectives.
+  (:func:`.work_scores._starved`): the job waits for them inside its collectives.
 
-The scores (slowdown, cause, cost) are :mod:`.straggler_score`'s pure functions; this module
+The scores (slowdown, cause, cost) are :mod:`.work_scores`'s pure functions; this module
 turns them into flags over time (:class:`StragglerDetector`).
 """
 

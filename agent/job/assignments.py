@@ -84,7 +84,7 @@ class RelayGroups:
     def absent(self, group: pb.GroupSummary, taken: set[str], now: float,
                refused: Callable[[ValueError], None]) -> None:
         """A relay's word on the members of its group it has not heard lately
-        (``load_policy.node_silent`` weighs it).  Taken only from the relay this coordinator
+        (``pacing.node_silent`` weighs it).  Taken only from the relay this coordinator
         sent each node to, and only for nodes the same call did not carry."""
         relay = group.nodes[0].node_id if group.nodes else ""
         with self._lock:

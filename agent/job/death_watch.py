@@ -62,7 +62,7 @@ class DeathWatch:
                     ranks_died=n.ranks_died, died_since=n.ranks_dead_since,
                     grace=self.policy.crashed_grace_seconds)
                 if why is not None:
-                    if name in quiet and now < self.load.quiet and n.witness is not None:   # (load_policy.node_silent)
+                    if name in quiet and now < self.load.quiet and n.witness is not None:   # (pacing.node_silent)
                         why += f" (its relay had not heard it for {n.witness[1] - n.witness[0]:.1f}s)"
                     dead.append((name, why))
                     if name in quiet and counts:

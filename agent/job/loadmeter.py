@@ -1,6 +1,6 @@
 """The coordinator's measure of its own load, and what follows from it.
 
-The rules are :mod:`load_policy`'s (pure functions); this keeps the counters they read.
+The rules are :mod:`pacing`'s (pure functions); this keeps the counters they read.
 Each summary is counted with its delay (arrival minus sending, less its node's best).
 Each evaluation measures, over windows of two seconds (at once when the loop itself ran
 late), the process's CPU, its loop's lag, the median delay, the calls refused for lack

@@ -47,7 +47,7 @@ def silence_is_evidence(silent: int, nodes: int, *, burst_share: float, burst_no
 
 def burst_size(nodes: int, *, burst_share: float, burst_nodes: int) -> float:
     """The most of ``nodes`` nodes taken for dead at once; more falling silent together is
-    the coordinator's or the network's trouble (also :func:`load_policy.overload`'s scope)."""
+    the coordinator's or the network's trouble (also :func:`pacing.overload`'s scope)."""
     return max(burst_nodes, burst_share * nodes)
 
 

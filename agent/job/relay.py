@@ -6,15 +6,15 @@ once from the coordinator's last ``GroupReply`` (its decisions, the sync interva
 the node's own incidents, where the node should sync next), and its ``JobLink`` sends
 every summary it holds on in one ``SyncGroup`` call with its own, once per interval:
 whole, or as a beat when nothing the coordinator acts on at once changed.  Who relays
-for whom, and what goes whole, is :mod:`.relay_policy`'s.
+for whom, and what goes whole, is :mod:`.routing`'s.
 
 A relay that has not heard the coordinator lately never answers with stale decisions:
 while the coordinator is only busy it holds the node's summary and has the node back off
 (:class:`RelayBusy`, ``RESOURCE_EXHAUSTED``); once it lost the coordinator, or stayed
 unanswered past the hold, it refuses (``UNAVAILABLE``), and its nodes sync with the
-coordinator directly, so it never hides a node (:func:`~.relay_policy.relay_answer`).
+coordinator directly, so it never hides a node (:func:`~.routing.relay_answer`).
 Each ``SyncGroup`` also names the group's members the relay has not heard from lately while
-it listened to the others (:func:`~.relay_policy.vouched_absence`): a busy coordinator's
+it listened to the others (:func:`~.routing.vouched_absence`): a busy coordinator's
 evidence that a node is gone.
 Bounds: at most ``max_nodes`` nodes and ``GROUP_BYTES`` held at once, the newest
 summary per node, each no bigger than a node agent ever sends (``bounds.MAX_SUMMARY_BYTES``).
@@ -262,7 +262,7 @@ class Relay:
     def woke_late(self, seconds: float) -> None:
         """This agent's loop woke ``seconds`` later than it planned: past a bound, the relay
         was paused or starved, and vouches for no absence from before
-        (:func:`~.relay_policy.listening_since`)."""
+        (:func:`~.routing.listening_since`)."""
         with self._lock:
             self._listen(self.clock(), seconds)
 

@@ -69,7 +69,7 @@ it had the coordinator: a paused or starved relay heard no one, and nodes refuse
 cut off went to the coordinator), and only for nodes
 it answered or held: one it refused syncs with the coordinator meanwhile, and is no member
 until a reply sends it back.  The coordinator weighs that word
-(``load_policy.node_silent``).
+(``pacing.node_silent``).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ class JobLink:
         self.attempts = 0
         """Syncs this node began (answered or not)."""
         self.busy_failures = 0
-        """Syncs in a row that a busy coordinator did not answer (see ``load_policy.retry_delay``)."""
+        """Syncs in a row that a busy coordinator did not answer (see ``pacing.retry_delay``)."""
         self._busy = False
         self._held = False   # its relay is holding its summaries for a busy coordinator (said once)
         self._tried: list[Address | None] = []   # the candidates of the last sync
@@ -237,7 +237,7 @@ class JobLink:
             relay.unanswered(group, busy=busy)
         # Its relay failed it, and so did the coordinator: the relay again next time.  (A node
         # that left its relay for a busy coordinator would otherwise never be heard by either,
-        # and its relay would vouch for its absence: ``relay_policy.vouched_absence``.)
+        # and its relay would vouch for its absence: ``routing.vouched_absence``.)
         self.relay_addr = self._home_relay
         if self.last_ok and time.time() - self.last_ok > 5:
             log.warning("no coordinator answers (%s)", ", ".join(map(str, candidates)) or "none elected")

@@ -1,7 +1,7 @@
 """This node's side of checkpoints: a rank's save reports become ``checkpoint`` incidents, and
 a GPU at risk asks the job for a checkpoint while it is still cheap.
 
-When each is due is decided in :mod:`.checkpoint_policy`; how the request reaches the job
+When each is due is decided in :mod:`.checkpoint_due`; how the request reaches the job
 (through the coordinator, or this node alone) is the agent's ``checkpoint``, passed in as ``ask``.
 """
 

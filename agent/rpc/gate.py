@@ -222,7 +222,7 @@ class Gate(grpc.ServerInterceptor):
         passed in the server's queue, or it was cancelled) is not served: nobody waits for the
         reply, and serving it would spend the agent's time when it has least, making the calls
         queued behind it late too.  It is refused as ``expired``, a refusal for lack of
-        capacity, which a coordinator counts as its own overload (``load_policy.overload``)."""
+        capacity, which a coordinator counts as its own overload (``pacing.overload``)."""
         self._shed_if_gone(method, context)
         timer = self._watchdog.after(self._request_seconds, lambda: self._overdue(method, context, "request"))
         try:

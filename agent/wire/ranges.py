@@ -10,7 +10,7 @@ clock.  Strings are length-capped; labels may not hold control characters, and f
 Each check raises :class:`Rejected` (a ``ValueError``) with one of
 :data:`REASONS` as its metric label, so ``rankwatch_messages_rejected_total`` stays a
 bounded set of series whatever arrives.  What a rank's stream carries is checked in
-:mod:`validate_stream`, what a node's sync carries in :mod:`validate_sync`; the Flight
+:mod:`wire.report`, what a node's sync carries in :mod:`wire.summary`; the Flight
 Recorder extract and a recovery's phases, which both carry, are checked here.
 """
 

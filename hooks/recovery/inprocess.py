@@ -11,7 +11,7 @@ disk.  This tier keeps the survivors' processes and their state in memory:
    connections break; shutting ours breaks our neighbours' pending collectives in
    turn, so every survivor leaves the step within milliseconds.  (A hung peer breaks
    nothing: the groups' timeout bounds that wait.)
-2. **Agree** on the new membership in the recovery store (:mod:`recovery_store`), under a
+2. **Agree** on the new membership in the recovery store (:mod:`store`), under a
    fresh prefix per generation: the first survivor to arrive decides, once every member
    arrived or is proven gone (its liveness port refuses connections), or after ``settle``
    seconds (a host that is down proves nothing).  The decision is
@@ -24,12 +24,12 @@ disk.  This tier keeps the survivors' processes and their state in memory:
    replicas (HSDP's ``replicate`` dimension, or plain data parallelism) that lie whole on
    nodes.  A lost node then takes whole replicas with it, and the survivors' layout
    within a replica is unchanged.  A survivor whose step differs from the newest whole
-   replica's takes that replica's state instead (:mod:`recovery_state`).
+   replica's takes that replica's state instead (:mod:`state`).
 
 **Joining.**  A spare or returning node that the rendezvous handler sends to a round which
 lost nodes in process (``RANKWATCH_RECOVERY_JOIN``) does not make torchrun restart anyone:
 its workers first pay a fresh process's one-time imports, then ask to join in the store
-and wait.  The survivors' rank 0 sees the request (:mod:`recovery_joins`, off the training
+and wait.  The survivors' rank 0 sees the request (:mod:`joins`, off the training
 thread) and, at its next step boundary, leaves the step as a failure would; every survivor
 then agrees with the joiners in, and the joiners take their state from a live replica,
 point to point, not from disk.  The world grows back.

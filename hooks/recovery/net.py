@@ -139,7 +139,7 @@ _TORCHRUN_DEFAULT = "1"  # what torchrun gives its workers unless told otherwise
 def nccl_errors_to_caller() -> None:
     """Make NCCL's watchdog abort a failed or timed-out collective's communicators and leave
     the process alive, so that the training thread sees the failure (in the step commit,
-    :mod:`recovery_commit`) and the tier recovers in process.  torchrun's own setting (1)
+    :mod:`commit`) and the tier recovers in process.  torchrun's own setting (1)
     and PyTorch's default (3) end the process, and then only torchrun's restart recovers.
     Takes effect for process groups created after it."""
     mode = os.environ.get(ASYNC_ERROR_HANDLING)

@@ -7,7 +7,7 @@ Under ``rankwatch/<run_id>/`` in the rendezvous store (a TCPStore, or etcd):
 * ``exclusion/<generation>``: the node that generation excluded.
 
 Only the coordinator's decisions are written, by the relay of the coordinator's node
-(:mod:`.rdzv_relay`); writing a decision again changes nothing.  The rendezvous handler
+(:mod:`.poller`); writing a decision again changes nothing.  The rendezvous handler
 (:mod:`.rendezvous`) reads them to refuse an excluded node and to restart a round that
 lost a member.
 """

@@ -4,7 +4,7 @@ When a round's workers succeed, each node's torchrun waits at the end, up to 300
 (the elastic agent's ``exit_barrier_timeout``), until every node of the
 round has checked in there, so that the store's host does not leave while the others still
 use it.  A node that left the round for good never checks in: one whose workers the others
-left out in process (:meth:`.rdzv_inprocess.InProcessRound.check_in_regrouped`), or one the
+left out in process (:meth:`.round_keys.InProcessRound.check_in_regrouped`), or one the
 coordinator excluded once the others' workers had finished (a fatal XID in the last steps),
 when no restart or regroup ever comes.  One survivor checks in for it, whichever gets there
 first, or the node itself as its torchrun leaves (refused by the next round: its own relay

@@ -23,13 +23,13 @@ elastic agent does every restart; rankwatch only decides *who* and *when*:
   was in the wait list when a round filled up there: every healthy node then
   sees a waiting node, restarts, and the same happens again, a restart storm;
   and the stranded node times out after ``join_timeout``.)
-* a round whose workers recover in process (:mod:`.rdzv_inprocess`) is not restarted for
+* a round whose workers recover in process (:mod:`.round_keys`) is not restarted for
   a node they already left out, and a spare, or a node whose torchrun restarts its workers,
   sends its workers to join that round in process, so no other node restarts.
 
 Exclusions and the generation live in the rendezvous store under
-``rankwatch/<run_id>/`` (:mod:`.rdzv_exclusions`).  Only the coordinator's decisions are written: a
-relay thread in each node's torchrun (:mod:`.rdzv_relay`) polls its local
+``rankwatch/<run_id>/`` (:mod:`.exclusions`).  Only the coordinator's decisions are written: a
+relay thread in each node's torchrun (:mod:`.poller`) polls its local
 agent, and the one whose agent is the coordinator writes them.  The relay also
 SIGKILLs this node's workers once the node is excluded, because torchrun waits
 its 30 s shutdown timeout before it kills a stopped (SIGSTOP) or hung worker.
@@ -181,7 +181,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
 
     def stand_in_for_excluded(self, node: str) -> bool:
         """Check in at this round's exit barrier for ``node``, just excluded, when it is a
-        member of the round (:mod:`.rdzv_exit`): its torchrun leaves and never does, and once
+        member of the round (:mod:`.exit_barrier`): its torchrun leaves and never does, and once
         the others' workers have finished (an exclusion in the job's last steps) nothing else
         would, so the others would wait out torchrun's 300 s.  The relay that writes the
         exclusion calls it; a node never stands in for itself here (its own torchrun may be at
@@ -199,7 +199,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
 
     def _check_in_leaving(self) -> None:
         """Check in at this round's exit barrier for this node, which leaves the job for good
-        (excluded) and so never reaches it (:mod:`.rdzv_exit`).  The coordinator's relay
+        (excluded) and so never reaches it (:mod:`.exit_barrier`).  The coordinator's relay
         stands in for the other nodes it excludes; this covers the one it cannot: its own node,
         when its agent coordinates, and any excluded node whose exclusion reached it first."""
         store = self._round_store

@@ -1,7 +1,7 @@
 """The rendezvous handler's relay: a thread in each node's torchrun that polls the node's
 agent, writes the coordinator's decisions into the rendezvous store (only the agent that is
 the coordinator does, and checks in at the round's exit barrier for an excluded node of its
-round, :mod:`.rdzv_exit`), and SIGKILLs an excluded node's workers (torchrun would wait its
+round, :mod:`.exit_barrier`), and SIGKILLs an excluded node's workers (torchrun would wait its
 30 s shutdown timeout before it kills a stopped or hung one).
 """
 
