@@ -161,7 +161,7 @@ def test_a_spare_joins_in_process_and_the_world_grows_back(tmp_path):
     and the save of the step it came after must be drained first, written and marked
     complete (it used to fail with gloo's "Connection closed by peer")."""
     out = tmp_path / "metrics"
-    steps = 400
+    steps = 250   # a save after each step: the spare is in by step ~70 on two cores
     args = ("--steps", str(steps), "--log-every", "0", "--replicate", "3", "--in-process-recovery",
             "--step-sleep", "0.02", "--metrics-out", str(out),
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "1")
