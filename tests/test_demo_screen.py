@@ -74,7 +74,7 @@ def test_the_comparison_with_plain_torchrun():
     line = versus_torchrun(STATUS, T0, productive_at_hang=25.0)
     # Stuck from t+35 s, then gloo's 1800 s: 25 s trained of 1835 s.
     assert line == ("vs plain torchrun, same faults: stuck at step 70 until gloo's 30-minute timeout ends "
-                    "the job unfinished (BENCHMARKS.md, 'Cross-node hangs and recovery'): goodput 1.4% "
+                    "the job unfinished (BENCHMARKS.md, 'The demo'): goodput 1.4% "
                     "(25.0s trained of 1835s), against 50.0% with rankwatch (30.0s of 60s, the job finished)")
     assert versus_torchrun({**STATUS, "incidents": []}, T0, 25.0) is None
 

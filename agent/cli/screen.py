@@ -35,7 +35,7 @@ __all__ = ["DemoNotes", "GLOO_TIMEOUT_SECONDS", "HANG_ALLOWANCE_SECONDS", "HANG_
 GLOO_TIMEOUT_SECONDS = 1800.0
 """torch.distributed's default process-group timeout for gloo (30 minutes): what ends a hung
 job under plain torchrun, which never notices a rank that is alive but stuck (BENCHMARKS.md,
-"Cross-node hangs and recovery")."""
+"The demo")."""
 
 HANG_STEP = 120
 """The step at which the demo's node 2 gets stuck in forward: late enough that node 1's
@@ -242,7 +242,7 @@ def versus_torchrun(status: dict[str, Any], started: float, productive_at_hang: 
     plain_elapsed = stuck_for + GLOO_TIMEOUT_SECONDS
     return (f"vs plain torchrun, same faults: stuck at step {first['step']} until gloo's "
             f"{GLOO_TIMEOUT_SECONDS / 60:.0f}-minute timeout ends the job unfinished (BENCHMARKS.md, "
-            f"'Cross-node hangs and recovery'): goodput {productive_at_hang / plain_elapsed:.1%} "
+            f"'The demo'): goodput {productive_at_hang / plain_elapsed:.1%} "
             f"({productive_at_hang:.1f}s trained of {plain_elapsed:.0f}s), against "
             f"{status['goodput']:.1%} with rankwatch ({t.get('productive', 0):.1f}s of "
             f"{t.get('elapsed', 0):.0f}s{', the job finished' if finished else ''})")
