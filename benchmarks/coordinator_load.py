@@ -193,10 +193,12 @@ class Stats:
         self.steady: list[tuple[float, int, int]] = []   # (when, done, answered) at the steady window's ends
         self.cores = 0.0      # this generator process's CPU over its run (cores)
         self.relays_used = 0  # relays that sent summaries of other nodes on
+        self.relays_silenced = 0   # of those, relays the fault silenced (a member took each group over)
         self.final_interval = 0.0   # the longest sync interval a node was asked for at the end
 
     _KEEP = ("lat", "behind_process", "fails", "fails_by_call", "node_fails", "lags", "failed_at", "held",
-             "direct", "sent_at", "done", "relayed", "beats", "answered", "steady", "cores", "relays_used", "final_interval")
+             "direct", "sent_at", "done", "relayed", "beats", "answered", "steady", "cores", "relays_used",
+             "relays_silenced", "final_interval")
 
     def to_json(self) -> dict:
         """What a generator process found, for the first to add to its own (:meth:`add`)."""
@@ -218,7 +220,7 @@ class Stats:
         self.lags.extend(tuple(x) for x in other["lags"])
         self.failed_at.extend(other["failed_at"])
         self.sent_at.extend(other["sent_at"])
-        for name in ("held", "done", "relayed", "beats", "answered", "cores", "relays_used"):
+        for name in ("held", "done", "relayed", "beats", "answered", "cores", "relays_used", "relays_silenced"):
             setattr(self, name, getattr(self, name) + other[name])
         self.final_interval = max(self.final_interval, other["final_interval"])
         self.steady_parts.append(other["steady"])
@@ -485,9 +487,11 @@ async def _simulate(args: argparse.Namespace, port: int, part: int, born: float,
                     n.behind = n.index == args.stall
                 if n.index == args.silence:
                     n.silent = True
+                    stats.relays_silenced += bool(n.relay.relayed)
             if getattr(args, "silence_relay", False) and part == 0:   # the relay with the most members
                 victim = max(nodes, key=lambda n: len(n.relay._members))
                 victim.silent = True
+                stats.relays_silenced += bool(victim.relay.relayed)
                 args.silence = victim.index   # (this process runs the checks: it names the node)
         if on_tick is not None:
             await on_tick(now)
@@ -606,6 +610,7 @@ async def _run(args: argparse.Namespace, port: int, state: Path, proc: psutil.Pr
         "relayed_share": round(stats.relayed / stats.done, 3) if stats.done else 0.0,
         "beat_share": round(stats.beats / stats.done, 3) if stats.done else 0.0,
         "relays_used": stats.relays_used,
+        "relays_silenced": stats.relays_silenced,
         "latency": latency,
         "direct_syncs_by_why": stats.direct,
         "held_by_busy_relays": stats.held,
