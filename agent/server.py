@@ -35,12 +35,15 @@ from rankwatch.agent.job import goodput
 from rankwatch.agent.views import answer
 from rankwatch.agent.export.prom_store import StorageCollector
 from rankwatch.agent.export.prom_refusals import GateCollector
+from rankwatch.agent.export.prom_bound import BoundCollector
 from rankwatch.agent.durable.storage import storage_report
 from rankwatch.agent.job.known import JobKnowledge
 from rankwatch.agent.durable.statedir import Snapshots, write_pointer
 from rankwatch.agent.config import AgentConfig
 from rankwatch.agent.node.checkpoints import NodeCheckpoints
 from rankwatch.agent.gpu import GpuCollector, GpuMonitor, RankDevice
+from rankwatch.agent.detect.bottleneck import BottleneckWatch, combine
+from rankwatch.agent.node import makeup
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
 from rankwatch.agent.export.prom_job import JobCollector
 from rankwatch.agent.rpc.command_stream import CommandHub
@@ -92,10 +95,16 @@ class Agent:
                                 progress=self.progress, relay=lambda: self.relay)
         """What this agent knows of the job: the views and the job's exporter read it."""
         self.recoveries = RecoveryLog(config.node_id, self.incidents)
+        self.bottleneck = BottleneckWatch()
+        """What bounds this node's ranks' steps (:mod:`.detect.bottleneck`)."""
+        self.job_bottleneck = BottleneckWatch()
+        """What bounds the job's, from the nodes' summaries, while this agent coordinates."""
+        self._job_bottleneck_at = float("-inf")
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(self.state, lambda: self.watch.straggler_view, config.rank_grace))
         self.registry.register(JobCollector(config.node_id, self.state.clock, self.job, self.recoveries))
         self.registry.register(StorageCollector(config.node_id, self.incidents, self.decision_log))
+        self.registry.register(BoundCollector(config.node_id, self._bottlenecks))
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
         self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
         self.gpu_listeners = self.gpu.listeners  # called with every fatal and risk GpuEvent
@@ -192,12 +201,36 @@ class Agent:
                     watch.check_hang(now)
                 # This node's ranks against each other; the coordinator compares nodes.
                 watch.check_stragglers(now)
+                self._check_bottleneck(now)
                 if self.checkpoints.pending_risk and any(r.connected and r.steps_completed
                                                          for r in self.state.snapshot()):
                     self.checkpoints.ask_for_risk(self.checkpoints.pending_risk)
                 self._snapshots.maybe_write(now)
             except Exception:  # noqa: BLE001 - the agent never dies of a detector bug
                 log.exception("detector error")
+
+    def _check_bottleneck(self, now: float) -> None:
+        """What bounds the node's ranks' steps, every tick; the job's, once a second on the
+        coordinator (a node's make-up changes no faster than it syncs)."""
+        self.bottleneck.update(now, makeup.node_part(self.state, self.bottleneck.cfg, self._gpu_utilization))
+        if not self.is_coordinator():
+            self.job_bottleneck.update(now, None)
+        elif now - self._job_bottleneck_at >= 1.0:
+            self._job_bottleneck_at = now
+            self.job_bottleneck.update(now, combine(self.coordinator.view.makeups(now), self.job_bottleneck.cfg))
+
+    def shown_bottleneck(self) -> pb.Bottleneck | None:
+        """The job's bottleneck on the coordinator, else this node's ranks' (None: not enough steps)."""
+        if self.is_coordinator():
+            v, scope = self.job_bottleneck.verdict, "job"
+        else:
+            v, scope = self.bottleneck.verdict, "node"
+        return makeup.verdict_pb(v, scope) if v is not None else None
+
+    def _bottlenecks(self) -> list[tuple[str, Any]]:
+        """(scope, verdict) for /metrics: this node's ranks', and the job's while coordinating."""
+        job = [("job", self.job_bottleneck.verdict)] if self.is_coordinator() else []
+        return [("node", self.bottleneck.verdict), *job]
 
     def _service_parts(self) -> ServiceParts:
         return ServiceParts(node_id=self.config.node_id, token=self.config.token, state=self.state,
@@ -213,13 +246,13 @@ class Agent:
         """The agent's ``Status`` answer (:func:`answer.status_response`)."""
         return answer.status_response(self.state, self.job, storage_report(self.incidents, self.decision_log),
                                      metrics_port=self.metrics_port, max_ranks=self.config.status_max_ranks,
-                                     request=request)
+                                     request=request, bottleneck=self.shown_bottleneck())
 
     def summary(self, seq: int) -> pb.NodeSummary:
         """This node's compact summary for the coordinator (:func:`answer.node_summary`)."""
         return answer.node_summary(self.state, seq, decisions=self.decision_log.items, run_id=self.incidents.run_id,
                                   relay_address=self.relay.address if self.relay is not None else None,
-                                  step_period=self.watch.step_period)
+                                  step_period=self.watch.step_period, makeup=self.bottleneck.part)
 
     def _observe_progress(self, now: float) -> None:
         ranks = self.state.snapshot()
@@ -310,6 +343,10 @@ class Agent:
         return [RankDevice(r.rank, r.device, r.local_rank, r.step, r.device_uuid)
                 for r in self.state.snapshot()
                 if r.connected or now - r.last_seen < 60]
+
+    def _gpu_utilization(self) -> float | None:
+        """The mean utilisation of the GPUs this node's ranks use (None: no GPU reading)."""
+        return self.gpu.utilization(self._rank_devices())
 
     def _rank_pids(self) -> dict[int, int]:
         return {r.rank: r.pid for r in self.state.snapshot() if r.connected}

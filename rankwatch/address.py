@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["AGENT_ENV", "EXIT_NOTE_ENV", "NODE_ID_ENV", "TMPDIR_ENV", "Address", "default_address", "default_dir", "node_id",
+__all__ = ["AGENT_ENV", "AUTO_ENV", "EXIT_NOTE_ENV", "NODE_ID_ENV", "TMPDIR_ENV", "Address", "default_address", "default_dir", "node_id",
            "resolve"]
 
 AGENT_ENV = "RANKWATCH_AGENT"
@@ -22,6 +22,9 @@ TMPDIR_ENV = "RANKWATCH_TMPDIR"
 # refused this node (an exclusion), so that ``rankwatch run`` exits 0 on a graceful refusal
 # without asking an agent that may not have heard the decision yet.
 EXIT_NOTE_ENV = "RANKWATCH_EXIT_NOTE"
+# ``0``: ``rankwatch run`` leaves its workers uninstrumented unless the script calls
+# ``rankwatch.hooks.init()`` (zero-code instrumentation is on by default).
+AUTO_ENV = "RANKWATCH_AUTO"
 
 
 @dataclass(frozen=True)

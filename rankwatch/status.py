@@ -76,6 +76,7 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
             "own_work_seconds": r.own_work_seconds,
             "collective_wait_seconds": r.collective_wait_seconds,
             "collective_source": r.collective_source, "device_uuid": r.device_uuid,
+            "instrumentation": r.instrumentation or None,
             "op_latency": {op: {"count": v.count, "p50_seconds": v.p50_seconds,
                                 "p99_seconds": v.p99_seconds, "window": v.window}
                            for op, v in sorted(r.op_latency.items())},
@@ -98,9 +99,21 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
                       for d in resp.decisions],
         "tokens_per_second": resp.tokens_per_second,
         "mfu": resp.mfu if resp.HasField("mfu") else None,
+        "bottleneck": _bottleneck(resp.bottleneck) if resp.HasField("bottleneck") else None,
         "records_received": resp.records_received,
         "messages_rejected": resp.messages_rejected,
         "storage": {name: {"path": f.path, "ok": f.ok, "written": f.written, "spooled": f.spooled,
                            "failures": f.failures, "dropped": f.dropped, "last_error": f.last_error or None}
                     for name, f in sorted(resp.storage.items())},
     }
+
+
+def _bottleneck(b: pb.Bottleneck) -> dict[str, Any]:
+    """What bounds the steps now: ``{kind, share}`` (the contract), each kind's share, the GPUs'
+    utilisation where read, and whose steps (``scope``: node or job)."""
+    return {"kind": b.kind, "share": b.share,
+            "shares": {"input": b.input_share, "communication": b.communication_share,
+                       "compute": b.compute_share},
+            "gpu_utilization": b.gpu_utilization if b.HasField("gpu_utilization") else None,
+            "scope": b.scope, "since": b.since, "step_seconds": b.step_seconds,
+            "ranks": b.ranks, "ranks_seen": b.ranks_seen}

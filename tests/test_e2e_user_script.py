@@ -43,6 +43,8 @@ def test_a_users_fsdp2_script(agent_proc, tmp_path):
     for r in ranks:
         assert r["backend"] == "gloo" and r["collective_source"] == "python_wrappers"
         assert r["mesh"] == {"dp": r["rank"]} and r["step"] == STEPS
+        # rw.init() stood zero-code instrumentation down: the script's markers alone, counted once.
+        assert r["instrumentation"] == "explicit"
         assert r["phase_seconds"]["data"] > 0 and r["phase_seconds"]["forward"] > 0
         # Per-op latency per rank: every call counted, quantiles over the recent ones.
         for op in ("all_gather", "reduce_scatter"):

@@ -8,6 +8,7 @@ started for the job's lifetime.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 
-from rankwatch.address import AGENT_ENV, EXIT_NOTE_ENV, NODE_ID_ENV, Address
+from rankwatch.address import AGENT_ENV, AUTO_ENV, EXIT_NOTE_ENV, NODE_ID_ENV, Address
 from rankwatch.agent.cli.ports import port_free
 from rankwatch.agent.cli.torchrun_args import plan
 from rankwatch.status import AgentUnreachable, fetch_status, reachable
@@ -106,6 +107,7 @@ def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
     env[AGENT_ENV] = str(addr)
     env[NODE_ID_ENV] = node
     env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    zero_code(env)
     launch = plan(torchrun_args, env, wrap=env.get(RDZV_ENV, "1") != "0")
     env.update(launch.env)
     for note in launch.notes:
@@ -138,6 +140,19 @@ def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
             os.unlink(exit_note.name)
         except OSError:
             pass
+
+
+def zero_code(env: dict[str, str]) -> None:
+    """Put the bootstrap directory first on the workers' ``PYTHONPATH`` (zero-code
+    instrumentation: ``rankwatch.hooks.instrument.zerocode``), unless ``RANKWATCH_AUTO=0``."""
+    if env.get(AUTO_ENV, "1") == "0":
+        return
+    spec = importlib.util.find_spec("rankwatch.hooks")   # its location only: nothing of it runs here
+    if spec is None or not spec.submodule_search_locations:
+        return
+    here = os.path.join(list(spec.submodule_search_locations)[0], "autostart")
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != here]
+    env["PYTHONPATH"] = os.pathsep.join([here, *rest])
 
 
 def _refusal(path: str) -> str | None:

@@ -17,7 +17,7 @@ from rich.table import Table
 from rankwatch.agent.cli.story import recovery_line
 from rankwatch.agent.wire.ranges import clean_text
 
-__all__ = ["brief", "goodput_line", "latency_table", "rank_table", "recovery_table", "timeline"]
+__all__ = ["bottleneck_line", "brief", "goodput_line", "latency_table", "rank_table", "recovery_table", "timeline"]
 
 
 def shown(value: Any, limit: int = 128) -> str:
@@ -48,6 +48,8 @@ def rank_table(status: dict[str, Any], title: str | None = None) -> Table:
         caption += f"  MFU {status['mfu']:.1%}"
     if status.get("goodput") is not None:
         caption += f"  goodput {status['goodput']:.1%}"
+    if status.get("bottleneck"):
+        caption += f"  {bottleneck_line(status)}"
     t.caption = caption + f"  incidents {len(status['incidents'])}"
     return t
 
@@ -91,6 +93,17 @@ def timeline(status: dict[str, Any], started_at: float) -> Table:
     if not status["incidents"]:
         t.add_row(f"{time.time() - started_at:.1f}", "-", "-", "-", "-", "no incidents")
     return t
+
+
+def bottleneck_line(status: dict[str, Any]) -> str:
+    """What bounds the steps (the job's on the coordinator, else the node's ranks'), in a few words."""
+    b = status.get("bottleneck")
+    if not b:
+        return "bound: not enough steps yet"
+    shares = b.get("shares") or {}
+    rest = " ".join(f"{shown(k)[:4]} {v:.0%}" for k, v in shares.items() if k != b["kind"])
+    gpu = f", GPU {b['gpu_utilization']:.0%} busy" if b.get("gpu_utilization") is not None else ""
+    return f"{shown(b.get('scope') or 'node')} {shown(b['kind'])}-bound {b['share']:.0%} ({rest}{gpu})"
 
 
 def goodput_line(status: dict[str, Any]) -> str:

@@ -250,6 +250,15 @@ class GpuMonitor:
                         return index
         return gpu_of(r.device, r.local_rank)
 
+    def utilization(self, ranks: list[RankDevice]) -> float | None:
+        """The mean utilisation (0 to 1) of the GPUs these ranks use, each GPU once, among those
+        up with a reading of it; None when there is none (no GPU, or CPU ranks)."""
+        gpus = {self.gpu_of_rank(r) for r in ranks}
+        with self._lock:
+            values = [g.utilization_ratio for i, g in self._readings.items()
+                      if i in gpus and g.up and g.utilization_ratio is not None]
+        return sum(values) / len(values) if values else None
+
     def throttle_for_rank(self, r: RankDevice) -> list[str]:
         """Slowdown reasons active on the GPU a rank uses ([] if none, or no such GPU)."""
         gpu = self.gpu_of_rank(r)

@@ -27,6 +27,8 @@ from rankwatch.agent.durable.incidents import Incident
 from rankwatch.agent.job.loadmeter import LoadMeter
 from rankwatch.agent.job.node_floor import agentless_nodes
 from rankwatch.agent.detect.straggler import RankWork
+from rankwatch.agent.detect.bottleneck import Part
+from rankwatch.agent.node import makeup
 from rankwatch.agent.wire.ranges import Rejected, parse_flight_recorder
 from rankwatch.proto import pb
 
@@ -252,6 +254,14 @@ class JobView:
             listed = {name for name, _ in nodes}
             self._work = {name: held for name, held in kept.items() if name in listed}
         return out
+
+    def makeups(self, now: float) -> list[Part]:
+        """The step make-up of every included node still heard that sent one (the job's
+        bottleneck combines them: :mod:`~rankwatch.agent.detect.bottleneck`); one per node."""
+        with self.lock:
+            sent = [n.summary.step_makeup for name, n in self.nodes.items()
+                    if name not in self.excluded and not self.silent(n, now) and n.summary.HasField("step_makeup")]
+        return [p for p in map(makeup.from_pb, sent) if p is not None]
 
     def job_incidents(self) -> list[Incident]:
         """Incidents the nodes raised themselves (gpu_fault, checkpoint, rank_exit), on this clock.

@@ -91,7 +91,7 @@ class NodeState:
                 rank=msg.rank, node=self.node_id, pid=msg.pid,
                 local_rank=msg.local_rank, world_size=msg.world_size, backend=msg.backend,
                 device=msg.device, device_uuid=msg.device_uuid, job_id=msg.job_id,
-                collective_source=msg.collective_source,
+                collective_source=msg.collective_source, instrumentation=msg.instrumentation,
                 peak_flops=msg.peak_flops,
                 mesh_coords=dict(msg.mesh_coords), mesh_shape=dict(msg.mesh_shape),
                 op_map=op_map, op_identity=bool(np.array_equal(op_map, np.arange(op_map.size))),
@@ -142,6 +142,9 @@ class NodeState:
             before = (rank.step, rank.last_collective_seq, rank.steps_completed)
             if batch.HasField("progress"):
                 self._apply_progress(rank, batch.progress)
+            if batch.HasField("mesh"):
+                rank.mesh_coords = dict(batch.mesh.mesh_coords)
+                rank.mesh_shape = dict(batch.mesh.mesh_shape)
             if (rank.step, rank.last_collective_seq, rank.steps_completed) != before:
                 rank.progress_at = rank.last_seen
         if steps is not None and self.step_listeners:

@@ -51,6 +51,7 @@ class RankState:
     op_identity: bool = False               # op_map maps each code to itself (a rank on our OPS)
     device_uuid: str = ""                   # the GPU's UUID ("GPU-..."), "" without CUDA
     collective_source: str = ""             # nccl_completion_hook, python_wrappers or none
+    instrumentation: str = ""               # explicit (rw.init), auto (zero-code) or "" (older ranks)
     connected: bool = True
     exited_cleanly: bool = False
     last_seen: float = field(default_factory=time.time)

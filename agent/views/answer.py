@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from rankwatch.agent.detect.evaluate import STACKS_FRESH_SECONDS
 from rankwatch.agent.job.uplink import summary_incidents
-from rankwatch.agent.node import oplatency, recoveries
+from rankwatch.agent.node import makeup as stepmix, oplatency, recoveries
 from rankwatch.agent.node.sweep import process_state
 from rankwatch.agent.views import rank_list
 from rankwatch.agent.wire import bounds, windows
 from rankwatch.proto import pb
 
 if TYPE_CHECKING:
+    from rankwatch.agent.detect.bottleneck import Part
     from rankwatch.agent.durable.incidents import Incident
     from rankwatch.agent.durable.storage import FileHealth
     from rankwatch.agent.job.coordinator import Coordinator
@@ -34,7 +35,8 @@ DECISIONS_SENT = 64   # the newest decisions a node's summary carries to its coo
 
 def status_response(state: NodeState, job: JobKnowledge, storage: dict[str, FileHealth], *,
                     metrics_port: int | None, max_ranks: int,
-                    request: pb.StatusRequest | None = None) -> pb.StatusResponse:
+                    request: pb.StatusRequest | None = None,
+                    bottleneck: pb.Bottleneck | None = None) -> pb.StatusResponse:
     """The agent's ``Status`` answer: its ranks, and on the coordinator the whole job's (a big
     job's summarised, unless ``request`` asks for every rank: :mod:`.rank_list`).
 
@@ -44,6 +46,7 @@ def status_response(state: NodeState, job: JobKnowledge, storage: dict[str, File
         storage: the state directory's health (:func:`~rankwatch.agent.durable.storage.storage_report`).
         metrics_port: where /metrics serves (None: not served).
         max_ranks: the agent's default bound on the ranks listed (``--status-max-ranks``).
+        bottleneck: what bounds the steps now (the job's on the coordinator; None: not known yet).
     """
     st = state
     resp = pb.StatusResponse(node_id=st.node_id, started_at=st.started_at,
@@ -71,6 +74,8 @@ def status_response(state: NodeState, job: JobKnowledge, storage: dict[str, File
                                     request.all_ranks if request else False))
     resp.incidents.extend(inc.to_pb() for inc in _shown_incidents(st, coordinator))
     _add_storage(resp, storage)
+    if bottleneck is not None:
+        resp.bottleneck.CopyFrom(bottleneck)
     return bounds.cap_status(resp)
 
 
@@ -102,7 +107,7 @@ def _add_ranks(resp: pb.StatusResponse, st: NodeState, coordinator: Coordinator 
                 slowdown=job_slowdown(r.rank) or r.slowdown,
                 own_work_seconds=r.own_work_seconds, collective_wait_seconds=r.comm_wait_seconds,
                 collective_source=r.collective_source, device_uuid=r.device_uuid,
-                op_latency=oplatency.to_pb(r.op_latency)))
+                instrumentation=r.instrumentation, op_latency=oplatency.to_pb(r.op_latency)))
             continue
         node, rs, excluded = others[k - len(own)]
         work = windows.windows(rs)
@@ -148,7 +153,8 @@ def _add_storage(resp: pb.StatusResponse, storage: dict[str, FileHealth]) -> Non
 
 
 def node_summary(state: NodeState, seq: int, *, decisions: list[Decision], run_id: str,
-                 relay_address: str | None, step_period: Callable[[int, float], float]) -> pb.NodeSummary:
+                 relay_address: str | None, step_period: Callable[[int, float], float],
+                 makeup: Part | None = None) -> pb.NodeSummary:
     """This node's compact summary for the coordinator (capped well below the message limit).
 
     Args:
@@ -157,6 +163,7 @@ def node_summary(state: NodeState, seq: int, *, decisions: list[Decision], run_i
         run_id: the job's run id.
         relay_address: this agent's address as a relay for its group (None: it relays nothing).
         step_period: a rank's step period as the node's detectors see it (rank, step seconds).
+        makeup: the node's ranks' step make-up, for the job's bottleneck (None: not enough steps).
     """
     st = state
     now = st.clock()
@@ -194,6 +201,8 @@ def node_summary(state: NodeState, seq: int, *, decisions: list[Decision], run_i
     out.run_id = run_id
     if relay_address is not None:
         out.relay_address = relay_address
+    if makeup is not None:
+        out.step_makeup.CopyFrom(stepmix.to_pb(makeup))
     return bounds.cap_summary(out)
 
 

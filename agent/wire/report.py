@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from rankwatch.agent.wire.ranges import (
 from rankwatch.proto import pb
 
 __all__ = [
-    "check_batch", "check_checkpoints", "check_collective_columns", "check_hello", "check_progress",
+    "check_batch", "check_checkpoints", "check_collective_columns", "check_hello", "check_mesh", "check_progress",
     "check_progress_shape", "check_recovery", "check_step_columns", "check_step_shapes", "decode_collectives",
 ]
 
@@ -96,19 +96,28 @@ def check_hello(msg: pb.Hello) -> None:
         raise Rejected("unknown_rank", f"rank {msg.rank} not in [0, {msg.world_size})")
     if msg.local_rank < 0 or msg.pid <= 0:
         raise Rejected("invalid_hello", f"local_rank {msg.local_rank} / pid {msg.pid} invalid")
-    if len(msg.op_names) > MAX_OP_NAMES or len(msg.mesh_coords) > 16 or len(msg.mesh_shape) > 16:
-        raise Rejected("invalid_hello", "too many op names or mesh dimensions")
+    if len(msg.op_names) > MAX_OP_NAMES:
+        raise Rejected("invalid_hello", "too many op names")
+    check_mesh(msg.mesh_coords, msg.mesh_shape, "invalid_hello")
     if not math.isfinite(msg.peak_flops) or msg.peak_flops < 0:
         raise Rejected("invalid_hello", f"peak_flops {msg.peak_flops} invalid")
     for value in (msg.node_id, msg.backend, msg.device, msg.device_uuid, msg.collective_source,
-                  msg.job_id, *msg.op_names, *msg.mesh_coords, *msg.mesh_shape):
+                  msg.job_id, msg.instrumentation, *msg.op_names):
         check_label(value, "a name in the hello", "invalid_hello")
     if msg.pid >= 1 << 32:
         raise Rejected("invalid_hello", f"pid {msg.pid} out of range")
-    for coords in (msg.mesh_coords, msg.mesh_shape):
-        for value in coords.values():
-            if not 0 <= value < 1 << 20:
-                raise Rejected("invalid_hello", f"mesh coordinate {value} out of range")
+
+
+def check_mesh(coords: Mapping[str, int], shape: Mapping[str, int], code: str) -> None:
+    """A DeviceMesh as a rank reports it (in its Hello or a later MeshUpdate): at most 16
+    dimensions, names that are labels, coordinates and sizes in [0, 2^20)."""
+    if len(coords) > 16 or len(shape) > 16:
+        raise Rejected(code, "too many mesh dimensions")
+    for name in (*coords, *shape):
+        check_label(name, "a mesh dimension name", code)
+    for value in (*coords.values(), *shape.values()):
+        if not 0 <= value < 1 << 20:
+            raise Rejected(code, f"mesh coordinate {value} out of range")
 
 
 def check_batch(batch: pb.Batch, collectives: dict[str, np.ndarray] | None = None,
@@ -132,6 +141,8 @@ def check_batch(batch: pb.Batch, collectives: dict[str, np.ndarray] | None = Non
             except ValueError as exc:
                 raise Rejected("malformed", f"flight_recorder: {exc}") from None
     check_checkpoints(batch.checkpoints, now)
+    if batch.HasField("mesh"):
+        check_mesh(batch.mesh.mesh_coords, batch.mesh.mesh_shape, "invalid_value")
     if len(batch.recoveries) > MAX_RECOVERIES_PER_BATCH:
         raise Rejected("oversized", f"{len(batch.recoveries)} recovery records in one batch")
 

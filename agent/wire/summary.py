@@ -20,7 +20,7 @@ from rankwatch.agent.wire.ranges import (
 from rankwatch.agent.wire import windows
 from rankwatch.proto import pb
 
-__all__ = ["check_absence", "check_beat", "check_incident", "check_summary"]
+__all__ = ["check_absence", "check_beat", "check_incident", "check_makeup", "check_summary"]
 
 
 def check_summary(s: pb.NodeSummary, now: float | None = None) -> None:
@@ -49,6 +49,8 @@ def check_summary(s: pb.NodeSummary, now: float | None = None) -> None:
     if work.size and not (0.0 <= np.minimum.reduce(work) and np.maximum.reduce(work) <= MAX_DURATION):   # NaN fails both
         check_durations(work.tolist(), "a per-step time")   # names the value
         raise Rejected("invalid_value", "a per-step time out of range")
+    if s.HasField("step_makeup"):
+        check_makeup(s.step_makeup)
     for i in s.incidents:
         check_incident(i, now)
     for d in s.decisions:
@@ -62,6 +64,18 @@ def check_summary(s: pb.NodeSummary, now: float | None = None) -> None:
         check_timestamp(d.decided_at, "decision time", now)
         if len(d.reason) > MAX_TEXT:
             raise Rejected("invalid_value", "decision reason too long")
+
+
+def check_makeup(m: pb.StepMakeup) -> None:
+    """A node's ranks' step make-up (the job's bottleneck reads it): durations in range, the
+    ranks within a summary's, the critical ones among those seen, a utilisation in [0, 1]."""
+    for value, what in ((m.step_seconds, "makeup step"), (m.data_seconds, "makeup data"),
+                        (m.wait_seconds, "makeup wait"), (m.own_seconds, "makeup own work")):
+        check_duration(value, what)
+    if not (m.ranks <= m.ranks_seen <= MAX_SUMMARY_RANKS and m.steps <= MAX_WINDOW):
+        raise Rejected("invalid_value", f"makeup of {m.ranks}/{m.ranks_seen} ranks, {m.steps} steps out of range")
+    if m.HasField("gpu_utilization") and not 0.0 <= m.gpu_utilization <= 1.0:   # (NaN fails)
+        raise Rejected("invalid_value", f"makeup gpu_utilization {m.gpu_utilization!r} outside [0, 1]")
 
 
 def check_beat(b: pb.NodeBeat, now: float | None = None) -> None:

@@ -100,6 +100,11 @@ class AgentClient:
         self._requests_seen: set[str] = set()
         self._checkpoints: deque[pb.CheckpointRecord] = deque(maxlen=64)
         self._recoveries: deque[pb.RecoveryRecord] = deque(maxlen=16)
+        self._exits: deque[pb.ExitRecord] = deque(maxlen=4)
+        self._exit_sent = threading.Event()
+        self.on_close: list[Callable[[], None]] = []
+        """Called once :meth:`close` is done (the exit capture's uninstall)."""
+        self._mesh_pending: pb.MeshUpdate | None = None
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
@@ -136,6 +141,11 @@ class AgentClient:
             channel.close()
         for t in self._threads:
             t.join(_THREAD_STOP.total_seconds())
+        for done in self.on_close:
+            try:
+                done()
+            except Exception:  # noqa: BLE001 - closing never raises
+                log.exception("rankwatch: close hook failed")
 
     def _open(self) -> grpc.Channel:
         channel = open_channel(self._address, self._creds)
@@ -175,7 +185,7 @@ class AgentClient:
 
     def _has_records(self) -> bool:
         return (bool(self._rec.collectives) or bool(self._rec.steps) or bool(self._checkpoints)
-                or bool(self._recoveries))
+                or bool(self._recoveries) or bool(self._exits))
 
     def _flush_once(self, force: bool = False) -> None:
         with self._flush_lock:
@@ -195,13 +205,31 @@ class AgentClient:
             log.exception("rankwatch: flusher error")
 
     def _enqueue(self, batch: pb.Batch, n: int) -> None:
+        mesh, self._mesh_pending = self._mesh_pending, None
+        if mesh is not None:
+            batch.mesh.CopyFrom(mesh)
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
             self._dropped_batches_records += n
+            if mesh is not None and self._mesh_pending is None:
+                self._mesh_pending = mesh   # with the next batch, then
+
+    def update_mesh(self, coords: dict[str, int], shape: dict[str, int]) -> None:
+        """The rank's DeviceMesh, learnt after the Hello: sent with the next batch (within the
+        idle-progress interval), and in the Hello of every later stream."""
+        mesh = pb.MeshUpdate(mesh_coords=coords, mesh_shape=shape)
+        for field in ("mesh_coords", "mesh_shape"):
+            getattr(self._hello, field).clear()
+            getattr(self._hello, field).update(getattr(mesh, field))
+        self._mesh_pending = mesh
 
     def _build_batch(self) -> tuple[pb.Batch, int]:
-        return self._batches.build(self._checkpoints, self._recoveries, lambda: self.dropped_total)
+        batch, n = self._batches.build(self._checkpoints, self._recoveries, lambda: self.dropped_total)
+        if self._exits:
+            batch.exit.CopyFrom(self._exits.popleft())
+            n += 1
+        return batch, n
 
     # -- sender ---------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -260,6 +288,17 @@ class AgentClient:
         """Report an in-process recovery (or a failed attempt); sent with the next batch."""
         self._recoveries.append(record)
 
+    def exit_record(self, record: pb.ExitRecord, wait: float) -> None:
+        """Send an uncaught exception's record now; wait at most ``wait`` seconds for the
+        stream to take it (not at all while no agent is connected).  The exception hook calls it."""
+        if self._closed:
+            return
+        self._exit_sent.clear()
+        self._exits.append(record)
+        self._flush_once(force=True)
+        if self.connected.is_set():
+            self._exit_sent.wait(wait)
+
     def _command_loop(self) -> None:
         delay = _RECONNECT_MIN.total_seconds()
         request = pb.CommandRequest(rank=self._hello.rank, pid=self._hello.pid)
@@ -317,6 +356,8 @@ class AgentClient:
             batch.dropped_total = max(batch.dropped_total, self.dropped_total)
             self._yielded.append((time.monotonic(), _records_in(batch)))
             yield pb.ReportMessage(batch=batch)
+            if batch.HasField("exit"):   # gRPC took it and asks for the next
+                self._exit_sent.set()
         yield pb.ReportMessage(goodbye=pb.Goodbye())  # closed on purpose: not a death
 
 

@@ -128,6 +128,10 @@ class CollectiveInstrumentation:
                 continue
         return out
 
+    def group_code(self, pg: Any) -> int:
+        """The code records carry for process group ``pg`` (a new one is given the next)."""
+        return self._pg_code(pg)
+
     def last_seq(self) -> int:
         """Highest collective sequence number on the default group (sender thread)."""
         try:

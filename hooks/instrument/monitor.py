@@ -28,12 +28,15 @@ from rankwatch.hooks.instrument.recorder import (
     StepScope,
 )
 
-__all__ = ["DISABLE_ENV", "Monitor", "NullMonitor", "init"]
+__all__ = ["DISABLE_ENV", "ZERO_CODE", "Monitor", "NullMonitor", "init"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DISABLE_ENV = "RANKWATCH_DISABLE"
+ZERO_CODE: list[Any] = []
+"""The zero-code instrumentation of this process, if it runs (it puts itself here): an
+explicit :func:`init` stands it down first, so that the script's own markers are the only ones."""
 _ACTIVITIES = {"train": ACTIVITY_TRAIN, "eval": ACTIVITY_EVAL, "checkpoint": ACTIVITY_CHECKPOINT,
                "recovery": ACTIVITY_RECOVERY}
 
@@ -96,6 +99,13 @@ class Monitor:
             yield
         finally:
             self.recorder.activity = prev
+
+    def mesh_built(self, mesh: Any) -> None:
+        """A DeviceMesh built after :func:`init` (zero-code instrumentation sees it built): its
+        dimension names and this rank's coordinates go to the agent with the next batch."""
+        coords, shape = mesh_of(mesh)
+        if coords and self._client is not None:
+            self._client.update_mesh(coords, shape)
 
     @property
     def dropped(self) -> int:
@@ -205,6 +215,9 @@ class NullMonitor:
     def mark(self, phase: str) -> None:
         pass
 
+    def mesh_built(self, mesh: Any) -> None:
+        pass
+
     def activity(self, name: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
@@ -248,26 +261,34 @@ def init(*, mesh: Any = None, address: str | None = None, node: str | None = Non
     """
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return NullMonitor()
+    for auto in ZERO_CODE:
+        auto.stand_down()
     try:
-        return _init(mesh, resolve(address), node_id(node), peak_flops, job_id, collectives)
+        monitor = _init(mesh, resolve(address), node_id(node), peak_flops, job_id, collectives)
     except Exception:  # noqa: BLE001 - rankwatch never stops training
         log.exception("rankwatch: instrumentation failed to start; training without it")
         return NullMonitor()
+    for auto in ZERO_CODE:
+        auto.adopt(monitor)
+    return monitor
 
 
 def _init(mesh: Any, address: Address, node: str, peak_flops: float | None,
-          job_id: str | None, collectives: bool) -> Monitor:
+          job_id: str | None, collectives: bool, *, recorder: Recorder | None = None,
+          instrumentation: str = "explicit") -> Monitor:
     from rankwatch.hooks.instrument.client import AgentClient
     from rankwatch.hooks.instrument.collectives import CollectiveInstrumentation
 
-    recorder = Recorder()
+    recorder = recorder or Recorder()
     instr = CollectiveInstrumentation(recorder)
     if collectives:
         instr.install()
     hello = _hello(mesh, node, peak_flops, job_id)
     hello.collective_source = instr.source
+    hello.instrumentation = instrumentation
     client = AgentClient(recorder, hello, address, last_seq=instr.last_seq,
                          group_seqs=instr.group_seqs, creds=_credentials())
+    __import__("rankwatch.hooks.instrument.exit_capture", fromlist=["install"]).install(recorder, client, hello)
     client.start()
     monitor = Monitor(recorder, instr, client)
     atexit.register(monitor.close)
@@ -315,9 +336,18 @@ def _hello(mesh: Any, node: str, peak_flops: float | None, job_id: str | None) -
     )
     if torch.cuda.is_available():
         hello.device_uuid = _device_uuid(torch)
-    if mesh is not None and mesh.mesh_dim_names:
-        coords = mesh.get_coordinate() or []
-        for name, size, coord in zip(mesh.mesh_dim_names, mesh.mesh.shape, coords):
-            hello.mesh_shape[name] = int(size)
-            hello.mesh_coords[name] = int(coord)
+    if mesh is not None:
+        coords, shape = mesh_of(mesh)
+        hello.mesh_coords.update(coords)
+        hello.mesh_shape.update(shape)
     return hello
+
+
+def mesh_of(mesh: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """A DeviceMesh's (coordinates of this rank, sizes), by dimension name; empty without names."""
+    if not mesh.mesh_dim_names:
+        return {}, {}
+    coords = mesh.get_coordinate() or []
+    names = mesh.mesh_dim_names
+    return ({name: int(c) for name, c in zip(names, coords)},
+            {name: int(size) for name, size in zip(names, mesh.mesh.shape)})

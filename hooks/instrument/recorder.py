@@ -75,6 +75,10 @@ class Recorder:
         self._last_ns = 0
         # Nanoseconds the training thread spent blocked in collectives this step.
         self.blocked_ns = 0
+        # When the last reduction a backward issues asynchronously (DDP's gradient buckets) was
+        # issued, or 0: the rest of that backward waits for the reductions (zero-code's step
+        # hooks add it to blocked_ns when the backward returns).
+        self.comm_ready_ns = 0
 
     # -- collectives ------------------------------------------------------
     def collective(self, op: int, pg: int, seq: int, t0_ns: int, t1_ns: int, nbytes: int) -> None:

@@ -23,7 +23,7 @@ PHASE_IDLE: Phase
 PHASE_RECOVERY: Phase
 
 class Hello(_message.Message):
-    __slots__ = ("rank", "local_rank", "world_size", "node_id", "pid", "backend", "device", "mesh_coords", "mesh_shape", "job_id", "peak_flops", "op_names", "device_uuid", "collective_source", "peer_nonce")
+    __slots__ = ("rank", "local_rank", "world_size", "node_id", "pid", "backend", "device", "mesh_coords", "mesh_shape", "job_id", "peak_flops", "op_names", "device_uuid", "collective_source", "peer_nonce", "fault_file")
     class MeshCoordsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class Hello(_message.Message):
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PEER_NONCE_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FILE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     world_size: int
@@ -68,7 +69,8 @@ class Hello(_message.Message):
     device_uuid: str
     collective_source: str
     peer_nonce: bytes
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ..., job_id: _Optional[str] = ..., peak_flops: _Optional[float] = ..., op_names: _Optional[_Iterable[str]] = ..., device_uuid: _Optional[str] = ..., collective_source: _Optional[str] = ..., peer_nonce: _Optional[bytes] = ...) -> None: ...
+    fault_file: str
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ..., job_id: _Optional[str] = ..., peak_flops: _Optional[float] = ..., op_names: _Optional[_Iterable[str]] = ..., device_uuid: _Optional[str] = ..., collective_source: _Optional[str] = ..., peer_nonce: _Optional[bytes] = ..., fault_file: _Optional[str] = ...) -> None: ...
 
 class StepColumns(_message.Message):
     __slots__ = ("step", "start", "duration", "data", "forward", "backward", "optimizer", "tokens", "flops", "wait")
@@ -203,7 +205,7 @@ class RecoveryRecord(_message.Message):
     def __init__(self, started_at: _Optional[float] = ..., step: _Optional[int] = ..., old_world_size: _Optional[int] = ..., new_world_size: _Optional[int] = ..., dropped_nodes: _Optional[_Iterable[str]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ..., rank_after: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives", "checkpoints", "recoveries")
+    __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives", "checkpoints", "recoveries", "exit")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +213,7 @@ class Batch(_message.Message):
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    EXIT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     dropped_total: int
     progress: Progress
@@ -218,7 +221,8 @@ class Batch(_message.Message):
     collectives: CollectiveColumns
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointRecord]
     recoveries: _containers.RepeatedCompositeFieldContainer[RecoveryRecord]
-    def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ...) -> None: ...
+    exit: ExitRecord
+    def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ..., exit: _Optional[_Union[ExitRecord, _Mapping]] = ...) -> None: ...
 
 class ReportMessage(_message.Message):
     __slots__ = ("hello", "batch", "goodbye")
@@ -675,6 +679,70 @@ class GroupReply(_message.Message):
     relays: _containers.ScalarMap[str, str]
     refused: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, coordinator: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., sync_interval_seconds: _Optional[float] = ..., relays: _Optional[_Mapping[str, str]] = ..., refused: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExitRecord(_message.Message):
+    __slots__ = ("type", "message", "frames", "step", "at", "thread", "main_thread")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    THREAD_FIELD_NUMBER: _ClassVar[int]
+    MAIN_THREAD_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    message: str
+    frames: _containers.RepeatedCompositeFieldContainer[Frame]
+    step: int
+    at: float
+    thread: str
+    main_thread: bool
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[Frame, _Mapping]]] = ..., step: _Optional[int] = ..., at: _Optional[float] = ..., thread: _Optional[str] = ..., main_thread: _Optional[bool] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("file", "line", "function")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    line: int
+    function: str
+    def __init__(self, file: _Optional[str] = ..., line: _Optional[int] = ..., function: _Optional[str] = ...) -> None: ...
+
+class WorkerExit(_message.Message):
+    __slots__ = ("pid", "rank", "local_rank", "exitcode", "signal", "error_file", "at", "failed")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    EXITCODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FILE_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    rank: int
+    local_rank: int
+    exitcode: int
+    signal: str
+    error_file: str
+    at: float
+    failed: bool
+    def __init__(self, pid: _Optional[int] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., exitcode: _Optional[int] = ..., signal: _Optional[str] = ..., error_file: _Optional[str] = ..., at: _Optional[float] = ..., failed: _Optional[bool] = ...) -> None: ...
+
+class WorkerExits(_message.Message):
+    __slots__ = ("node_id", "run_id", "exits")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    EXITS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    run_id: str
+    exits: _containers.RepeatedCompositeFieldContainer[WorkerExit]
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., exits: _Optional[_Iterable[_Union[WorkerExit, _Mapping]]] = ...) -> None: ...
+
+class WorkerExitsReply(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("reason",)

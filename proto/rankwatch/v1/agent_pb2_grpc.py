@@ -64,6 +64,11 @@ class AgentStub:
                 request_serializer=rankwatch_dot_v1_dot_agent__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=rankwatch_dot_v1_dot_agent__pb2.CheckpointReply.FromString,
                 _registered_method=True)
+        self.ReportWorkerExits = channel.unary_unary(
+                '/rankwatch.v1.Agent/ReportWorkerExits',
+                request_serializer=rankwatch_dot_v1_dot_agent__pb2.WorkerExits.SerializeToString,
+                response_deserializer=rankwatch_dot_v1_dot_agent__pb2.WorkerExitsReply.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -110,6 +115,13 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportWorkerExits(self, request, context):
+        """torchrun's rendezvous handler: how this node's workers ended (exit code, signal, error file).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +154,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.RequestCheckpoint,
                     request_deserializer=rankwatch_dot_v1_dot_agent__pb2.CheckpointRequest.FromString,
                     response_serializer=rankwatch_dot_v1_dot_agent__pb2.CheckpointReply.SerializeToString,
+            ),
+            'ReportWorkerExits': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportWorkerExits,
+                    request_deserializer=rankwatch_dot_v1_dot_agent__pb2.WorkerExits.FromString,
+                    response_serializer=rankwatch_dot_v1_dot_agent__pb2.WorkerExitsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +323,33 @@ class Agent:
             '/rankwatch.v1.Agent/RequestCheckpoint',
             rankwatch_dot_v1_dot_agent__pb2.CheckpointRequest.SerializeToString,
             rankwatch_dot_v1_dot_agent__pb2.CheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportWorkerExits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankwatch.v1.Agent/ReportWorkerExits',
+            rankwatch_dot_v1_dot_agent__pb2.WorkerExits.SerializeToString,
+            rankwatch_dot_v1_dot_agent__pb2.WorkerExitsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,182 @@
+"""Steps and phases of an unmodified script, from PyTorch's own global hooks.
+
+Zero-code instrumentation (:mod:`rankwatch.hooks.instrument.zerocode`) has no ``mon.step()``
+and no ``mon.mark()`` to read, so it takes the same facts from what every training loop does:
+
+* **A step ends at an optimizer step** (``torch.optim`` global step post-hook) that follows
+  a forward or a backward of the same step.  Gradient accumulation (several forward/backward
+  pairs, one ``optimizer.step()``) is one step; several optimizers stepped one after the
+  other (a Hugging Face-style loop) are one step, the later ones' time charged to the next
+  step's data phase; an eval pass (forwards with gradients off, no optimizer) is no step.
+  (Alternating updates that each run their own forward and backward, as a GAN's two players
+  do, count one step per update.)  A step opens at its first forward or backward, dated
+  from the end of the step before, so the wait for its batch is its ``data`` phase; between
+  the two the rank shows the last step it finished.
+* **Phases**, charged as ``Recorder.mark`` charges them, the time since the previous mark:
+  ``data`` up to the first forward of the step (and between a backward and the next
+  micro-batch's forward): the loader, and host work outside the model; ``forward`` from the
+  root module's forward to the backward (the loss included); ``backward`` the autograd call
+  (``torch.autograd.backward``, which ``Tensor.backward`` calls); ``optimizer`` from the end of
+  the last backward to the end of the optimizer step (gradient clipping included).
+* **Eval**: the root module called with gradients off marks the rank's activity ``eval`` (a
+  longer hang allowance); if the step had no training work yet, its start moves past the
+  eval forward, so evaluation is in no step's time.
+
+The root module is the outermost call: a depth count over every module's forward.  Every
+hook only reads a clock, compares and appends (the recorder's hot path).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rankwatch.hooks.instrument.recorder import ACTIVITY_EVAL, ACTIVITY_TRAIN, Recorder
+
+__all__ = ["StepHooks"]
+
+# Where the step is: what the time since the last mark was spent on.
+_IDLE, _FORWARD, _AFTER_FORWARD, _BACKWARD = 0, 1, 2, 3
+
+
+class StepHooks:
+    """The global hooks that turn a script's own calls into step records.
+
+    Args:
+        recorder: where steps and marks go.
+        first_step: the number of the first step (1, or where a restarted job resumes).
+    """
+
+    def __init__(self, recorder: Recorder, first_step: int = 1) -> None:
+        self._rec = recorder
+        self._step = first_step
+        self._where = _IDLE
+        self._depth = 0            # nested module forwards in progress
+        self._backward_depth = 0   # nested autograd calls in progress
+        self._trained = False      # the open step had a forward or backward with gradients on
+        self._open = False         # a step is open (each opens at its first training work)
+        self._next_ns = 0          # when the next step began: the last one's end (0: not yet)
+        self._root_eval = False    # the root call in progress runs with gradients off
+        self._grad_enabled: Any = lambda: True
+        self._handles: list[Any] = []
+        self._saved_backward: Any = None
+        self.steps = 0             # steps ended so far
+
+    # -- lifecycle ----------------------------------------------------------
+    def install(self) -> None:
+        import torch
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim
+
+        self._handles = [
+            nn_module.register_module_forward_pre_hook(self._forward_pre),
+            nn_module.register_module_forward_hook(self._forward_post, always_call=True),
+            optim.register_optimizer_step_pre_hook(self._optimizer_pre),
+            optim.register_optimizer_step_post_hook(self._optimizer_post),
+        ]
+        self._grad_enabled = torch.is_grad_enabled
+        self._saved_backward = torch.autograd.backward
+        torch.autograd.backward = self._timed_backward(self._saved_backward)
+
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._saved_backward is not None:
+            import torch
+
+            torch.autograd.backward = self._saved_backward
+            self._saved_backward = None
+
+    # -- the hooks (training thread) ----------------------------------------
+    def _forward_pre(self, _module: Any, _args: Any) -> None:
+        depth = self._depth
+        self._depth = depth + 1
+        if depth:
+            return
+        rec = self._rec
+        if not self._grad_enabled():   # eval, or a no-grad model call inside a step
+            self._root_eval = True
+            if not self._trained:
+                rec.activity = ACTIVITY_EVAL
+            return
+        if not self._open:
+            self._begin(time.perf_counter_ns())
+        elif rec.activity != ACTIVITY_TRAIN:
+            rec.activity = ACTIVITY_TRAIN
+        rec.mark("forward" if self._where == _AFTER_FORWARD else "data")
+        self._where = _FORWARD
+        self._trained = True
+
+    def _forward_post(self, _module: Any, _args: Any, _out: Any) -> None:
+        depth = self._depth - 1
+        self._depth = max(depth, 0)
+        if depth > 0:
+            return
+        if self._root_eval:
+            self._root_eval = False
+            if not self._trained:   # eval before the step's training work: in no step's time
+                self._next_ns = time.perf_counter_ns()
+                if self._open:
+                    self._rec.begin_step(self._step, self._next_ns)
+                self._rec.activity = ACTIVITY_EVAL
+            return
+        if self._where == _FORWARD:
+            self._rec.mark("forward")
+            self._where = _AFTER_FORWARD
+
+    def _timed_backward(self, backward: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            outer = self._backward_depth == 0
+            if outer:
+                self._backward_begins()
+            self._backward_depth += 1
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                self._backward_depth -= 1
+                if outer:
+                    self._backward_ends()
+
+        timed.__wrapped__ = backward  # type: ignore[attr-defined]
+        timed.__doc__ = backward.__doc__
+        return timed
+
+    def _backward_begins(self) -> None:
+        if not self._open:
+            self._begin(time.perf_counter_ns())
+        self._rec.mark("forward" if self._where == _AFTER_FORWARD else "data")
+        self._where = _BACKWARD
+        self._trained = True
+
+    def _backward_ends(self) -> None:
+        rec = self._rec
+        ready = rec.comm_ready_ns
+        if ready:   # DDP: the time since its last bucket was ready, the backward waited for them
+            rec.comm_ready_ns = 0
+            rec.blocked_ns += max(0, time.perf_counter_ns() - ready)
+        rec.mark("backward")
+        self._where = _IDLE
+
+    def _optimizer_pre(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if self._open:   # (closed: a second optimizer right after the first, the same update)
+            self._rec.mark("optimizer" if self._where == _IDLE else "forward")
+
+    def _optimizer_post(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if not self._open:
+            return
+        rec = self._rec
+        rec.mark("optimizer")
+        self._where = _IDLE
+        if not self._trained:   # an optimizer step with no training work: not an update
+            return
+        rec.end_step()
+        self.steps += 1
+        self._step += 1
+        self._trained = False
+        self._open = False   # the next step opens at its first training work, dated from now
+        self._next_ns = time.perf_counter_ns()
+
+    def _begin(self, now_ns: int) -> None:
+        self._open = True
+        self._rec.begin_step(self._step, self._next_ns or now_ns)
