@@ -35,6 +35,7 @@ from rankwatch.agent.job import goodput
 from rankwatch.agent.views import answer
 from rankwatch.agent.export.prom_store import StorageCollector
 from rankwatch.agent.export.prom_refusals import GateCollector
+from rankwatch.agent.export.prom_exits import ExitCollector
 from rankwatch.agent.export.prom_bound import BoundCollector
 from rankwatch.agent.durable.storage import storage_report
 from rankwatch.agent.job.known import JobKnowledge
@@ -104,6 +105,7 @@ class Agent:
         self.registry.register(NodeCollector(self.state, lambda: self.watch.straggler_view, config.rank_grace))
         self.registry.register(JobCollector(config.node_id, self.state.clock, self.job, self.recoveries))
         self.registry.register(StorageCollector(config.node_id, self.incidents, self.decision_log))
+        self.registry.register(ExitCollector(config.node_id, lambda: self.watch.exit_counts))
         self.registry.register(BoundCollector(config.node_id, self._bottlenecks))
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
         self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
@@ -170,12 +172,20 @@ class Agent:
         self.gpu.stop()
         if self._detector is not None:
             self._detector.join(2)
+            self._final_exits()
             self._snapshots.write()  # the last view, for status and diagnose once the agent is gone
         self.servers.stop_grpc(grace)
         if self._otel is not None:
             self._otel.shutdown()
         self.servers.stop()
         self._stopped.set()
+
+    def _final_exits(self) -> None:
+        """The rank exits still waiting for evidence, recorded before the agent goes."""
+        try:
+            self.watch.check_exits(self.state.clock(), final=True)
+        except Exception:  # noqa: BLE001 - stopping never fails
+            log.exception("rank exits at stop")
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         return self._stopped.wait(timeout.total_seconds() if timeout else None)

@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "inside forward for SECONDS), slow_checkpoint (a save of SECONDS), "
                         "slow_compute / slow_data (from STEP on, the rank's forward / data "
                         "loading takes SECONDS x its usual step time longer), skip_collective "
-                        "(the rank skips the step's loss all-reduce, a desync, then stalls SECONDS); "
+                        "(the rank skips the step's loss all-reduce, a desync, then stalls SECONDS), "
+                        "raise (a RuntimeError at STEP), segv (SIGSEGV to itself at STEP); "
                         "RANK -1 is every rank")
     p.add_argument("--ab-block", type=int, default=0,
                    help="benchmarks: alternate blocks of N steps with rankwatch on and off")
@@ -88,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-_FAULT_KINDS = ("sleep_forward", "slow_checkpoint", "slow_compute", "slow_data", "skip_collective")
+_FAULT_KINDS = ("sleep_forward", "slow_checkpoint", "slow_compute", "slow_data", "skip_collective", "raise",
+                "segv")
 
 
 def _fault(text: str) -> tuple[str, int, int, float]:

@@ -11,6 +11,7 @@ The agent's loop (:meth:`Agent._detect_loop`) only sequences the ticks.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -20,6 +21,9 @@ from rankwatch.agent.detect.evaluate import STACKS_FRESH_SECONDS, Snapshot, eval
 from rankwatch.agent.detect.hang_verdict import HangConfig, RankProgress
 from rankwatch.agent.detect.hang_end import hang_end, steps_at
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
+from rankwatch.agent.job.root_cause import exit_view, root_causes
+from rankwatch.agent.node.exit_cause import HOWS, classify
+from rankwatch.agent.node.exit_evidence import ExitEvidence, KernelLog
 from rankwatch.agent.node.rankexit import BrokenStream, ExitConfig, ExitWatch, exit_detail
 from rankwatch.agent.node.transitions import next_state
 from rankwatch.agent.node.starvation import StarvationTracker
@@ -84,6 +88,11 @@ class NodeWatch:
         self._open_hang: Incident | None = None
         self._hang_steps: dict[tuple[str, int], int] = {}   # each rank's completed steps at the verdict
         self._exits = ExitWatch(exits)
+        self.exit_evidence = ExitEvidence(KernelLog())
+        """How its workers ended: exit records, fault files, OOM counts, torchrun's reports."""
+        self.exit_counts = dict.fromkeys(HOWS, 0)
+        """Rank exits recorded, by how they ended (a counter, for /metrics)."""
+        self._exit_pids: deque[int] = deque(maxlen=1024)   # pids a rank_exit was recorded for
         self.stragglers = StragglerDetector(straggler, gpu_throttle=gpu_throttle)
         self._starvation = StarvationTracker()
         self._step_starts = StepStarts()
@@ -139,36 +148,89 @@ class NodeWatch:
                 r.state = next_state(r.state, event)  # type: ignore[arg-type]
 
     # -- rank exits -------------------------------------------------------------
-    def stream_broke(self, rank: RankState, error: str) -> None:
-        """Keep what the agent knew of a rank whose stream broke, for :meth:`check_exits`."""
+    def stream_broke(self, rank: RankState, error: str, said_goodbye: bool = False) -> None:
+        """Keep what the agent knew of a rank whose stream broke (or closed after its exit
+        record said it dies), for :meth:`check_exits`."""
         with self.state.lock:
             broken = BrokenStream(
                 rank=rank.rank, node=rank.node, pid=rank.pid, stream=rank.stream, step=rank.step,
                 activity=rank.activity, last_seen=rank.last_seen, ended_at=self.state.clock(),
-                error=error, inflight=dict(rank.inflight) if rank.inflight else None)
+                error=error, inflight=dict(rank.inflight) if rank.inflight else None,
+                said_goodbye=said_goodbye)
         self._exits.broke(broken)
 
-    def check_exits(self, now: float, restarts: Iterable[float] = ()) -> list[Incident]:
+    def check_exits(self, now: float, restarts: Iterable[float] = (), final: bool = False) -> list[Incident]:
         """Judge each broken stream once more; record a ``rank_exit`` incident per dead rank.
 
-        ``restarts``: when restarts were decided (a restart's exits are not news).
+        ``restarts``: when restarts were decided (a restart's exits are not news).  ``final``:
+        the agent stops; a gone rank's exit waits for no more evidence.
         """
         st = self.state
         with st.lock:
             streaming = {r.pid: r.stream for r in st.ranks.values() if r.connected}
+        evidence = self.exit_evidence
         exited = self._exits.review(now, alive=lambda pid: process_state(pid)[0], streaming=streaming,
-                                    restarts=restarts)
+                                    restarts=restarts, settled=lambda b: final or evidence.settled(b.stream, b.pid))
         made = []
         for b in exited:
             with st.lock:
                 r = st.ranks.get(b.rank)
                 if r is not None and r.stream == b.stream:
                     r.state = next_state(r.state, "exited")
-            made.append(self.incidents.add(kind="rank_exit", node=b.node, rank=b.rank, step=b.step,
-                                           detected_at=now, detail=exit_detail(b, now)))
-            log.warning("RANK EXIT: rank %d (pid %d) died at step %d (%s, stream %s)", b.rank, b.pid,
-                        b.step, b.activity, b.error)
+            found = evidence.gather(b.stream, b.pid)
+            rec = found["record"] or {}
+            step = rec["step"] if rec.get("step", -1) >= 0 else b.step
+            ended = min(b.ended_at, rec["at"]) if rec.get("at", 0) > b.ended_at - 3600 else b.ended_at
+            made.append(self._record_exit(now, b.node, b.rank, step, b.pid, {
+                **exit_detail(b, now), **classify(**found), "started_at": ended,
+                "last_collective": b.inflight}))
+        made += self._torchrun_only(now, streaming)
+        if made:
+            self._assign_roots()
         return made
+
+    def _record_exit(self, now: float, node: str, rank: int, step: int, pid: int,
+                     detail: dict[str, Any]) -> Incident:
+        self._exit_pids.append(pid)
+        self.exit_counts[detail["how"]] = self.exit_counts.get(detail["how"], 0) + 1
+        incident = self.incidents.add(kind="rank_exit", node=node, rank=rank, step=step, detected_at=now,
+                                      detail={**detail, "root_cause": None})   # set next (_assign_roots)
+        log.warning("RANK EXIT: rank %d (pid %d) at step %d: %s", rank, pid, step, detail["reason"])
+        return incident
+
+    def _torchrun_only(self, now: float, streaming: Mapping[int, int]) -> list[Incident]:
+        """Workers only torchrun saw end (uninstrumented, or closed cleanly then exited nonzero):
+        a ``rank_exit`` each, once no stream of theirs is open or judged."""
+        judged = set(self._exit_pids) | set(self._exits.decided) | self._exits.pending_pids() | set(streaming)
+        made = []
+        for rep in self.exit_evidence.reports():
+            pid = rep["pid"]
+            if pid in judged or now - rep["at"] < 1.0 or process_state(pid)[0]:
+                continue
+            with self.state.lock:
+                r = next((r for r in self.state.ranks.values() if r.pid == pid), None)
+                step = r.step if r is not None else -1
+                clean = r is not None and r.exited_cleanly
+            if clean and not rep["failed"]:
+                self._exit_pids.append(pid)   # it finished; torchrun only stopped the rest
+                continue
+            made.append(self._record_exit(now, self.state.node_id, rep["rank"], step, pid, {
+                "pid": pid, "alive": False, "stream": "none" if r is None else "closed",
+                **classify(record=None, fault=None, torchrun=rep, oom=self.exit_evidence.gather(None, pid)["oom"]),
+                "started_at": min(rep["at"], now), "instrumented": r is not None}))
+        return made
+
+    def _assign_roots(self) -> None:
+        """Link this node's rank exits to their root cause (:mod:`.job.root_cause`); the
+        coordinator links them across the job."""
+        run = self.incidents.run_id
+        exits = [i for i in self.incidents.items if i.kind == "rank_exit" and i.run_id == run
+                 and "/" not in i.id]
+        roots = root_causes(exit_view(i.id, i.detected_at, i.detail) for i in exits)
+        for i in exits:
+            root = roots.get(i.id, i.id)
+            if i.detail.get("root_cause") != root:
+                self.incidents.update(i.id, root_cause=root, consequence=root != i.id)
 
     # -- stragglers -------------------------------------------------------------
     def check_stragglers(self, now: float) -> list[Incident]:

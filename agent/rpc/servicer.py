@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import grpc
 
 from rankwatch.agent.job.relay import RelayBusy, RelayUnavailable
+from rankwatch.agent.node.exit_evidence import check_worker_exits
 from rankwatch.agent.node.intake import Rejected
 from rankwatch.agent.rpc.auth import authorized
 from rankwatch.agent.wire.ranges import clean_text
@@ -91,6 +92,8 @@ class Servicer:
             ("SyncGroup", grpc.unary_unary_rpc_method_handler, self.sync_group, pb.GroupSummary, pb.GroupReply),
             ("RequestCheckpoint", grpc.unary_unary_rpc_method_handler, self.request_checkpoint,
              pb.CheckpointRequest, pb.CheckpointReply),
+            ("ReportWorkerExits", grpc.unary_unary_rpc_method_handler, self.report_worker_exits,
+             pb.WorkerExits, pb.WorkerExitsReply),
         )
         return grpc.method_handlers_generic_handler(SERVICE, {
             name: kind(fn, request_deserializer=self._decoder(req), response_serializer=resp.SerializeToString)
@@ -125,6 +128,7 @@ class Servicer:
                         self._refuse(context, exc)
                     if rank.job_id:  # the job's run id, on every incident and decision
                         parts.incidents.run_id = parts.decision_log.run_id = rank.job_id
+                    parts.watch.exit_evidence.hello(rank.stream, rank.pid, msg.hello.fault_file)
                     continue
                 if body == "goodbye":
                     said_goodbye = True
@@ -139,6 +143,8 @@ class Servicer:
                         parts.checkpoints.recorded(rank, batch.checkpoints)
                     if batch.recoveries:
                         parts.on_recoveries(rank, batch.recoveries)
+                    if batch.HasField("exit"):
+                        parts.watch.exit_evidence.recorded(rank.stream, batch.exit)
                 except Rejected as exc:
                     st.note_rejected(exc)
                     rejected += 1
@@ -149,9 +155,11 @@ class Servicer:
             # the stream as a close does (the iteration just stops), not only as an error.
             if rank is not None:
                 parts.rank_streams.release(rank.rank, context)
-                st.goodbye(rank, said_goodbye)
-                if not said_goodbye:
-                    parts.watch.stream_broke(rank, error)
+                # A goodbye after an exit record that says the rank dies is no clean end.
+                dying = parts.watch.exit_evidence.dying(rank.stream)
+                st.goodbye(rank, said_goodbye and not dying)
+                if not said_goodbye or dying:
+                    parts.watch.stream_broke(rank, error, said_goodbye)
         return pb.ReportSummary(batches_accepted=accepted, batches_rejected=rejected)
 
     def commands(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> Iterator[pb.Command]:
@@ -212,6 +220,18 @@ class Servicer:
                            context: grpc.ServicerContext) -> pb.CheckpointReply:
         self._authorize(context, "RequestCheckpoint")
         return self.parts.checkpoint(clean_text(request.reason, 256) or "operator")
+
+    def report_worker_exits(self, request: pb.WorkerExits, context: grpc.ServicerContext) -> pb.WorkerExitsReply:
+        """torchrun's word on how this node's workers ended (its rendezvous handler calls)."""
+        self._authorize(context, "ReportWorkerExits")
+        try:
+            reports = check_worker_exits(request)
+        except Rejected as exc:
+            self.parts.state.note_rejected(exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
+        self.parts.watch.exit_evidence.torchrun_reported(reports)
+        return pb.WorkerExitsReply(accepted=len(reports))
 
     # -- refusals -------------------------------------------------------------------
     def _refuse(self, context: grpc.ServicerContext, exc: Rejected) -> NoReturn:

@@ -54,6 +54,7 @@ def train_step(m: Any, job: Job, batches: Any, accum: int, args: Any, vocab: int
     if slow := _slowdown_from(args.fault, "slow_data", rank, step + 1):
         time.sleep(slow * _usual(record.step_times))
     m.mark("data")
+    _crash_faults(args.fault, rank, step + 1)
     if stuck := _faults_at(args.fault, "sleep_forward", rank, step + 1):
         _injected_sleep_in_forward(stuck)
     if slow := _slowdown_from(args.fault, "slow_compute", rank, step + 1):
@@ -129,6 +130,16 @@ def _usual(step_times: list[float]) -> float:
 def _injected_sleep_in_forward(seconds: float) -> None:
     """A rank stuck in Python: named so that its frame is recognisable in stacks."""
     time.sleep(seconds)
+
+
+def _crash_faults(faults: list, rank: int, step: int) -> None:
+    """The injected ends of a worker: ``raise`` (an uncaught RuntimeError) and ``segv``."""
+    if any(k == "raise" and st == step and r in (rank, -1) for k, r, st, _ in faults):
+        raise RuntimeError(f"injected fault: rank {rank} raises at step {step}")
+    if any(k == "segv" and st == step and r in (rank, -1) for k, r, st, _ in faults):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSEGV)
 
 
 def _faults_at(faults: list, kind: str, rank: int, step: int, any_rank: bool = False) -> float:

@@ -69,6 +69,7 @@ from rankwatch.hooks.rendezvous.exit_note import write_exit_note
 from rankwatch.hooks.rendezvous.round_keys import IN_PROCESS_WAIT, InProcessRound
 from rankwatch.hooks.rendezvous.exit_barrier import own_client, stand_in
 from rankwatch.hooks.rendezvous.poller import DecisionRelay
+from rankwatch.hooks.rendezvous.worker_results import watch_from_env
 from rankwatch.hooks.recovery.store import Seal
 
 __all__ = ["BACKEND", "ETCD_BACKEND", "ExcludingRendezvousHandler", "create_etcd_handler", "create_handler",
@@ -87,12 +88,15 @@ _STORE_TROUBLE_LOG_EVERY = 10.0   # seconds between warnings that the store does
 
 
 def handler_factory():
-    """The ``torchrun.handlers`` entry point: returns the handler creator torchrun registers."""
+    """The ``torchrun.handlers`` entry point: returns the handler creator torchrun registers
+    (torchrun calls it at start-up whatever its backend: :func:`.worker_results.watch_from_env`)."""
+    watch_from_env()
     return create_handler
 
 
 def etcd_handler_factory():
     """The ``torchrun.handlers`` entry point of ``rankwatch-etcd``."""
+    watch_from_env()
     return create_etcd_handler
 
 
