@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rankwatch.address import Address, node_id, resolve
 from rankwatch.agent.cli.parser import build_parser
@@ -268,17 +268,26 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
         print("no incidents recorded by this agent")
         return 0
     else:
-        chosen = next((i for i in reversed(incidents) if i["kind"] == "hang"), incidents[-1])
+        chosen = next((i for i in reversed(incidents) if i["kind"] == "hang"), None) or _failure(incidents)
     if args.json:
         print(json.dumps(chosen, indent=2))
         return 0
     from rankwatch.agent.cli.story import tell
 
-    print(tell(chosen))
+    print(tell(chosen, incidents))
     others = [i["id"] for i in incidents if i is not chosen]
     if others and args.incident is None:
         print(f"\nother incidents: {', '.join(others[-12:])} (rankwatch diagnose ID)")
     return 0
+
+
+def _failure(incidents: list[dict[str, Any]]) -> dict[str, Any]:
+    """The root cause of the latest worker failure, else the latest incident."""
+    last = next((i for i in reversed(incidents) if i["kind"] == "rank_exit"), None)
+    if last is None:
+        return incidents[-1]
+    root = last["detail"].get("root_cause")
+    return next((i for i in incidents if i["id"] == root), last)
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:

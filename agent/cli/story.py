@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["recovery_line", "split_stacks", "tell"]
@@ -20,10 +21,15 @@ _SOURCES = {"hooks": "rankwatch's hooks", "flight_recorder": "Flight Recorder"}
 _THREAD = re.compile(r"^Thread (?P<name>.*) \((?P<ident>\d+)\):$")
 
 
-def tell(incident: dict[str, Any]) -> str:
-    """The incident (``status --json`` form) as text for a terminal."""
+def tell(incident: dict[str, Any], incidents: Sequence[dict[str, Any]] = ()) -> str:
+    """The incident (``status --json`` form) as text for a terminal; ``incidents``: the others
+    of the view (a rank exit's story names the exits that followed from it)."""
     if incident["kind"] == "hang":
         return _hang(incident)
+    if incident["kind"] == "rank_exit" and incident["detail"].get("how"):
+        from rankwatch.agent.cli.postmortem import tell_exit
+
+        return tell_exit(incident, incidents)
     if incident["kind"] == "restart" and incident["detail"].get("tier") == "in_process":
         return _recovery(incident)
     return _generic(incident)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -126,10 +127,14 @@ class IncidentLog:
         self._file_records = self._file_bytes = 0
 
     def add(self, *, kind: str, node: str, rank: int, step: int, detected_at: float,
-            detail: Mapping[str, Any]) -> Incident:
+            detail: Mapping[str, Any], tag: str = "") -> Incident:
+        """``tag``: put in the id (``<kind>-<tag>-<n>``), so that ids of several nodes' agents
+        differ (a rank exit's root cause names one across the job)."""
+        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", tag)[:64]
         with self._lock:
             self._count += 1
-            incident = Incident(id=f"{kind}-{self._count}", kind=kind, node=node, rank=rank,
+            name = f"{kind}-{tag}-{self._count}" if tag else f"{kind}-{self._count}"
+            incident = Incident(id=name, kind=kind, node=node, rank=rank,
                                 step=step, detected_at=detected_at, detail=bounds.cap_detail(detail),
                                 run_id=self.run_id)
             self._keep(incident)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from rankwatch.agent.detect.hang_verdict import HangConfig
 from rankwatch.agent.detect.straggler import StragglerConfig
@@ -57,6 +58,7 @@ from rankwatch.agent.job.pacing import LoadConfig
 from rankwatch.agent.job.policy import PolicyConfig
 from rankwatch.agent.job.assignments import RelayGroups, check_group, held_for
 from rankwatch.agent.job.restartwatch import RestartWatch
+from rankwatch.agent.job.root_cause import job_roots
 from rankwatch.agent.job.routing import RelayConfig
 from rankwatch.agent.job.slow_nodes import JobStragglers
 from rankwatch.proto import pb
@@ -106,7 +108,7 @@ class Coordinator:
         self.view = JobView(self.log, self.load, self.policy.max_nodes)
         """The nodes' summaries, on this clock."""
         self.lock, self.nodes, self.dead = self.view.lock, self.view.nodes, self.view.dead
-        self.snapshot, self.job_incidents = self.view.snapshot, self.view.job_incidents
+        self.snapshot = self.view.snapshot
         self.node_states, self.rank_summaries = self.view.node_states, self.view.rank_summaries
         self.restarts = RestartWatch(incidents, self.view)
         """The open restart incident, from an exclusion until the job trains again."""
@@ -123,6 +125,21 @@ class Coordinator:
         self._encoded: tuple[int, list[pb.Decision]] = (0, [])
         self._stragglers_at = float("-inf")   # when the straggler detector last ran
         self._straggler_cost = 0.0   # how long its last pass took (monotonic seconds)
+
+    def job_incidents(self) -> list[Incident]:
+        """The incidents the nodes raised themselves (:meth:`JobView.job_incidents`), each rank
+        exit linked to the job's root cause (:func:`.root_cause.job_roots`); this agent's own
+        rank exits are updated to it in its log (and file)."""
+        reported = self.view.job_incidents()
+        roots = job_roots(reported, self.incidents.items, self.log.run_id)
+        if not roots:
+            return reported
+        for i in [i for i in self.incidents.items if i.kind == "rank_exit" and i.id in roots]:
+            if i.detail.get("root_cause") != roots[i.id]:
+                self.incidents.update(i.id, root_cause=roots[i.id], consequence=roots[i.id] != i.id,
+                                      root_cause_scope="job")
+        return [replace(i, detail={**i.detail, "root_cause": roots[i.id], "consequence": roots[i.id] != i.id,
+                                   "root_cause_scope": "job"}) if i.id in roots else i for i in reported]
 
     # -- intake ---------------------------------------------------------------
     def sync(self, summary: pb.NodeSummary) -> pb.SyncReply:

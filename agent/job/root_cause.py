@@ -78,3 +78,13 @@ def root_causes(exits: Iterable[ExitView], window: float = WINDOW) -> dict[str, 
         if e is not None:
             episode.append(e)
     return out
+
+
+def job_roots(reported: Iterable[Any], own: Iterable[Any], run_id: str) -> dict[str, str]:
+    """Across the job: each ``rank_exit`` incident's id -> its root cause's id, over the nodes'
+    own incidents (``reported``, from their summaries) and this agent's (``own``), of the run."""
+    seen: dict[str, ExitView] = {}
+    for i in [*own, *reported]:
+        if i.kind == "rank_exit" and "/" not in i.id and (not run_id or i.run_id in (run_id, "")):
+            seen.setdefault(i.id, exit_view(i.id, i.detected_at, i.detail))
+    return root_causes(seen.values()) if seen else {}

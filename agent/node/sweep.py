@@ -194,7 +194,7 @@ class NodeWatch:
         self._exit_pids.append(pid)
         self.exit_counts[detail["how"]] = self.exit_counts.get(detail["how"], 0) + 1
         incident = self.incidents.add(kind="rank_exit", node=node, rank=rank, step=step, detected_at=now,
-                                      detail={**detail, "root_cause": None})   # set next (_assign_roots)
+                                      detail={**detail, "root_cause": None}, tag=node)   # set next (_assign_roots)
         log.warning("RANK EXIT: rank %d (pid %d) at step %d: %s", rank, pid, step, detail["reason"])
         return incident
 
@@ -226,10 +226,11 @@ class NodeWatch:
         run = self.incidents.run_id
         exits = [i for i in self.incidents.items if i.kind == "rank_exit" and i.run_id == run
                  and "/" not in i.id]
+        exits_linked_by_job = {i.id for i in exits if i.detail.get("root_cause_scope") == "job"}
         roots = root_causes(exit_view(i.id, i.detected_at, i.detail) for i in exits)
         for i in exits:
             root = roots.get(i.id, i.id)
-            if i.detail.get("root_cause") != root:
+            if i.detail.get("root_cause") != root and i.id not in exits_linked_by_job:
                 self.incidents.update(i.id, root_cause=root, consequence=root != i.id)
 
     # -- stragglers -------------------------------------------------------------
