@@ -121,6 +121,11 @@ def test_a_nested_module_is_not_a_new_forward(hooked):
     opt.step()
     (_, t0, t1, data, forward, backward, optimizer, *_r), = hooked.steps
     assert forward > 0 and data < forward + backward + optimizer
+    # The first step found the root: from now on only it is hooked, no other module pays.
+    from torch.nn.modules import module as nn_module
+
+    assert not nn_module._global_forward_pre_hooks and not nn_module._global_forward_hooks
+    assert len(model._forward_pre_hooks) == 1 and not model.body[0]._forward_pre_hooks
 
 
 def test_uninstall_removes_every_hook():

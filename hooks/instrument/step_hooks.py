@@ -22,8 +22,11 @@ and no ``mon.mark()`` to read, so it takes the same facts from what every traini
   longer hang allowance); if the step had no training work yet, its start moves past the
   eval forward, so evaluation is in no step's time.
 
-The root module is the outermost call: a depth count over every module's forward.  Every
-hook only reads a clock, compares and appends (the recorder's hot path).
+The root module is the outermost call: a depth count over every module's forward.  During the
+first step global forward hooks find the root modules (the models the loop calls); from its
+end only those are hooked, so that no other module call pays for a hook.  A model first
+called at the top level after the first step is not seen (its time falls in the phase around
+it).  Every hook only reads a clock, compares and appends (the recorder's hot path).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from rankwatch.hooks.instrument.recorder import ACTIVITY_EVAL, ACTIVITY_TRAIN, R
 
 __all__ = ["StepHooks"]
 
+_MAX_ROOTS = 16   # root modules hooked after the first step (models called at the top level)
 # Where the step is: what the time since the last mark was spent on.
 _IDLE, _FORWARD, _AFTER_FORWARD, _BACKWARD = 0, 1, 2, 3
 
@@ -58,7 +62,10 @@ class StepHooks:
         self._next_ns = 0          # when the next step began: the last one's end (0: not yet)
         self._root_eval = False    # the root call in progress runs with gradients off
         self._grad_enabled: Any = lambda: True
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []          # the optimizer's global step hooks
+        self._module_handles: list[Any] = []   # the forward hooks: global, then the roots' own
+        self._discovering = True   # the first step: global forward hooks find the root modules
+        self._roots: dict[int, Any] = {}
         self._saved_backward: Any = None
         self.steps = 0             # steps ended so far
 
@@ -68,9 +75,11 @@ class StepHooks:
         from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim
 
-        self._handles = [
+        self._module_handles = [
             nn_module.register_module_forward_pre_hook(self._forward_pre),
             nn_module.register_module_forward_hook(self._forward_post, always_call=True),
+        ]
+        self._handles = [
             optim.register_optimizer_step_pre_hook(self._optimizer_pre),
             optim.register_optimizer_step_post_hook(self._optimizer_post),
         ]
@@ -79,9 +88,10 @@ class StepHooks:
         torch.autograd.backward = self._timed_backward(self._saved_backward)
 
     def uninstall(self) -> None:
-        for handle in self._handles:
+        for handle in (*self._handles, *self._module_handles):
             handle.remove()
-        self._handles = []
+        self._handles, self._module_handles = [], []
+        self._roots.clear()
         if self._saved_backward is not None:
             import torch
 
@@ -89,11 +99,13 @@ class StepHooks:
             self._saved_backward = None
 
     # -- the hooks (training thread) ----------------------------------------
-    def _forward_pre(self, _module: Any, _args: Any) -> None:
+    def _forward_pre(self, module: Any, _args: Any) -> None:
         depth = self._depth
         self._depth = depth + 1
         if depth:
             return
+        if self._discovering and len(self._roots) < _MAX_ROOTS:
+            self._roots[id(module)] = module
         rec = self._rec
         if not self._grad_enabled():   # eval, or a no-grad model call inside a step
             self._root_eval = True
@@ -171,11 +183,26 @@ class StepHooks:
         if not self._trained:   # an optimizer step with no training work: not an update
             return
         rec.end_step()
+        if self._discovering:
+            self._settle()
         self.steps += 1
         self._step += 1
         self._trained = False
         self._open = False   # the next step opens at its first training work, dated from now
         self._next_ns = time.perf_counter_ns()
+
+    def _settle(self) -> None:
+        """The first step is over: hook only the root modules it called, and drop the global
+        forward hooks (with any global hook, every module call takes PyTorch's slow path,
+        ~3 us a call)."""
+        self._discovering = False
+        for handle in self._module_handles:
+            handle.remove()
+        self._module_handles = []
+        for root in self._roots.values():
+            self._module_handles += [root.register_forward_pre_hook(self._forward_pre),
+                                     root.register_forward_hook(self._forward_post, always_call=True)]
+        self._roots.clear()
 
     def _begin(self, now_ns: int) -> None:
         self._open = True

@@ -10,7 +10,9 @@ user's script has them:
 * ``--raise-at RANK:STEP``: that rank raises ``RuntimeError`` at that step;
 * ``--accumulate K``: K forward/backward micro-batches per optimizer step;
 * ``--eval-every N``: an eval pass (``torch.no_grad``, no optimizer) every N steps;
-* ``--count-out PATH``: the script writes its own count of optimizer steps there at the end.
+* ``--count-out PATH``: the script writes its own count of optimizer steps there at the end;
+* ``--dim D`` (width) and ``--time-out PATH``: the median wall time of its updates, as the
+  script times them itself (benchmarks).
 """
 
 import argparse
@@ -68,6 +70,8 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--count-out", default=None)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--time-out", default=None)
     args = p.parse_args()
 
     dist.init_process_group(backend="gloo")
@@ -75,11 +79,11 @@ def main() -> None:
     torch.manual_seed(0)
     slow, fail = _pair(args.slow_loader), _pair(args.raise_at)
     delay = slow[1] / args.batch_size if slow and slow[0] in (-1, rank) else 0.0
-    data = Points(args.samples, 32, delay)
+    data = Points(args.samples, args.dim, delay)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=DistributedSampler(data))
-    model = DDP(Net())
+    model = DDP(Net(args.dim))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    steps = 0
+    steps, times, last = 0, [], time.perf_counter()
     for epoch in range(args.epochs):
         loader.sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
@@ -92,15 +96,23 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
             steps += 1
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
             if args.eval_every and steps % args.eval_every == 0:
                 model.eval()
                 with torch.no_grad():
                     for xe, _ in zip(data.x[:64].split(16), range(4)):
                         model(xe)
                 model.train()
+                last = time.perf_counter()
     if args.count_out:
         with open(f"{args.count_out}.{rank}", "w") as f:
             f.write(str(steps))
+    if args.time_out and times:
+        kept = sorted(times[len(times) // 10:])   # the first tenth warms up
+        with open(f"{args.time_out}.{rank}", "w") as f:
+            f.write(str(kept[len(kept) // 2]))
     print(f"rank {rank}: {steps} steps", flush=True)
     dist.destroy_process_group()
 
