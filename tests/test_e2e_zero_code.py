@@ -24,12 +24,14 @@ DATA = Path(__file__).parent / "data"
 
 
 def _run_cmd(agent, script: str, *args: str, nproc: int = 2) -> list[str]:
+    target = ["-m", script] if not script.endswith(".py") else [str(DATA / script)]
     return [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr), "--node-id", "n0",
-            "--", "--standalone", "--nproc-per-node", str(nproc), str(DATA / script), *args]
+            "--", "--standalone", "--nproc-per-node", str(nproc), *target, *args]
 
 
 def _run(agent, script: str, *args: str, env: dict | None = None) -> None:
-    out = subprocess.run(_run_cmd(agent, script, *args), capture_output=True, text=True, timeout=240,
+    """Run ``script`` (a file in tests/data, or a module name: ``-m`` from tests/data) to its end."""
+    out = subprocess.run(_run_cmd(agent, script, *args), capture_output=True, text=True, timeout=240, cwd=DATA,
                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "zero-code instrumentation" not in out.stderr, out.stderr[-3000:]
@@ -45,8 +47,9 @@ def _ranks(agent) -> list[dict]:
 
 def test_an_unmodified_ddp_script_with_accumulation_and_eval(agent_proc, tmp_path):
     """Two micro-batches per update and an eval pass every 5 updates: the agent's step count
-    is the script's own, and DDP's bucket all-reduces (issued from C++) are timed."""
-    _run(agent_proc, "plain_ddp.py", "--epochs", "2", "--accumulate", "2", "--eval-every", "5",
+    is the script's own, and DDP's bucket all-reduces (issued from C++) are timed.  Run as
+    ``-m plain_ddp``: the bootstrap runs before a module as before a script."""
+    _run(agent_proc, "plain_ddp", "--epochs", "2", "--accumulate", "2", "--eval-every", "5",
          "--count-out", str(tmp_path / "count"))
     counts = _counts(tmp_path / "count", 2)
     assert counts == [16, 16]   # 256 samples / 2 ranks / 8 a batch / 2 micro-batches, twice
