@@ -241,6 +241,15 @@ _INCIDENTS = _annotation(
     f"sum by (node, kind) (rankwatch_incidents{{{N}}}) > sum by (node, kind) (rankwatch_incidents{{{N}}} offset 30s)",
     "red", "{{kind}} on {{node}}", "kind,node")
 
+# The job's bottleneck: the coordinator's (scope job), else a lone node agent's (scope node).
+_BOUND_SHARE = (f'rankwatch_bottleneck_share{{{J}, scope="job"}}'
+                f' or on (kind) rankwatch_bottleneck_share{{{J}, scope="node"}}')
+_BOUND_CODES = (("input", 0), ("communication", 1), ("compute", 2))
+_BOUND_KIND = "max(\n  " + "\nor ".join(
+    f'((rankwatch_bottleneck{{{J}, scope="job", kind="{k}"}} or on (kind) '
+    f'rankwatch_bottleneck{{{J}, scope="node", kind="{k}"}}) == 1) * 0 + {c}' for k, c in _BOUND_CODES) + "\n)"
+_BOUND_MAPPINGS = ((0, "input", "orange"), (1, "communication", "blue"), (2, "compute", "green"))
+
 JOB = Dashboard(
     uid="rankwatch-job", title="rankwatch / Job overview",
     description="Throughput, MFU, goodput, restarts and checkpoints of the training job.",
@@ -276,6 +285,19 @@ JOB = Dashboard(
           "Model FLOPs utilisation per node.", "percentunit", min=0),
         P("Progress", "timeseries", (Q(f"max by (node) (rankwatch_rank_step{{{R}}})", "{{node}}"),),
           "Last step reached. A flat line while ranks are connected is a hang.", "none"),
+        Row("Bottleneck"),
+        P("What bounds the steps", "state-timeline", (Q(_BOUND_KIND, "bound by"),),
+          "The kind that bounds the job's steps now: input (data wait), communication (collective "
+          "wait the ranks that work the most cannot avoid) or compute (the rest). The coordinator's "
+          "view of the job; a job of one node, its agent's. rankwatch status shows the same.",
+          "none", w=8, mappings=_BOUND_MAPPINGS),
+        P("Step make-up", "timeseries", (
+            Q(f"max by (kind) ({_BOUND_SHARE})", "{{kind}}"),
+            Q(f"avg(rankwatch_gpu_utilization_ratio{{{N}}})", "GPU utilisation")),
+          "Each kind's share of the job's step (the three add up to 1), with the GPUs' mean utilisation: "
+          "an input share that rises while the GPUs idle and the step slows is a job waiting for its "
+          "data loaders on every rank (no straggler stands out; RankwatchJobInputBound).",
+          "percentunit", w=16, min=0, max=1),
         Row("Fault tolerance"),
         P("Goodput", "timeseries", (Q(f"min(rankwatch_goodput_ratio{{{J}}})", "goodput"),),
           "Productive time over elapsed time, as the coordinator accounts for it.", "percentunit", min=0, max=1),
