@@ -86,7 +86,7 @@ def error_file_exception(data: Mapping[str, Any] | None) -> dict[str, Any] | Non
     if isinstance(msg, Mapping):
         extra = msg.get("extraInfo") or {}
         msg = msg.get("message")
-    if not isinstance(msg, str) or not msg.strip():
+    if not isinstance(msg, str) or not msg.strip() or msg.strip() in ("<NONE>", "<N/A>"):
         return None
     head = _ERROR_HEAD.match(msg.strip())
     etype, text = (head["type"], head["msg"]) if head else ("", msg.strip())

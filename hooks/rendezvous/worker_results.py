@@ -43,11 +43,12 @@ def report_of(worker_group: Any, result: Any, node: str, run_id: str, now: float
     failures = dict(getattr(result, "failures", {}) or {})
     for global_rank, f in failures.items():
         code = int(f.exitcode)
-        data = json.dumps(f.error_file_data) if getattr(f, "error_file_data", None) else ""
+        written = os.path.isfile(str(getattr(f, "error_file", "") or ""))   # else torchrun made it up
+        data = json.dumps(f.error_file_data) if written and getattr(f, "error_file_data", None) else ""
         msg.exits.append(pb.WorkerExit(
             pid=int(f.pid), rank=int(global_rank), local_rank=int(f.local_rank), exitcode=max(-255, min(255, code)),
             signal=f.signal_name() if code < 0 else "", error_file=data if len(data) <= _MAX_ERROR_FILE else "",
-            at=float(getattr(f, "timestamp", 0) or now) if code > 0 else now, failed=True))
+            at=now, failed=True))
     for w in getattr(worker_group, "workers", []) or []:
         if w.global_rank in failures or not isinstance(w.id, int) or w.id <= 0:
             continue
