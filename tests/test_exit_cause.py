@@ -1,0 +1,144 @@
+"""How a worker ended (agent/node/exit_cause.py) and which exit is the job's root cause
+(agent/job/root_cause.py): pure decisions, over real evidence where it can be made here
+(a real faulthandler dump, real files); plus the checks on what reaches the agent about it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rankwatch.agent.job.root_cause import ExitView, exit_view, is_consequence, root_causes
+from rankwatch.agent.node.exit_cause import HOWS, classify, error_file_exception, parse_fault_text
+from rankwatch.agent.node.exit_evidence import (ExitEvidence, check_exit_record, check_worker_exits, oom_kills,
+                                               read_fault_file)
+from rankwatch.agent.wire.ranges import Rejected
+from rankwatch.hooks.instrument.exit_capture import exit_record
+from rankwatch.proto import pb
+
+RECORD = {"type": "RuntimeError", "message": "boom", "frames": [{"file": "t.py", "line": 3, "function": "f"}],
+          "step": 20, "at": 100.0, "thread": "MainThread", "main_thread": True}
+
+
+def _segv_dump(tmp_path) -> str:
+    """A real faulthandler dump of a SIGSEGV, as a rank's exit capture leaves it."""
+    out = tmp_path / "dump.txt"
+    code = ("import faulthandler, os, signal\nf = open(%r, 'w')\nfaulthandler.enable(file=f, all_threads=True)\n"
+            "def crash_here():\n    os.kill(os.getpid(), signal.SIGSEGV)\ncrash_here()\n") % str(out)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
+    assert proc.returncode == -11
+    return out.read_text()
+
+
+def test_a_faulthandler_dump_names_the_signal_and_the_crashing_frames(tmp_path):
+    fault = parse_fault_text(_segv_dump(tmp_path))
+    assert fault["signal"] == "SIGSEGV" and fault["error"] == "Segmentation fault"
+    assert fault["frames"][-1]["function"] == "crash_here", "innermost last"
+    assert parse_fault_text("no dump here") is None
+
+
+def test_classification_order():
+    sigkill = {"exitcode": -9, "signal": "SIGKILL", "error_file": "", "failed": True}
+    both = classify(record=RECORD, fault=None, torchrun={**sigkill, "exitcode": 1, "signal": ""}, oom=False)
+    assert (both["how"], both["exit_code"], both["evidence"]) == ("exception", 1, ["exit_record", "torchrun"])
+    exc = classify(record=RECORD, fault=None, torchrun=None, oom=False)
+    assert (exc["how"], exc["type"], exc["message"], exc["frames"][0]["function"]) == ("exception", "RuntimeError",
+                                                                                      "boom", "f")
+    assert classify(record=None, fault=None, torchrun=sigkill, oom=True)["how"] == "oom"
+    assert classify(record=None, fault=None, torchrun=None, oom=True)["how"] == "oom"
+    killed = classify(record=None, fault=None, torchrun=sigkill, oom=False)
+    assert (killed["how"], killed["signal"], killed["exit_code"]) == ("signal", "SIGKILL", -9)
+    segv = classify(record=None, fault={"signal": "SIGSEGV", "error": "Segmentation fault", "frames": []},
+                    torchrun={**sigkill, "exitcode": -11, "signal": "SIGSEGV"}, oom=True)
+    assert (segv["how"], segv["signal"]) == ("signal", "SIGSEGV"), "a fault file outranks the OOM counter"
+    code = classify(record=None, fault=None, torchrun={**sigkill, "exitcode": 3, "signal": ""}, oom=False)
+    assert (code["how"], code["exit_code"]) == ("exit_code", 3)
+    stopped = classify(record=None, fault=None, torchrun={"exitcode": 0, "failed": False}, oom=False)
+    assert (stopped["how"], stopped["signal"], stopped["stopped_by"]) == ("signal", "SIGTERM", "torchrun")
+    nothing = classify(record=None, fault=None, torchrun=None, oom=False)
+    assert (nothing["how"], nothing["exit_code"], nothing["evidence"]) == ("exit_code", None, [])
+    thread = {**RECORD, "main_thread": False, "thread": "loader"}
+    assert classify(record=thread, fault=None, torchrun=sigkill, oom=False)["thread_exception"]["thread"] == "loader"
+    for d in (exc, killed, segv, code, stopped, nothing):
+        assert d["how"] in HOWS and d["reason"]
+
+
+def test_torchruns_error_file_gives_an_uninstrumented_workers_exception():
+    data = {"message": {"message": "ValueError: bad batch", "extraInfo": {
+        "py_callstack": 'Traceback (most recent call last):\n  File "/x/train.py", line 9, in main\n    f()\n'
+                        'ValueError: bad batch\n', "timestamp": "1"}}}
+    d = classify(record=None, fault=None, torchrun={"exitcode": 1, "signal": "", "failed": True,
+                                                    "error_file": json.dumps(data)}, oom=False)
+    assert (d["how"], d["type"], d["message"], d["frames"][-1]["line"]) == ("exception", "ValueError", "bad batch", 9)
+    assert error_file_exception({"message": "<NONE>"}) is None, "torchrun's stand-in for no file"
+
+
+def _view(i, at, **detail):
+    return ExitView(id=i, ended_at=at, consequence=is_consequence(detail))
+
+
+def test_the_root_cause_is_the_first_failure_that_is_not_a_consequence():
+    peer = {"how": "exception", "type": "RuntimeError", "message": "[pair.cc:553] Connection closed by peer [x]:1"}
+    cause = {"how": "exception", "type": "RuntimeError", "message": "CUDA error: an illegal memory access"}
+    # The survivor's error is stamped a hair before the dead rank's stream end: still a consequence.
+    exits = [_view("a", 10.00, **peer), _view("b", 10.01, **cause), _view("c", 10.5, how="signal", signal="SIGTERM",
+                                                                           stopped_by="torchrun")]
+    assert root_causes(exits) == {"a": "b", "b": "b", "c": "b"}
+    assert root_causes([_view("a", 1.0, **peer), _view("b", 2.0, **peer)]) == {"a": "a", "b": "a"}, \
+        "consequences only (the root's node died with its agent): the earliest"
+    later = root_causes([_view("a", 1.0, **cause), _view("b", 1000.0, how="signal", signal="SIGKILL")])
+    assert later == {"a": "a", "b": "b"}, "an exit long after is a new failure"
+    assert root_causes([]) == {}
+    assert exit_view("x", 50.0, {"started_at": 49.0}).ended_at == 49.0
+    assert exit_view("x", 50.0, {"started_at": "soon"}).ended_at == 50.0
+
+
+def test_an_exit_record_is_capped_and_checked():
+    try:
+        raise RuntimeError("x" * 5000)
+    except RuntimeError as exc:
+        rec = exit_record(type(exc), exc, exc.__traceback__, 7, None, True)
+    assert len(rec.message) == 2000 and rec.type == "RuntimeError" and rec.frames[-1].function.startswith("test_")
+    kept = check_exit_record(rec)
+    assert kept["step"] == 7 and kept["main_thread"] is True
+    with pytest.raises(Rejected):
+        check_exit_record(pb.ExitRecord(at=float("nan")))
+    ok = pb.WorkerExits(exits=[pb.WorkerExit(pid=10, rank=1, exitcode=-9, signal="SIGKILL", at=5.0, failed=True)])
+    assert check_worker_exits(ok)[0]["signal"] == "SIGKILL"
+    for bad in (pb.WorkerExit(pid=0), pb.WorkerExit(pid=1, exitcode=999), pb.WorkerExit(pid=1, at=float("inf"))):
+        with pytest.raises(Rejected):
+            check_worker_exits(pb.WorkerExits(exits=[bad]))
+    with pytest.raises(Rejected):
+        check_worker_exits(pb.WorkerExits(exits=[pb.WorkerExit(pid=1)] * 300))
+
+
+def test_a_fault_file_is_read_only_where_a_ranks_capture_made_it(tmp_path):
+    where = tmp_path / "faults"
+    where.mkdir(mode=0o700)
+    good = where / "fault-4242-0a1b2c3d.txt"
+    good.write_text("Fatal Python error: Aborted\n")
+    other = where / "fault-4343-0a1b2c3d.txt"
+    other.write_text("x")
+    assert read_fault_file(str(other), 4242) is None, "another pid's"
+    assert read_fault_file(str(where / "notes.txt"), 4242) is None
+    link = where / "fault-4242-ffffffff.txt"
+    link.symlink_to(other)
+    assert read_fault_file(str(link), 4242) is None and other.exists()
+    assert read_fault_file(str(good), 4242) == "Fatal Python error: Aborted\n" and not good.exists()
+    os.chmod(where, 0o777)
+    good.write_text("x")
+    assert read_fault_file(str(good), 4242) is None, "a directory others may write"
+
+
+def test_oom_counters_of_cgroup_v1_and_v2(tmp_path):
+    v2, v1 = tmp_path / "memory.events", tmp_path / "memory.oom_control"
+    v2.write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n")
+    v1.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
+    assert oom_kills([str(v2)]) == 2 and oom_kills([str(v1), str(v2)]) == 5
+    assert oom_kills([str(tmp_path / "gone")]) is None
+    ev = ExitEvidence()
+    ev.hello(1, os.getpid(), "")
+    assert ev.gather(1, os.getpid())["oom"] is False, "no OOM kill since the hello"
