@@ -48,6 +48,8 @@ class JobBuilder:
         dims = self._dims(m, dist.get_world_size())
         mesh = build_mesh(dims, dev)
         if self.monitor is None:  # before parallelising, so the collectives that shard the weights are timed too
+            for auto in _monitor.ZERO_CODE if args.no_rankwatch else ():   # under `rankwatch run`
+                auto.stand_down()
             self.monitor = _monitor.NullMonitor() if args.no_rankwatch else _monitor.init(
                 mesh=mesh, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None)
         if m.generation == 0:
