@@ -1,6 +1,7 @@
 """The job's bottleneck in real torchrun jobs under ``rankwatch run``: every rank's loader
 slowed by the same amount names the job input-bound, and flags no straggler (a slowdown every
-rank shares cancels out between ranks); a job with nothing slowed is not input-bound."""
+rank shares cancels out between ranks); a job with nothing slowed is not input-bound.  The
+harness, and an unmodified DDP script (tests/data/plain_ddp.py, zero-code instrumentation)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ ONSET = 60
 AGENT = ("--straggler-threshold", "0.35")
 
 
-def run_job(agent: AgentProcess, tmp_path: Path, *train_args: str) -> subprocess.Popen:
-    """``rankwatch run`` of the harness, 2 ranks on one node, as the README's one-node job."""
+DATA = Path(__file__).parent / "data"
+
+
+def run_job(agent: AgentProcess, tmp_path: Path, *train_args: str,
+            target: tuple[str, ...] = ("-m", "rankwatch.hooks.train", "--log-every", "0")) -> subprocess.Popen:
+    """``rankwatch run`` of the harness (or ``target``), 2 ranks on one node, as the README's one-node job."""
     return subprocess.Popen(
         [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr), "--node-id", "n0",
-         "--", "--standalone", "--nproc-per-node", "2", "-m", "rankwatch.hooks.train", "--log-every", "0",
-         *train_args],
+         "--", "--standalone", "--nproc-per-node", "2", *target, *train_args],
         stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -97,3 +101,24 @@ def test_nothing_slowed_is_not_input_bound(tmp_path):
     finally:
         stop(job)
         agent.stop()
+
+
+def test_an_unmodified_script_whose_loaders_all_slow_is_input_bound(tmp_path):
+    """plain_ddp.py never imports rankwatch: its steps and data phase come from PyTorch's own
+    hooks.  Every rank's DataLoader takes 50 ms longer per batch, from the start."""
+    agent = AgentProcess(tmp_path / "agent.sock", extra=AGENT).start()
+    job = run_job(agent, tmp_path, "--epochs", "100000", "--slow-loader=-1:0.05",
+                  target=(str(DATA / "plain_ddp.py"),))
+    try:
+        wait_for(lambda: past(agent, 1), 120, interval=0.2, what="both ranks stepping")
+        started = time.monotonic()
+        status = wait_for(lambda: (s := agent.status())["bottleneck"] and s["bottleneck"]["kind"] == "input" and s,
+                          30, interval=0.2, what="the job named input-bound")
+        b = status["bottleneck"]
+        assert b["share"] >= 0.5 and b["ranks_seen"] == 2, b
+        assert stragglers(status) == [] and {r["state"] for r in status["ranks"]} == {"ok"}, status["incidents"]
+        print(f"unmodified script input-bound {time.monotonic() - started:.1f}s after its first steps: {b}")
+    finally:
+        stop(job)
+        agent.stop()
+
