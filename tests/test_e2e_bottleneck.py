@@ -5,6 +5,7 @@ harness, and an unmodified DDP script (tests/data/plain_ddp.py, zero-code instru
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AgentProcess, parse_metrics, wait_for
+from conftest import AgentProcess, parse_metrics, torchrun, wait_for
+from rankwatch.agent.cli.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -121,4 +123,35 @@ def test_an_unmodified_script_whose_loaders_all_slow_is_input_bound(tmp_path):
     finally:
         stop(job)
         agent.stop()
+
+
+def test_the_coordinator_names_the_jobs_bottleneck_from_the_nodes_summaries(tmp_path):
+    """n0 coordinates, n1 runs the ranks (a scripted GPU source beside them): the coordinator's
+    status names the job's bottleneck (scope job) from n1's make-up, with its GPUs' utilisation."""
+    coord = f"127.0.0.1:{free_port()}"
+    script = tmp_path / "gpus.json"
+    script.write_text(json.dumps({"gpus": {"count": 2, "name": "NVIDIA H100 80GB HBM3"}, "events": []}))
+    job_args = ("--coordinator", coord, "--min-nodes", "2", *AGENT)
+    n0 = AgentProcess(tmp_path / "n0.sock", node="n0", extra=("--listen", coord, *job_args, "--gpu-source", "none"))
+    n1 = AgentProcess(tmp_path / "n1.sock", node="n1",
+                      extra=(*job_args, "--gpu-source", f"script:{script}", "--gpu-interval", "0.5"))
+    n0.start()
+    n1.start()
+    job = torchrun(2, "--steps", "100000", "--log-every", "0", "--fault", "slow_data:-1:30:3", agent=n1.addr,
+                   log=tmp_path / "job.log")
+    try:
+        status = wait_for(lambda: (s := n0.status())["bottleneck"] and s["bottleneck"]["kind"] == "input" and s,
+                          90, interval=0.2, what="the coordinator naming the job input-bound")
+        b = status["bottleneck"]
+        assert status["coordinator"] and b["scope"] == "job" and b["ranks_seen"] == 2 and b["share"] >= 0.5, b
+        assert b["gpu_utilization"] == pytest.approx(0.97), b   # the scripted GPUs of n1's ranks
+        assert n1.status()["bottleneck"]["scope"] == "node"
+        m = parse_metrics(n0.metrics())
+        job_input = ("rankwatch_bottleneck_share", frozenset({("node", "n0"), ("scope", "job"), ("kind", "input")}))
+        assert m[job_input] >= 0.5
+        assert stragglers(status) == []
+    finally:
+        stop(job)
+        n1.stop()
+        n0.stop()
 
