@@ -142,3 +142,25 @@ def test_oom_counters_of_cgroup_v1_and_v2(tmp_path):
     ev = ExitEvidence()
     ev.hello(1, os.getpid(), "")
     assert ev.gather(1, os.getpid())["oom"] is False, "no OOM kill since the hello"
+
+
+def test_the_fault_directory_is_made_private_with_the_per_user_one_above_it(tmp_path, monkeypatch):
+    from rankwatch.hooks.instrument.exit_capture import ExitCapture
+
+    monkeypatch.setenv("RANKWATCH_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RANKWATCH_FAULT_DIR", raising=False)
+    import faulthandler
+
+    was = faulthandler.is_enabled()
+    faulthandler.disable()
+    try:
+        capture = ExitCapture(lambda: 1, lambda record, wait: None)
+        capture.install()
+        assert capture.fault_file.startswith(str(tmp_path / f"rankwatch-{os.getuid()}" / "faults"))
+        for d in (tmp_path / f"rankwatch-{os.getuid()}", tmp_path / f"rankwatch-{os.getuid()}" / "faults"):
+            assert d.stat().st_mode & 0o777 == 0o700, "the agent refuses a per-user directory open to others"
+        capture.uninstall()
+        assert not os.listdir(tmp_path / f"rankwatch-{os.getuid()}" / "faults"), "an empty fault file is removed"
+    finally:
+        if was:
+            faulthandler.enable()

@@ -78,13 +78,32 @@ def fault_dir() -> str:
 
 
 def _private_dir(path: str) -> None:
-    """Make ``path`` (and its parent) mode 0700 if missing; raise unless it is a directory of
-    this user that no one else may write."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    """Make ``path`` (and its parent: the per-user directory the agent also uses, which it
+    wants 0700) mode 0700 if missing; raise unless it is a directory of this user that no one
+    else may write."""
+    for p in (os.path.dirname(path), path):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            pass
     for p in (path, os.path.dirname(path)):
         st = os.lstat(p)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
             raise PermissionError(f"{p} is not a directory of this user only")
+
+
+def _prune(where: str, older: float = 7 * 86400, most: int = 1000) -> None:
+    """Remove fault files no agent took (a crash with no agent running) after a week."""
+    cutoff = time.time() - older
+    try:
+        with os.scandir(where) as entries:
+            for n, e in enumerate(entries):
+                if n >= most:
+                    return
+                if e.name.startswith("fault-") and e.is_file(follow_symlinks=False) and e.stat().st_mtime < cutoff:
+                    os.unlink(e.path)
+    except OSError:
+        pass
 
 
 class ExitCapture:
@@ -116,6 +135,7 @@ class ExitCapture:
                     return
                 where = fault_dir()
                 _private_dir(where)
+                _prune(where)
                 path = os.path.join(where, f"fault-{os.getpid()}-{secrets.token_hex(4)}.txt")
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
                              | getattr(os, "O_CLOEXEC", 0), 0o600)
