@@ -38,7 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ranks (put one replica per node, so that a lost node takes whole replicas)")
     p.add_argument("--in-process-recovery", action="store_true",
                    help="when a node is lost, the surviving workers regroup and train on in process "
-                        "(needs --replicate > 1); what cannot be recovered so falls back to torchrun")
+                        "(needs --replicate > 1, or --snapshot-every); what cannot be recovered so falls "
+                        "back to torchrun")
+    p.add_argument("--snapshot-every", type=_count, default=0, metavar="K", help="with --in-process-recovery: "
+                   "every K steps, peer snapshots of each rank's shards (a job without replicas recovers from them)")
     p.add_argument("--recovery-own-loss-reduce", action="store_true",
                    help="with --in-process-recovery, sum the loss for the log in an all-reduce of its own "
                         "after the step rather than in the step commit (the tier's cost before it carried it)")
@@ -87,6 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 0:
         p.error("--steps must be >= 0")
     return args
+
+
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 0")
+    return n
 
 
 _FAULT_KINDS = ("sleep_forward", "slow_checkpoint", "slow_compute", "slow_data", "skip_collective", "raise",

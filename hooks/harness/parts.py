@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -151,25 +152,29 @@ def _slowdown_from(faults: list, kind: str, rank: int, step: int) -> float:
 
 
 def global_batch_for(saved: int | None, batch_size: int, dp: int, rank: int) -> tuple[int, int]:
-    """The global batch to keep and the gradient accumulation that keeps it.
+    """The global batch to keep and the gradient accumulation that keeps it (its micro-batch:
+    ``global_batch // (dp * accumulation)`` samples).
 
     A job resumed on fewer data-parallel ranks keeps the checkpoint's global batch
-    by accumulating gradients, so its loss curve does not jump.  When that is not
-    possible (the global batch is not a multiple of the new one), it says so and
-    trains with the new global batch.
+    by accumulating gradients, so its loss curve does not jump: micro-batches of
+    ``batch_size``, or of fewer samples where the dp ranks' share is not a multiple
+    of it (12 samples over dp 3 -> 2 is 6 a rank: 3 of 2).  When that is not possible
+    (the global batch is not a multiple of dp), it says so and trains with the new
+    global batch.
     """
     now = batch_size * dp
     if not saved or saved == now:
         return now, 1
-    if saved % now == 0:
+    if saved % dp == 0:
+        micro = math.gcd(saved // dp, batch_size)
         if rank == 0:
             log.warning("resumed at dp=%d: accumulating %d micro-batches to keep the global batch "
-                        "of %d samples", dp, saved // now, saved)
-        return saved, saved // now
+                        "of %d samples", dp, saved // dp // micro, saved)
+        return saved, saved // dp // micro
     if rank == 0:
-        log.warning("resumed at dp=%d: the checkpoint's global batch of %d samples is not a multiple "
-                    "of %d (batch %d x dp %d), so the global batch changes to %d; expect the loss "
-                    "curve to shift", dp, saved, now, batch_size, dp, now)
+        log.warning("resumed at dp=%d: the checkpoint's global batch of %d samples does not split "
+                    "over dp %d, so the global batch changes to %d (batch %d x dp %d); expect the loss "
+                    "curve to shift", dp, saved, dp, now, batch_size, dp)
     return now, 1
 
 

@@ -109,7 +109,8 @@ class Feeder:
         gb, accum = global_batch_for(self.global_batch, args.batch_size, dims.dp, dist.get_rank())
         self.global_batch = gb
         ds = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
-        batches = iter(build_loader(ds, args.batch_size, dp_mesh(mesh).get_local_rank(), dims.dp, done * gb))
+        micro = gb // (dims.dp * accum)   # the batch size, or less to keep the global batch on a shrunk world
+        batches = iter(build_loader(ds, micro, dp_mesh(mesh).get_local_rank(), dims.dp, done * gb))
         tokens = accum * args.batch_size * cfg.seq_len / dims.tp
         flops = tokens * transformer_flops_per_token(self.n_params, cfg.n_layers, cfg.dim, cfg.seq_len)
         return Feed(global_batch=gb, accum=accum, batches=batches, tokens=tokens, flops=flops)
@@ -153,8 +154,8 @@ def start(args: argparse.Namespace) -> Run | None:
     # Admitting joiners breaks a healthy step, and the asynchronous save in flight is drained
     # first: the break shuts every group's connections, the save's own too.
     tier = InProcessRecovery(build, backend=backend, settle=args.recovery_settle, timeout=timeout,
-                             total_steps=args.steps, drain=ckpt.wait if ckpt else None
-                             ) if args.in_process_recovery else None
+                             total_steps=args.steps, drain=ckpt.wait if ckpt else None,
+                             snapshot_every=args.snapshot_every) if args.in_process_recovery else None
     try:
         job = _first_job(build, tier, backend, timeout)
     except ValueError as exc:

@@ -25,7 +25,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["JOINER_BASE", "Decision", "Job", "Joiner", "Membership", "admissible", "decide"]
+__all__ = ["JOINER_BASE", "Decision", "Job", "Joiner", "Membership", "admissible", "decide", "from_snapshots"]
 
 JOINER_BASE = 1 << 20
 """Joiners' ids start here (original ranks are below): ``JOINER_BASE + n`` for the n-th to ask."""
@@ -94,12 +94,16 @@ class Decision:
     finish: tuple[int, ...] = ()
     """Members that apply the step they hold whole gradients for (they failed inside its
     commit, which others passed) before they go on."""
+    providers: tuple[tuple[int, int], ...] = ()
+    """From peer snapshots (:func:`from_snapshots`): for each old member in rank order, the
+    member that provides its snapshot at ``step``; every member's shards are then
+    assembled anew for the new world.  Empty: the replicas' own state (above)."""
 
     def to_json(self) -> str:
         return json.dumps({"ok": self.ok, "members": list(self.members), "dropped_nodes": list(self.dropped_nodes),
                            "step": self.step, "error": self.error[:MAX_MESSAGE], "fresh": list(self.fresh),
                            "source": self.source, "refused": list(self.refused), "note": self.note[:MAX_MESSAGE],
-                           "finish": list(self.finish)})
+                           "finish": list(self.finish), "providers": [list(p) for p in self.providers]})
 
     @classmethod
     def from_json(cls, text: str, within: Sequence[int]) -> Decision:
@@ -121,7 +125,11 @@ class Decision:
         refused = tuple(int(r) for r in d.get("refused", ()))
         finish = tuple(int(r) for r in d.get("finish", ()))
         step, source = int(d["step"]), int(d.get("source", 0))
+        providers = tuple((int(o), int(p)) for o, p in d.get("providers", ()))
         world = set(within)
+        if providers and (len({o for o, _ in providers}) != len(providers) or not {o for o, _ in providers} <= world
+                          or not {p for _, p in providers} <= set(members)):
+            raise ValueError("decision's snapshot providers are not of the world")
         if len(set(members)) != len(members) or not set(members) <= world:
             raise ValueError(f"decision members {members[:16]} are not unique ids of the world")
         if not set(fresh) <= set(members) or not set(finish) <= set(members) \
@@ -138,7 +146,7 @@ class Decision:
             raise ValueError(f"decision source replica {source} out of range")
         return cls(ok=bool(d["ok"]), members=members, dropped_nodes=dropped, step=step,
                    error=str(d["error"])[:MAX_MESSAGE], fresh=fresh, source=source, refused=refused,
-                   note=str(d.get("note", ""))[:MAX_MESSAGE], finish=finish)
+                   note=str(d.get("note", ""))[:MAX_MESSAGE], finish=finish, providers=providers)
 
 
 def _fail(error: str) -> Decision:
@@ -217,3 +225,37 @@ def decide(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[
     return Decision(ok=True, members=tuple(survivors) + tuple(joining), dropped_nodes=tuple(lost_nodes), step=step,
                     fresh=fresh, source=source, refused=tuple(refused), note=note,
                     finish=tuple(r for r in finish if r in survivors and step == top))
+
+
+def from_snapshots(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[int, str],
+                   holdings: Mapping[int, Mapping[str, Any]]) -> Decision:
+    """The new membership when the replicas cannot recover (no whole replicas on nodes):
+    from the peer snapshots the survivors hold (:mod:`rankwatch.hooks.recovery.snapshot`).
+
+    Args:
+        members, arrived, node_of: as for :func:`decide`.
+        holdings: each survivor's ``{"own": step, "held": {owner id: step}}``.
+
+    The step is the newest one at which some survivor provides every old member's
+    snapshot: its own, or a copy it holds of a lost member's.  A node that lost only some
+    workers is left out whole, as :func:`decide` does.  Every survivor goes on from that
+    step, its shards assembled anew for the new world.
+    """
+    lost = {node_of.get(r, "?") for r in members if r not in arrived}
+    survivors = [r for r in members if r in arrived and node_of.get(r, "?") not in lost]
+    if not lost or not survivors:
+        return _fail("no node was lost, or no survivor: nothing to recover from snapshots")
+    own = {r: int(holdings.get(r, {}).get("own", -1)) for r in survivors}
+    held = {r: {int(o): int(s) for o, s in dict(holdings.get(r, {}).get("held", {})).items()} for r in survivors}
+    for step in sorted({s for s in own.values() if s >= 0}, reverse=True):
+        providers = []
+        for m in members:
+            by = m if own.get(m) == step else next((h for h in survivors if held[h].get(m) == step), None)
+            if by is None:
+                break
+            providers.append((m, by))
+        else:
+            return Decision(ok=True, members=tuple(survivors), dropped_nodes=tuple(sorted(lost)), step=step,
+                            providers=tuple(providers),
+                            note=f"resharded from the peer snapshots of step {step}")
+    return _fail(f"no snapshot step at which the survivors hold every rank's shards (own: {sorted(set(own.values()))})")

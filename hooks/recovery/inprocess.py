@@ -38,19 +38,11 @@ Whatever cannot be done in process (a partial node, a broken replica, no replica
 one step) fails the attempt on every survivor: :class:`RecoveryFailed` is raised, the
 workers exit, and torchrun's restart recovers the job as before.
 
-Use from a training loop (the harness does the same)::
-
-    tier = InProcessRecovery(make, monitor=mon)   # make(Membership) -> Job
-    job = tier.start()
-    step = tier.completed                         # 0, or where a joiner comes in
-    while step < total:
-        try:
-            train_step(job, step)                 # forward, backward, optimizer step
-            step += 1
-            tier.stepped(step)                    # cheap: a flag, and a recovery's report
-        except Exception as exc:
-            job, step = tier.recover(exc, job, completed=step)   # or raises
-    tier.finish(step)                             # workers still asking to join exit cleanly
+**Without whole replicas** (plain FSDP2 over every rank, ``snapshot_every=K``): every ``K``
+steps each rank's shards go to a buddy on another node (:mod:`snapshot`); a lost node's
+shards are then found there, and the survivors go on from the snapshot's step, every shard
+assembled anew for the smaller world (:mod:`reshard`).  docs/in-process-recovery.md shows
+the loop.
 """
 
 from __future__ import annotations
@@ -64,12 +56,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rankwatch.hooks.recovery import net, report
+from rankwatch.hooks.recovery import net, report, reshard
 from rankwatch.hooks.recovery.decide import MAX_MESSAGE, Decision, Job, Membership, decide
 from rankwatch.hooks.recovery.commit import StepCommit
 from rankwatch.hooks.recovery.failure import is_peer_failure
 from rankwatch.hooks.recovery.joins import JoinWatch
 from rankwatch.hooks.recovery.protocol import RESTARTING, JobFinished, RecoveryFailed, Round
+from rankwatch.hooks.recovery.snapshot import PeerSnapshots
 from rankwatch.hooks.recovery.state import local_state, restore, transfer
 from rankwatch.hooks.recovery.store import JOIN_ENV, connect
 
@@ -116,16 +109,21 @@ class InProcessRecovery:
             the work in flight on the process groups that the break would cut (an
             asynchronous checkpoint save: ``Checkpointer.wait``).  A lost peer's failure
             cuts such work whatever is done; a break the job chose need not.
+        snapshot_every: every this many steps, peer snapshots (:mod:`snapshot`): a job
+            without whole replicas on nodes then recovers a lost node from them, resharded
+            (:mod:`reshard`), going on from the snapshot's step.  0: none.
     """
 
     def __init__(self, make: Callable[[Membership], Job], *, backend: str = "gloo", monitor: Any = None,
                  settle: float = 1.0, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
                  max_recoveries: int = 8, join_timeout: float = 600.0, commit: bool = True,
                  total_steps: int | None = None, drain: Callable[[], object] | None = None,
-                 env: Mapping[str, str] = os.environ) -> None:
+                 snapshot_every: int = 0, env: Mapping[str, str] = os.environ) -> None:
         if backend == "nccl":
             net.nccl_errors_to_caller()
         self._make = make
+        self.snapshots = PeerSnapshots(snapshot_every, "cuda" if backend == "nccl" else "cpu") if snapshot_every else None
+        self._job: Job | None = None   # the job the snapshots are taken of
         self._drain = drain
         self._total_steps = total_steps
         self._commit = StepCommit(backend) if commit else None
@@ -189,6 +187,8 @@ class InProcessRecovery:
         recovery and returns its phases; else None.  On rank 0, with workers waiting to
         join, leaves the step here so that every survivor admits them (see the module)."""
         phases = self._finish_report(step) if self._report is not None else None
+        if self.snapshots is not None and self.snapshots.due(step) and self._job is not None:
+            self.snapshots.take(self._job, step)
         if self._joins is not None and self._joins.due(step):
             log.warning("rankwatch: leaving the training after step %d to admit joining workers", step)
             if self._drain is not None:   # the break shuts every group's connections, its own too
@@ -208,7 +208,9 @@ class InProcessRecovery:
 
     def _build(self, membership: Membership) -> Job:
         """``make(membership)``, with the commit before each optimizer step."""
-        job = self._make(membership)
+        if self.snapshots is not None:   # collective: the snapshots' own group, the buddies
+            self.snapshots.regroup(membership.members, self._round.node if self._round else "")
+        job = self._job = self._make(membership)
         if self._commit is None or self._round is None:   # without a store no recovery needs it
             return job
         self._commit.attach(job.optimizer)
@@ -252,9 +254,11 @@ class InProcessRecovery:
                             "step %d, not %d", skipped, completed - skipped, completed)
                 completed -= skipped
             shards = local_state(job)
+            snaps = self.snapshots
+            holdings = snaps.holdings() if snaps is not None and snaps.wait(2.0) else None   # the copies here
             net.destroy_groups()
             phases["left_step"] = time.perf_counter() - t0
-            decision = self._round.agree(old, completed, job.replica_size, ready, self._joins.settled)
+            decision = self._round.agree(old, completed, job.replica_size, ready, self._joins.settled, holdings)
             phases["agreed"] = time.perf_counter() - t0
             if not decision.ok:
                 raise RecoveryFailed(decision.error)
@@ -272,11 +276,7 @@ class InProcessRecovery:
             self._init_group(new)
             job = self._build(new)
             phases["reinitialised"] = time.perf_counter() - t0
-            fresh = me in decision.fresh
-            if not fresh:
-                restore(job, shards)
-            transfer(job, decision, new.rank, None if fresh else shards)
-            phases["restored"] = time.perf_counter() - t0
+            self._restore(job, decision, new.rank, shards, phases, t0)
         except Exception as failure:  # noqa: BLE001 - reported, then torchrun's restart takes over
             error = f"{type(failure).__name__}: {failure}"[:MAX_MESSAGE]
             log.error("rankwatch: in-process recovery failed (%s); the worker exits for torchrun's restart",
@@ -303,6 +303,23 @@ class InProcessRecovery:
                     "(%.3f s so far)", old.rank, new.rank, new.world_size, ", ".join(decision.dropped_nodes) or "-",
                     f", with {len(joined)} joining worker(s)" if joined else "", decision.step, phases["restored"])
         return job, decision.step
+
+    def _restore(self, job: Job, decision: Decision, rank: int, shards: dict, phases: dict[str, float],
+                 t0: float) -> None:
+        """The new job's state: its own shards (or a live replica's), or, without whole
+        replicas, assembled from the peer snapshots; then this world's snapshot."""
+        snaps = self.snapshots
+        if decision.providers and snaps is not None:
+            reshard.assemble(job, snaps, decision.providers, decision.members, rank, decision.step)
+            phases["resharded"] = time.perf_counter() - t0
+        else:
+            fresh = decision.members[rank] in decision.fresh
+            if not fresh:
+                restore(job, shards)
+            transfer(job, decision, rank, None if fresh else shards)
+        if snaps is not None:   # a second loss finds this world's copies
+            snaps.renew(job, decision.step)
+        phases["restored"] = time.perf_counter() - t0
 
     def _leave_step(self) -> int:
         """Break every survivor out of the failed step (see the module); the connections shut."""
@@ -335,6 +352,8 @@ class InProcessRecovery:
         self._init_group(new)
         job = self._build(new)
         transfer(job, decision, new.rank, None)
+        if self.snapshots is not None:   # with the survivors, who take theirs now
+            self.snapshots.renew(job, decision.step)
         self.completed = decision.step
         self._joins.follow(new.rank, job.replica_size)
         self._joins.settle(decision)

@@ -26,7 +26,9 @@ from typing import Any
 
 from rankwatch.address import NODE_ID_ENV
 from rankwatch.hooks.recovery import net
-from rankwatch.hooks.recovery.decide import JOINER_BASE, MAX_MESSAGE, Decision, Joiner, Membership, decide
+from rankwatch.hooks.recovery.decide import (
+    JOINER_BASE, MAX_MESSAGE, Decision, Joiner, Membership, decide, from_snapshots,
+)
 from rankwatch.hooks.recovery.store import (
     ATTEMPTS_COUNT,
     CAPABLE_KEY,
@@ -218,12 +220,15 @@ class Round:
 
     # -- agreement -------------------------------------------------------------------
     def agree(self, old: Membership, completed: int, replica_size: int, ready: bool,
-              settled: set[int]) -> Decision:
-        """Post this survivor's step; the first to arrive decides for all (see the module).
-        A forged value read on the way fails the decision (torchrun's restart recovers)."""
+              settled: set[int], holdings: dict | None = None) -> Decision:
+        """Post this survivor's step (and the peer snapshots it holds); the first to arrive
+        decides for all (see the module).  A forged value read on the way fails the
+        decision (torchrun's restart recovers)."""
         gen = f"gen/{old.generation + 1}/"
         me = old.members[old.rank]
         store = self.store
+        if holdings is not None:   # posted before this rank's step, as "ready" is
+            self.put(f"{gen}snap/{me}", json.dumps(holdings))
         if ready:   # posted first: whoever decides reads it once this rank's step is there
             self.put(f"{gen}ready/{me}", "1")
         self.put(f"{gen}alive/{me}", str(completed))
@@ -269,7 +274,29 @@ class Round:
             by = self._read(restarting, cap=64)
             return Decision(ok=False, error=f"{RESTARTING}: node {by} restarts its workers")
         ready_ids = [r for r in arrived if self.has(f"{gen}ready/{r}") and self.read(f"{gen}ready/{r}") == "1"]
-        return decide(old.members, arrived, node_of, replica_size, joiners, ready_ids)
+        decision = decide(old.members, arrived, node_of, replica_size, joiners, ready_ids)
+        holdings = self._holdings(gen, arrived)
+        if decision.ok or not holdings:
+            return decision
+        again = from_snapshots(old.members, arrived, node_of, holdings)
+        return again if again.ok else Decision(ok=False, error=f"{decision.error}; {again.error}"[:MAX_MESSAGE])
+
+    def _holdings(self, gen: str, arrived: Mapping[int, int]) -> dict[int, dict]:
+        """The peer snapshots each survivor posted (one that does not parse counts as none)."""
+        out = {}
+        for r in arrived:
+            if not self.has(f"{gen}snap/{r}"):
+                continue
+            try:
+                d = json.loads(self.read(f"{gen}snap/{r}", cap=1 << 16))
+                held = {int(o): int(s) for o, s in dict(d["held"]).items()}
+                own = int(d["own"])
+                if not -1 <= own < 2**62 or len(held) > 4096 or not all(0 <= s < 2**62 for s in held.values()):
+                    raise ValueError(f"steps out of range: {own}")
+                out[r] = {"own": own, "held": held}
+            except (ValueError, KeyError, TypeError) as exc:   # ForgedValue is a ValueError
+                log.warning("rankwatch: member %d's snapshot holdings do not parse: %s", r, exc)
+        return out
 
     def _await_survivors(self, keys: dict[int, str], arrived_key: str) -> None:
         """Until every member arrived, or every one missing is proven dead (its liveness

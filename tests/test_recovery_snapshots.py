@@ -1,0 +1,96 @@
+"""Peer snapshots' pure parts: the buddy map (which node holds whose copy), the decision from
+the snapshots the survivors hold, and its way through the store's JSON; and, in one real
+gloo process, a snapshot of an FSDP2 job put back into a job built anew."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from rankwatch.hooks.recovery.buddies import buddy_map, covered_by, sources_of
+from rankwatch.hooks.recovery.decide import Decision, from_snapshots
+
+
+def _nodes(n: int, per: int) -> list[str]:
+    return [f"n{r // per}" for r in range(n * per)]
+
+
+@pytest.mark.parametrize("nodes,per", [(2, 1), (3, 1), (3, 2), (4, 2), (5, 3)])
+def test_every_rank_s_buddy_is_on_another_node_and_holds_one_copy(nodes, per):
+    node_of = _nodes(nodes, per)
+    b = buddy_map(node_of)
+    assert all(node_of[r] != node_of[b[r]] for r in range(len(b)))
+    assert sorted(b) == list(range(len(b)))   # a permutation: each rank holds one copy (2x memory)
+    assert all(sources_of(b, r) == [q for q in range(len(b)) if b[q] == r] for r in range(len(b)))
+
+
+@pytest.mark.parametrize("nodes,per", [(2, 2), (3, 1), (4, 2), (6, 1)])
+def test_losing_any_one_node_leaves_every_shard_somewhere(nodes, per):
+    node_of = _nodes(nodes, per)
+    for lost in set(node_of):
+        assert covered_by(node_of, {lost}) == list(range(len(node_of))), lost
+
+
+def test_two_nodes_lost_cost_a_node_s_shards_only_when_they_are_ring_neighbours():
+    node_of = _nodes(5, 2)
+    for a, b in itertools.combinations(sorted(set(node_of)), 2):
+        gone = set(range(len(node_of))) - set(covered_by(node_of, {a, b}))
+        i, j = int(a[1:]), int(b[1:])
+        neighbours = (j - i) % 5 in (1, 4)
+        assert bool(gone) is neighbours, (a, b, gone)
+        if neighbours:   # the earlier node's shards in the ring: its buddies are on the later one
+            first = a if (j - i) % 5 == 1 else b
+            assert gone == {r for r, n in enumerate(node_of) if n == first}
+
+
+def test_uneven_nodes_still_hold_every_copy_off_their_own_node():
+    node_of = ["a", "a", "a", "b", "c", "c"]
+    b = buddy_map(node_of)
+    assert all(node_of[r] != node_of[b[r]] for r in range(6))
+    for lost in "abc":
+        assert covered_by(node_of, {lost}) == list(range(6))
+
+
+def test_one_node_holds_no_copies():
+    assert buddy_map(["a", "a"]) == [0, 1] and sources_of([0, 1], 0) == []
+
+
+# Three nodes of one rank; buddies 0 -> 1 -> 2 -> 0.
+MEMBERS = (0, 1, 2)
+NODE_OF = {0: "n0", 1: "n1", 2: "n2"}
+
+
+def test_a_lost_node_s_shards_come_from_its_buddy_at_the_newest_common_step():
+    arrived = {0: 23, 2: 23}
+    holdings = {0: {"own": 20, "held": {2: 20}}, 2: {"own": 20, "held": {1: 20}}}
+    d = from_snapshots(MEMBERS, arrived, NODE_OF, holdings)
+    assert d.ok and d.members == (0, 2) and d.step == 20 and d.dropped_nodes == ("n1",)
+    assert d.providers == ((0, 0), (1, 2), (2, 2))
+
+
+def test_a_copy_still_in_flight_falls_back_to_an_older_step_or_fails():
+    # n2 had not received n1's snapshot of step 20 when n1 died: no step has all three.
+    holdings = {0: {"own": 20, "held": {2: 20}}, 2: {"own": 20, "held": {}}}
+    d = from_snapshots(MEMBERS, {0: 21, 2: 21}, NODE_OF, holdings)
+    assert not d.ok and "no snapshot step" in d.error
+
+
+def test_both_copies_lost_fails_for_the_disk_checkpoint():
+    # n1 and its buddy n2 lost: n1's shards are nowhere.
+    d = from_snapshots(MEMBERS, {0: 30}, NODE_OF, {0: {"own": 30, "held": {2: 30}}})
+    assert not d.ok
+
+
+def test_nothing_lost_is_no_snapshot_recovery():
+    d = from_snapshots(MEMBERS, {0: 3, 1: 3, 2: 3}, NODE_OF, {r: {"own": 0, "held": {}} for r in MEMBERS})
+    assert not d.ok
+
+
+def test_a_snapshot_decision_travels_through_the_store_and_hostile_ones_are_refused():
+    d = Decision(ok=True, members=(0, 2), dropped_nodes=("n1",), step=20, providers=((0, 0), (1, 2), (2, 2)))
+    assert Decision.from_json(d.to_json(), MEMBERS) == d
+    for bad in ('[[0, 0], [0, 2]]', '[[7, 0]]', '[[1, 1]]'):   # an owner twice, outside, a lost provider
+        text = d.to_json().replace('[[0, 0], [1, 2], [2, 2]]', bad)
+        with pytest.raises(ValueError):
+            Decision.from_json(text, MEMBERS)
