@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicate", type=int, default=1,
                    help="HSDP: the dp ranks form this many replicas, each sharded over dp/replicate "
                         "ranks (put one replica per node, so that a lost node takes whole replicas)")
+    _parallelism_flags(p)
     p.add_argument("--in-process-recovery", action="store_true",
                    help="when a node is lost, the surviving workers regroup and train on in process "
                         "(needs --replicate > 1, or --snapshot-every); what cannot be recovered so falls "
@@ -89,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 0:
         p.error("--steps must be >= 0")
+    if args.cp > 1 and args.seq_len % args.cp:
+        p.error(f"--cp {args.cp} must divide --seq-len {args.seq_len}")
     return args
 
 
@@ -101,6 +104,31 @@ def _count(text: str) -> int:
 
 _FAULT_KINDS = ("sleep_forward", "slow_checkpoint", "slow_compute", "slow_data", "skip_collective", "raise",
                 "segv")
+
+
+def _parallelism_flags(p: argparse.ArgumentParser) -> None:
+    """Pipeline, expert and context parallelism (dp and tp are the parser's own)."""
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (torch.distributed.pipelining)")
+    p.add_argument("--pp-schedule", choices=("gpipe", "1f1b"), default="1f1b", help="the pipeline's schedule")
+    p.add_argument("--microbatches", type=int, default=2, help="pipeline microbatches per step (divide --batch-size)")
+    p.add_argument("--pp-split", default=None, metavar="N,N,...",
+                   help="layers per stage, e.g. 1,3 (default: spread evenly)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism: ranks that split a mixture of experts (all-to-all dispatch)")
+    p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (default with --ep: 2 x ep)")
+    p.add_argument("--top-k", type=int, default=1, help="experts each token is routed to")
+    p.add_argument("--router-bias", type=_router_bias, action="append", default=[], metavar="EXPERT:LOGIT",
+                   help="add LOGIT to the router's score of EXPERT (a hot expert, for tests)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallelism: ranks that split each sequence (all-gathered keys and values)")
+
+
+def _router_bias(text: str) -> tuple[int, float]:
+    try:
+        expert, logit = text.split(":")
+        return int(expert), float(logit)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--router-bias {text!r}: expected EXPERT:LOGIT") from None
 
 
 def _fault(text: str) -> tuple[str, int, int, float]:

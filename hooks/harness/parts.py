@@ -21,8 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rankwatch.hooks.instrument import monitor as _monitor
+from rankwatch.hooks.harness import moe as _moe
 from rankwatch.hooks.harness.dcp import Checkpointer
-from rankwatch.hooks.harness.parallel import dp_mesh
+from rankwatch.hooks.harness.parallel import loss_mesh
 from rankwatch.hooks.recovery.inprocess import Job
 
 log = logging.getLogger("rankwatch.train")
@@ -62,16 +63,24 @@ def train_step(m: Any, job: Job, batches: Any, accum: int, args: Any, vocab: int
         time.sleep(slow * _usual(record.step_times))
     # Gradient accumulation keeps the global batch when the job shrank; with more
     # than one micro-batch, "forward" is the first one's and "backward" the rest.
+    pipe, cp = job.extra.get("pipe"), job.extra.get("cp")
     for i, batch in enumerate(micro):
-        logits = job.model(batch[:, :-1])
-        part = F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        inputs, targets = _sequence_chunk(batch[:, :-1], cp), _sequence_chunk(batch[:, 1:], cp)
+        if pipe is not None:  # the schedule runs this stage's forwards and backwards: all "forward"
+            part = pipe.step(inputs, targets)
+            loss = part if i == 0 else loss + part
+            continue
+        logits = job.model(inputs)
+        part = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
         loss = part.detach() if i == 0 else loss + part.detach()
         if i == 0:
             m.mark("forward")
         (part / accum if accum > 1 else part).backward()
-    del logits, part
+        del logits, part
     loss = loss / accum
-    m.mark("backward")
+    m.mark("forward" if pipe is not None else "backward")
+    if experts := _moe.take_expert_load(job.model):
+        m.expert_load(experts)
     # The loss for the log rides in the tier's step commit (one all-reduce for both), except
     # at a step where a rank is to skip the loss's own all-reduce (the desync fault).
     summed = None
@@ -82,6 +91,15 @@ def train_step(m: Any, job: Job, batches: Any, accum: int, args: Any, vocab: int
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
     return loss, summed
+
+
+def _sequence_chunk(tokens: torch.Tensor, cp: tuple[int, int] | None) -> torch.Tensor:
+    """This context-parallel rank's chunk of the sequence (``cp``: its index and the chunks); all without."""
+    if cp is None:
+        return tokens
+    index, chunks = cp
+    size = tokens.shape[1] // chunks
+    return tokens[:, index * size:(index + 1) * size]
 
 
 def after_step(mon: Any, job: Job, ckpt: Checkpointer | None, ckpt_extra: dict, args: Any, dev: str,
@@ -98,8 +116,8 @@ def after_step(mon: Any, job: Job, ckpt: Checkpointer | None, ckpt_extra: dict, 
         if skip := _faults_at(args.fault, "skip_collective", rank, step + 1):
             time.sleep(skip)  # this rank never issues the all-reduce the others wait in
         else:
-            dist.all_reduce(mean_loss, group=dp_mesh(mesh).get_group())
-        dp_mean = mean_loss.item() / dims.dp
+            dist.all_reduce(mean_loss, group=loss_mesh(mesh).get_group())
+        dp_mean = mean_loss.item() / loss_mesh(mesh).size()
     record.dp_means.append(dp_mean)
     if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
         log.info("step %d loss %.4f (dp mean %.4f) step_time %.4fs", step + 1, record.losses[-1],

@@ -22,8 +22,10 @@ from rankwatch.hooks.instrument import monitor as _monitor
 from rankwatch.hooks.harness.dcp import Checkpointer
 from rankwatch.hooks.harness.data import SyntheticTokens, build_loader
 from rankwatch.hooks.harness.flops import transformer_flops_per_token
-from rankwatch.hooks.harness.model import ModelConfig, Transformer
+from rankwatch.hooks.harness.model import FeedForward, ModelConfig, Transformer
+from rankwatch.hooks.harness.moe import MoE
 from rankwatch.hooks.harness.parallel import ParallelDims, build_mesh, device_type, dp_mesh, parallelize
+from rankwatch.hooks.harness.pipeline import Pipe, split_layers, stage_model
 from rankwatch.hooks.harness.parts import global_batch_for
 from rankwatch.hooks.recovery.inprocess import InProcessRecovery, Job, Membership
 
@@ -54,11 +56,12 @@ class JobBuilder:
                 mesh=mesh, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None)
         if m.generation == 0:
             torch.manual_seed(args.seed)  # identical initial weights on every rank
-            model = parallelize(Transformer(self.cfg).to(dev), mesh, dims)
+            model = parallelize(self._model(mesh, dims).to(dev), mesh, dims)
         else:  # the weights come from this rank's own shards in memory: allocate, don't initialise
             with torch.device("meta"):
-                model = Transformer(self.cfg)
+                model = self._model(mesh, dims)
             model = parallelize(model, mesh, dims).to_empty(device=dev)
+        pipe = self._pipe(model, mesh, dims)
         # The fused AdamW by default, on a GPU and on the CPU alike.  On a GPU the step commit
         # gates it on the device, without a host synchronisation (hooks/recovery/commit.py).
         # Either way it is one DTensor op per step, not ~8 per parameter: DTensor works out
@@ -69,16 +72,43 @@ class JobBuilder:
         if self.ckpt:
             self.ckpt.regroup() if m.generation else self.ckpt.setup()
         return Job(model=model, optimizer=opt, replica_size=dims.replica_size,
-                   extra={"mesh": mesh, "dims": dims})
+                   extra={"mesh": mesh, "dims": dims, "pipe": pipe,
+                          "cp": (mesh["cp"].get_local_rank(), dims.cp) if dims.cp > 1 else None})
+
+    def _model(self, mesh: Any, dims: ParallelDims) -> Transformer:
+        """The whole model, or this rank's pipeline stage of it; a mixture of experts with ``--ep``/``--experts``."""
+        args, cfg = self.args, self.cfg
+        ffn: Any = FeedForward
+        if dims.ep > 1 or args.experts:
+            experts, ep_rank = args.experts or 2 * dims.ep, mesh["ep"].get_local_rank() if dims.ep > 1 else 0
+            bias = dict(args.router_bias)
+
+            def ffn(c: ModelConfig) -> MoE:
+                return MoE(c.dim, c.hidden_dim, experts, args.top_k, dims.ep, ep_rank, bias)
+        model = Transformer(cfg, ffn)
+        if dims.pp > 1:
+            stage = mesh["pp"].get_local_rank()
+            stage_model(model, stage, dims.pp, split_layers(cfg.n_layers, dims.pp, args.pp_split)[stage])
+        return model
+
+    def _pipe(self, model: Any, mesh: Any, dims: ParallelDims) -> Pipe | None:
+        """With ``--pp``: this rank's stage and its schedule."""
+        if dims.pp == 1:
+            return None
+        args, cfg = self.args, self.cfg
+        return Pipe.build(model, mesh["pp"].get_local_rank(), dims.pp, mesh["pp"].get_group(),
+                          schedule=args.pp_schedule, microbatches=args.microbatches, batch_size=args.batch_size,
+                          seq_len=cfg.seq_len // dims.cp, dim=cfg.dim, vocab=cfg.vocab_size, device=self.dev)
 
     def _dims(self, m: Membership, world: int) -> ParallelDims:
         args = self.args
+        more = {"pp": args.pp, "ep": args.ep, "cp": args.cp}
         if m.generation == 0:
-            return ParallelDims.from_flags(args.dp, args.tp, world, args.replicate)
+            return ParallelDims.from_flags(args.dp, args.tp, world, args.replicate, **more)
         if self.replica_size is not None:  # whole replicas survived; each keeps its layout
-            return ParallelDims.from_flags(None, args.tp, world, world // self.replica_size)
+            return ParallelDims.from_flags(None, args.tp, world, world // self.replica_size, **more)
         # a worker joining in process: the job's layout, from the flags
-        return ParallelDims.from_flags(None, args.tp, world, args.replicate)
+        return ParallelDims.from_flags(None, args.tp, world, args.replicate, **more)
 
 
 @dataclass
@@ -106,12 +136,13 @@ class Feeder:
     def __call__(self, job: Job, done: int) -> Feed:
         args, cfg = self.args, self.cfg
         dims, mesh = job.extra["dims"], job.extra["mesh"]
-        gb, accum = global_batch_for(self.global_batch, args.batch_size, dims.dp, dist.get_rank())
+        gb, accum = global_batch_for(self.global_batch, args.batch_size, dims.data, dist.get_rank())
         self.global_batch = gb
         ds = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
-        micro = gb // (dims.dp * accum)   # the batch size, or less to keep the global batch on a shrunk world
-        batches = iter(build_loader(ds, micro, dp_mesh(mesh).get_local_rank(), dims.dp, done * gb))
-        tokens = accum * args.batch_size * cfg.seq_len / dims.tp
+        micro = gb // (dims.data * accum)   # the batch size, or less to keep the global batch on a shrunk world
+        batches = iter(build_loader(ds, micro, dp_mesh(mesh).get_local_rank(), dims.data, done * gb))
+        # TP ranks split a batch's work, CP ranks its sequence; a pipeline stage does its layers' part.
+        tokens = accum * args.batch_size * cfg.seq_len / (dims.tp * dims.cp)
         flops = tokens * transformer_flops_per_token(self.n_params, cfg.n_layers, cfg.dim, cfg.seq_len)
         return Feed(global_batch=gb, accum=accum, batches=batches, tokens=tokens, flops=flops)
 

@@ -107,6 +107,18 @@ class Monitor:
         if coords and self._client is not None:
             self._client.update_mesh(coords, shape)
 
+    def expert_load(self, counts: Iterable[int]) -> None:
+        """This step's tokens routed to each of this rank's local experts (a mixture of experts:
+        call once a step, inside it).  The agent names ``expert_load`` as a straggler's cause when
+        the slow rank's experts got more tokens than the others'.  Hot path: one append."""
+        self.recorder.expert_load(counts)
+
+    def pipeline_stage(self, stage: int, stages: int) -> None:
+        """This rank's pipeline stage, for a script that splits its model without a DeviceMesh
+        ``pp`` dimension: stragglers are then compared within a stage, never across stages."""
+        if self._client is not None and 0 <= stage < stages:
+            self._client.update_mesh({"pp": int(stage)}, {"pp": int(stages)})
+
     @property
     def dropped(self) -> int:
         return self._client.dropped_total if self._client else 0
@@ -216,6 +228,12 @@ class NullMonitor:
         pass
 
     def mesh_built(self, mesh: Any) -> None:
+        pass
+
+    def expert_load(self, counts: Iterable[int]) -> None:
+        pass
+
+    def pipeline_stage(self, stage: int, stages: int) -> None:
         pass
 
     def activity(self, name: str) -> contextlib.AbstractContextManager:

@@ -16,8 +16,12 @@ import itertools
 import time
 from collections import deque
 from types import TracebackType
+from typing import Any
 
-__all__ = ["OPS", "PHASES", "Recorder", "StepScope"]
+__all__ = ["MAX_EXPERTS", "OPS", "PHASES", "Recorder", "StepScope"]
+
+MAX_EXPERTS = 256
+"""Local experts a rank reports the load of (more are cut)."""
 
 # Collective op names, as codes on the wire (index = code).  Names follow the
 # torch.distributed verbs; a gloo Flight Recorder calls reduce_scatter
@@ -59,6 +63,8 @@ class Recorder:
     def __init__(self, capacity: int = 1 << 17, step_capacity: int = 1 << 12) -> None:
         self.collectives: deque[tuple] = deque(maxlen=capacity)
         self.steps: deque[tuple] = deque(maxlen=step_capacity)
+        # (step, tokens per local expert): a mixture of experts' load, one entry a step.
+        self.expert_loads: deque[tuple] = deque(maxlen=step_capacity)
         self._index = itertools.count()
         # Live progress: plain attributes written by the training thread and
         # sampled by the sender thread.
@@ -84,6 +90,10 @@ class Recorder:
     def collective(self, op: int, pg: int, seq: int, t0_ns: int, t1_ns: int, nbytes: int) -> None:
         """Record one completed collective (any thread may call this)."""
         self.collectives.append((next(self._index), op, pg, seq, t0_ns, t1_ns, nbytes))
+
+    def expert_load(self, counts: Any) -> None:
+        """Tokens per local expert in the current step (the last call of a step counts)."""
+        self.expert_loads.append((self.step, tuple(int(c) for c in counts)[:MAX_EXPERTS]))
 
     # -- steps ------------------------------------------------------------
     def begin_step(self, step: int, started_ns: int = 0) -> None:
