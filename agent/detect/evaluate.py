@@ -66,7 +66,8 @@ class Verdicts:
         The windows are the snapshot's own, not copies: the detector only reads them, and at
         16,384 ranks of 64-step windows copying them cost more than everything else."""
         return [RankWork(rank=r.rank, node=r.node, step=r.step, own=r.own, data=r.data,
-                         wait=r.wait, step_seconds=r.step_seconds, completed=r.steps_completed, period=r.period)
+                         wait=r.wait, step_seconds=r.step_seconds, completed=r.steps_completed, period=r.period,
+                         role=r.role)
                 for r in self.snapshot.ranks if r.connected]
 
 

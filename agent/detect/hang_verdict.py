@@ -97,6 +97,8 @@ class RankProgress:
     wait: Sequence[float] = ()
     period: float = 0.0
     """Seconds from step start to step start as the rank's node measured them (0: unknown)."""
+    role: int = 0
+    """The rank's pipeline stage: stragglers are compared within it (``work_scores.role_of``)."""
     reported_at: float | None = None
     """Agent clock: the rank's last message as its node reported it (the coordinator's
     ``last_seen`` runs on from there while the node is heard); None: ``last_seen``."""

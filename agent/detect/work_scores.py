@@ -8,7 +8,7 @@ a flag is :mod:`.straggler`'s (onset, hysteresis, node scope).  The method is de
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +16,7 @@ import numpy as np
 from rankwatch.knobs import require_positive
 
 __all__ = ["CAUSES", "GpuThrottle", "RankWork", "Score", "StragglerConfig", "cost_ratio", "eligible",
-           "last_steps", "log_ratios", "recent_window", "score", "score_window"]
+           "last_steps", "log_ratios", "recent_window", "role_of", "score", "score_window"]
 
 CAUSES = ("compute", "data", "communication", "host", "gpu_health")
 # GPU throttle reasons that slow a GPU down (idle, clock settings and sync boost do not).
@@ -102,6 +102,14 @@ class RankWork:
     comm_delay: list[float] | None = None
     gap: list[float] | None = None        # time before each step since the previous one ended
     period: float = 0.0                   # start to start, as the rank's node measured it (0: unknown)
+    role: int = 0
+    """Ranks are compared only with ranks of the same role: their pipeline stage (stages differ
+    by design; a stage with no other rank has no peers and is not scored)."""
+
+
+def role_of(mesh_coords: Mapping[str, int] | None) -> int:
+    """A rank's role from its mesh coordinates: its pipeline stage (``pp``), else 0."""
+    return int((mesh_coords or {}).get("pp", 0))
 
 
 @dataclass(kw_only=True)
@@ -128,6 +136,8 @@ class StepWindow:
     start: np.ndarray
     gap: np.ndarray
     comm_delay: np.ndarray
+    roles: np.ndarray | None = None
+    """Each row's role (:attr:`RankWork.role`); None: one role."""
 
 
 _COLUMNS = ("own", "data", "delay", "start", "gap", "comm_delay")
@@ -136,7 +146,8 @@ _COLUMNS = ("own", "data", "delay", "start", "gap", "comm_delay")
 def recent_window(ranks: list[RankWork], last: int, n: int) -> StepWindow:
     """The ranks' ``n`` steps up to step ``last``; NaN where a rank's column misses some."""
     behind = [r.completed - last for r in ranks]      # steps each rank is past ``last``
-    return StepWindow(**{name: _column(ranks, name, behind, n) for name in _COLUMNS})
+    roles = np.array([r.role for r in ranks]) if any(r.role for r in ranks) else None
+    return StepWindow(**{name: _column(ranks, name, behind, n) for name in _COLUMNS}, roles=roles)
 
 
 def _column(ranks: list[RankWork], name: str, behind: list[int], n: int) -> np.ndarray:
@@ -156,7 +167,20 @@ def _column(ranks: list[RankWork], name: str, behind: list[int], n: int) -> np.n
 
 def last_steps(w: StepWindow, n: int) -> StepWindow:
     """The window's last ``n`` steps (a view)."""
-    return StepWindow(**{name: getattr(w, name)[:, -n:] for name in _COLUMNS})
+    return StepWindow(**{name: getattr(w, name)[:, -n:] for name in _COLUMNS}, roles=w.roles)
+
+
+def _peer_median(x: np.ndarray, roles: np.ndarray | None) -> np.ndarray:
+    """:func:`_loo_median` within each role: the median of the other rows of the same role
+    (NaN for a row alone in its role)."""
+    if roles is None:
+        return _loo_median(x)
+    out = np.full(x.shape, np.nan)
+    for role in np.unique(roles):
+        rows = np.flatnonzero(roles == role)
+        if len(rows) > 1:
+            out[rows] = _loo_median(x[rows])
+    return out
 
 
 def _loo_median(x: np.ndarray) -> np.ndarray:
@@ -182,7 +206,7 @@ def _effective(w: StepWindow) -> np.ndarray:
     a rank that leaves its collectives late holds everyone up by that much."""
     if not np.isfinite(w.start).any():
         return w.own
-    lag = np.nan_to_num(w.start - _loo_median(w.start), nan=0.0)
+    lag = np.nan_to_num(w.start - _peer_median(w.start, w.roles), nan=0.0)
     return w.own + np.maximum(lag, 0.0)
 
 
@@ -197,7 +221,7 @@ def log_ratios(w: StepWindow, clip: float) -> np.ndarray:
     others on millisecond steps, above the CUSUM's drift, and any burst was confirmed."""
     eff = _effective(w)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.clip(np.log(eff / _loo_median(eff)), -clip, clip)
+        return np.clip(np.log(eff / _peer_median(eff, w.roles)), -clip, clip)
 
 
 def _tail_medians(x: np.ndarray, spans: np.ndarray) -> np.ndarray:
@@ -248,11 +272,11 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
     nothing = np.full(len(idx), np.nan)
 
     def excess(x: np.ndarray) -> np.ndarray:
-        return _tail_medians((x - _loo_median(x))[idx], k) if np.isfinite(x).any() else nothing
+        return _tail_medians((x - _peer_median(x, w.roles))[idx], k) if np.isfinite(x).any() else nothing
 
     k = np.array([min(cfg.window, max(3, (spans or {}).get(full[i].rank, cfg.window))) for i in idx], dtype=int)
     own_all = w.own
-    base_all = _loo_median(own_all)
+    base_all = _peer_median(own_all, w.roles)
     own_w, base = own_all[idx], base_all[idx]
     with np.errstate(divide="ignore", invalid="ignore"):
         slowdown = _tail_medians(own_w / base, k)

@@ -27,6 +27,7 @@ from rankwatch.agent.durable.incidents import Incident
 from rankwatch.agent.job.loadmeter import LoadMeter
 from rankwatch.agent.job.node_floor import agentless_nodes
 from rankwatch.agent.detect.straggler import RankWork
+from rankwatch.agent.detect.work_scores import role_of
 from rankwatch.agent.detect.bottleneck import Part
 from rankwatch.agent.node import makeup
 from rankwatch.agent.wire.ranges import Rejected, parse_flight_recorder
@@ -221,6 +222,7 @@ class JobView:
                     reported_at=r.last_seen + n.offset + (0.0 if n.moved_since_copy
                                                           else max(0.0, n.sent_at - n.summary.sent_at)),
                     connected=r.connected and not silent_node, exited_cleanly=r.exited_cleanly,
+                    role=role_of(r.mesh_coords),
                     group_seqs=r.group_seqs,   # read only: no copy (16,384 of them)
                     inflight=({"op": r.inflight.op, "group": r.inflight.group,
                                "seq": r.inflight.seq, "since": r.inflight.since + n.offset}
@@ -304,7 +306,8 @@ def _rank_work(node: str, r: pb.RankSummary) -> RankWork:
     """What the straggler detector reads of a rank's summary (its windows not copied)."""
     own, data, wait = work_windows.windows(r)
     return RankWork(rank=r.rank, node=node, step=r.step, own=own, data=data, wait=wait,
-                    step_seconds=r.step_seconds, completed=r.steps_completed, period=r.step_period)
+                    step_seconds=r.step_seconds, completed=r.steps_completed, period=r.step_period,
+                    role=role_of(r.mesh_coords))
 
 
 def _node_incidents(name: str, summary: pb.NodeSummary, offset: float) -> list[Incident]:

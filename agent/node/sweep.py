@@ -66,7 +66,7 @@ def snapshot(state: NodeState, now: float) -> Snapshot:
             last_seen=r.last_seen, connected=r.connected, exited_cleanly=r.exited_cleanly,
             group_seqs=seqs, inflight=inflight, stacks=r.stacks if fresh and r.stacks else None,
             flight_recorder=r.flight_recorder if fresh else None, pid=r.pid, alive=alive,
-            stopped=stopped, own=own, data=data, wait=wait))
+            stopped=stopped, own=own, data=data, wait=wait, role=int(r.mesh_coords.get("pp", 0))))
     return Snapshot(ranks=views, scope="node")
 
 
