@@ -117,8 +117,9 @@ class Agent:
         self.gate = Gate(config.token, config.streams, node=config.node_id,
                          on_unauthenticated=lambda method, peer: self.state.note_rejected(
                              Rejected("unauthenticated", f"{method} from {peer}")))
+        self.gate.tls = config.tls is not None   # a Sync speaks only for its certificate's node
         self.registry.register(GateCollector(config.node_id, self.gate))
-        self.rank_streams = RankStreams()
+        self.rank_streams = RankStreams(seat=self.gate.identify_report)
         self.servers = Listeners(config)
         self.peer_cred = self.servers.peer_cred
         """Who presented a nonce on a credentials socket (the servicer's Hello asks)."""

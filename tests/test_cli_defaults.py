@@ -70,6 +70,7 @@ UNSET: dict[tuple[str, str], tuple[type, str]] = {
     ("agent", "control_reserve"): (StreamLimits, "reserve"),
     ("agent", "max_waiting_per_peer"): (StreamLimits, "waiting_per_peer"),
     ("agent", "max_streams_per_peer"): (StreamLimits, "per_peer"),
+    ("agent", "max_streams_per_process"): (StreamLimits, "per_process"),
     ("agent", "gpu_interval"): (GpuConfig, "interval"),
 }
 
@@ -98,6 +99,7 @@ NO_FIELD = {
     ("diagnose", "incident"), ("diagnose", "token_file"),
     ("checkpoint", "agent"), ("checkpoint", "reason"), ("checkpoint", "token_file"),
     ("demo", "steps"), ("demo", "no_live"),
+    ("certs", "certs_command"),   # its actions' flags are certs.py's own (no config behind them)
 }
 
 

@@ -217,18 +217,16 @@ def test_ca_key_gives_the_job_per_node_certificates_for_mutual_tls(tmp_path):
     from rankwatch.status import AgentUnreachable
     from tlscerts import CertAuthority
 
-    _require("setpriv", "setsid", "scontrol", "sha256sum", "openssl")
+    _require("setpriv", "setsid", "scontrol", "sha256sum")
     port = free_port()
     paths = _write_settings(tmp_path / "settings", tmp_path, coordinator_port=port)
     key = tmp_path / "token.key"
     key.write_bytes(os.urandom(32))
     key.chmod(0o600)
     ca = CertAuthority(tmp_path / "ca", "slurm-ca")
-    ca_key = tmp_path / "ca" / "slurm-ca.key"
-    ca_key.chmod(0o600)
+    ca_key = ca.root / "ca.key"   # `rankwatch certs init` made it 0600
     with open(tmp_path / "settings", "a") as f:
-        f.write(f"TOKEN_KEY_FILE={shlex.quote(str(key))}\nTLS_CA_CERT={shlex.quote(str(ca.ca))}\n"
-                f"TLS_CA_KEY={shlex.quote(str(ca_key))}\n")
+        f.write(f"TOKEN_KEY_FILE={shlex.quote(str(key))}\nTLS_CA_DIR={shlex.quote(str(ca.root))}\n")
     conf = tmp_path / "slurm.conf"
     conf.write_text("ClusterName=test\nSlurmctldHost=localhost\nNodeName=localhost\n")
     job_env = {"SLURMD_NODENAME": "localhost", "SLURM_NODELIST": "localhost", "SLURM_CONF": str(conf)}
@@ -252,7 +250,7 @@ def test_ca_key_gives_the_job_per_node_certificates_for_mutual_tls(tmp_path):
 
         ca_key.chmod(0o644)                                     # a CA key others may read: refused
         _run_script(PROLOG, 49, tmp_path / "settings", **job_env)
-        assert "slurm-ca.key must be root's, mode 0600" in paths["log"].read_text()
+        assert "slurm-ca/ca.key must be root's, mode 0600" in paths["log"].read_text()
         assert not (paths["run"] / "49.pid").exists()
     finally:
         _stop_leftover_agents(paths["run"])

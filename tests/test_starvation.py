@@ -27,6 +27,7 @@ from rankwatch.status import AgentUnreachable, fetch_status
 pytestmark = pytest.mark.e2e
 
 PER_PEER = 32      # the agent's default streams per TCP host
+SPARE = 4          # streams that may wait beyond a cap to be decided (an eighth of the reserve)
 HELLO_TIMEOUT = 5  # seconds, the agent's default
 # grpc.aio's client ends a call with INTERNAL when its own write races the agent's
 # early status (the refusal); the agent's counter is the authority on those.
@@ -136,14 +137,16 @@ def test_streams_cannot_starve_status_or_sync(tmp_path):
         status = n0.status()
         assert status["excluded_nodes"] == [] and "n1" in status["nodes"], status
         assert not [d for d in status["decisions"] if d["kind"] == "exclude"], status["decisions"]
-        # Then the streams: beyond the cap refused with a clear code, the idle ones closed.
-        assert idle.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 100 - PER_PEER, idle
-        assert idle.count(grpc.StatusCode.CANCELLED) == PER_PEER, idle   # closed: no hello
+        # Then the streams: beyond the cap refused or evicted by newer ones (a silent stream
+        # waiting on a spare seat gives way), with a clear code; the idle ones closed.
+        cancelled = idle.count(grpc.StatusCode.CANCELLED)   # closed: no hello
+        assert PER_PEER <= cancelled <= PER_PEER + SPARE, idle
+        assert idle.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 100 - cancelled, idle
         ok, exhausted = busy.count(grpc.StatusCode.OK), busy.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
         assert ok + exhausted + busy.count(WRITE_RACE) == 500, busy
-        assert PER_PEER <= ok < 100 and exhausted >= 400, (ok, exhausted)
-        assert _refused(n0, "streams_per_peer") >= 100 - PER_PEER + 400
-        assert _refused(n0, "no_hello") == PER_PEER
+        assert PER_PEER - SPARE <= ok < 100 and exhausted >= 400, (ok, exhausted)
+        assert _refused(n0, "streams_per_peer") + _refused(n0, "evicted") >= 100 - PER_PEER - SPARE + 400
+        assert _refused(n0, "no_hello") == cancelled
         log = n0.log.read_text()
         assert "refused: Report from ipv4:127.0.0.1" in log and "sent no hello" in log
         assert log.count("refused:") < 20, "refusals are logged without a rate limit"

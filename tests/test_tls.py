@@ -34,7 +34,7 @@ def pki(tmp_path_factory):
     root = tmp_path_factory.mktemp("pki")
     ca = CertAuthority(root / "job")
     rogue = CertAuthority(root / "rogue", "rogue")
-    return {"n0": ca.issue("n0"), "n1": ca.issue("n1"), "client": ca.issue("client"),
+    return {"n0": ca.issue("n0"), "n1": ca.issue("n1"), "client": ca.issue("client", client=True),
             "rogue": rogue.issue("intruder")}
 
 

@@ -1,13 +1,15 @@
-"""Throwaway certificate authorities and certificates for the TLS tests (the openssl CLI)."""
+"""Certificate authorities and certificates for the TLS tests, made by ``rankwatch certs``.
+
+The files the commands write are used as they are: ``certs init DIR`` (``ca.crt``,
+``ca.key``) and ``certs issue DIR --node ID`` (``ID.crt``, ``ID.key``).
+"""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 
 @dataclass(frozen=True)
@@ -25,30 +27,24 @@ class Cert:
         return ("--tls-cert", str(self.cert), "--tls-key", str(self.key), "--tls-ca", str(self.ca))
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
+def certs(*args: str) -> subprocess.CompletedProcess:
+    """``rankwatch certs ARGS``."""
+    return subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "certs", *args],
+                          capture_output=True, text=True, timeout=60)
 
 
 class CertAuthority:
-    """A CA in ``root`` that signs certificates for loopback (DNS:localhost, IP:127.0.0.1)."""
+    """A job CA in ``root`` (``rankwatch certs init``) that issues node certificates."""
 
     def __init__(self, root: Path, name: str = "ca") -> None:
-        if shutil.which("openssl") is None:
-            pytest.fail("the TLS tests need the openssl command")
-        self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-        self.ca, self._key = root / f"{name}.crt", root / f"{name}.key"
-        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-                 "-keyout", str(self._key), "-out", str(self.ca), "-days", "2", "-subj", f"/CN={name}",
-                 cwd=root)
+        self.root = root / name
+        done = certs("init", str(self.root))
+        assert done.returncode == 0, done.stderr
+        self.ca = self.root / "ca.crt"
 
-    def issue(self, name: str) -> Cert:
-        key, csr, crt, ext = (self.root / f"{name}.{s}" for s in ("key", "csr", "crt", "ext"))
-        ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n"
-                       "extendedKeyUsage=serverAuth,clientAuth\nkeyUsage=digitalSignature\n")
-        _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", str(key),
-                 "-out", str(csr), "-subj", f"/CN={name}", cwd=self.root)
-        _openssl("x509", "-req", "-in", str(csr), "-CA", str(self.ca), "-CAkey", str(self._key),
-                 "-CAcreateserial", "-days", "2", "-out", str(crt), "-extfile", str(ext), cwd=self.root)
-        key.chmod(0o600)
-        return Cert(crt, key, self.ca)
+    def issue(self, name: str, *extra: str, client: bool = False) -> Cert:
+        """Node ``name``'s certificate (``client``: a client's, naming no node; ``extra``: more
+        ``certs issue`` flags, e.g. ``--no-relay``)."""
+        done = certs("issue", str(self.root), "--client" if client else "--node", name, *extra)
+        assert done.returncode == 0, done.stderr
+        return Cert(self.root / f"{name}.crt", self.root / f"{name}.key", self.ca)

@@ -123,7 +123,8 @@ def _stream_limits(args: argparse.Namespace) -> StreamLimits:
     from rankwatch.agent.rpc.limits import StreamLimits
 
     knobs = {"total": args.max_streams, "per_peer": args.max_streams_per_peer,
-             "reserve": args.control_reserve, "waiting_per_peer": args.max_waiting_per_peer}
+             "reserve": args.control_reserve, "waiting_per_peer": args.max_waiting_per_peer,
+             "per_process": args.max_streams_per_process}
     return StreamLimits(**{k: v for k, v in knobs.items() if v is not None})
 
 
@@ -323,8 +324,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps or DEMO_STEPS, live=not args.no_live)
 
 
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from rankwatch.agent.cli import certs
+
+    return certs.run(args)
+
+
 _COMMANDS = {"agent": _cmd_agent, "run": _cmd_run, "status": _cmd_status,
-             "diagnose": _cmd_diagnose, "checkpoint": _cmd_checkpoint, "demo": _cmd_demo}
+             "diagnose": _cmd_diagnose, "checkpoint": _cmd_checkpoint, "demo": _cmd_demo, "certs": _cmd_certs}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Subcommand)
     for add in (_agent_parser, _run_parser, _status_parser, _diagnose_parser, _checkpoint_parser, _demo_parser):
         add(sub)
+    from rankwatch.agent.cli import certs
+
+    certs.add_parser(sub)
     return p
 
 
@@ -231,6 +234,9 @@ def _agent_trust(a: argparse.ArgumentParser) -> None:
     a.add_argument("--max-waiting-per-peer", type=int, default=None, metavar="N",
                    help=f"calls from one TCP host that may wait for their request's message "
                         f"(default {default(StreamLimits, 'waiting_per_peer')})")
+    a.add_argument("--max-streams-per-process", type=int, default=None, metavar="N",
+                   help="streams served at once from one process on the Unix socket "
+                        f"(default {default(StreamLimits, 'per_process')})")
     a.add_argument("--max-streams-per-peer", type=int, default=None, metavar="N",
                    help=f"rank streams served at once from one TCP host (default {default(StreamLimits, 'per_peer')})")
 

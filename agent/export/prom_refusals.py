@@ -23,7 +23,8 @@ class GateCollector:
     def collect(self) -> Iterable[Metric]:
         node = self._node
         c = CounterMetricFamily("rankwatch_rpcs_refused", "Calls the agent refused at its door, by reason "
-                                "(unauthenticated, streams_total, streams_per_peer, no_hello, waiting, no_request, expired)",
+                                "(unauthenticated, streams_total, streams_per_peer, evicted, not_this_node, no_hello, waiting, "
+                                "no_request, expired)",
                                 labels=["node", "reason"])
         for reason, n in sorted(self._gate.refusals().items()):
             c.add_metric([node, reason], n)

@@ -10,8 +10,10 @@ One ``grpc.ServerInterceptor`` wraps every handler, so no RPC can forget a check
   tells the two apart by ``context.peer()``: ``unix:...`` for the socket,
   ``ipv4:``/``ipv6:`` for TCP.
 * **Streams are capped.** ``Report`` and ``Commands`` hold a server thread for
-  their whole life.  At most ``per_peer`` of them per TCP host and ``total`` in all
-  are served; more are refused with RESOURCE_EXHAUSTED, counted and logged.
+  their whole life.  At most ``per_peer`` of them per TCP host, ``per_process`` per
+  process on the Unix socket, and ``total`` in all are served.  At a cap a newcomer
+  takes the seat of the stream that stands lowest there, or is refused with
+  RESOURCE_EXHAUSTED (:mod:`.seats`, by :mod:`.admission`'s rule), counted and logged.
 * **Capacity for the control calls.** The server's thread pool has ``total +
   reserve`` threads (:meth:`StreamLimits.threads`).  Streams can take at most
   ``total`` of them, so ``Status``, ``Sync`` and ``RequestCheckpoint`` always find
@@ -43,6 +45,8 @@ import grpc
 from rankwatch.agent.rpc.auth import authorized
 from rankwatch.agent.rpc.limits import StreamLimits, is_local_peer, peer_host
 from rankwatch.agent.rpc.deadlines import Watchdog
+from rankwatch.agent.rpc.seats import Seats
+from rankwatch.agent.rpc import sync_rights
 
 __all__ = ["Gate", "StreamLimits", "is_local_peer", "peer_host"]
 
@@ -73,8 +77,11 @@ class Gate(grpc.ServerInterceptor):
         self._on_unauthenticated = on_unauthenticated
         self._clock = clock
         self._lock = threading.Lock()
-        self._by_peer: dict[str, int] = {}
-        self._open = 0
+        self.seats = Seats(self.limits, self._refuse, clock)
+        self._keys: dict[Any, int] = {}   # a Report stream's context -> its seat
+        self.tls = False
+        """Whether this agent serves TCP with mutual TLS (then a ``Sync`` speaks only for the
+        node its certificate names: :mod:`.sync_rights`)."""
         self._watchdog = Watchdog()
         self._request_seconds = self.limits.request_timeout.total_seconds()
         self._waiting: dict[str, int] = {}   # calls waiting for their request message, by peer
@@ -107,18 +114,25 @@ class Gate(grpc.ServerInterceptor):
     def _wrap_unary(self, method: str, inner: Callable) -> Callable:
         def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             trusted = self._check(method, context)
-            return inner(self._request(method, requests, context, capped=not trusted), context)
+            request = self._request(method, requests, context, capped=not trusted)
+            if method in sync_rights.METHODS:
+                self._sync_rights(method, request, context)
+            return inner(request, context)
         return call
 
     def _wrap_unary_stream(self, method: str, inner: Callable, stream: bool) -> Callable:
         def gen(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
             trusted = self._check(method, context)
-            key = self._acquire(method, context) if stream else None
+            key = self._acquire(method, context, trusted) if stream else None
             try:
-                yield from inner(self._request(method, requests, context, capped=not trusted), context)
+                request = self._request(method, requests, context, capped=not trusted)
+                if key is not None:   # (Commands) who it is for: a rank and its pid
+                    self.seats.identify(key, context, rank=getattr(request, "rank", -1),
+                                        pid=getattr(request, "pid", 0))
+                yield from inner(request, context)
             finally:
                 if key is not None:
-                    self._release(key)
+                    self.seats.release(key)
         return gen
 
     def _wrap_call(self, method: str, kind: str, inner: Callable) -> Callable:
@@ -136,21 +150,23 @@ class Gate(grpc.ServerInterceptor):
     def _wrap_stream(self, method: str, kind: str, inner: Callable) -> Callable:
         if kind == "stream_unary":
             def report(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-                self._check(method, context)
-                key = self._acquire(method, context)
+                key = self._acquire(method, context, self._check(method, context))
+                with self._lock:
+                    self._keys[context] = key
                 try:
-                    return inner(self._hello_due(requests, context), context)
+                    return inner(self._hello_due(requests, context, key), context)
                 finally:
-                    self._release(key)
+                    with self._lock:
+                        self._keys.pop(context, None)
+                    self.seats.release(key)
             return report
 
         def commands(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            self._check(method, context)
-            key = self._acquire(method, context)
+            key = self._acquire(method, context, self._check(method, context))
             try:
                 yield from inner(request, context)
             finally:
-                self._release(key)
+                self.seats.release(key)
         return commands
 
     # -- checks -----------------------------------------------------------------
@@ -168,22 +184,32 @@ class Gate(grpc.ServerInterceptor):
                       "(authorization: Bearer; --token-file or $RANKWATCH_TOKEN)")
         raise AssertionError("context.abort raises")  # for the type checker: abort never returns
 
-    def _acquire(self, method: str, context: grpc.ServicerContext) -> str:
-        key = peer_host(context.peer())
-        lim = self.limits
+    def _acquire(self, method: str, context: grpc.ServicerContext, trusted: bool) -> int:
+        """A seat for a new stream (:meth:`Seats.open`; the call is aborted without one)."""
+        return self.seats.open(method, context, peer_host(context.peer()), trusted)
+
+    def identify_report(self, context: grpc.ServicerContext, *, rank: int, pid: int, cred_pid: int | None,
+                        holds: bool, world: tuple[str, int]) -> None:
+        """A Report stream's hello, as :mod:`.identity` judged it (``cred_pid``: the process
+        SO_PEERCRED names, None when unknown): its seat is decided (:meth:`Seats.identify`;
+        the call is aborted if it has none)."""
         with self._lock:
-            held = self._by_peer.get(key, 0)
-            if self._open >= lim.total:
-                reason, why = "streams_total", f"the agent serves {lim.total} streams already"
-            elif key != "unix" and held >= lim.per_peer:
-                reason, why = "streams_per_peer", f"{key} holds {lim.per_peer} streams already"
-            else:
-                self._open += 1
-                self._by_peer[key] = held + 1
-                return key
-        self._refuse(reason, f"{method} from {context.peer()}: {why}")
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} refused: {why}")
-        raise AssertionError("context.abort raises")
+            key = self._keys.get(context)
+        if key is None:
+            return
+        local = is_local_peer(context.peer())
+        bucket = (f"pid:{cred_pid}" if cred_pid is not None else "unix") if local else None
+        self.seats.identify(key, context, rank=rank, pid=pid, bucket=bucket,
+                            verified=cred_pid is not None if local else None, holds=holds, world=world)
+
+    def _sync_rights(self, method: str, request: Any, context: grpc.ServicerContext) -> None:
+        """Under mutual TLS, a Sync or SyncGroup speaks only for the node its certificate names."""
+        if not self.tls:
+            return
+        why = sync_rights.refusal(method, request, sync_rights.caller(context, self.node))
+        if why is not None:
+            self._refuse("not_this_node", f"{method} from {context.peer()}: {why}")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{method} refused: {why}")
 
     def _request(self, method: str, requests: Iterator[Any], context: grpc.ServicerContext,
                  capped: bool = True) -> Any:
@@ -246,17 +272,9 @@ class Gate(grpc.ServerInterceptor):
             self._refuse(f"no_{what}", f"{method} from {context.peer()} sent no {what} in time")
             context.cancel()
 
-    def _release(self, key: str) -> None:
-        with self._lock:
-            self._open -= 1
-            left = self._by_peer[key] - 1
-            if left:
-                self._by_peer[key] = left
-            else:
-                del self._by_peer[key]
-
-    def _hello_due(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        """``requests``, cancelled if the first message is not there in time."""
+    def _hello_due(self, requests: Iterator[Any], context: grpc.ServicerContext, key: int) -> Iterator[Any]:
+        """``requests``, cancelled if the first message is not there in time; each batch
+        with steps tells the stream's seat."""
         timer: list[Any] | None = self._watchdog.after(self.limits.hello_timeout.total_seconds(),
                                                  lambda: self._overdue("Report", context, "hello"))
         try:
@@ -264,6 +282,8 @@ class Gate(grpc.ServerInterceptor):
                 if timer is not None:
                     self._watchdog.cancel(timer)
                     timer = None
+                elif msg.WhichOneof("body") == "batch" and len(msg.batch.steps.step):
+                    self.seats.stepped(key)
                 yield msg
         finally:
             if timer is not None:
@@ -288,8 +308,7 @@ class Gate(grpc.ServerInterceptor):
             return sum(n for reason, n in self.refused.items() if reason in _CAPACITY)
 
     def open_streams(self) -> int:
-        with self._lock:
-            return self._open
+        return self.seats.open_count()
 
     def refusals(self) -> dict[str, int]:
         """Calls refused so far, by reason (the ``rankwatch_rpcs_refused`` series read it)."""

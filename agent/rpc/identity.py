@@ -105,10 +105,16 @@ class RankStreams:
     """The live Report stream of each rank id: whether it is verified, and its context
     (to close it when a newer stream replaces it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, seat: Callable[..., None] | None = None) -> None:
+        """Args:
+            seat: told of each stream given its rank id, before it is registered
+                (:meth:`Gate.identify_report <rankwatch.agent.rpc.gate.Gate.identify_report>`:
+                its seat is decided there, and the call aborted if it gets none).
+        """
         self._lock = threading.Lock()
         self._streams: dict[int, tuple[grpc.ServicerContext, int, bool]] = {}
         self._admitting = threading.Lock()
+        self._seat = seat
 
     def holder(self, rank: int) -> tuple[int, bool] | None:
         """(pid, verified) of the rank's live stream, or None."""
@@ -149,6 +155,9 @@ class RankStreams:
             verdict = judge(claim, holder, os.getuid())
             if verdict.action == "refuse":
                 raise Rejected(verdict.reason, verdict.detail)
+            if self._seat is not None:
+                self._seat(context, rank=hello.rank, pid=verdict.pid, cred_pid=cred.pid if cred else None,
+                           holds=True, world=(hello.job_id, hello.world_size))
             if verdict.pid != hello.pid:
                 hello = pb.Hello.FromString(hello.SerializeToString())
                 hello.pid = verdict.pid

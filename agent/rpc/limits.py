@@ -1,4 +1,5 @@
-"""The agent's stream caps (:class:`StreamLimits`) and how it tells its callers apart.
+"""The agent's stream caps (:class:`StreamLimits`) and how it tells its callers apart
+(who gets a seat at a cap: :mod:`.admission`).
 
 :class:`~rankwatch.agent.rpc.gate.Gate` enforces them; the configuration and the CLI build them.
 """
@@ -25,10 +26,14 @@ class StreamLimits:
     """A call whose request message has not arrived by then is closed."""
     waiting_per_peer: int = 2
     """Calls that wait for their request message, per TCP host (the Unix socket counts as one)."""
+    per_process: int = 4
+    """Streams served at once from one process on the Unix socket (known by SO_PEERCRED): a
+    rank holds two (Report and Commands), and a reconnect overlaps its old stream briefly."""
 
     def __post_init__(self) -> None:
-        if self.total < 1 or self.per_peer < 1 or self.reserve < 1 or self.waiting_per_peer < 1:
-            raise ValueError("StreamLimits.total, per_peer, reserve and waiting_per_peer must be at least 1")
+        if self.total < 1 or self.per_peer < 1 or self.reserve < 1 or self.waiting_per_peer < 1 \
+                or self.per_process < 1:
+            raise ValueError("StreamLimits.total, per_peer, reserve, waiting_per_peer and per_process must be at least 1")
         if self.hello_timeout.total_seconds() <= 0 or self.request_timeout.total_seconds() <= 0:
             raise ValueError("StreamLimits.hello_timeout and request_timeout must be positive")
 
@@ -37,6 +42,12 @@ class StreamLimits:
         """Calls waiting for their request message, in all: half the reserve at most, so the
         other half of the reserved threads always serves calls whose message is there."""
         return max(1, self.reserve // 2)
+
+    @property
+    def spare(self) -> int:
+        """Streams that may wait, beyond ``total``, to be decided once they identify themselves
+        (:mod:`.seats`): an eighth of the reserve (twice that with evicted ones leaving)."""
+        return max(1, self.reserve // 8)
 
     @property
     def threads(self) -> int:

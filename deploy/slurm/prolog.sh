@@ -37,8 +37,8 @@ COORDINATOR_PORT=""                    # set (e.g. 9479) to coordinate the job a
 COORDINATOR_CANDIDATES=2               # the job's first N nodes may coordinate, in that order
 ETCD_ENDPOINTS=""                      # host:port[,host:port...]: elect the coordinator in etcd
 TOKEN_KEY_FILE=/etc/rankwatch/slurm-token.key  # root's, 0600, the same on every node: per-job tokens
-TLS_CA_CERT=/etc/rankwatch/slurm-ca.crt  # with its key: per-job certificates for mutual TLS
-TLS_CA_KEY=/etc/rankwatch/slurm-ca.key   # root's, 0600, the same on every node
+TLS_CA_DIR=/etc/rankwatch/slurm-ca      # `rankwatch certs init` made it (ca.crt, ca.key): per-job
+                                         # certificates for mutual TLS; may be shared storage
 TLS_DAYS=30                              # how long a job's certificates are valid
 START_TIMEOUT=20                       # seconds to wait for the agent's socket
 config=${RANKWATCH_SLURM_CONFIG:-/etc/default/rankwatch-slurm}
@@ -92,6 +92,8 @@ fi
 coordination=()
 token=""
 tls=""
+TLS_CA_CERT=$TLS_CA_DIR/ca.crt
+TLS_CA_KEY=$TLS_CA_DIR/ca.key   # root's, 0600
 if [ -n "$COORDINATOR_PORT" ]; then
     case "$COORDINATOR_PORT$COORDINATOR_CANDIDATES" in
         *[!0-9]*) log "error: COORDINATOR_PORT/COORDINATOR_CANDIDATES must be numbers"; exit 0 ;;
@@ -155,27 +157,22 @@ if [ -n "$token" ] && ! printf '%s\n' "$token" | setpriv --reuid="$uid" --regid=
     exit 0
 fi
 
-# Mutual TLS: a key and a certificate for this job on this node (server and client use,
-# the node's name as its DNS name), signed by the root-only CA key in a directory only
-# root can read, then handed to the job's user like the token.
+# Mutual TLS: a key and a certificate for this job on this node, issued by `rankwatch certs
+# issue` with the root-only CA key: it names the node (its --node-id, which it may sync for
+# alone) and its DNS name, and is handed to the job's user like the token.
 as_user_write() {
     # shellcheck disable=SC2016
     setpriv --reuid="$uid" --regid="$gid" --init-groups -- /bin/sh -c 'umask 077 && cat >"$1"' rankwatch-tls "$1"
 }
 if [ -n "$tls" ]; then
     work=$(mktemp -d) || { log "error: no temporary directory for the job's certificate"; exit 0; }
-    printf 'subjectAltName=DNS:%s\nextendedKeyUsage=serverAuth,clientAuth\nkeyUsage=digitalSignature\n' \
-        "$node" >"$work/ext"
-    if ! openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout "$work/key" \
-            -out "$work/csr" -subj "/OU=rankwatch job $job/CN=$node" >/dev/null 2>&1 \
-        || ! openssl x509 -req -in "$work/csr" -CA "$TLS_CA_CERT" -CAkey "$TLS_CA_KEY" \
-            -CAcreateserial -CAserial "$work/serial" -days "$TLS_DAYS" -extfile "$work/ext" \
-            -out "$work/crt" >/dev/null 2>&1 \
-        || ! as_user_write "$sock_dir/tls.key" <"$work/key" \
-        || ! as_user_write "$sock_dir/tls.crt" <"$work/crt" \
+    if ! issued=$("$RANKWATCH" certs issue "$TLS_CA_DIR" --node "$node" --out "$work" --dns "$node" \
+            --days "$TLS_DAYS" 2>&1) \
+        || ! as_user_write "$sock_dir/tls.key" <"$work/$node.key" \
+        || ! as_user_write "$sock_dir/tls.crt" <"$work/$node.crt" \
         || ! as_user_write "$sock_dir/ca.crt" <"$TLS_CA_CERT"; then
         rm -rf "$work"
-        log "error: cannot make the job's TLS certificate in $sock_dir"
+        log "error: cannot make the job's TLS certificate in $sock_dir: $(printf '%s' "${issued:-}" | tail -n 2 | tr '\n' ' ')"
         exit 0
     fi
     rm -rf "$work"
