@@ -176,3 +176,30 @@ def test_a_full_agent_evicts_squatters_for_real_ranks(tmp_path, mode):
         squat.kill()
         channel.close()
         agent.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["idle", "stepping"])
+def test_a_real_job_is_served_beside_200_squatting_streams(tmp_path, mode):
+    """A real two-rank harness job under torchrun, beside 200 streams of one process on the
+    agent's socket (hello-only, or a step every second): both ranks are served within 15 s of
+    torchrun's start (its start-up included) and train to the end, and none of the ranks' streams was ever refused."""
+    from conftest import torchrun
+
+    agent = AgentProcess(tmp_path / "a.sock").start()
+    squat = Squatters(agent, 200, mode)
+    log = tmp_path / "job.log"
+    t0 = time.monotonic()
+    job = torchrun(2, "--steps", "40", agent=agent.addr, log=log)
+    try:
+        wait_for(lambda: _connected(agent) == {0, 1}, 15, what="both ranks served")
+        print(f"served {time.monotonic() - t0:.1f}s after torchrun started")
+        assert job.wait(180) == 0, log.read_text()[-3000:]
+        ranks = {r["rank"]: r for r in agent.status()["ranks"] if r["rank"] < 2}
+        assert all(r["step"] >= 39 for r in ranks.values()), ranks
+        assert "RESOURCE_EXHAUSTED" not in log.read_text()
+    finally:
+        if job.poll() is None:
+            job.kill()
+        squat.kill()
+        agent.stop()
