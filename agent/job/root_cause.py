@@ -61,7 +61,7 @@ def exit_view(incident_id: str, detected_at: float, detail: Mapping[str, Any]) -
     record's time, or when its stream ended), else when it was detected."""
     ended = detail.get("started_at")
     ok = isinstance(ended, (int, float)) and not isinstance(ended, bool) and 0 < ended <= detected_at + 1.0
-    return ExitView(id=incident_id, ended_at=float(ended) if ok else float(detected_at),
+    return ExitView(id=incident_id, ended_at=float(ended) if ok and ended is not None else float(detected_at),
                     consequence=is_consequence(detail))
 
 

@@ -135,7 +135,7 @@ def classify(*, record: Mapping[str, Any] | None, fault: Mapping[str, Any] | Non
                                         ("torchrun", torchrun), ("oom_kill", oom)) if have]
     code = torchrun.get("exitcode") if torchrun else None
     killed = code is not None and code < 0
-    tsignal = (torchrun.get("signal") or signal_name(-code)) if killed and torchrun else None
+    tsignal = (torchrun.get("signal") or signal_name(-int(code))) if killed and torchrun and code is not None else None
     d: dict[str, Any] = {"evidence": evidence, "exit_code": code}
     main = record is not None and bool(record.get("main_thread"))
     if main and record is not None:

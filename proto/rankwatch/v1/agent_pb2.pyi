@@ -23,7 +23,7 @@ PHASE_IDLE: Phase
 PHASE_RECOVERY: Phase
 
 class Hello(_message.Message):
-    __slots__ = ("rank", "local_rank", "world_size", "node_id", "pid", "backend", "device", "mesh_coords", "mesh_shape", "job_id", "peak_flops", "op_names", "device_uuid", "collective_source", "peer_nonce", "fault_file")
+    __slots__ = ("rank", "local_rank", "world_size", "node_id", "pid", "backend", "device", "mesh_coords", "mesh_shape", "job_id", "peak_flops", "op_names", "device_uuid", "collective_source", "peer_nonce", "fault_file", "instrumentation")
     class MeshCoordsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class Hello(_message.Message):
     COLLECTIVE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PEER_NONCE_FIELD_NUMBER: _ClassVar[int]
     FAULT_FILE_FIELD_NUMBER: _ClassVar[int]
+    INSTRUMENTATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     world_size: int
@@ -70,7 +71,8 @@ class Hello(_message.Message):
     collective_source: str
     peer_nonce: bytes
     fault_file: str
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ..., job_id: _Optional[str] = ..., peak_flops: _Optional[float] = ..., op_names: _Optional[_Iterable[str]] = ..., device_uuid: _Optional[str] = ..., collective_source: _Optional[str] = ..., peer_nonce: _Optional[bytes] = ..., fault_file: _Optional[str] = ...) -> None: ...
+    instrumentation: str
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ..., job_id: _Optional[str] = ..., peak_flops: _Optional[float] = ..., op_names: _Optional[_Iterable[str]] = ..., device_uuid: _Optional[str] = ..., collective_source: _Optional[str] = ..., peer_nonce: _Optional[bytes] = ..., fault_file: _Optional[str] = ..., instrumentation: _Optional[str] = ...) -> None: ...
 
 class StepColumns(_message.Message):
     __slots__ = ("step", "start", "duration", "data", "forward", "backward", "optimizer", "tokens", "flops", "wait")
@@ -205,7 +207,7 @@ class RecoveryRecord(_message.Message):
     def __init__(self, started_at: _Optional[float] = ..., step: _Optional[int] = ..., old_world_size: _Optional[int] = ..., new_world_size: _Optional[int] = ..., dropped_nodes: _Optional[_Iterable[str]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ..., rank_after: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives", "checkpoints", "recoveries", "exit")
+    __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives", "checkpoints", "recoveries", "exit", "mesh")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +216,7 @@ class Batch(_message.Message):
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     EXIT_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
     seq: int
     dropped_total: int
     progress: Progress
@@ -222,7 +225,30 @@ class Batch(_message.Message):
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointRecord]
     recoveries: _containers.RepeatedCompositeFieldContainer[RecoveryRecord]
     exit: ExitRecord
-    def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ..., exit: _Optional[_Union[ExitRecord, _Mapping]] = ...) -> None: ...
+    mesh: MeshUpdate
+    def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ..., exit: _Optional[_Union[ExitRecord, _Mapping]] = ..., mesh: _Optional[_Union[MeshUpdate, _Mapping]] = ...) -> None: ...
+
+class MeshUpdate(_message.Message):
+    __slots__ = ("mesh_coords", "mesh_shape")
+    class MeshCoordsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MeshShapeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MESH_COORDS_FIELD_NUMBER: _ClassVar[int]
+    MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    mesh_coords: _containers.ScalarMap[str, int]
+    mesh_shape: _containers.ScalarMap[str, int]
+    def __init__(self, mesh_coords: _Optional[_Mapping[str, int]] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ReportMessage(_message.Message):
     __slots__ = ("hello", "batch", "goodbye")
@@ -255,7 +281,7 @@ class StatusRequest(_message.Message):
     def __init__(self, all_ranks: _Optional[bool] = ..., max_ranks: _Optional[int] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node", "pid", "step", "step_seconds", "state", "phase_seconds", "mesh_coords", "backend", "collectives", "last_collective_seq", "dropped", "last_seen", "connected", "tokens_per_second", "slowdown", "own_work_seconds", "collective_wait_seconds", "collective_source", "device_uuid", "op_latency", "restarting")
+    __slots__ = ("rank", "node", "pid", "step", "step_seconds", "state", "phase_seconds", "mesh_coords", "backend", "collectives", "last_collective_seq", "dropped", "last_seen", "connected", "tokens_per_second", "slowdown", "own_work_seconds", "collective_wait_seconds", "collective_source", "device_uuid", "op_latency", "restarting", "instrumentation")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +325,7 @@ class RankStatus(_message.Message):
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     OP_LATENCY_FIELD_NUMBER: _ClassVar[int]
     RESTARTING_FIELD_NUMBER: _ClassVar[int]
+    INSTRUMENTATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node: str
     pid: int
@@ -321,7 +348,8 @@ class RankStatus(_message.Message):
     device_uuid: str
     op_latency: _containers.MessageMap[str, OpLatency]
     restarting: bool
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., state: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., last_collective_seq: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ..., slowdown: _Optional[float] = ..., own_work_seconds: _Optional[float] = ..., collective_wait_seconds: _Optional[float] = ..., collective_source: _Optional[str] = ..., device_uuid: _Optional[str] = ..., op_latency: _Optional[_Mapping[str, OpLatency]] = ..., restarting: _Optional[bool] = ...) -> None: ...
+    instrumentation: str
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., state: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., last_collective_seq: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., tokens_per_second: _Optional[float] = ..., slowdown: _Optional[float] = ..., own_work_seconds: _Optional[float] = ..., collective_wait_seconds: _Optional[float] = ..., collective_source: _Optional[str] = ..., device_uuid: _Optional[str] = ..., op_latency: _Optional[_Mapping[str, OpLatency]] = ..., restarting: _Optional[bool] = ..., instrumentation: _Optional[str] = ...) -> None: ...
 
 class OpLatency(_message.Message):
     __slots__ = ("count", "p50_seconds", "p99_seconds", "window")
@@ -356,7 +384,7 @@ class Incident(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_at: _Optional[float] = ..., detail_json: _Optional[str] = ..., id: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes", "storage", "ranks_total", "ranks_left_out", "rank_states")
+    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes", "storage", "ranks_total", "ranks_left_out", "rank_states", "bottleneck")
     class TimeSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +426,7 @@ class StatusResponse(_message.Message):
     RANKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RANKS_LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
     RANK_STATES_FIELD_NUMBER: _ClassVar[int]
+    BOTTLENECK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     started_at: float
     metrics_port: int
@@ -418,7 +447,54 @@ class StatusResponse(_message.Message):
     ranks_total: int
     ranks_left_out: int
     rank_states: _containers.ScalarMap[str, int]
-    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., coordinator: _Optional[bool] = ..., coordinator_node: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., nodes: _Optional[_Iterable[str]] = ..., excluded_nodes: _Optional[_Iterable[str]] = ..., storage: _Optional[_Mapping[str, StorageStatus]] = ..., ranks_total: _Optional[int] = ..., ranks_left_out: _Optional[int] = ..., rank_states: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    bottleneck: Bottleneck
+    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., coordinator: _Optional[bool] = ..., coordinator_node: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., nodes: _Optional[_Iterable[str]] = ..., excluded_nodes: _Optional[_Iterable[str]] = ..., storage: _Optional[_Mapping[str, StorageStatus]] = ..., ranks_total: _Optional[int] = ..., ranks_left_out: _Optional[int] = ..., rank_states: _Optional[_Mapping[str, int]] = ..., bottleneck: _Optional[_Union[Bottleneck, _Mapping]] = ...) -> None: ...
+
+class Bottleneck(_message.Message):
+    __slots__ = ("kind", "share", "input_share", "communication_share", "compute_share", "since", "step_seconds", "ranks", "ranks_seen", "gpu_utilization", "scope")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SHARE_FIELD_NUMBER: _ClassVar[int]
+    COMMUNICATION_SHARE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    GPU_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    share: float
+    input_share: float
+    communication_share: float
+    compute_share: float
+    since: float
+    step_seconds: float
+    ranks: int
+    ranks_seen: int
+    gpu_utilization: float
+    scope: str
+    def __init__(self, kind: _Optional[str] = ..., share: _Optional[float] = ..., input_share: _Optional[float] = ..., communication_share: _Optional[float] = ..., compute_share: _Optional[float] = ..., since: _Optional[float] = ..., step_seconds: _Optional[float] = ..., ranks: _Optional[int] = ..., ranks_seen: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., scope: _Optional[str] = ...) -> None: ...
+
+class StepMakeup(_message.Message):
+    __slots__ = ("step_seconds", "data_seconds", "wait_seconds", "own_seconds", "ranks", "ranks_seen", "steps", "gpu_utilization")
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OWN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    GPU_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    step_seconds: float
+    data_seconds: float
+    wait_seconds: float
+    own_seconds: float
+    ranks: int
+    ranks_seen: int
+    steps: int
+    gpu_utilization: float
+    def __init__(self, step_seconds: _Optional[float] = ..., data_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., own_seconds: _Optional[float] = ..., ranks: _Optional[int] = ..., ranks_seen: _Optional[int] = ..., steps: _Optional[int] = ..., gpu_utilization: _Optional[float] = ...) -> None: ...
 
 class StorageStatus(_message.Message):
     __slots__ = ("path", "ok", "written", "spooled", "failures", "dropped", "last_error")
@@ -559,7 +635,7 @@ class RankSummary(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., op_latency: _Optional[_Mapping[str, OpLatency]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., world_size: _Optional[int] = ..., world_rank: _Optional[int] = ..., step_period: _Optional[float] = ..., work: _Optional[bytes] = ...) -> None: ...
 
 class NodeSummary(_message.Message):
-    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "decisions", "run_id", "relay_address")
+    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "decisions", "run_id", "relay_address", "step_makeup")
     class TimeSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -576,6 +652,7 @@ class NodeSummary(_message.Message):
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MAKEUP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     seq: int
     sent_at: float
@@ -585,7 +662,8 @@ class NodeSummary(_message.Message):
     decisions: _containers.RepeatedCompositeFieldContainer[Decision]
     run_id: str
     relay_address: str
-    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., run_id: _Optional[str] = ..., relay_address: _Optional[str] = ...) -> None: ...
+    step_makeup: StepMakeup
+    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., run_id: _Optional[str] = ..., relay_address: _Optional[str] = ..., step_makeup: _Optional[_Union[StepMakeup, _Mapping]] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("id", "kind", "node", "generation", "step", "reason", "decided_at", "run_id", "seq")
