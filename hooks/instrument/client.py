@@ -135,10 +135,11 @@ class AgentClient:
             t.join(max(0.0, deadline - time.monotonic()))
         # The command stream waits for the agent's next command; cancel it (and a report stream
         # the agent never answered).  The threads then return at once.
+        # Under the lock: a thread makes its stub under it, and gRPC crashes (SIGSEGV) when a
+        # channel is closed while a stub is being made on it.
         with self._channels_lock:
-            channels = list(self._channels)
-        for channel in channels:
-            channel.close()
+            for channel in list(self._channels):
+                channel.close()
         for t in self._threads:
             t.join(_THREAD_STOP.total_seconds())
         for done in self.on_close:
@@ -154,6 +155,13 @@ class AgentClient:
         if self._stop.is_set():  # close() may have looked before this one was added
             channel.close()
         return channel
+
+    def _stub(self, channel: grpc.Channel) -> pb_grpc.AgentStub:
+        """A stub on ``channel``, made while close() cannot close it (see close)."""
+        with self._channels_lock:
+            if self._stop.is_set():
+                raise grpc.RpcError("closed")
+            return pb_grpc.AgentStub(channel)
 
     def _shut(self, channel: grpc.Channel) -> None:
         with self._channels_lock:
@@ -244,7 +252,7 @@ class AgentClient:
                 log.info("rankwatch: streaming to agent at %s", self._address)
                 delay = _RECONNECT_MIN.total_seconds()
                 warned = False
-                pb_grpc.AgentStub(channel).Report(self._requests(self._stream_hello()))
+                self._stub(channel).Report(self._requests(self._stream_hello()))
             except grpc.FutureTimeoutError:
                 if not warned:
                     log.warning("rankwatch: no agent at %s; training goes on, retrying",
@@ -305,7 +313,7 @@ class AgentClient:
         while not self._stop.is_set():
             channel = self._open()
             try:
-                for cmd in pb_grpc.AgentStub(channel).Commands(request):
+                for cmd in self._stub(channel).Commands(request):
                     delay = _RECONNECT_MIN.total_seconds()
                     self._take(cmd)
                     if self._stop.is_set():
