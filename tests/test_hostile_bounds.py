@@ -101,7 +101,10 @@ def test_summaries_stay_below_the_message_limit_so_the_node_stays_in_the_job(tmp
     # 50 KiB Flight Recorder extract: 18 MB of summary without the cap, over gRPC's 16 MiB
     # limit, and the coordinator (n0) would lose the node.
     coord = AgentProcess(tmp_path / "n0.sock", node="n0", extra=("--coordinator", str(tmp_path / "n0.sock"))).start()
-    node = AgentProcess(tmp_path / "n1.sock", node="n1", extra=("--coordinator", str(tmp_path / "n0.sock"))).start()
+    # The 60 streams come from this one process, without credentials: one Unix peer, whose cap
+    # (--max-streams-per-peer, 32 by default) is raised to let them all in.
+    node = AgentProcess(tmp_path / "n1.sock", node="n1", extra=("--coordinator", str(tmp_path / "n0.sock"),
+                                                               "--max-streams-per-peer", "64")).start()
     channel = grpc.insecure_channel(node.addr.grpc_target())
     streams = []
     try:
@@ -120,7 +123,9 @@ def test_summaries_stay_below_the_message_limit_so_the_node_stays_in_the_job(tmp
         assert reply.accepted, reply.message
         status = coord.status()
         assert status["excluded_nodes"] == []
-        assert "RESOURCE_EXHAUSTED" not in node.log.read_text()
+        log = node.log.read_text()
+        assert "RESOURCE_EXHAUSTED" not in log
+        assert "evicted" not in log   # every one of the 60 streams kept its seat
     finally:
         for s in streams:
             s.cancel()
