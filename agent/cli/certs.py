@@ -61,6 +61,20 @@ def _private_dir(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
+def _key_usage(x509, *, ca: bool):
+    """A CA signs certificates; a node's key only signs its handshakes."""
+    return x509.KeyUsage(digital_signature=True, key_cert_sign=ca, crl_sign=ca, content_commitment=False,
+                         key_encipherment=False, data_encipherment=False, key_agreement=False,
+                         encipher_only=False, decipher_only=False)
+
+
+def _write_pair(serialization, key, cert, key_path: Path, crt: Path) -> None:
+    """The key (0600, never over an existing file), then its certificate."""
+    _write_private(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    _write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+
+
 def init_ca(root: Path, *, name: str = "rankwatch job CA", days: int = _CA_DAYS) -> tuple[Path, Path]:
     """Make the job's CA in ``root``; (certificate, key).
 
@@ -80,15 +94,10 @@ def init_ca(root: Path, *, name: str = "rankwatch job CA", days: int = _CA_DAYS)
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False,
-                                         encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(_key_usage(x509, ca=True), critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256()))
-    _write_private(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-    _write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+    _write_pair(serialization, key, cert, key_path, crt)
     return crt, key_path
 
 
@@ -142,15 +151,10 @@ def issue(root: Path, name: str, *, out: Path | None = None, client: bool = Fals
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([EKU.SERVER_AUTH, EKU.CLIENT_AUTH]), critical=False)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False,
-                                         content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False,
-                                         encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(_key_usage(x509, ca=False), critical=True)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
-    _write_private(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-    _write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+    _write_pair(serialization, key, cert, key_path, crt)
     return crt, key_path
 
 
