@@ -16,6 +16,7 @@ It decides nothing itself: each decision lives in the module named for it.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from datetime import timedelta
@@ -71,6 +72,8 @@ class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.state = NodeState(config.node_id)
+        self.instance = secrets.token_hex(16)
+        """This agent's instance id: its summaries carry it, nothing shows it (:mod:`.job.claims`)."""
         self.incidents = IncidentLog(config.state_dir / "incidents.jsonl" if config.state_dir else None)
         self.state.incidents = self.incidents.items
         self.decision_log = DecisionLog(config.state_dir / "decisions.jsonl" if config.state_dir else None)
@@ -263,7 +266,8 @@ class Agent:
         """This node's compact summary for the coordinator (:func:`answer.node_summary`)."""
         return answer.node_summary(self.state, seq, decisions=self.decision_log.items, run_id=self.incidents.run_id,
                                   relay_address=self.relay.address if self.relay is not None else None,
-                                  step_period=self.watch.step_period, makeup=self.bottleneck.part)
+                                  step_period=self.watch.step_period, makeup=self.bottleneck.part,
+                                  instance=self.instance)
 
     def _observe_progress(self, now: float) -> None:
         ranks = self.state.snapshot()

@@ -94,6 +94,8 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
         "coordinator_node": resp.coordinator_node or None,
         "nodes": list(resp.nodes),
         "excluded_nodes": list(resp.excluded_nodes),
+        "rank_conflicts": [{"rank": c.rank, "node": c.node, "claimed_by": c.claimed_by, "since": c.since,
+                            "last_at": c.last_at, "refused": c.refused} for c in resp.rank_conflicts],
         "decisions": [{"id": d.id, "kind": d.kind, "node": d.node, "generation": d.generation,
                        "step": d.step, "reason": d.reason, "decided_at": d.decided_at}
                       for d in resp.decisions],

@@ -236,7 +236,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from rankwatch.agent.cli.tables import latency_table, rank_table, recovery_table
+        from rankwatch.agent.cli.tables import conflicts_line, latency_table, rank_table, recovery_table
 
         console = Console(width=None if sys.stdout.isatty() else 140)
         console.print(rank_table(status))
@@ -249,6 +249,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         recoveries = recovery_table(status)
         if recoveries is not None:
             console.print(recoveries)
+        conflicts = conflicts_line(status)
+        if conflicts is not None:
+            console.print(conflicts, style="bold red")
     return 0
 
 

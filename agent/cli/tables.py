@@ -17,7 +17,7 @@ from rich.table import Table
 from rankwatch.agent.cli.story import recovery_line
 from rankwatch.agent.wire.ranges import clean_text
 
-__all__ = ["bottleneck_line", "brief", "goodput_line", "latency_table", "rank_table", "recovery_table", "timeline"]
+__all__ = ["bottleneck_line", "brief", "conflicts_line", "goodput_line", "latency_table", "rank_table", "recovery_table", "timeline"]
 
 
 def shown(value: Any, limit: int = 128) -> str:
@@ -104,6 +104,17 @@ def bottleneck_line(status: dict[str, Any]) -> str:
     rest = " ".join(f"{shown(k)[:4]} {v:.0%}" for k, v in shares.items() if k != b["kind"])
     gpu = f", GPU {b['gpu_utilization']:.0%} busy" if b.get("gpu_utilization") is not None else ""
     return f"{shown(b.get('scope') or 'node')} {shown(b['kind'])}-bound {b['share']:.0%} ({rest}{gpu})"
+
+
+def conflicts_line(status: dict[str, Any], shown_most: int = 4) -> str | None:
+    """The rank ids a second live node claims (the coordinator's view), or None: none."""
+    conflicts = status.get("rank_conflicts") or []
+    if not conflicts:
+        return None
+    each = "; ".join(f"rank {c.get('rank', 0)} is {shown(c['node'], 64)}'s, claimed by {shown(c['claimed_by'], 64)}"
+                     for c in conflicts[:shown_most])
+    more = f" (and {len(conflicts) - shown_most} more)" if len(conflicts) > shown_most else ""
+    return f"rank conflicts, the second claim left out: {each}{more}"
 
 
 def goodput_line(status: dict[str, Any]) -> str:

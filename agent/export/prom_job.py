@@ -155,6 +155,11 @@ def _coordination(node: str, coordinator: Coordinator | None, relay: Relay | Non
         for state in ("ok", "dead", "excluded"):
             g.add_metric([node, state], sum(1 for s in nodes.values() if s == state))
         yield g
+        g = GaugeMetricFamily("rankwatch_job_rank_conflicts",
+                              "Rank ids a second live node claims now (the first holder keeps each).",
+                              labels=["node"])
+        g.add_metric(lbl, float(len(coordinator.rank_conflicts(coordinator.clock()))))
+        yield g
         relays = coordinator.relays
         g = GaugeMetricFamily("rankwatch_sync_relays",
                               "Relays the coordinator's nodes sync through (0: every node syncs directly).",

@@ -61,6 +61,7 @@ from rankwatch.agent.job.restartwatch import RestartWatch
 from rankwatch.agent.job.root_cause import job_roots
 from rankwatch.agent.job.routing import RelayConfig
 from rankwatch.agent.job.slow_nodes import JobStragglers
+from rankwatch.agent.wire.ranges import Rejected
 from rankwatch.proto import pb
 
 __all__ = ["Coordinator", "PolicyConfig"]
@@ -110,6 +111,7 @@ class Coordinator:
         self.lock, self.nodes, self.dead = self.view.lock, self.view.nodes, self.view.dead
         self.snapshot = self.view.snapshot
         self.node_states, self.rank_summaries = self.view.node_states, self.view.rank_summaries
+        self.rank_conflicts = self.view.rank_conflicts
         self.restarts = RestartWatch(incidents, self.view)
         """The open restart incident, from an exclusion until the job trains again."""
         self._monotonic = load_clocks[0] if load_clocks else time.monotonic
@@ -142,10 +144,12 @@ class Coordinator:
                                    "root_cause_scope": "job"}) if i.id in roots else i for i in reported]
 
     # -- intake ---------------------------------------------------------------
-    def sync(self, summary: pb.NodeSummary) -> pb.SyncReply:
-        """Take one node's summary; reply with every decision and the node's job incidents."""
+    def sync(self, summary: pb.NodeSummary,
+             refused: Callable[[ValueError], None] = lambda _: None) -> pb.SyncReply:
+        """Take one node's summary; reply with every decision and the node's job incidents
+        (``refused`` is told of its rank claims left out: :mod:`.claims`)."""
         now = self.clock()
-        self._take(summary, now)
+        self._take(summary, now, refused=refused)
         relay = self.groups.relay_of(summary)
         reply = pb.SyncReply(coordinator=self.node_id, sync_interval_seconds=self.load.reply_interval(),
                              relay=relay or "")
@@ -170,7 +174,7 @@ class Coordinator:
         names = set()
         for i, (summary, held) in enumerate(zip(group.nodes, group.held_seconds)):
             try:   # (the first is the relay's own)
-                self._take(summary, now - held_for(held), relayed=i > 0)
+                self._take(summary, now - held_for(held), relayed=i > 0, refused=refused)
             except ValueError as exc:
                 reply.refused.append(summary.node_id[:256])
                 refused(exc)
@@ -193,9 +197,14 @@ class Coordinator:
             reply.relays[name] = relays.get(name, "")
         return reply
 
-    def _take(self, summary: pb.NodeSummary, at: float, relayed: bool = False) -> None:
-        """One node's summary, as of ``at`` on this clock (raises ValueError if refused)."""
-        self.view.take(summary, at, relayed)
+    def _take(self, summary: pb.NodeSummary, at: float, relayed: bool = False,
+              refused: Callable[[ValueError], None] = lambda _: None) -> None:
+        """One node's summary, as of ``at`` on this clock (raises ValueError if refused whole;
+        ``refused`` is told of the rank claims it makes that another node holds)."""
+        conflicts = self.view.take(summary, at, relayed)
+        if conflicts:
+            refused(Rejected("rank_conflict", f"node {summary.node_id[:128]!r} claims ranks {conflicts[:8]} "
+                                              "that other live nodes hold"))
         if summary.run_id:
             self.incidents.run_id = self.log.run_id = summary.run_id
         self._adopt(summary)

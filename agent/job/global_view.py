@@ -17,7 +17,7 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
-from rankwatch.agent.job import node_death
+from rankwatch.agent.job import claims, node_death
 
 from rankwatch.agent.wire import summary as validate_sync, windows as work_windows
 from rankwatch.agent.job.decisions import DecisionLog
@@ -58,6 +58,8 @@ class NodeView:
     ranks_died: bool = False   # node_death.all_ranks_died of its summary (read once per summary)
     progressed: float = float("-inf")   # its ranks' latest progress on its own clock (summary or beat)
     streams: tuple[int, ...] = ()   # pids of its ranks that stream (connected, not exited cleanly)
+    claims: tuple[int, ...] = ()   # the rank ids it holds (:mod:`.claims`)
+    instance: str = ""      # the agent instance its summaries come from
 
 
 class JobView:
@@ -80,6 +82,8 @@ class JobView:
         # node -> (its summary, the incidents it raised), kept between reads (:meth:`job_incidents`).
         self._incidents: dict[str, tuple[pb.NodeSummary, list[Incident]]] = {}
         self._incidents_lock = threading.Lock()
+        self.claims = claims.RankClaims()
+        """Which node holds each rank id; the conflicts (:mod:`.claims`)."""
         self.moves = 0
         """Summaries and beats that showed a node's ranks progressed, its streams open or
         close, or a new node (a counter: :func:`~rankwatch.agent.detect.hang_end.end_possible`)."""
@@ -89,40 +93,69 @@ class JobView:
         return self.log.excluded
 
     # -- intake -----------------------------------------------------------------
-    def take(self, summary: pb.NodeSummary, now: float, relayed: bool = False) -> None:
-        """Keep ``summary`` as its node's latest (``relayed``: a relay sent it on).
+    def take(self, summary: pb.NodeSummary, now: float, relayed: bool = False) -> list[int]:
+        """Keep ``summary`` as its node's latest (``relayed``: a relay sent it on); the rank ids
+        another live node holds are left out of it, and returned (:mod:`.claims`).
 
         Raises:
-            ValueError: no node id, a stale or replayed summary, or one out of range
-                (:class:`Rejected`, a ValueError): nothing of it is kept.
+            ValueError: no node id, a stale or replayed summary, one out of range, or one from
+                another agent instance while the node's holds it (:class:`Rejected`, a
+                ValueError): nothing of it is kept.
         """
         if not summary.node_id:
             raise ValueError("summary without node_id")
         validate_sync.check_summary(summary)
+        node = summary.node_id
         with self.lock:
-            prev = self.nodes.get(summary.node_id)
+            prev = self.nodes.get(node)
             if prev is None and len(self.nodes) >= self.max_nodes:
-                raise Rejected("too_many_nodes", f"{summary.node_id!r}: the coordinator keeps "
+                raise Rejected("too_many_nodes", f"{node!r}: the coordinator keeps "
                                                  f"{self.max_nodes} nodes already")
+            if prev is not None and claims.takeover_refused(prev.instance, summary.agent_instance,
+                                                            self._holds(node, now)):
+                raise Rejected("node_taken", f"node {node!r} is held by a live agent's summaries")
             # A lower seq with a later clock is the node's agent restarted, not a replay.
             if prev is not None and summary.seq <= prev.seq and summary.sent_at <= prev.sent_at:
-                raise ValueError(f"stale summary {summary.seq} from {summary.node_id} (have {prev.seq})")
-            offset = now - summary.sent_at
-            best = min(offset, prev.best_offset if prev else offset)
-            self.load.heard(offset - best, len(self.nodes) + (summary.node_id not in self.nodes))
-            latest = max((r.progress_at for r in summary.ranks if not r.exited_cleanly), default=float("-inf"))
-            streams = tuple(r.pid for r in summary.ranks if r.connected and not r.exited_cleanly)
-            if prev is None or latest > prev.progressed or streams != prev.streams:
-                self.moves += 1
-            self.nodes[summary.node_id] = NodeView(summary, now, offset, prev.ranks_dead_since if prev else None,
-                                                   interval=self.load.reply_interval(), best_offset=best,
-                                                   latest_progress=latest + offset,
-                                                   syncs=prev.syncs + 1 if prev else 1,
-                                                   seq=summary.seq, sent_at=summary.sent_at, relayed=relayed,
-                                                   ranks_died=node_death.all_ranks_died(summary.ranks),
-                                                   progressed=latest, streams=streams)
-            if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
-                self.dead.discard(summary.node_id)
+                raise ValueError(f"stale summary {summary.seq} from {node} (have {prev.seq})")
+            claimed = claims.claimed_ranks((rank_id(r), r.connected, r.exited_cleanly) for r in summary.ranks)
+            refused = self.claims.settle(node, claimed, prev.claims if prev else (),
+                                         lambda holder: self._holds(holder, now), now)
+            if refused:
+                summary = _without(summary, {claimed[r] for r in refused})
+            self._keep(summary, prev, now, relayed, tuple(r for r in claimed if r not in refused))
+        return sorted(refused)
+
+    def _keep(self, summary: pb.NodeSummary, prev: NodeView | None, now: float, relayed: bool,
+              held: tuple[int, ...]) -> None:
+        """Keep an accepted summary as its node's view (call with the lock held)."""
+        offset = now - summary.sent_at
+        best = min(offset, prev.best_offset if prev else offset)
+        self.load.heard(offset - best, len(self.nodes) + (summary.node_id not in self.nodes))
+        latest = max((r.progress_at for r in summary.ranks if not r.exited_cleanly), default=float("-inf"))
+        streams = tuple(r.pid for r in summary.ranks if r.connected and not r.exited_cleanly)
+        if prev is None or latest > prev.progressed or streams != prev.streams:
+            self.moves += 1
+        self.nodes[summary.node_id] = NodeView(summary, now, offset, prev.ranks_dead_since if prev else None,
+                                               interval=self.load.reply_interval(), best_offset=best,
+                                               latest_progress=latest + offset,
+                                               syncs=prev.syncs + 1 if prev else 1,
+                                               seq=summary.seq, sent_at=summary.sent_at, relayed=relayed,
+                                               ranks_died=node_death.all_ranks_died(summary.ranks),
+                                               progressed=latest, streams=streams, claims=held,
+                                               instance=summary.agent_instance)
+        if summary.node_id in self.dead and any(r.connected for r in summary.ranks):
+            self.dead.discard(summary.node_id)
+
+    def _holds(self, node: str, now: float) -> bool:
+        """Whether ``node`` still holds its node id and its ranks (call with the lock held)."""
+        n = self.nodes.get(node)
+        return (n is not None and node not in self.dead and node not in self.excluded
+                and claims.holding(now, n.received_at, n.interval))
+
+    def rank_conflicts(self, now: float) -> list[claims.Conflict]:
+        """The rank ids two live nodes claim now: the first holder keeps each (:mod:`.claims`)."""
+        with self.lock:
+            return self.claims.open(lambda node: self._holds(node, now))
 
     def beat(self, b: pb.NodeBeat, now: float) -> None:
         """A relay heard a node whose summary changed in nothing the detectors act on at once:
@@ -180,7 +213,7 @@ class JobView:
         gone = set(excluded) | {node}
         remaining = len([n for n in self.nodes if n not in gone])
         return remaining + agentless_nodes(
-            ((name, r.world_rank if r.HasField("world_rank") else r.rank, r.world_size)
+            ((name, rank_id(r), r.world_size)
              for name, n in self.nodes.items() for r in n.summary.ranks if r.connected),
             rankless_nodes=sum(1 for name, n in self.nodes.items() if name not in gone
                                and not any(r.connected for r in n.summary.ranks)))
@@ -300,6 +333,20 @@ class JobView:
             excluded = self.excluded
             return [(name, r, name in excluded) for name, n in sorted(self.nodes.items())
                     for r in n.summary.ranks]
+
+
+def rank_id(r: pb.RankSummary) -> int:
+    """A rank's id in its job's world (its own rank where it reports no other)."""
+    return r.world_rank if r.HasField("world_rank") else r.rank
+
+
+def _without(summary: pb.NodeSummary, left_out: set[int]) -> pb.NodeSummary:
+    """A copy of ``summary`` without its ranks at the indices ``left_out``."""
+    out = pb.NodeSummary()
+    out.CopyFrom(summary)
+    del out.ranks[:]
+    out.ranks.extend(r for i, r in enumerate(summary.ranks) if i not in left_out)
+    return out
 
 
 def _rank_work(node: str, r: pb.RankSummary) -> RankWork:

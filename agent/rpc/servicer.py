@@ -42,7 +42,7 @@ __all__ = ["SERVICE", "ServiceParts", "Servicer"]
 SERVICE = "rankwatch.v1.Agent"
 
 _CODES = {"duplicate_rank": grpc.StatusCode.ALREADY_EXISTS, "pid_not_peer": grpc.StatusCode.PERMISSION_DENIED,
-          "uid_not_agent": grpc.StatusCode.PERMISSION_DENIED}
+          "uid_not_agent": grpc.StatusCode.PERMISSION_DENIED, "node_taken": grpc.StatusCode.ALREADY_EXISTS}
 
 R = TypeVar("R")
 
@@ -180,7 +180,7 @@ class Servicer:
         self._authorize(context, "Sync")
         try:
             if parts.coordinates():
-                return _timed(context, parts.coordinator, parts.coordinator.sync(request))
+                return _timed(context, parts.coordinator, parts.coordinator.sync(request, self._summary_refused))
             relay = parts.relay()
             if relay is None:   # an agent alone, or one without a TCP address
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -196,7 +196,8 @@ class Servicer:
             raise  # context.abort raised already
         except ValueError as exc:
             self._summary_refused(exc)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            code = _CODES.get(exc.reason) if isinstance(exc, Rejected) else None
+            context.abort(code or grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise
 
     def sync_group(self, request: pb.GroupSummary, context: grpc.ServicerContext) -> pb.GroupReply:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["node_summary", "status_response"]
 
 DECISIONS_SENT = 64   # the newest decisions a node's summary carries to its coordinator
+_CONFLICTS_SHOWN = 64   # the most rank conflicts a Status answer lists
 
 
 def status_response(state: NodeState, job: JobKnowledge, storage: dict[str, FileHealth], *,
@@ -69,6 +70,9 @@ def status_response(state: NodeState, job: JobKnowledge, storage: dict[str, File
     if coordinator is not None:
         resp.nodes.extend(sorted(coordinator.nodes))
         resp.excluded_nodes.extend(sorted(coordinator.excluded))
+        resp.rank_conflicts.extend(pb.RankConflict(rank=c.rank, node=c.holder, claimed_by=c.claimant, since=c.since,
+                                                   last_at=c.last, refused=c.refused)
+                                   for c in coordinator.rank_conflicts(now)[:_CONFLICTS_SHOWN])
     _add_ranks(resp, st, coordinator, job.restarting, now,
                rank_list.rank_limit(max_ranks, request.max_ranks if request else 0,
                                     request.all_ranks if request else False))
@@ -154,7 +158,7 @@ def _add_storage(resp: pb.StatusResponse, storage: dict[str, FileHealth]) -> Non
 
 def node_summary(state: NodeState, seq: int, *, decisions: list[Decision], run_id: str,
                  relay_address: str | None, step_period: Callable[[int, float], float],
-                 makeup: Part | None = None) -> pb.NodeSummary:
+                 makeup: Part | None = None, instance: str = "") -> pb.NodeSummary:
     """This node's compact summary for the coordinator (capped well below the message limit).
 
     Args:
@@ -164,10 +168,11 @@ def node_summary(state: NodeState, seq: int, *, decisions: list[Decision], run_i
         relay_address: this agent's address as a relay for its group (None: it relays nothing).
         step_period: a rank's step period as the node's detectors see it (rank, step seconds).
         makeup: the node's ranks' step make-up, for the job's bottleneck (None: not enough steps).
+        instance: this agent's instance id (:mod:`~rankwatch.agent.job.claims`).
     """
     st = state
     now = st.clock()
-    out = pb.NodeSummary(node_id=st.node_id, seq=seq, sent_at=now)
+    out = pb.NodeSummary(node_id=st.node_id, seq=seq, sent_at=now, agent_instance=instance)
     with st.lock:
         ranks = list(st.ranks.values())
         rows = [(r, dict(r.group_seqs), r.inflight, list(r.own_work), list(r.data_wait),

@@ -60,7 +60,7 @@ RECOVERY_PHASES = ("left_step", "agreed", "reinitialised", "resharded", "restore
 REASONS = (
     "undecodable", "no_hello", "invalid_hello", "unknown_rank", "duplicate_rank", "too_many_ranks",
     "duplicate_batch", "stale_stream", "oversized", "malformed", "invalid_value", "unauthenticated",
-    "pid_not_peer", "uid_not_agent", "too_many_nodes", "other",
+    "pid_not_peer", "uid_not_agent", "too_many_nodes", "node_taken", "rank_conflict", "other",
 )
 """Every ``reason`` label of ``rankwatch_messages_rejected_total``."""
 

@@ -32,6 +32,7 @@ def check_summary(s: pb.NodeSummary, now: float | None = None) -> None:
     now = time.time() if now is None else now
     check_label(s.node_id, "node_id", "malformed")
     check_label(s.run_id, "run_id", "malformed")
+    check_label(s.agent_instance, "agent_instance", "malformed")
     if len(s.relay_address) > MAX_ADDRESS or NOT_LABEL.search(s.relay_address):
         raise Rejected("malformed", "relay_address is too long or has control characters")
     check_count(s.seq, "summary seq")

@@ -384,7 +384,7 @@ class Incident(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_at: _Optional[float] = ..., detail_json: _Optional[str] = ..., id: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes", "storage", "ranks_total", "ranks_left_out", "rank_states", "bottleneck")
+    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes", "storage", "ranks_total", "ranks_left_out", "rank_states", "bottleneck", "rank_conflicts")
     class TimeSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +427,7 @@ class StatusResponse(_message.Message):
     RANKS_LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
     RANK_STATES_FIELD_NUMBER: _ClassVar[int]
     BOTTLENECK_FIELD_NUMBER: _ClassVar[int]
+    RANK_CONFLICTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     started_at: float
     metrics_port: int
@@ -448,7 +449,24 @@ class StatusResponse(_message.Message):
     ranks_left_out: int
     rank_states: _containers.ScalarMap[str, int]
     bottleneck: Bottleneck
-    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., coordinator: _Optional[bool] = ..., coordinator_node: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., nodes: _Optional[_Iterable[str]] = ..., excluded_nodes: _Optional[_Iterable[str]] = ..., storage: _Optional[_Mapping[str, StorageStatus]] = ..., ranks_total: _Optional[int] = ..., ranks_left_out: _Optional[int] = ..., rank_states: _Optional[_Mapping[str, int]] = ..., bottleneck: _Optional[_Union[Bottleneck, _Mapping]] = ...) -> None: ...
+    rank_conflicts: _containers.RepeatedCompositeFieldContainer[RankConflict]
+    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., coordinator: _Optional[bool] = ..., coordinator_node: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., nodes: _Optional[_Iterable[str]] = ..., excluded_nodes: _Optional[_Iterable[str]] = ..., storage: _Optional[_Mapping[str, StorageStatus]] = ..., ranks_total: _Optional[int] = ..., ranks_left_out: _Optional[int] = ..., rank_states: _Optional[_Mapping[str, int]] = ..., bottleneck: _Optional[_Union[Bottleneck, _Mapping]] = ..., rank_conflicts: _Optional[_Iterable[_Union[RankConflict, _Mapping]]] = ...) -> None: ...
+
+class RankConflict(_message.Message):
+    __slots__ = ("rank", "node", "claimed_by", "since", "last_at", "refused")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_BY_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    LAST_AT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node: str
+    claimed_by: str
+    since: float
+    last_at: float
+    refused: int
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., claimed_by: _Optional[str] = ..., since: _Optional[float] = ..., last_at: _Optional[float] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class Bottleneck(_message.Message):
     __slots__ = ("kind", "share", "input_share", "communication_share", "compute_share", "since", "step_seconds", "ranks", "ranks_seen", "gpu_utilization", "scope")
@@ -635,7 +653,7 @@ class RankSummary(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., steps_completed: _Optional[int] = ..., activity: _Optional[str] = ..., progress_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., connected: _Optional[bool] = ..., exited_cleanly: _Optional[bool] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., stacks: _Optional[str] = ..., alive: _Optional[bool] = ..., stopped: _Optional[bool] = ..., own_work: _Optional[_Iterable[float]] = ..., data_wait: _Optional[_Iterable[float]] = ..., comm_wait: _Optional[_Iterable[float]] = ..., state: _Optional[str] = ..., local_rank: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., stacks_at: _Optional[float] = ..., flight_recorder: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., mesh_coords: _Optional[_Mapping[str, int]] = ..., op_latency: _Optional[_Mapping[str, OpLatency]] = ..., backend: _Optional[str] = ..., collectives: _Optional[int] = ..., world_size: _Optional[int] = ..., world_rank: _Optional[int] = ..., step_period: _Optional[float] = ..., work: _Optional[bytes] = ...) -> None: ...
 
 class NodeSummary(_message.Message):
-    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "decisions", "run_id", "relay_address", "step_makeup")
+    __slots__ = ("node_id", "seq", "sent_at", "ranks", "incidents", "time_seconds", "decisions", "run_id", "relay_address", "step_makeup", "agent_instance")
     class TimeSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -653,6 +671,7 @@ class NodeSummary(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STEP_MAKEUP_FIELD_NUMBER: _ClassVar[int]
+    AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     seq: int
     sent_at: float
@@ -663,7 +682,8 @@ class NodeSummary(_message.Message):
     run_id: str
     relay_address: str
     step_makeup: StepMakeup
-    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., run_id: _Optional[str] = ..., relay_address: _Optional[str] = ..., step_makeup: _Optional[_Union[StepMakeup, _Mapping]] = ...) -> None: ...
+    agent_instance: str
+    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankSummary, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., run_id: _Optional[str] = ..., relay_address: _Optional[str] = ..., step_makeup: _Optional[_Union[StepMakeup, _Mapping]] = ..., agent_instance: _Optional[str] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("id", "kind", "node", "generation", "step", "reason", "decided_at", "run_id", "seq")
