@@ -122,3 +122,27 @@ def test_desync_names_the_rank_and_the_collective(agent_proc, tmp_path):
         assert waiting["state"] == "ok"
     finally:
         stop_job(job)
+
+
+def test_a_pipeline_stage_stuck_in_python_is_named_with_the_stage_waiting_on_it(agent_proc, tmp_path):
+    # Two pipeline stages (GPipe, 4 microbatches); stage 1's rank sleeps in Python before its
+    # step-8 schedule: stage 0 sends its microbatches and blocks in a send or receive whose
+    # other end is rank 1.
+    job = torchrun(2, "--steps", "12", "--log-every", "0", "--pp", "2", "--pp-schedule", "gpipe",
+                   "--microbatches", "4", "--fault", "sleep_forward:1:8:14", agent=agent_proc.addr,
+                   log=tmp_path / "job.log")
+    try:
+        (inc,) = wait_for(lambda: hangs(agent_proc), 90, interval=0.2, what="hang incident")
+        d = inc["detail"]
+        print("reason:", d["reason"], "p2p:", d.get("p2p"))
+        assert inc["rank"] == 1 and d["alive"] and not d["stopped"]
+        p2p = d["p2p"]
+        assert (p2p["waiter"], p2p["waiter_stage"], p2p["peer"], p2p["peer_stage"]) == (0, 0, 1, 1), p2p
+        assert p2p["op"] in ("send", "recv") and p2p["peer_op"] is None, p2p
+        assert p2p["microbatch"] in range(4) and p2p["microbatch_pass"] in ("forward", "backward"), p2p
+        assert d["reason"].startswith("it never posted the point-to-point operation a peer waits in: "
+                                      f"rank 0 (stage 0) waits in {p2p['op']}"), d["reason"]
+        assert d["inflight"] is None   # the culprit itself is in no operation
+        assert job.wait(90) == 0
+    finally:
+        stop_job(job)

@@ -88,6 +88,8 @@ def _hang_finding(now: float, verdict: HangVerdict, snap: Snapshot) -> HangFindi
         "started_at": round(now - verdict.stalled_for, 3), "inflight": c.inflight,
         "flight_recorder": flight_recorder_evidence(snap.ranks),
     }
+    if verdict.p2p is not None:
+        detail["p2p"] = verdict.p2p
     if snap.scope == "job":
         detail.update(nodes=sorted(snap.nodes), scope="job")
     if c.stacks is None:

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankwatch.agent.detect import p2p_wait
 from rankwatch.knobs import require_positive
 
 __all__ = ["HangConfig", "HangVerdict", "RankProgress", "detect_hang", "flight_recorder_evidence", "hang_possible"]
@@ -122,6 +123,8 @@ class HangVerdict:
     stood still, whatever the lag before their reports arrived.  0 when no rank is heard."""
     by_silence: bool = False
     """The culprit was named for its silence alone (not for a report of its own)."""
+    p2p: dict[str, Any] | None = None
+    """A rank waits in a send or receive on the culprit: both ends (:func:`.p2p_wait.ends`)."""
 
 
 def hang_possible(now: float, latest_progress: float, cfg: HangConfig) -> bool:
@@ -174,19 +177,45 @@ def detect_hang(now: float, ranks: list[RankProgress], cfg: HangConfig) -> HangV
             reason += (f", and its last report shows it short of the collective they wait in "
                        f"(group {collective['group']}, sequence {collective['seq']})")
     else:
-        behind = _behind_on_sequence(live)
-        if behind is not None:
-            culprit, group = behind
-            reason = f"behind the others on collective sequence numbers of group {group}"
-        else:
-            outside = [r for r in live if r.inflight is None]
-            culprit = min(outside or live, key=lambda r: (r.progress_at, r.rank))
-            reason = ("stuck outside any collective while the others wait" if outside
-                      else "every rank is inside a collective; the longest stalled is named")
+        culprit, reason = _p2p_culprit(live) or _heard_culprit(live)
+    p2p = p2p_wait.ends(waiting, culprit)
+    if p2p is not None and "point-to-point" not in reason:
+        reason += f"; {p2p_wait.describe(p2p)}"
     return HangVerdict(culprit=culprit, reason=reason, stalled_for=stalled_for, allowance=allowance,
                        collective=collective, silent=[r.rank for r in silent],
                        reported_for=min((_reported(r) - r.progress_at for r in waiting), default=0.0),
-                       by_silence=by_silence)
+                       by_silence=by_silence, p2p=p2p)
+
+
+def _p2p_culprit(live: list[RankProgress]) -> tuple[RankProgress, str] | None:
+    """Every rank heard: a point-to-point wait cycle (its longest stalled member is named), or
+    the rank a send or receive waits on that is inside no operation (it never posted the
+    matching one); None: neither (:mod:`.p2p_wait`)."""
+    cycle = p2p_wait.deadlock(live)
+    if cycle is not None:
+        links = (p2p_wait.ends([a], b) for a, b in zip(cycle, cycle[1:] + cycle[:1]))
+        return (min(cycle, key=lambda r: (r.progress_at, r.rank)),
+                "a point-to-point deadlock: " + "; ".join(p2p_wait.describe(e) for e in links if e))
+    by_rank = {r.rank: r for r in live}
+    idle = [by_rank[p] for p in set(p2p_wait.waits_on(live).values()) if p in by_rank and by_rank[p].inflight is None]
+    if not idle:
+        return None
+    culprit = min(idle, key=lambda r: (r.progress_at, r.rank))
+    return culprit, "it never posted the point-to-point operation a peer waits in: " + \
+        p2p_wait.describe(p2p_wait.ends(live, culprit) or {})
+
+
+def _heard_culprit(live: list[RankProgress]) -> tuple[RankProgress, str]:
+    """Every rank heard, no P2P wait to follow: the rank behind on a group's sequence numbers,
+    else the one stuck outside any collective, else the longest stalled."""
+    behind = _behind_on_sequence(live)
+    if behind is not None:
+        culprit, group = behind
+        return culprit, f"behind the others on collective sequence numbers of group {group}"
+    outside = [r for r in live if r.inflight is None]
+    culprit = min(outside or live, key=lambda r: (r.progress_at, r.rank))
+    return culprit, ("stuck outside any collective while the others wait" if outside
+                     else "every rank is inside a collective; the longest stalled is named")
 
 
 def _waited_collective(waiting: list[RankProgress]) -> dict[str, Any] | None:

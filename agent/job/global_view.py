@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from rankwatch.agent.job import claims, node_death
 
-from rankwatch.agent.wire import summary as validate_sync, windows as work_windows
+from rankwatch.agent.wire import inflight as in_flight, summary as validate_sync, windows as work_windows
 from rankwatch.agent.job.decisions import DecisionLog
 from rankwatch.agent.detect.evaluate import STACKS_FRESH_SECONDS, Snapshot
 from rankwatch.agent.detect.hang_verdict import RankProgress
@@ -257,9 +257,7 @@ class JobView:
                     connected=r.connected and not silent_node, exited_cleanly=r.exited_cleanly,
                     role=role_of(r.mesh_coords),
                     group_seqs=r.group_seqs,   # read only: no copy (16,384 of them)
-                    inflight=({"op": r.inflight.op, "group": r.inflight.group,
-                               "seq": r.inflight.seq, "since": r.inflight.since + n.offset}
-                              if r.HasField("inflight") else None),
+                    inflight=in_flight.to_dict(r.inflight, n.offset) if r.HasField("inflight") else None,
                     stacks=r.stacks if r.stacks and fresh else None,
                     flight_recorder=_flight_recorder(r.rank, fr) if fr else None, pid=r.pid, alive=r.alive,
                     stopped=r.stopped, current=not n.moved_since_copy))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from rankwatch.agent.node.histogram import COLLECTIVE_BUCKETS, STEP_BUCKETS, HistogramSet
-from rankwatch.agent.wire import bounds, ranges, report
+from rankwatch.agent.wire import bounds, inflight as in_flight, ranges, report
 from rankwatch.agent.wire.ranges import Rejected, parse_flight_recorder
 from rankwatch.agent.durable.incidents import Incident
 from rankwatch.agent.node.rankrecord import ACTIVITY, OP_INDEX, OPS, PHASES, STATES, RankState
@@ -167,8 +167,7 @@ class NodeState:
             if seq > rank.group_seqs.get(group, -1):
                 rank.group_seqs[group] = seq
                 rank.progress_at = rank.last_seen
-        rank.inflight = ({"op": p.inflight.op, "group": p.inflight.group, "seq": p.inflight.seq,
-                          "since": p.inflight.since} if p.HasField("inflight") else None)
+        rank.inflight = in_flight.to_dict(p.inflight) if p.HasField("inflight") else None
         if p.stacks or p.flight_recorder:
             rank.stacks, rank.stacks_at = p.stacks or None, rank.last_seen
             rank.flight_recorder = parse_flight_recorder(p.flight_recorder)

@@ -16,7 +16,7 @@ from rankwatch.agent.job.uplink import summary_incidents
 from rankwatch.agent.node import makeup as stepmix, oplatency, recoveries
 from rankwatch.agent.node.sweep import process_state
 from rankwatch.agent.views import rank_list
-from rankwatch.agent.wire import bounds, windows
+from rankwatch.agent.wire import bounds, inflight as in_flight, windows
 from rankwatch.proto import pb
 
 if TYPE_CHECKING:
@@ -198,8 +198,7 @@ def node_summary(state: NodeState, seq: int, *, decisions: list[Decision], run_i
         if r.world_rank is not None:
             rs.world_rank = r.world_rank
         if inflight:
-            rs.inflight.CopyFrom(pb.InFlight(op=inflight["op"], group=inflight["group"],
-                                             seq=inflight["seq"], since=inflight["since"]))
+            rs.inflight.CopyFrom(in_flight.to_pb(inflight))
         out.ranks.append(rs)
     out.incidents.extend(i.to_pb() for i in incidents)
     out.decisions.extend(d.to_pb() for d in decisions[-DECISIONS_SENT:])

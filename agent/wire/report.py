@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from rankwatch.agent.wire import inflight as in_flight
 from rankwatch.agent.wire.ranges import (
     MAX_CLOCK_AHEAD, MAX_DROPPED_NODES, MAX_DURATION, MAX_LABEL, MAX_OP_NAMES, MAX_RECORDS_PER_BATCH, MAX_RECOVERIES_PER_BATCH,
     MAX_CHECKPOINTS_PER_BATCH, MAX_STACKS, MAX_STEP, MAX_WORLD_SIZE, Rejected, check_count,
@@ -206,8 +207,7 @@ def check_progress(p: pb.Progress, now: float | None = None) -> None:
     for value in p.group_seqs.values():
         check_count(value, "group sequence number", lo=-1)
     if p.HasField("inflight"):
-        check_count(p.inflight.seq, "in-flight sequence number", lo=-1)
-        check_timestamp(p.inflight.since, "in-flight since", now)
+        in_flight.check(p.inflight, now)
 
 
 def check_checkpoints(records: Iterable[pb.CheckpointRecord], now: float | None = None) -> None:

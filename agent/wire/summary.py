@@ -17,7 +17,7 @@ from rankwatch.agent.wire.ranges import (
     check_durations, check_flight_recorder, check_label, check_recovery_phases, check_timestamp,
     parse_flight_recorder,
 )
-from rankwatch.agent.wire import windows
+from rankwatch.agent.wire import inflight as in_flight, windows
 from rankwatch.proto import pb
 
 __all__ = ["check_absence", "check_beat", "check_incident", "check_makeup", "check_summary"]
@@ -178,8 +178,7 @@ def _check_rank_rest(r: pb.RankSummary, now: float) -> bytes:
     if r.HasField("inflight"):
         check_label(r.inflight.op, "in-flight op")
         check_label(r.inflight.group, "in-flight group")
-        check_count(r.inflight.seq, "in-flight sequence number", lo=-1)
-        check_timestamp(r.inflight.since, "in-flight since", now)
+        in_flight.check(r.inflight, now)
     work = r.work   # (each read copies it) its values are checked with the whole summary's
     own, data, comm = r.own_work, r.data_wait, r.comm_wait
     if own or data or comm:   # an older agent's form

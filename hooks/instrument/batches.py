@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from rankwatch.hooks.instrument.hang_evidence import all_stacks, flight_recorder_pending
+from rankwatch.hooks.instrument.op_record import peer_rank
 from rankwatch.hooks.instrument.recorder import ACTIVITY_IDLE, ACTIVITY_TRAIN, OPS, Recorder
 from rankwatch.proto import pb
 
@@ -84,11 +85,14 @@ class BatchBuilder:
         p.group_seqs.update(self._group_seqs())
         inflight = rec.inflight
         if inflight is not None:
-            op, pg, t0 = inflight
+            op, pg, t0, peer = inflight
             p.inflight.CopyFrom(pb.InFlight(
                 op=OPS[op] if 0 <= op < len(OPS) else "other", since=rec.to_unix(t0),
                 group=str(getattr(pg, "group_name", "")) if pg is not None else "",
-                seq=_seq_of(pg)))
+                seq=_seq_of(pg), peer=peer_rank(pg, peer)))
+            chunk = rec.microbatch
+            if chunk is not None:
+                p.inflight.microbatch, p.inflight.microbatch_pass = chunk[1], chunk[0]
         if self._stuck(rec):
             p.stacks = all_stacks()
             p.flight_recorder = flight_recorder_pending()

@@ -42,9 +42,11 @@ from rankwatch.hooks.instrument.op_record import (
     _arg_reader,
     _group_key,
     _payload_reader,
+    _peer_reader,
     _storage_key,
     backend_of,
 )
+from rankwatch.hooks.instrument.chunk_watch import ChunkWatch
 from rankwatch.hooks.instrument.recorder import OP_CODE, Recorder
 
 __all__ = ["CollectiveInstrumentation", "backend_of"]
@@ -75,6 +77,7 @@ class CollectiveInstrumentation:
         self._nccl_hooked: set[int] = set()  # id() of the groups whose completion hook is ours
         # _group_key -> (the group argument, kept so its id is not reused; its ProcessGroup)
         self._funcol_groups: dict[Any, tuple[Any, Any]] = {}
+        self.chunks = ChunkWatch(recorder, self._patch)   # the pipeline microbatch (any source)
 
     # -- public -----------------------------------------------------------
     def install(self) -> str:
@@ -83,6 +86,7 @@ class CollectiveInstrumentation:
 
         if self._saved or self.source != "none":
             return self.source
+        self.chunks.refresh()
         if self._try_nccl_hooks(dist):
             self.source = "nccl_completion_hook"
             return self.source
@@ -95,6 +99,7 @@ class CollectiveInstrumentation:
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
         self._saved.clear()
+        self.chunks.installed = False
         self._default_pg = None
         # A completion hook cannot be removed from its group: it stays and records nothing.
         self._nccl_on = False
@@ -120,6 +125,7 @@ class CollectiveInstrumentation:
         Sampled every flush, so it also hooks NCCL groups made since the last one.
         """
         self.refresh()
+        self.chunks.refresh()
         out = {}
         for pg in list(self.pgs):
             try:
@@ -174,7 +180,8 @@ class CollectiveInstrumentation:
             fn = getattr(c10d, fname, None)
             if fn is not None:
                 self._patch_everywhere(fn, self._dist_wrapper(fn, OP_CODE[op], c10d,
-                                                              _payload_reader(fn, _PAYLOAD.get(fname))))
+                                                              _payload_reader(fn, _PAYLOAD.get(fname)),
+                                                              _peer_reader(fn, fname)))
         self._wrap_work_wait(dist.Work)
 
     def _find_default(self, c10d: Any) -> Any:
@@ -200,8 +207,8 @@ class CollectiveInstrumentation:
             p = pending.pop(id(work), None) if pending else None
             if p is None:
                 return wait(work, *args, **kwargs)
-            op, pgc, seq, t0, nbytes = p
-            rec.inflight = (op, pgs[pgc], t0)
+            op, pgc, seq, t0, nbytes, peer = p
+            rec.inflight = (op, pgs[pgc], t0, peer)
             tw = clock()
             out = wait(work, *args, **kwargs)
             t1 = clock()
@@ -212,8 +219,8 @@ class CollectiveInstrumentation:
 
         self._patch(work_cls, "wait", timed_wait)
 
-    def _dist_wrapper(self, fn: Callable, op: int, c10d: Any,
-                      payload: Callable[[tuple, dict], int]) -> Callable:
+    def _dist_wrapper(self, fn: Callable, op: int, c10d: Any, payload: Callable[[tuple, dict], int],
+                      peer_of: Callable[[tuple, dict], Any]) -> Callable:
         params = list(inspect.signature(fn).parameters)
         g_index = params.index("group") if "group" in params else None
         rec = self._rec
@@ -228,9 +235,10 @@ class CollectiveInstrumentation:
                 if group is None and g_index is not None and len(args) > g_index:
                     group = args[g_index]
                 pg = group if group is not None else (self._default_pg or self._find_default(c10d))
+                peer = peer_of(args, kwargs)
             except Exception:  # noqa: BLE001 - the verb itself will report a bad call
                 return fn(*args, **kwargs)
-            rec.inflight = (op, pg, t0)
+            rec.inflight = (op, pg, t0, peer)
             try:
                 work = fn(*args, **kwargs)
             finally:
@@ -247,7 +255,7 @@ class CollectiveInstrumentation:
                     rec.blocked_ns += t1 - t0
                     rec.collective(op, pgc, seq, t0, t1, nbytes)
                 else:
-                    self._track(self._pending_work, id(work), (op, pgc, seq, t0, nbytes))
+                    self._track(self._pending_work, id(work), (op, pgc, seq, t0, nbytes, peer))
             except Exception:  # noqa: BLE001 - never raise into training
                 self.errors += 1
             return work
@@ -280,7 +288,7 @@ class CollectiveInstrumentation:
             if pending is None:
                 return wait(act)
             op, pgc, seq, t0, nbytes = pending
-            rec.inflight = (op, self.pgs[pgc] if pgc >= 0 else None, t0)
+            rec.inflight = (op, self.pgs[pgc] if pgc >= 0 else None, t0, None)
             tw = clock()
             out = wait(act)
             t1 = clock()

@@ -133,6 +133,43 @@ def _payload_reader(fn: Callable, name: str | None) -> Callable[[tuple, dict], i
     return read
 
 
+_PEER_ARGS = {"send": ("dst", "group_dst"), "isend": ("dst", "group_dst"),
+              "recv": ("src", "group_src"), "irecv": ("src", "group_src")}
+
+
+def _no_peer(args: tuple, kwargs: dict) -> None:
+    return None
+
+
+def _peer_reader(fn: Callable, fname: str) -> Callable[[tuple, dict], tuple[Any, Any] | None]:
+    """``(args, kwargs) -> (world rank, group rank)`` of a send's or receive's other end, as
+    passed (either may be None; :func:`peer_rank` makes one world rank of them); None for
+    any other verb.  Read on the training thread: two argument lookups, nothing resolved."""
+    names = _PEER_ARGS.get(fname)
+    if names is None:
+        return _no_peer
+    world, in_group = _arg_reader(fn, names[0]), _arg_reader(fn, names[1])
+    return lambda args, kwargs: (world(args, kwargs), in_group(args, kwargs))
+
+
+def peer_rank(pg: Any, peer: tuple[Any, Any] | None) -> int | None:
+    """The world rank of a send's or receive's other end, from :func:`_peer_reader`'s pair
+    (off the training thread); -1: any source, or one it cannot tell; None: not a P2P op."""
+    if peer is None:
+        return None
+    world, in_group = peer
+    if world is not None:
+        return int(world)
+    if in_group is None or pg is None:
+        return -1
+    try:
+        import torch.distributed as dist
+
+        return int(dist.get_global_rank(pg, int(in_group)))
+    except Exception:  # noqa: BLE001 - a group this process is not in, or torn down
+        return -1
+
+
 def _group_key(group: Any) -> Any:
     """A hashable key for a functional collective's ``group`` argument."""
     if isinstance(group, tuple):  # (DeviceMesh, dim)

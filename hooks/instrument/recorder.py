@@ -71,9 +71,11 @@ class Recorder:
         self.step = -1
         self.step_started_ns = 0
         self.activity = ACTIVITY_IDLE
-        # (op code, process group or None, issue ns) of the collective the
+        # (op code, process group or None, issue ns, a P2P op's peer as passed) of the op the
         # training thread is blocked in, or None.
         self.inflight: tuple | None = None
+        self.microbatch: tuple[str, int] | None = None
+        """The pipeline pass and microbatch its stage began last (:mod:`.chunk_watch`)."""
         # Clock anchors to turn monotonic ns into Unix seconds off the hot path.
         self.mono0_ns = time.perf_counter_ns()
         self.wall0 = time.time()
@@ -105,6 +107,7 @@ class Recorder:
         self._acc = {}
         self._last_ns = now
         self.blocked_ns = 0
+        self.microbatch = None
 
     def mark(self, phase: str) -> None:
         """Close ``phase`` now: the time since the previous mark is charged to it."""

@@ -144,16 +144,22 @@ class Progress(_message.Message):
     def __init__(self, step: _Optional[int] = ..., step_started_at: _Optional[float] = ..., phase: _Optional[_Union[Phase, str]] = ..., last_collective_seq: _Optional[int] = ..., sampled_at: _Optional[float] = ..., inflight: _Optional[_Union[InFlight, _Mapping]] = ..., group_seqs: _Optional[_Mapping[str, int]] = ..., stacks: _Optional[str] = ..., flight_recorder: _Optional[str] = ...) -> None: ...
 
 class InFlight(_message.Message):
-    __slots__ = ("op", "group", "seq", "since")
+    __slots__ = ("op", "group", "seq", "since", "peer", "microbatch", "microbatch_pass")
     OP_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_PASS_FIELD_NUMBER: _ClassVar[int]
     op: str
     group: str
     seq: int
     since: float
-    def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., since: _Optional[float] = ...) -> None: ...
+    peer: int
+    microbatch: int
+    microbatch_pass: str
+    def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., since: _Optional[float] = ..., peer: _Optional[int] = ..., microbatch: _Optional[int] = ..., microbatch_pass: _Optional[str] = ...) -> None: ...
 
 class CheckpointRecord(_message.Message):
     __slots__ = ("step", "started_at", "duration", "path", "request_id", "ok", "error", "completed_after", "asynchronous")
