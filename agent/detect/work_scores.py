@@ -18,7 +18,7 @@ from rankwatch.knobs import require_positive
 __all__ = ["CAUSES", "GpuThrottle", "RankWork", "Score", "StragglerConfig", "cost_ratio", "eligible",
            "last_steps", "log_ratios", "recent_window", "role_of", "score", "score_window"]
 
-CAUSES = ("compute", "data", "communication", "host", "gpu_health")
+CAUSES = ("compute", "data", "communication", "host", "gpu_health", "expert_load")
 # GPU throttle reasons that slow a GPU down (idle, clock settings and sync boost do not).
 SLOWING_THROTTLES = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown",
                                "hw_thermal_slowdown", "hw_power_brake_slowdown"})
@@ -105,6 +105,8 @@ class RankWork:
     role: int = 0
     """Ranks are compared only with ranks of the same role: their pipeline stage (stages differ
     by design; a stage with no other rank has no peers and is not scored)."""
+    tokens: float = math.nan
+    """Tokens its local experts received per step, recently (a mixture of experts; NaN: none)."""
 
 
 def role_of(mesh_coords: Mapping[str, int] | None) -> int:
@@ -284,6 +286,7 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
     own_excess = _tail_medians(own_w - base, k)
     data_excess, delay_excess, lag = excess(w.data), excess(w.delay), excess(w.start)
     gap_excess, comm_delay_excess = excess(w.gap), excess(w.comm_delay)
+    load = _expert_load(full, w.roles)
     out = []
     for j, i in enumerate(idx.tolist()):
         r = full[i]
@@ -294,6 +297,8 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
         cause = _cause(extra, lag_j, float(data_excess[j]), float(delay_excess[j]),
                        gpu_throttle(r.rank) if gpu_throttle else [], cfg, outside=float(gap_excess[j]))
         ratio = float(slowdown[j])
+        if cause in ("compute", "host") and load[i] - 1 >= cfg.cause_share * (ratio - 1) > 0:
+            cause = "expert_load"   # its experts got the tokens that make up its extra work
         if lag_j > 0 and cause in ("communication", "data"):
             ratio = (float(own[j]) + lag_j) / float(base_k[j])
         if cause == "host":
@@ -301,6 +306,19 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
         out.append(Score(rank=r.rank, node=r.node, slowdown=ratio, cause=cause, excess_seconds=extra,
                          speedup=_speedup(r.step_seconds or float(own[j]), extra, float(base_k[j]))))
     return out
+
+
+def _expert_load(full: list[RankWork], roles: np.ndarray | None) -> np.ndarray:
+    """Each rank's expert tokens per step over the median of its role's others (NaN: unknown).
+
+    A rank whose experts received k times the others' tokens does about k times their expert
+    compute; :func:`score_window` names ``expert_load`` when that share explains at least
+    ``cause_share`` of its excess (own work over the others')."""
+    tokens = np.array([[r.tokens] for r in full], dtype=float)
+    if not np.isfinite(tokens).any():
+        return np.full(len(full), np.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (tokens / _peer_median(tokens, roles))[:, 0]
 
 
 def _starved(extra: float, ratio: float, comm_delay: float, step: float, base: float) -> tuple[float, float]:

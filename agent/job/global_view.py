@@ -14,6 +14,7 @@ clock by the offset seen when the summary arrives.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass, replace
 
@@ -352,7 +353,8 @@ def _rank_work(node: str, r: pb.RankSummary) -> RankWork:
     own, data, wait = work_windows.windows(r)
     return RankWork(rank=r.rank, node=node, step=r.step, own=own, data=data, wait=wait,
                     step_seconds=r.step_seconds, completed=r.steps_completed, period=r.step_period,
-                    role=role_of(r.mesh_coords))
+                    role=role_of(r.mesh_coords),
+                    tokens=r.expert_tokens if r.HasField("expert_tokens") else math.nan)
 
 
 def _node_incidents(name: str, summary: pb.NodeSummary, offset: float) -> list[Incident]:

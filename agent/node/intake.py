@@ -142,6 +142,8 @@ class NodeState:
             before = (rank.step, rank.last_collective_seq, rank.steps_completed)
             if batch.HasField("progress"):
                 self._apply_progress(rank, batch.progress)
+            for load in batch.expert_loads:
+                rank.expert_tokens.append(sum(load.tokens))
             if batch.HasField("mesh"):
                 rank.mesh_coords = dict(batch.mesh.mesh_coords)
                 rank.mesh_shape = dict(batch.mesh.mesh_shape)

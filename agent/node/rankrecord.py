@@ -7,6 +7,7 @@ rank's validated messages) and by the detectors through
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ class RankState:
     step_durations: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     step_tokens: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     step_flops: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    expert_tokens: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    """Tokens its local experts received, per step it reported (a mixture of experts)."""
     # Per step: the rank's own work (wall time not blocked in collectives),
     # its data-loader wait, and its time blocked in collectives.
     own_work: deque = field(default_factory=lambda: deque(maxlen=WORK_WINDOW))
@@ -110,6 +113,11 @@ class RankState:
     def tokens_per_second(self) -> float:
         total = sum(self.step_durations)
         return sum(self.step_tokens) / total if total > 0 else 0.0
+
+    @property
+    def expert_tokens_per_step(self) -> float:
+        """The mean of its recent steps' expert tokens; NaN: it reports none."""
+        return sum(self.expert_tokens) / len(self.expert_tokens) if self.expert_tokens else math.nan
 
     @property
     def flops_per_second(self) -> float:

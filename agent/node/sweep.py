@@ -11,6 +11,7 @@ The agent's loop (:meth:`Agent._detect_loop`) only sequences the ticks.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -245,6 +246,7 @@ class NodeWatch:
         st = self.state
         with st.lock:
             ranks = [r for r in st.ranks.values() if r.connected]
+            tokens = {r.rank: r.expert_tokens_per_step for r in ranks}
             done = min((r.steps_completed for r in ranks), default=0)
             if done <= self._evaluated_steps or len(ranks) < 2:
                 return []
@@ -258,6 +260,7 @@ class NodeWatch:
             w.comm_delay = self._starvation.collective_per_step(w.rank)
             w.start = self._step_starts.for_rank(w.rank, w.completed)
             w.gap = self._step_starts.gaps_for_rank(w.rank, w.completed)
+            w.tokens = tokens.get(w.rank, math.nan)
         events = self.stragglers.update(work, done)
         scores = {s.rank: s for s in score(work, self.straggler, self._gpu_throttle)}
         flagged = self.stragglers.flagged

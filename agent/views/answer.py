@@ -194,6 +194,7 @@ def node_summary(state: NodeState, seq: int, *, decisions: list[Decision], run_i
             phase_seconds=r.phase_seconds, mesh_coords=r.mesh_coords,
             op_latency=oplatency.to_pb(r.op_latency), backend=r.backend,
             collectives=int(r.collective_counts.sum()), world_size=r.world_size,
+            expert_tokens=r.expert_tokens_per_step if r.expert_tokens else None,
             step_period=step_period(r.rank, r.step_seconds))
         if r.world_rank is not None:
             rs.world_rank = r.world_rank

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
-    "MAX_DURATION", "MAX_RECOVERY_SECONDS", "MAX_STEP", "MAX_TEXT", "REASONS", "RECOVERY_PHASES", "Rejected",
+    "MAX_DURATION", "MAX_EXPERTS", "MAX_RECOVERY_SECONDS", "MAX_STEP", "MAX_TEXT", "REASONS", "RECOVERY_PHASES", "Rejected",
     "check_count", "check_duration", "check_durations", "check_flight_recorder", "check_label",
     "check_recovery_phases", "check_timestamp", "clean_text", "parse_flight_recorder", "reason_label",
 ]
@@ -45,6 +45,8 @@ MAX_DROPPED_NODES = 1024
 MAX_STACKS = 256 << 10
 MAX_SUMMARY_RANKS = 4096
 MAX_WORLD_SIZE = 1 << 20
+MAX_EXPERTS = 256
+"""Local experts a rank reports the load of (the hooks cut the rest)."""
 MAX_RECORDS_PER_BATCH = 65536
 MAX_OP_NAMES = 64
 MAX_SUMMARY_INCIDENTS = 1024

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from rankwatch.agent.wire import inflight as in_flight
 from rankwatch.agent.wire.ranges import (
-    MAX_CLOCK_AHEAD, MAX_DROPPED_NODES, MAX_DURATION, MAX_LABEL, MAX_OP_NAMES, MAX_RECORDS_PER_BATCH, MAX_RECOVERIES_PER_BATCH,
+    MAX_CLOCK_AHEAD, MAX_DROPPED_NODES, MAX_DURATION, MAX_EXPERTS, MAX_LABEL, MAX_OP_NAMES, MAX_RECORDS_PER_BATCH, MAX_RECOVERIES_PER_BATCH,
     MAX_CHECKPOINTS_PER_BATCH, MAX_STACKS, MAX_STEP, MAX_WORLD_SIZE, Rejected, check_count,
     check_duration, check_flight_recorder, check_label, check_recovery_phases,
     check_timestamp, parse_flight_recorder,
@@ -23,7 +23,7 @@ from rankwatch.agent.wire.ranges import (
 from rankwatch.proto import pb
 
 __all__ = [
-    "check_batch", "check_checkpoints", "check_collective_columns", "check_hello", "check_mesh", "check_progress",
+    "check_batch", "check_checkpoints", "check_collective_columns", "check_expert_loads", "check_hello", "check_mesh", "check_progress",
     "check_progress_shape", "check_recovery", "check_step_columns", "check_step_shapes", "decode_collectives",
 ]
 
@@ -146,6 +146,20 @@ def check_batch(batch: pb.Batch, collectives: dict[str, np.ndarray] | None = Non
         check_mesh(batch.mesh.mesh_coords, batch.mesh.mesh_shape, "invalid_value")
     if len(batch.recoveries) > MAX_RECOVERIES_PER_BATCH:
         raise Rejected("oversized", f"{len(batch.recoveries)} recovery records in one batch")
+    if batch.expert_loads:
+        check_expert_loads(batch.expert_loads)
+
+
+def check_expert_loads(loads: Sequence[pb.ExpertLoad]) -> None:
+    """A batch's expert loads: at most a record a step's worth, 256 experts each, counts in range."""
+    if len(loads) > MAX_RECORDS_PER_BATCH:
+        raise Rejected("oversized", f"{len(loads)} expert loads in one batch")
+    for load in loads:
+        check_count(load.step, "expert load step", lo=-1)
+        if len(load.tokens) > MAX_EXPERTS:
+            raise Rejected("oversized", f"{len(load.tokens)} experts in one load (at most {MAX_EXPERTS})")
+        if load.tokens and max(load.tokens) >= MAX_STEP:
+            raise Rejected("invalid_value", "an expert's token count outside [0, 2^53)")
 
 
 def check_step_columns(s: pb.StepColumns, now: float | None = None) -> None:

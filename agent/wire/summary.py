@@ -110,7 +110,7 @@ def _check_rank_summary(r: pb.RankSummary, now: float) -> bytes:
             and 0 <= r.world_size <= MAX_WORLD_SIZE and 0 <= r.world_rank < MAX_WORLD_SIZE
             and 0.0 <= r.step_seconds <= MAX_DURATION and 0.0 <= r.step_period <= MAX_DURATION
             and 0.0 <= r.progress_at <= limit and 0.0 <= r.last_seen <= limit and 0.0 <= r.stacks_at <= limit
-            and 0.0 <= r.tokens_per_second < 1e30):
+            and 0.0 <= r.tokens_per_second < 1e30 and 0.0 <= r.expert_tokens < MAX_STEP):   # (unset: 0)
         _check_rank_numbers(r, now)
     check_label(r.activity, "activity")
     check_label(r.state, "state")
@@ -142,6 +142,8 @@ def _check_rank_numbers(r: pb.RankSummary, now: float) -> None:
         check_timestamp(t, what, now)
     if not (math.isfinite(r.tokens_per_second) and 0 <= r.tokens_per_second < 1e30):
         raise Rejected("invalid_value", "tokens_per_second out of range")
+    if not 0 <= r.expert_tokens < MAX_STEP:   # (NaN fails)
+        raise Rejected("invalid_value", "expert_tokens out of range")
     raise Rejected("invalid_value", "a rank summary number out of range")   # (the checks above name each)
 
 

@@ -71,8 +71,10 @@ class BatchBuilder:
             batch.checkpoints.append(checkpoints.popleft())
         while recoveries:
             batch.recoveries.append(recoveries.popleft())
+        for step, tokens in _drain(rec.expert_loads, self._max_batch):
+            batch.expert_loads.append(pb.ExpertLoad(step=step, tokens=tokens))
         # Counted, so that a batch holding only them is sent (not discarded as empty).
-        n += len(batch.checkpoints) + len(batch.recoveries)
+        n += len(batch.checkpoints) + len(batch.recoveries) + len(batch.expert_loads)
         batch.progress.CopyFrom(self._progress())
         batch.dropped_total = dropped_total()
         return batch, n
