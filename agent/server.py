@@ -38,6 +38,8 @@ from rankwatch.agent.export.prom_store import StorageCollector
 from rankwatch.agent.export.prom_refusals import GateCollector
 from rankwatch.agent.export.prom_exits import ExitCollector
 from rankwatch.agent.export.prom_bound import BoundCollector
+from rankwatch.agent.export.prom_pipeline import BalanceCollector
+from rankwatch.agent.views.work_spread import BalanceWatch
 from rankwatch.agent.durable.storage import storage_report
 from rankwatch.agent.job.known import JobKnowledge
 from rankwatch.agent.durable.statedir import Snapshots, write_pointer
@@ -104,12 +106,15 @@ class Agent:
         self.job_bottleneck = BottleneckWatch()
         """What bounds the job's, from the nodes' summaries, while this agent coordinates."""
         self._job_bottleneck_at = float("-inf")
+        self.balance = BalanceWatch()
+        """How the work falls over pipeline stages and experts (:mod:`.detect.imbalance`)."""
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(self.state, lambda: self.watch.straggler_view, config.rank_grace))
         self.registry.register(JobCollector(config.node_id, self.state.clock, self.job, self.recoveries))
         self.registry.register(StorageCollector(config.node_id, self.incidents, self.decision_log))
         self.registry.register(ExitCollector(config.node_id, lambda: self.watch.exit_counts))
         self.registry.register(BoundCollector(config.node_id, self._bottlenecks))
+        self.registry.register(BalanceCollector(config.node_id, self.balance.findings))
         self.registry.register(HostCollector(config.node_id, self._rank_pids))
         self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
         self.gpu_listeners = self.gpu.listeners  # called with every fatal and risk GpuEvent
@@ -225,13 +230,17 @@ class Agent:
 
     def _check_bottleneck(self, now: float) -> None:
         """What bounds the node's ranks' steps, every tick; the job's, once a second on the
-        coordinator (a node's make-up changes no faster than it syncs)."""
+        coordinator (a node's make-up changes no faster than it syncs); the pipeline stages' and
+        experts' balance once a second (:mod:`.views.work_spread`)."""
         self.bottleneck.update(now, makeup.node_part(self.state, self.bottleneck.cfg, self._gpu_utilization))
         if not self.is_coordinator():
             self.job_bottleneck.update(now, None)
-        elif now - self._job_bottleneck_at >= 1.0:
+        if now - self._job_bottleneck_at >= 1.0:
             self._job_bottleneck_at = now
-            self.job_bottleneck.update(now, combine(self.coordinator.view.makeups(now), self.job_bottleneck.cfg))
+            coordinating = self.is_coordinator()
+            if coordinating:
+                self.job_bottleneck.update(now, combine(self.coordinator.view.makeups(now), self.job_bottleneck.cfg))
+            self.balance.update(self.state, self.coordinator.view if coordinating else None)
 
     def shown_bottleneck(self) -> pb.Bottleneck | None:
         """The job's bottleneck on the coordinator, else this node's ranks' (None: not enough steps)."""
@@ -260,7 +269,8 @@ class Agent:
         """The agent's ``Status`` answer (:func:`answer.status_response`)."""
         return answer.status_response(self.state, self.job, storage_report(self.incidents, self.decision_log),
                                      metrics_port=self.metrics_port, max_ranks=self.config.status_max_ranks,
-                                     request=request, bottleneck=self.shown_bottleneck())
+                                     request=request, bottleneck=self.shown_bottleneck(),
+                                     balance=self.balance.shown())
 
     def summary(self, seq: int) -> pb.NodeSummary:
         """This node's compact summary for the coordinator (:func:`answer.node_summary`)."""

@@ -241,6 +241,13 @@ _INCIDENTS = _annotation(
     f"sum by (node, kind) (rankwatch_incidents{{{N}}}) > sum by (node, kind) (rankwatch_incidents{{{N}}} offset 30s)",
     "red", "{{kind}} on {{node}}", "kind,node")
 
+
+
+def _job_or_node(metric: str, by: str = "") -> str:
+    """The coordinator's series of ``metric`` (scope job), else the node agents' (scope node)."""
+    return f'{metric}{{{J}, scope="job"}} or on ({by}) {metric}{{{J}, scope="node"}}'
+
+
 # The job's bottleneck: the coordinator's (scope job), else a lone node agent's (scope node).
 _BOUND_SHARE = (f'rankwatch_bottleneck_share{{{J}, scope="job"}}'
                 f' or on (kind) rankwatch_bottleneck_share{{{J}, scope="node"}}')
@@ -298,6 +305,21 @@ JOB = Dashboard(
           "an input share that rises while the GPUs idle and the step slows is a job waiting for its "
           "data loaders on every rank (no straggler stands out; RankwatchJobInputBound).",
           "percentunit", w=16, min=0, max=1),
+        Row("Pipeline stages and experts"),
+        P("Stage compute", "timeseries", (Q(f"max by (stage) ({_job_or_node('rankwatch_pipeline_stage_compute_seconds', 'stage')})",
+                                            "stage {{stage}}"),),
+          "Each pipeline stage's median own work per step. Stages differ by design (the loss head, "
+          "more layers): the heaviest sets the step, and the others wait in their receives.", "s", w=8, min=0),
+        P("Stage bubbles", "timeseries", (Q(f"max by (stage) ({_job_or_node('rankwatch_pipeline_stage_bubble_ratio', 'stage')})",
+                                            "stage {{stage}}"),),
+          "The share of each stage's step it waits on the other stages (the schedule's bubbles); "
+          "RankwatchPipelineStagesUneven.", "percentunit", w=8, min=0, max=1),
+        P("Stage imbalance and expert skew", "timeseries", (
+            Q(f"max({_job_or_node('rankwatch_pipeline_stage_imbalance_ratio')})", "heaviest stage / lightest"),
+            Q(f"max({_job_or_node('rankwatch_expert_load_skew_ratio')})", "hottest experts' rank / mean")),
+          "How uneven the work is by design: the heaviest pipeline stage's compute over the lightest's, "
+          "and the tokens of the rank whose experts get the most over the ranks' mean (1 = even); "
+          "RankwatchExpertLoadSkewed.", "none", w=8, min=0),
         Row("Fault tolerance"),
         P("Goodput", "timeseries", (Q(f"min(rankwatch_goodput_ratio{{{J}}})", "goodput"),),
           "Productive time over elapsed time, as the coordinator accounts for it.", "percentunit", min=0, max=1),

@@ -102,6 +102,10 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
         "tokens_per_second": resp.tokens_per_second,
         "mfu": resp.mfu if resp.HasField("mfu") else None,
         "bottleneck": _bottleneck(resp.bottleneck) if resp.HasField("bottleneck") else None,
+        "pipeline": _pipeline(resp.pipeline) if resp.HasField("pipeline") else None,
+        "experts": ({"skew": resp.experts.skew, "hottest_rank": resp.experts.hottest_rank,
+                     "tokens_per_step": {str(r): t for r, t in sorted(resp.experts.tokens_per_step.items())},
+                     "scope": resp.experts.scope} if resp.HasField("experts") else None),
         "records_received": resp.records_received,
         "messages_rejected": resp.messages_rejected,
         "storage": {name: {"path": f.path, "ok": f.ok, "written": f.written, "spooled": f.spooled,
@@ -119,3 +123,11 @@ def _bottleneck(b: pb.Bottleneck) -> dict[str, Any]:
             "gpu_utilization": b.gpu_utilization if b.HasField("gpu_utilization") else None,
             "scope": b.scope, "since": b.since, "step_seconds": b.step_seconds,
             "ranks": b.ranks, "ranks_seen": b.ranks_seen}
+
+
+def _pipeline(p: pb.PipelineBalance) -> dict[str, Any]:
+    """How the work falls over the pipeline's stages (stages differ by design: not stragglers)."""
+    return {"imbalance": p.imbalance, "heaviest_stage": p.heaviest_stage, "lightest_stage": p.lightest_stage,
+            "idle": p.idle, "text": p.text, "scope": p.scope,
+            "stages": [{"stage": s.stage, "ranks": s.ranks, "compute_seconds": s.compute_seconds,
+                        "step_seconds": s.step_seconds, "bubble": s.bubble} for s in p.stages]}

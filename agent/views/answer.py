@@ -37,7 +37,9 @@ _CONFLICTS_SHOWN = 64   # the most rank conflicts a Status answer lists
 def status_response(state: NodeState, job: JobKnowledge, storage: dict[str, FileHealth], *,
                     metrics_port: int | None, max_ranks: int,
                     request: pb.StatusRequest | None = None,
-                    bottleneck: pb.Bottleneck | None = None) -> pb.StatusResponse:
+                    bottleneck: pb.Bottleneck | None = None,
+                    balance: tuple[pb.PipelineBalance | None, pb.ExpertSkew | None] = (None, None)
+                    ) -> pb.StatusResponse:
     """The agent's ``Status`` answer: its ranks, and on the coordinator the whole job's (a big
     job's summarised, unless ``request`` asks for every rank: :mod:`.rank_list`).
 
@@ -48,6 +50,7 @@ def status_response(state: NodeState, job: JobKnowledge, storage: dict[str, File
         metrics_port: where /metrics serves (None: not served).
         max_ranks: the agent's default bound on the ranks listed (``--status-max-ranks``).
         bottleneck: what bounds the steps now (the job's on the coordinator; None: not known yet).
+        balance: the pipeline stages' balance and the experts' skew (:mod:`.work_spread`; None: none).
     """
     st = state
     resp = pb.StatusResponse(node_id=st.node_id, started_at=st.started_at,
@@ -80,6 +83,11 @@ def status_response(state: NodeState, job: JobKnowledge, storage: dict[str, File
     _add_storage(resp, storage)
     if bottleneck is not None:
         resp.bottleneck.CopyFrom(bottleneck)
+    pipeline, experts = balance
+    if pipeline is not None:
+        resp.pipeline.CopyFrom(pipeline)
+    if experts is not None:
+        resp.experts.CopyFrom(experts)
     return bounds.cap_status(resp)
 
 

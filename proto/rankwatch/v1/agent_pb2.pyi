@@ -400,7 +400,7 @@ class Incident(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_at: _Optional[float] = ..., detail_json: _Optional[str] = ..., id: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes", "storage", "ranks_total", "ranks_left_out", "rank_states", "bottleneck", "rank_conflicts")
+    __slots__ = ("node_id", "started_at", "metrics_port", "ranks", "incidents", "goodput", "records_received", "messages_rejected", "tokens_per_second", "mfu", "coordinator", "coordinator_node", "decisions", "time_seconds", "nodes", "excluded_nodes", "storage", "ranks_total", "ranks_left_out", "rank_states", "bottleneck", "rank_conflicts", "pipeline", "experts")
     class TimeSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -444,6 +444,8 @@ class StatusResponse(_message.Message):
     RANK_STATES_FIELD_NUMBER: _ClassVar[int]
     BOTTLENECK_FIELD_NUMBER: _ClassVar[int]
     RANK_CONFLICTS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     started_at: float
     metrics_port: int
@@ -466,7 +468,60 @@ class StatusResponse(_message.Message):
     rank_states: _containers.ScalarMap[str, int]
     bottleneck: Bottleneck
     rank_conflicts: _containers.RepeatedCompositeFieldContainer[RankConflict]
-    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., coordinator: _Optional[bool] = ..., coordinator_node: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., nodes: _Optional[_Iterable[str]] = ..., excluded_nodes: _Optional[_Iterable[str]] = ..., storage: _Optional[_Mapping[str, StorageStatus]] = ..., ranks_total: _Optional[int] = ..., ranks_left_out: _Optional[int] = ..., rank_states: _Optional[_Mapping[str, int]] = ..., bottleneck: _Optional[_Union[Bottleneck, _Mapping]] = ..., rank_conflicts: _Optional[_Iterable[_Union[RankConflict, _Mapping]]] = ...) -> None: ...
+    pipeline: PipelineBalance
+    experts: ExpertSkew
+    def __init__(self, node_id: _Optional[str] = ..., started_at: _Optional[float] = ..., metrics_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., goodput: _Optional[float] = ..., records_received: _Optional[int] = ..., messages_rejected: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., coordinator: _Optional[bool] = ..., coordinator_node: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., time_seconds: _Optional[_Mapping[str, float]] = ..., nodes: _Optional[_Iterable[str]] = ..., excluded_nodes: _Optional[_Iterable[str]] = ..., storage: _Optional[_Mapping[str, StorageStatus]] = ..., ranks_total: _Optional[int] = ..., ranks_left_out: _Optional[int] = ..., rank_states: _Optional[_Mapping[str, int]] = ..., bottleneck: _Optional[_Union[Bottleneck, _Mapping]] = ..., rank_conflicts: _Optional[_Iterable[_Union[RankConflict, _Mapping]]] = ..., pipeline: _Optional[_Union[PipelineBalance, _Mapping]] = ..., experts: _Optional[_Union[ExpertSkew, _Mapping]] = ...) -> None: ...
+
+class StageLoad(_message.Message):
+    __slots__ = ("stage", "ranks", "compute_seconds", "step_seconds", "bubble")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BUBBLE_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    ranks: int
+    compute_seconds: float
+    step_seconds: float
+    bubble: float
+    def __init__(self, stage: _Optional[int] = ..., ranks: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., bubble: _Optional[float] = ...) -> None: ...
+
+class PipelineBalance(_message.Message):
+    __slots__ = ("stages", "imbalance", "heaviest_stage", "lightest_stage", "idle", "text", "scope")
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    IMBALANCE_FIELD_NUMBER: _ClassVar[int]
+    HEAVIEST_STAGE_FIELD_NUMBER: _ClassVar[int]
+    LIGHTEST_STAGE_FIELD_NUMBER: _ClassVar[int]
+    IDLE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
+    imbalance: float
+    heaviest_stage: int
+    lightest_stage: int
+    idle: float
+    text: str
+    scope: str
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., imbalance: _Optional[float] = ..., heaviest_stage: _Optional[int] = ..., lightest_stage: _Optional[int] = ..., idle: _Optional[float] = ..., text: _Optional[str] = ..., scope: _Optional[str] = ...) -> None: ...
+
+class ExpertSkew(_message.Message):
+    __slots__ = ("skew", "hottest_rank", "tokens_per_step", "scope")
+    class TokensPerStepEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    SKEW_FIELD_NUMBER: _ClassVar[int]
+    HOTTEST_RANK_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    skew: float
+    hottest_rank: int
+    tokens_per_step: _containers.ScalarMap[int, float]
+    scope: str
+    def __init__(self, skew: _Optional[float] = ..., hottest_rank: _Optional[int] = ..., tokens_per_step: _Optional[_Mapping[int, float]] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class RankConflict(_message.Message):
     __slots__ = ("rank", "node", "claimed_by", "since", "last_at", "refused")
