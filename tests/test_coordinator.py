@@ -377,6 +377,34 @@ def test_a_job_straggler_is_resolved_when_the_node_recovers():
     assert len([i for i in c.incidents.items if i.kind == "straggler"]) == 1
 
 
+def test_new_workers_whose_steps_count_from_zero_are_watched_at_once():
+    """After a restart (or on the next job), the workers' completed steps start again from
+    zero: the job's detector runs on them at once, not after the old count."""
+    from rankwatch.agent.detect.straggler import StragglerConfig
+
+    c, clock = make(PolicyConfig(evict_straggler_speedup=100.0),  # flag only, never evict
+                    straggler=StragglerConfig(warmup_steps=0, clear_after=10))
+    t, seq = clock.t, 0
+
+    def sync(done: int, slow: int) -> None:
+        nonlocal seq
+        seq += 1
+        clock.t = t + seq * 0.1
+        work = dict(steps_completed=done, step=done, progress_at=clock.t, last_seen=clock.t,
+                    step_seconds=0.25, comm_wait=[0.0] * 16, data_wait=[0.0] * 16)
+        for rank in (0, 1):
+            own = [0.2 if rank == slow else 0.1] * min(done, 16)
+            c.sync(summary(f"n{rank}", seq, clock.t, [dict(rank=rank, own_work=own, **work)]))
+        c.evaluate()
+
+    for done in range(20, 200):
+        sync(done, slow=1)
+    assert [i.rank for i in c.incidents.items if i.kind == "straggler"] == [1]
+    for done in range(1, 80):   # new workers: rank 0 is the slow one now
+        sync(done, slow=0)
+    assert [i.rank for i in c.incidents.items if i.kind == "straggler"] == [1, 0]
+
+
 @pytest.mark.parametrize("sent_period", [True, False])
 def test_the_job_straggler_hold_is_counted_in_the_period_the_node_sends(sent_period):
     # Each node's only rank fetches its batch outside its step scope: 5 (n0) and 10 ms (n1)

@@ -534,3 +534,18 @@ def test_the_hold_is_counted_start_to_start_when_time_goes_outside_the_step_scop
     assert [(ev.ranks, ev.score.cause) for _, ev in events] == [([2], "data")], events
     hold = math.ceil(CFG.hold_seconds / 0.035)
     assert events[0][0] <= onset + CFG.window + hold, events[0][0]
+
+
+def test_new_workers_whose_steps_count_from_zero_are_scored_at_once_not_after_the_old_count():
+    # A first job (or generation) of 400 steps with rank 0 slow; then new workers (a restart, or
+    # the next job on a long-lived agent) count their steps from zero, with rank 2 slow.
+    rng = random.Random(3)
+    det = StragglerDetector(CFG)
+    old = [[0.05 * 1.5] * 400 if r == 0 else noisy(rng, 400) for r in range(4)]
+    assert 0 in first_flags(feed(det, old))
+    new = [[0.05 * 1.5] * 120 if r == 2 else noisy(rng, 120) for r in range(4)]
+    events = feed(det, new)
+    flagged = first_flags(events)
+    assert list(flagged) == [2] and flagged[2][0] <= 60, flagged   # not blind until step 400
+    lifted = [t for t, ev in events if ev.kind == "cleared" and ev.score.rank == 0]
+    assert lifted and lifted[0] <= 120   # the old flag is lifted by the new steps

@@ -111,6 +111,14 @@ class StragglerDetector:
             del self.flagged[gone]
             self._below.pop(gone, None)
         last = min(r.completed for r in ranks)
+        if last < self._last:
+            # New workers (a restart, the next job on a long-lived agent, a rank that joined):
+            # their steps count from zero, and the evidence gathered on the old counts says
+            # nothing of them.  Flags stay until the new steps lift them.
+            self._cusum.clear()
+            self._below.clear()
+            self._ready.clear()
+            self._last = 0
         full = eligible(ranks, self.cfg, last)
         if last <= self._last or len(full) < 2:
             self._last = max(self._last, last)

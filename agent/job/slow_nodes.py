@@ -54,7 +54,7 @@ class JobStragglers:
         for w in work:
             per_node[w.node] = per_node.get(w.node, 0) + 1
         done = min(w.completed for w in work)
-        if done <= self._evaluated_steps:
+        if done == self._evaluated_steps:
             return []
         self._evaluated_steps = done
         flagged = []

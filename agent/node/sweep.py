@@ -248,7 +248,7 @@ class NodeWatch:
             ranks = [r for r in st.ranks.values() if r.connected]
             tokens = {r.rank: r.expert_tokens_per_step for r in ranks}
             done = min((r.steps_completed for r in ranks), default=0)
-            if done <= self._evaluated_steps or len(ranks) < 2:
+            if done == self._evaluated_steps or len(ranks) < 2:
                 return []
             self._evaluated_steps = done
         work = evaluate(now, snapshot(st, now), self.hang).work
