@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import parse_metrics
+from conftest import parse_metrics, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -71,3 +71,35 @@ def test_a_users_tp_script(agent_proc, tmp_path):
     counts = _per_op(parse_metrics(agent_proc.metrics()), "rankwatch_collective_duration_seconds_count")
     # RowwiseParallel's output all-reduce (a functional collective) in every forward, on both ranks.
     assert counts["all_reduce"] >= 2 * STEPS
+
+
+def test_a_users_pipeline_script(agent_proc, tmp_path):
+    """tests/data/user_pipeline.py: its own stage split with ``torch.distributed.pipelining``
+    (GPipe, 4 microbatches), its stage 1 three times stage 0's blocks and the head.  Each rank
+    reports its stage, its sends and receives are timed, and while it trains the agent names
+    the stages' imbalance (stage 1 the heavier), not a straggler."""
+    script = Path(__file__).parent / "data" / "user_pipeline.py"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent_proc.addr), "--node-id", "n0",
+         "--", "--standalone", "--nproc-per-node", "2", str(script), "--steps", "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        def balanced():
+            s = agent_proc.status()
+            return s if s["pipeline"] and min((r["step"] for r in s["ranks"]), default=0) >= 60 else None
+
+        status = wait_for(balanced, 180, 0.5, "the pipeline's balance while it trains")
+        out, _ = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, out[-3000:]
+    pipe = status["pipeline"]
+    assert (pipe["heaviest_stage"], pipe["lightest_stage"]) == (1, 0) and pipe["imbalance"] > 1.1, pipe
+    ranks = sorted(agent_proc.status()["ranks"], key=lambda r: r["rank"])
+    assert [(r["mesh"], r["step"], r["instrumentation"]) for r in ranks] == [
+        ({"pp": 0}, 300, "explicit"), ({"pp": 1}, 300, "explicit")]
+    for r in ranks:   # GPipe: each microbatch's activation forward, its gradient back
+        assert r["op_latency"]["send"]["count"] >= 300 * 4 and r["op_latency"]["recv"]["count"] >= 300 * 4, r
+    assert [i for i in agent_proc.status()["incidents"] if i["kind"] == "straggler"] == []
