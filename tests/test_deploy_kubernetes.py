@@ -141,12 +141,87 @@ def test_daemonset_args_parse_with_the_agent_cli():
     assert _host_path(pod, agent, str(args.state_dir)) == "/var/lib/rankwatch"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert ports["grpc-tls"] == 7411
-    # Mutual TLS from the Secret: every file the flags name is a key of the mounted Secret.
+    # Mutual TLS from the node's own certificate: the init container writes every file the
+    # flags name into a memory-backed volume the agent mounts read-only.
     (mount,) = [m for m in agent["volumeMounts"] if m["mountPath"] == "/etc/rankwatch/tls"]
     (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    assert volume["secret"]["secretName"] == "rankwatch-agent-tls" and mount["readOnly"] is True
+    assert volume["emptyDir"]["medium"] == "Memory" and mount["readOnly"] is True
     assert [args.tls_cert, args.tls_key, args.tls_ca] == [
         Path("/etc/rankwatch/tls") / k for k in ("tls.crt", "tls.key", "ca.crt")]
+    # The job CA's Secret (its key) reaches the init container alone.
+    ca = next(v["name"] for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "rankwatch-ca")
+    holders = [c["name"] for c in (*pod["initContainers"], *pod["containers"])
+               if any(m["name"] == ca for m in c["volumeMounts"])]
+    assert holders == ["node-certificate"]
+
+
+def test_the_init_container_issues_the_nodes_certificate_and_the_agent_serves_with_it(tmp_path):
+    """The init container's script, run as written (its mount paths moved under tmp_path),
+    against a CA Secret laid out as cert-manager writes it and the kubelet mounts it
+    (tls.crt, tls.key group-readable); then a real agent with the DaemonSet's TLS flags
+    serves mutual TLS on loopback, and its certificate names the node."""
+    import os
+
+    from rankwatch.address import Address
+    from rankwatch.status import AgentUnreachable, fetch_status
+    from tlscerts import CertAuthority, certs
+
+    pod = _daemonset()["spec"]["template"]["spec"]
+    init = _container(pod, "node-certificate", "initContainers")
+    mounts = {m["mountPath"]: tmp_path / m["name"] for m in init["volumeMounts"]}
+    script = init["args"][0]
+    for path, there in mounts.items():
+        there.mkdir()
+        script = script.replace(path, str(there))
+    ca = CertAuthority(tmp_path, "made")   # cert-manager's Secret: tls.crt and tls.key
+    secret = mounts["/etc/rankwatch/job-ca"]
+    (secret / "tls.crt").write_bytes(ca.ca.read_bytes())
+    (secret / "tls.key").write_bytes((ca.root / "ca.key").read_bytes())
+    (secret / "tls.key").chmod(0o440)   # defaultMode 0400, group-readable through fsGroup
+    env = {**os.environ, "NODE_NAME": "gpu-node-7", "POD_IP": "127.0.0.1",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run(init["command"] + [script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    tls = mounts["/etc/rankwatch/tls"]
+    assert sorted(p.name for p in tls.iterdir()) == ["ca.crt", "tls.crt", "tls.key"]
+    assert (tls / "tls.key").stat().st_mode & 0o777 == 0o600
+    assert not (mounts["/run/rankwatch-ca"] / "ca.key").exists(), "the CA key copy outlived its use"
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((tls / "tls.crt").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "urn:rankwatch:node:gpu-node-7" in sans.get_values_for_type(x509.UniformResourceIdentifier)
+
+    # The agent, with the DaemonSet's TLS flags (paths moved), serves a client of the same CA.
+    port = _free_port()
+    flags = [a.replace("/etc/rankwatch/tls", str(tls)) for a in _agent_args("gpu-node-7")]
+    tls_flags = flags[flags.index("--tls-cert"):flags.index("--tls-ca") + 2]
+    from conftest import AgentProcess
+
+    agent = AgentProcess(tmp_path / "a.sock", "gpu-node-7",
+                         extra=("--listen", f"127.0.0.1:{port}", *tls_flags)).start()
+    try:
+        assert certs("issue", str(ca.root), "--client", "ops").returncode == 0
+        client = {"RANKWATCH_TLS_CA": str(tls / "ca.crt"), "RANKWATCH_TLS_CERT": str(ca.root / "ops.crt"),
+                  "RANKWATCH_TLS_KEY": str(ca.root / "ops.key")}
+        os.environ.update(client)
+        try:
+            assert fetch_status(Address.parse(f"127.0.0.1:{port}"))["node"] == "gpu-node-7"
+        finally:
+            for k in client:
+                del os.environ[k]
+        with pytest.raises(AgentUnreachable):   # no client certificate: no handshake
+            fetch_status(Address.parse(f"127.0.0.1:{port}"))
+    finally:
+        agent.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_daemonset_runs_unprivileged_on_gpu_nodes():
@@ -170,10 +245,13 @@ def test_daemonset_runs_unprivileged_on_gpu_nodes():
     for probe in ("livenessProbe", "readinessProbe"):
         assert agent[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
 
-    (init,) = pod["initContainers"]
+    init, issuer = pod["initContainers"]
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
     assert init["securityContext"]["allowPrivilegeEscalation"] is False
-    for c in (agent, init):
+    # The certificate's issuer runs as the agent's user, with nothing added.
+    assert issuer["name"] == "node-certificate" and "runAsUser" not in issuer["securityContext"]
+    assert issuer["securityContext"] == agent["securityContext"]
+    for c in (agent, init, issuer):
         assert {"requests", "limits"} <= c["resources"].keys(), f"{c['name']} has no resources"
         assert "privileged" not in c["securityContext"]
 
@@ -368,3 +446,17 @@ def test_etcd_example_wires_a_per_job_agent_elected_in_etcd_to_the_training_cont
     launched = plan(run.torchrun_args[1:], {}).args
     assert launched[launched.index("--rdzv-backend") + 1] == "rankwatch-etcd"
     assert int(tr.nnodes.split(":")[0]) == agent.min_nodes
+
+
+def test_the_cert_manager_example_makes_the_ca_secret_the_daemonset_mounts():
+    docs = _docs(K8S / "examples" / "cert-manager-ca.yaml")
+    issuer, cert = _one(docs, "Issuer"), _one(docs, "Certificate")
+    assert issuer["spec"] == {"selfSigned": {}} and cert["spec"]["isCA"] is True
+    assert cert["spec"]["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer",
+                                         "group": "cert-manager.io"}
+    assert {d["metadata"]["namespace"] for d in docs} == {_kustomization()["namespace"]}
+    pod = _daemonset()["spec"]["template"]["spec"]
+    assert cert["spec"]["secretName"] in [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v]
+    # cert-manager writes tls.crt and tls.key: the init container reads those names.
+    script = _container(pod, "node-certificate", "initContainers")["args"][0]
+    assert "/etc/rankwatch/job-ca/tls.crt" in script and "/etc/rankwatch/job-ca/tls.key" in script
