@@ -1,9 +1,10 @@
 """Pipeline and expert parallelism watched as rightly as data parallelism, on real torchrun jobs.
 
-* A head-heavy two-stage pipeline (``--pp 2 --dp 2``, stage 1 holds three times stage 0's
-  layers and the loss head), 300 clean steps: no straggler, and the stage imbalance named
-  with the ratio the stages' own work shows.  Then one rank of stage 0 is slowed from
-  outside (a SIGSTOP duty cycle): it is flagged, against its own stage, and no other rank.
+* Three layouts: a head-heavy two-stage pipeline (``--pp 2 --dp 2``, stage 1 holds three
+  times stage 0's layers and the loss head), pipeline and experts (``--pp 2 --ep 2``), and
+  experts alone (``--ep 2``).  300 clean steps each: no straggler, and the stage imbalance
+  named with the ratio the stages' own work shows.  Then one rank is slowed from outside
+  (a SIGSTOP duty cycle): it is flagged, against its own stage, and no other rank.
 * A mixture of experts (``--ep 2``) whose router favours one expert: the rank that holds it
   is a straggler of cause ``expert_load``, and the experts' skew is in ``status``.
 """
@@ -60,44 +61,65 @@ def _stragglers(status: dict) -> list[tuple[int, str]]:
     return [(i["rank"], i["detail"]["cause"]) for i in status["incidents"] if i["kind"] == "straggler"]
 
 
-def test_a_head_heavy_pipeline_is_uneven_by_design_and_a_slowed_rank_is_flagged_within_its_stage(tmp_path):
+# name: (ranks, harness flags, the victim's mesh coordinates)
+LAYOUTS = {
+    "pp2_dp2": (4, ("--pp", "2", "--dp", "2", "--layers", "4", "--pp-split", "1,3"), {"pp": 0, "dp": 0, "tp": 0}),
+    "pp2_ep2": (4, ("--pp", "2", "--ep", "2", "--layers", "2"), {"pp": 0, "dp": 0, "tp": 0, "ep": 1}),
+    "ep2": (2, ("--ep", "2", "--experts", "4"), {"dp": 0, "tp": 0, "ep": 1}),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_clean_steps_flag_nothing_and_a_rank_slowed_from_outside_is_flagged_alone(tmp_path, layout):
+    """300 clean steps: no straggler (pipeline stages differ by design; experts' loads vary),
+    and where there are stages their imbalance is named with the ratio their own work shows.
+    Then one rank is slowed from outside (a SIGSTOP duty cycle): it is flagged, against the
+    ranks of its own stage, and no other rank is."""
+    nproc, flags, victim_mesh = LAYOUTS[layout]
     agent = AgentProcess(tmp_path / "agent.sock").start()
-    job = torchrun(4, "--pp", "2", "--dp", "2", "--layers", "4", "--pp-split", "1,3", "--steps", "100000",
-                   agent=agent.addr, log=tmp_path / "job.log")
+    job = torchrun(nproc, *flags, "--steps", "100000", agent=agent.addr, log=tmp_path / "job.log")
     duty = None
     try:
         def clean_steps():
             s = agent.status()
             ranks = s["ranks"]
-            return s if len(ranks) == 4 and min(r["step"] for r in ranks) >= 300 and s["pipeline"] else None
+            return s if len(ranks) == nproc and min(r["step"] for r in ranks) >= 300 else None
 
-        s = wait_for(clean_steps, 400, 1.0, "300 clean pipeline steps")
-        assert _stragglers(s) == [], "stages that differ by design were called stragglers"
+        s = wait_for(clean_steps, 400, 1.0, "300 clean steps")
+        assert _stragglers(s) == [], "ranks that differ by design were called stragglers"
         assert {r["state"] for r in s["ranks"]} == {"ok"}
-        pipe = s["pipeline"]
-        assert (pipe["heaviest_stage"], pipe["lightest_stage"], pipe["scope"]) == (1, 0, "node")
-        # The ratio is the one the stages' own work shows (the ranks' medians, over a longer window).
-        own = {stage: statistics.median(r["own_work_seconds"] for r in s["ranks"] if r["mesh"]["pp"] == stage)
-               for stage in (0, 1)}
-        assert pipe["imbalance"] > 1.5 and pipe["imbalance"] == pytest.approx(own[1] / own[0], rel=0.3), (pipe, own)
-        assert pipe["text"].startswith(f"stage 1 works {pipe['imbalance']:.1f}x stage 0")
-        bubbles = {st["stage"]: st["bubble"] for st in pipe["stages"]}
-        assert bubbles[0] > bubbles[1], pipe   # the light stage idles in its receives
-        m = parse_metrics(agent.metrics())
-        assert m[("rankwatch_pipeline_stage_imbalance_ratio", frozenset({("node", "n0"), ("scope", "node")}))] > 1.5
+        if "--pp" in flags:
+            _check_stage_imbalance(agent, s)
+        else:
+            assert s["pipeline"] is None
 
-        # One rank of stage 0 slowed from outside: compared with stage 0's other rank only.
-        victim = next(r for r in s["ranks"] if r["mesh"] == {"pp": 0, "dp": 0, "tp": 0})
+        victim = next(r for r in s["ranks"] if r["mesh"] == victim_mesh)
         duty = DutyCycle(victim["pid"], stop=0.03, period=0.1)
         duty.start()
         flagged = wait_for(lambda: _stragglers(agent.status()), 120, 0.5, "the slowed rank flagged")
         assert [rank for rank, _ in flagged] == [victim["rank"]], flagged
+        assert flagged[0][1] != "expert_load", flagged   # its experts got no more tokens
     finally:
         if duty is not None:
             duty.done.set()
             duty.join(5)
         _stop(job)
         agent.stop()
+
+
+def _check_stage_imbalance(agent: AgentProcess, s: dict) -> None:
+    """Stage 1 (the loss head, and more layers) is the heavier, by the ratio its own work shows."""
+    pipe = s["pipeline"]
+    assert (pipe["heaviest_stage"], pipe["lightest_stage"], pipe["scope"]) == (1, 0, "node"), pipe
+    # The ranks' own-work medians (over a longer window) give the same ratio.
+    own = {stage: statistics.median(r["own_work_seconds"] for r in s["ranks"] if r["mesh"]["pp"] == stage)
+           for stage in (0, 1)}
+    assert pipe["imbalance"] > 1.2 and pipe["imbalance"] == pytest.approx(own[1] / own[0], rel=0.3), (pipe, own)
+    assert pipe["text"].startswith(f"stage 1 works {pipe['imbalance']:.1f}x stage 0")
+    bubbles = {st["stage"]: st["bubble"] for st in pipe["stages"]}
+    assert bubbles[0] > bubbles[1], pipe   # the light stage idles in its receives
+    m = parse_metrics(agent.metrics())
+    assert m[("rankwatch_pipeline_stage_imbalance_ratio", frozenset({("node", "n0"), ("scope", "node")}))] > 1.2
 
 
 def test_the_rank_holding_a_hot_expert_is_an_expert_load_straggler(tmp_path):

@@ -8,7 +8,9 @@ import math
 
 import pytest
 
+from rankwatch.agent.detect.straggler import StragglerDetector
 from rankwatch.agent.detect.work_scores import RankWork, StragglerConfig, score
+from rankwatch.agent.job.checkpoint_due import wants_eviction
 from rankwatch.agent.node.intake import OPS, NodeState, Rejected
 from rankwatch.agent.views.answer import node_summary
 from rankwatch.agent.wire import summary as check_sync
@@ -82,3 +84,30 @@ def test_a_token_excess_that_explains_the_slowdown_outranks_a_run_delay():
     for r in ranks:
         r.tokens = 100.0
     assert _cause(ranks, 2) == "host"
+
+
+def _flags(slow_by: float, tokens: list[float], steps: int = 200) -> dict[int, str]:
+    """Feed the detector ``steps`` steps of four ranks, rank 2 ``slow_by`` slower; its flags."""
+    det = StragglerDetector(StragglerConfig(warmup_steps=0, hold_seconds=0.5))
+    own: dict[int, list[float]] = {r: [] for r in range(4)}
+    for step in range(1, steps + 1):
+        for r in range(4):
+            own[r].append(0.01 * (slow_by if r == 2 else 1.0) * (1 + 0.02 * ((step * (r + 3)) % 5 - 2)))
+        det.update([RankWork(rank=r, node="n0", step=step, own=own[r][-64:], data=[0.0] * min(step, 64),
+                             wait=[0.001] * min(step, 64), step_seconds=0.02, completed=step, tokens=tokens[r])
+                    for r in range(4)], step)
+    return {rank: s.cause for rank, s in det.flagged.items()}
+
+
+def test_a_hot_expert_is_flagged_and_the_routings_own_mild_skew_is_not():
+    # Experts are uneven by nature: 1.3x the tokens and 1.3x the work is no straggler ...
+    assert _flags(1.3, [100, 100, 130, 100]) == {}
+    # ... a hot expert is (2x the tokens, 2x the work) ...
+    assert _flags(2.0, [100, 100, 200, 100]) == {2: "expert_load"}
+    # ... and so is a rank as slow with the same tokens (its own compute).
+    assert _flags(1.3, [100, 100, 100, 100]) == {2: "compute"}
+
+
+def test_an_expert_load_straggler_is_never_evicted():
+    # Without its node the router sends its hot experts' tokens to another: eviction cannot help.
+    assert wants_eviction(3.0, 1.25, "compute") and not wants_eviction(3.0, 1.25, "expert_load")

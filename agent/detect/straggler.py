@@ -220,7 +220,8 @@ class StragglerDetector:
               last: int) -> list[StragglerEvent]:
         cfg = self.cfg
         slow = {rank for rank, s in scores.items()
-                if s.slowdown >= 1 + cfg.threshold and s.excess_seconds >= cfg.min_excess_seconds}
+                if s.slowdown >= 1 + cfg.threshold and s.excess_seconds >= cfg.min_excess_seconds
+                and not (s.cause == "expert_load" and s.tokens < cfg.hot_expert)}   # the routing's own skew
         # Confirmed: slow, with the evidence its cause needs now.  A rank confirmed as compute
         # whose slowdown turns out to be host (its run delay) waits for host_evidence again.
         confirmed = {rank for rank in slow - set(self.flagged) if self._cusum.get(rank, 0.0)

@@ -50,6 +50,10 @@ class StragglerConfig:
     """Steps a flagged rank waits for its node's other ranks before it is reported alone."""
     cause_share: float = 0.5
     """A cause needs at least this share of the excess (data wait, run delay, late start)."""
+    hot_expert: float = 1.5
+    """A mixture of experts is uneven by nature: a rank slowed by its experts' tokens is an
+    ``expert_load`` straggler only once it gets at least this many times the tokens of its
+    role's others (a hot expert); a milder skew shows in the experts' finding alone."""
     min_excess_seconds: float = 0.002
     """A rank is flagged only while its excess is at least this (seconds per step): below it,
     a ratio over a short step is the host's scheduling noise (a 5 ms step on a shared CPU
@@ -123,6 +127,7 @@ class Score:
     excess_seconds: float                 # per step, over the others' median
     speedup: float                        # job step time / step time without this excess
     evidence: float = 0.0                 # the rank's CUSUM
+    tokens: float = math.nan              # its experts' tokens over its role's others' median
 
 
 GpuThrottle = Callable[[int], list[str]]
@@ -304,7 +309,8 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
         if cause == "host":
             extra, ratio = _starved(extra, ratio, float(comm_delay_excess[j]), r.step_seconds, float(base_k[j]))
         out.append(Score(rank=r.rank, node=r.node, slowdown=ratio, cause=cause, excess_seconds=extra,
-                         speedup=_speedup(r.step_seconds or float(own[j]), extra, float(base_k[j]))))
+                         speedup=_speedup(r.step_seconds or float(own[j]), extra, float(base_k[j])),
+                         tokens=float(load[i])))
     return out
 
 

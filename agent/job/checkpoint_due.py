@@ -62,9 +62,11 @@ def risk_due(now: float, last_asked: float | None, every: float = RISK_EVERY_SEC
     return last_asked is None or now - last_asked >= every
 
 
-def wants_eviction(speedup: float, threshold: float) -> bool:
-    """Whether a straggling node costs the job enough to evict it (after a checkpoint)."""
-    return speedup >= threshold
+def wants_eviction(speedup: float, threshold: float, cause: str = "compute") -> bool:
+    """Whether a straggling node costs the job enough to evict it (after a checkpoint).  Never
+    for ``expert_load``: the router sends the tokens, and without the node its hot experts'
+    tokens go to another."""
+    return speedup >= threshold and cause != "expert_load"
 
 
 def evictions_due(planned: Mapping[str, int], saved_steps: Iterable[int]) -> list[str]:

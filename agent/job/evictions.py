@@ -34,7 +34,7 @@ class Evictions:
              checkpoint: Callable[[str], Decision]) -> None:
         """A costly straggling node: checkpoint now (``checkpoint``: the request, raising
         LookupError when no rank could save), exclude it once that checkpoint is complete."""
-        if (not checkpoint_due.wants_eviction(speedup, self.policy.evict_straggler_speedup)
+        if (not checkpoint_due.wants_eviction(speedup, self.policy.evict_straggler_speedup, cause)
                 or node in self._planned or node in excluded):
             return
         reason = f"straggler: the job would step {speedup:.2f}x faster without node {node} ({cause})"
