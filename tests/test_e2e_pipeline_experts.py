@@ -64,7 +64,7 @@ def _stragglers(status: dict) -> list[tuple[int, str]]:
 # name: (ranks, harness flags, the victim's mesh coordinates)
 LAYOUTS = {
     "pp2_dp2": (4, ("--pp", "2", "--dp", "2", "--layers", "4", "--pp-split", "1,3"), {"pp": 0, "dp": 0, "tp": 0}),
-    "pp2_ep2": (4, ("--pp", "2", "--ep", "2", "--layers", "2"), {"pp": 0, "dp": 0, "tp": 0, "ep": 1}),
+    "pp2_ep2": (4, ("--pp", "2", "--ep", "2", "--layers", "4", "--pp-split", "1,3"), {"pp": 0, "dp": 0, "tp": 0, "ep": 1}),
     "ep2": (2, ("--ep", "2", "--experts", "4"), {"dp": 0, "tp": 0, "ep": 1}),
 }
 
