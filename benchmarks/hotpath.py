@@ -52,7 +52,7 @@ def gloo_rows() -> list[tuple[str, float]]:
     import torch
     import torch.distributed as dist
 
-    from rankwatch.hooks.instrument.op_record import _PAYLOAD, _payload_reader
+    from rankwatch.hooks.instrument.op_record import _PAYLOAD, _payload_reader, _peer_reader
     from rankwatch.hooks.instrument.collectives import CollectiveInstrumentation
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -64,9 +64,11 @@ def gloo_rows() -> list[tuple[str, float]]:
     rec = Recorder(capacity=4096)
     instr = CollectiveInstrumentation(rec)
     bare = dist.all_reduce
-    timed = instr._dist_wrapper(bare, 0, dist.distributed_c10d, _payload_reader(bare, _PAYLOAD["all_reduce"]))
+    timed = instr._dist_wrapper(bare, 0, dist.distributed_c10d, _payload_reader(bare, _PAYLOAD["all_reduce"]),
+                                _peer_reader(bare, "all_reduce"))
     noop = lambda tensor, op=None, group=None, async_op=False: None  # noqa: E731
-    wrapped_noop = instr._dist_wrapper(noop, 0, dist.distributed_c10d, _payload_reader(noop, _PAYLOAD["all_reduce"]))
+    wrapped_noop = instr._dist_wrapper(noop, 0, dist.distributed_c10d, _payload_reader(noop, _PAYLOAD["all_reduce"]),
+                                       _peer_reader(noop, "all_reduce"))
     instr._wrap_work_wait(dist.Work)  # the async path's completion timer
     g = {"bare": bare, "timed": timed, "t": t, "noop": noop, "wrapped_noop": wrapped_noop}
     stmts = {
