@@ -113,6 +113,30 @@ def test_tensor_parallel_replicas_regroup_in_process(tmp_path):
     assert by_rank[0] == by_rank[2] and by_rank[1] == by_rank[3] and by_rank[0] != by_rank[1], by_rank
 
 
+def test_pipeline_replicas_regroup_in_process(tmp_path):
+    """Three nodes of two ranks, each node one whole replica of a two-stage pipeline (--pp 2
+    --replicate 3: stage 0 and stage 1 on the node's two ranks).  n1 is SIGKILLed whole: n0
+    and n2 train on in their processes, and the two replicas left hold the same stage
+    parameters, bit for bit, at each stage."""
+    out = tmp_path / "metrics"
+    steps = 60
+    with Cluster(tmp_path, 3) as c:
+        jobs = [c.torchrun(i, "2:3", 2, "--steps", str(steps), "--log-every", "0", "--replicate", "3",
+                           "--pp", "2", "--in-process-recovery", "--metrics-out", str(out), launcher="rankwatch")
+                for i in range(3)]
+        before = _kill_and_finish(c, jobs, victim=1, nodes=3, ranks=6)
+    m = _metrics(out, [f"rank{r}.json" for r in sorted(before.values())])
+    assert sorted(d["pid"] for d in m.values()) == sorted(before)   # the same processes
+    for d in m.values():
+        (rec,) = d["recoveries"]
+        assert d["world_size_now"] == 4 and rec["world_size"] == 4, rec
+        assert len(d["losses"]) == _recorded(d, steps)   # no step lost or trained twice
+    # Ranks 0, 1 of the new world are one replica's two stages, 2, 3 the other's.
+    by_rank = {d["recoveries"][0]["rank"]: d["param_digest"] for d in m.values()}
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    assert by_rank[0] == by_rank[2] and by_rank[1] == by_rank[3] and by_rank[0] != by_rank[1], by_rank
+
+
 def test_a_users_own_hsdp_loop_regroups_in_process(tmp_path):
     """tests/data/user_hsdp_recovery.py, a user's loop written as the README shows it (its own
     model, mesh, HSDP and DataLoader): three nodes of two ranks, one replica per node.  n1 is

@@ -15,6 +15,8 @@ after each step so every stage logs it.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +74,11 @@ class Pipe:
     group: Any
     """The ``pp`` process group."""
     vocab: int
+    batch_size: int = 0
+    """Samples a step feeds it (its microbatches split them): the stage's shapes are built for it."""
+    remake: Callable[[int], Pipe] | None = None
+    """The same stage built for another batch size (a shrunk world keeps its global batch with
+    smaller micro-batches; the microbatches become the greatest count that divides it)."""
 
     @classmethod
     def build(cls, model: nn.Module, stage: int, stages: int, group: Any, *, schedule: str, microbatches: int,
@@ -91,7 +98,12 @@ class Pipe:
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         sched = kind(pstage, microbatches, loss_fn=lambda logits, target: F.cross_entropy(
             logits.reshape(-1, vocab), target.reshape(-1)))
-        return cls(schedule=sched, stage=stage, stages=stages, group=group, vocab=vocab)
+        def remake(size: int) -> Pipe:
+            return cls.build(model, stage, stages, group, schedule=schedule, microbatches=math.gcd(microbatches, size),
+                             batch_size=size, seq_len=seq_len, dim=dim, vocab=vocab, device=device)
+
+        return cls(schedule=sched, stage=stage, stages=stages, group=group, vocab=vocab, batch_size=batch_size,
+                   remake=remake)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One step's forwards and backwards over the microbatches; the step's mean loss,

@@ -140,6 +140,9 @@ class Feeder:
         self.global_batch = gb
         ds = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
         micro = gb // (dims.data * accum)   # the batch size, or less to keep the global batch on a shrunk world
+        pipe = job.extra.get("pipe")
+        if pipe is not None and pipe.remake is not None and pipe.batch_size != micro:
+            job.extra["pipe"] = pipe.remake(micro)   # a stage's shapes are fixed: built again for this batch
         batches = iter(build_loader(ds, micro, dp_mesh(mesh).get_local_rank(), dims.data, done * gb))
         # TP ranks split a batch's work, CP ranks its sequence; a pipeline stage does its layers' part.
         tokens = accum * args.batch_size * cfg.seq_len / (dims.tp * dims.cp)
