@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from conftest import wait_for
+from conftest import parse_metrics, wait_for
 from multinode import Cluster
 
 pytestmark = pytest.mark.e2e
@@ -25,6 +25,24 @@ def _training(cluster: Cluster, nodes: int, ranks: int, min_step: int):
     return len(rs) == ranks and len({r["node"] for r in rs}) == nodes and min(r["step"] for r in rs) >= min_step and rs
 
 
+def _check_snapshot_metrics(c: Cluster, rank: int) -> None:
+    """n0's agent exports its rank's snapshots: memory (its own and its buddy's copy: 2x its
+    shard at most, the shards being alike), age in steps and the exchange's bandwidth."""
+    key = frozenset({("node", "n0"), ("rank", str(rank))})
+
+    def exchanged():
+        m = parse_metrics(c.agents[0].metrics())
+        return m if m.get(("rankwatch_rank_snapshot_exchanges_total", key), 0) >= 2 else None
+
+    m = wait_for(exchanged, 60, 0.5, "two snapshot exchanges in n0's metrics")
+    shard = m[("rankwatch_rank_snapshot_shard_bytes", key)]
+    memory = m[("rankwatch_rank_snapshot_memory_bytes", key)]
+    assert m[("rankwatch_rank_snapshot_send_bytes_per_second", key)] > 0
+    assert m[("rankwatch_rank_snapshot_failures_total", key)] == 0
+    assert 0 <= m[("rankwatch_rank_snapshot_age_steps", key)] <= 2 * K
+    assert shard < memory <= 2.2 * shard   # its own and one buddy's copy of a like shard
+
+
 def test_plain_fsdp2_node_kill_recovers_from_peer_snapshots(tmp_path):
     steps = 60
     common = ("--steps", str(steps), "--log-every", "0", "--batch-size", "2", "--step-sleep", "0.03")
@@ -35,6 +53,7 @@ def test_plain_fsdp2_node_kill_recovers_from_peer_snapshots(tmp_path):
         jobs = [c.torchrun(i, "2:3", 1, *common, "--in-process-recovery", "--snapshot-every", str(K),
                            "--metrics-out", str(out), launcher="rankwatch") for i in range(3)]
         rs = wait_for(lambda: _training(c, 3, 3, 12), 180, what="3 nodes training")
+        _check_snapshot_metrics(c, next(r["rank"] for r in rs if r["node"] == "n0"))
         c.kill_node(1, jobs[1], [r["pid"] for r in rs if r["node"] == "n1"])
         for i in (0, 2):
             assert jobs[i].wait(240) == 0, f"node n{i}'s torchrun failed"

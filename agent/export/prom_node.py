@@ -101,6 +101,7 @@ class NodeCollector:
                                    "mesh": ",".join(f"{k}={v}" for k, v in sorted(r.mesh_coords.items()))})
         yield from (step, secs, phase, seq, colls, dropped, conn, state, tps, slow, own, wait, rinfo)
         yield from self._straggler_metrics(node, {r.rank for r in ranks})
+        yield from _snapshot_metrics(node, ranks)
         counts = GaugeMetricFamily("rankwatch_ranks", "This node's ranks by state.", labels=["node", "state"])
         for name in STATES:
             counts.add_metric([node, name], sum(1 for r in ranks if r.state == name))
@@ -175,3 +176,39 @@ class NodeCollector:
                                   labels=["node"])
             g.add_metric([node], mfu)
             yield g
+
+
+def _snapshot_metrics(node: str, ranks: list) -> Iterable[Metric]:
+    """The in-process tier's peer snapshots, for the node's ranks that take them."""
+    lbl = ["node", "rank"]
+    memory = GaugeMetricFamily("rankwatch_rank_snapshot_memory_bytes",
+                               "Host bytes a rank's peer snapshots hold (its own and its buddies' copies).",
+                               labels=lbl)
+    age = GaugeMetricFamily("rankwatch_rank_snapshot_age_steps",
+                            "Steps since a rank's last peer snapshot (what a recovery from it recomputes).",
+                            labels=lbl)
+    shard = GaugeMetricFamily("rankwatch_rank_snapshot_shard_bytes",
+                              "Bytes of a rank's own snapshot (its shards, optimizer state, step and RNG).",
+                              labels=lbl)
+    rate = GaugeMetricFamily("rankwatch_rank_snapshot_send_bytes_per_second",
+                             "What a rank's last snapshot exchange with its buddy sent, per second.", labels=lbl)
+    copy = GaugeMetricFamily("rankwatch_rank_snapshot_copy_seconds",
+                             "How long a rank's last snapshot copy stalled its step.", labels=lbl)
+    done = CounterMetricFamily("rankwatch_rank_snapshot_exchanges", "Snapshot exchanges a rank completed.",
+                               labels=lbl)
+    failed = CounterMetricFamily("rankwatch_rank_snapshot_failures", "Snapshots or exchanges that failed.",
+                                 labels=lbl)
+    for r in ranks:
+        s = r.snapshot
+        if s is None:
+            continue
+        key = [node, str(r.rank)]
+        memory.add_metric(key, s.memory_bytes)
+        shard.add_metric(key, s.sent_bytes)
+        age.add_metric(key, max(0, r.step - s.step) if s.step >= 0 else 0)
+        rate.add_metric(key, s.sent_bytes / s.send_seconds if s.send_seconds > 0 else 0.0)
+        copy.add_metric(key, s.copy_seconds)
+        done.add_metric(key, s.exchanges)
+        failed.add_metric(key, s.failures)
+    yield from (memory, shard, age, rate, copy, done, failed)
+

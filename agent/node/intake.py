@@ -144,6 +144,9 @@ class NodeState:
                 self._apply_progress(rank, batch.progress)
             for load in batch.expert_loads:
                 rank.expert_tokens.append(sum(load.tokens))
+            if batch.HasField("snapshot"):
+                rank.snapshot = pb.SnapshotStats()
+                rank.snapshot.CopyFrom(batch.snapshot)
             if batch.HasField("mesh"):
                 rank.mesh_coords = dict(batch.mesh.mesh_coords)
                 rank.mesh_shape = dict(batch.mesh.mesh_shape)

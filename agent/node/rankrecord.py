@@ -11,6 +11,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +68,8 @@ class RankState:
     step_flops: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     expert_tokens: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     """Tokens its local experts received, per step it reported (a mixture of experts)."""
+    snapshot: Any = None
+    """Its peer snapshots' latest stats (a checked ``pb.SnapshotStats``), or None."""
     # Per step: the rank's own work (wall time not blocked in collectives),
     # its data-loader wait, and its time blocked in collectives.
     own_work: deque = field(default_factory=lambda: deque(maxlen=WORK_WINDOW))

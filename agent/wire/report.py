@@ -23,7 +23,7 @@ from rankwatch.agent.wire.ranges import (
 from rankwatch.proto import pb
 
 __all__ = [
-    "check_batch", "check_checkpoints", "check_collective_columns", "check_expert_loads", "check_hello", "check_mesh", "check_progress",
+    "check_batch", "check_checkpoints", "check_collective_columns", "check_expert_loads", "check_hello", "check_snapshot", "check_mesh", "check_progress",
     "check_progress_shape", "check_recovery", "check_step_columns", "check_step_shapes", "decode_collectives",
 ]
 
@@ -148,6 +148,18 @@ def check_batch(batch: pb.Batch, collectives: dict[str, np.ndarray] | None = Non
         raise Rejected("oversized", f"{len(batch.recoveries)} recovery records in one batch")
     if batch.expert_loads:
         check_expert_loads(batch.expert_loads)
+    if batch.HasField("snapshot"):
+        check_snapshot(batch.snapshot)
+
+
+def check_snapshot(s: pb.SnapshotStats) -> None:
+    """A rank's peer-snapshot stats: a step, byte counts and counts in range, two durations."""
+    check_count(s.step, "snapshot step", lo=-1)
+    for value, what in ((s.memory_bytes, "snapshot memory_bytes"), (s.sent_bytes, "snapshot sent_bytes"),
+                        (s.exchanges, "snapshot exchanges"), (s.failures, "snapshot failures")):
+        check_count(value, what)
+    check_duration(s.send_seconds, "snapshot send_seconds")
+    check_duration(s.copy_seconds, "snapshot copy_seconds")
 
 
 def check_expert_loads(loads: Sequence[pb.ExpertLoad]) -> None:

@@ -49,6 +49,7 @@ class BatchBuilder:
         self._max_index = -1       # highest record index seen
         self.overflow = 0
         """Collective records the recorder's bounded deque discarded before a drain."""
+        self._sent_snapshot: tuple | None = None   # the peer snapshots' stats last sent
 
     def build(self, checkpoints: deque[pb.CheckpointRecord], recoveries: deque[pb.RecoveryRecord],
               dropped_total: Callable[[], int]) -> tuple[pb.Batch, int]:
@@ -73,6 +74,13 @@ class BatchBuilder:
             batch.recoveries.append(recoveries.popleft())
         for step, tokens in _drain(rec.expert_loads, self._max_batch):
             batch.expert_loads.append(pb.ExpertLoad(step=step, tokens=tokens))
+        snap = rec.snapshot
+        if snap is not None and snap is not self._sent_snapshot:   # the latest, once
+            self._sent_snapshot = snap
+            batch.snapshot.CopyFrom(pb.SnapshotStats(
+                step=snap[0], memory_bytes=snap[1], sent_bytes=snap[2], send_seconds=snap[3],
+                copy_seconds=snap[4], exchanges=snap[5], failures=snap[6]))
+            n += 1
         # Counted, so that a batch holding only them is sent (not discarded as empty).
         n += len(batch.checkpoints) + len(batch.recoveries) + len(batch.expert_loads)
         batch.progress.CopyFrom(self._progress())

@@ -113,6 +113,12 @@ class Monitor:
         the slow rank's experts got more tokens than the others'.  Hot path: one append."""
         self.recorder.expert_load(counts)
 
+    def peer_snapshot(self, stats: Any) -> None:
+        """The in-process tier's peer snapshots took one (``stats``: step, memory_bytes,
+        sent_bytes, send_seconds, copy_seconds, exchanges, failures); sent with the next batch."""
+        self.recorder.snapshot = (stats.step, stats.memory_bytes, stats.sent_bytes, stats.send_seconds,
+                                  stats.copy_seconds, stats.exchanges, stats.failures)
+
     def pipeline_stage(self, stage: int, stages: int) -> None:
         """This rank's pipeline stage, for a script that splits its model without a DeviceMesh
         ``pp`` dimension: stragglers are then compared within a stage, never across stages."""
@@ -231,6 +237,9 @@ class NullMonitor:
         pass
 
     def expert_load(self, counts: Iterable[int]) -> None:
+        pass
+
+    def peer_snapshot(self, stats: Any) -> None:
         pass
 
     def pipeline_stage(self, stage: int, stages: int) -> None:

@@ -75,6 +75,8 @@ class Recorder:
         # training thread is blocked in, or None.
         self.inflight: tuple | None = None
         self.microbatch: tuple[str, int] | None = None
+        self.snapshot: tuple | None = None
+        """The peer snapshots' latest stats (:meth:`Monitor.peer_snapshot`), or None."""
         """The pipeline pass and microbatch its stage began last (:mod:`.chunk_watch`)."""
         # Clock anchors to turn monotonic ns into Unix seconds off the hot path.
         self.mono0_ns = time.perf_counter_ns()

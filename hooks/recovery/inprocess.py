@@ -188,7 +188,7 @@ class InProcessRecovery:
         join, leaves the step here so that every survivor admits them (see the module)."""
         phases = self._finish_report(step) if self._report is not None else None
         if self.snapshots is not None and self.snapshots.due(step) and self._job is not None:
-            self.snapshots.take(self._job, step)
+            report.snapshot(self._monitor, self.snapshots.take(self._job, step))
         if self._joins is not None and self._joins.due(step):
             log.warning("rankwatch: leaving the training after step %d to admit joining workers", step)
             if self._drain is not None:   # the break shuts every group's connections, its own too

@@ -8,7 +8,7 @@ from typing import Any
 
 from rankwatch.hooks.recovery.decide import Membership
 
-__all__ = ["activity", "deliver", "send"]
+__all__ = ["activity", "deliver", "send", "snapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,17 @@ def send(monitor: Any, caught: float, step: int, old: Membership, new: Membershi
                   ok=ok, error=error, rank_after=new.rank)
     except Exception as exc:  # noqa: BLE001 - reporting never breaks training
         log.warning("rankwatch: could not report the recovery: %s", exc)
+
+
+def snapshot(monitor: Any, stats: Any) -> None:
+    """Report the peer snapshots' latest stats (``monitor.peer_snapshot``); never raises."""
+    taken = getattr(monitor, "peer_snapshot", None)
+    if taken is None:
+        return
+    try:
+        taken(stats)
+    except Exception as exc:  # noqa: BLE001 - reporting never breaks training
+        log.warning("rankwatch: could not report the snapshot: %s", exc)
 
 
 def deliver(monitor: Any) -> None:

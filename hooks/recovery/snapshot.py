@@ -64,6 +64,7 @@ class Stats:
     held_bytes: int = 0
     exchanges: int = 0
     failures: int = 0
+    memory_bytes: int = 0
 
     @property
     def bandwidth(self) -> float:
@@ -179,9 +180,15 @@ class PeerSnapshots:
         return self.held[owner]
 
     # -- taking ----------------------------------------------------------------------
-    def take(self, job: Job, step: int, position: int | None = None) -> None:
+    def take(self, job: Job, step: int, position: int | None = None) -> Stats:
         """Copy this rank's shards (the step waits for this only), then exchange them with
-        the buddies in the background.  Never raises: a failed snapshot leaves the last."""
+        the buddies in the background; returns the stats (the exchange's are the last one's).
+        Never raises: a failed snapshot leaves the last."""
+        self._take(job, step, position)
+        self.stats.memory_bytes = self.memory_bytes()
+        return self.stats
+
+    def _take(self, job: Job, step: int, position: int | None) -> None:
         import torch
 
         try:

@@ -221,7 +221,7 @@ class RecoveryRecord(_message.Message):
     def __init__(self, started_at: _Optional[float] = ..., step: _Optional[int] = ..., old_world_size: _Optional[int] = ..., new_world_size: _Optional[int] = ..., dropped_nodes: _Optional[_Iterable[str]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ..., rank_after: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives", "checkpoints", "recoveries", "exit", "mesh", "expert_loads")
+    __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives", "checkpoints", "recoveries", "exit", "mesh", "expert_loads", "snapshot")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class Batch(_message.Message):
     EXIT_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     EXPERT_LOADS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     dropped_total: int
     progress: Progress
@@ -242,7 +243,26 @@ class Batch(_message.Message):
     exit: ExitRecord
     mesh: MeshUpdate
     expert_loads: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
-    def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ..., exit: _Optional[_Union[ExitRecord, _Mapping]] = ..., mesh: _Optional[_Union[MeshUpdate, _Mapping]] = ..., expert_loads: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
+    snapshot: SnapshotStats
+    def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ..., exit: _Optional[_Union[ExitRecord, _Mapping]] = ..., mesh: _Optional[_Union[MeshUpdate, _Mapping]] = ..., expert_loads: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., snapshot: _Optional[_Union[SnapshotStats, _Mapping]] = ...) -> None: ...
+
+class SnapshotStats(_message.Message):
+    __slots__ = ("step", "memory_bytes", "sent_bytes", "send_seconds", "copy_seconds", "exchanges", "failures")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    memory_bytes: int
+    sent_bytes: int
+    send_seconds: float
+    copy_seconds: float
+    exchanges: int
+    failures: int
+    def __init__(self, step: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., send_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
 
 class MeshUpdate(_message.Message):
     __slots__ = ("mesh_coords", "mesh_shape")
