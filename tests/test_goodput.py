@@ -121,6 +121,20 @@ def test_a_failed_attempt_then_a_torchrun_restart_is_not_counted_twice():
     assert lost(T0 + 99, incidents=[failed])["restart"] == pytest.approx(4.0)
 
 
+def test_workers_that_went_back_to_a_peer_snapshot_in_process_recompute_the_steps_since():
+    """The same processes, world 3 -> 2, back to the snapshot at step 80 from step 84: steps
+    81..84 are trained again (recompute), and what comes after them is new work."""
+    p = StepProgress()
+    for s in range(1, 85):
+        p.observe(T0 + s - 1, [s, s, s], 1.0, [(100, s, s), (101, s, s), (102, s, s)])
+    p.observe(T0 + 86, [81, 81], 1.0, [(100, 81, 85), (101, 81, 85)])
+    p.observe(T0 + 89, [84, 84], 1.0, [(100, 84, 88), (101, 84, 88)])
+    p.observe(T0 + 95, [90, 90], 1.0, [(100, 90, 94), (101, 90, 94)])
+    (r,) = p.snapshot().resumes
+    assert (r.step, r.high_water) == (81, 84)
+    assert lost(T0 + 95, progress=p.snapshot())["recompute"] == pytest.approx(3.0)   # 82..84 (81 was the dip's)
+
+
 def test_recompute_counts_the_steps_trained_again_after_resuming_from_an_older_checkpoint():
     p = started(step_seconds=0.5)
     for step in range(2, 61):

@@ -12,9 +12,9 @@ What was lost is split into
   a failed attempt reached).  Time covered by several restarts (the nodes' reports of
   one recovery, a failed attempt and the torchrun restart that took over) counts once;
 * a hang's time that an in-process recovery covers is the recovery's, not the hang's;
-* ``recompute``: steps trained again after resuming from an older checkpoint (the
-  steps retrained so far, up to the high-water mark before the resume, times the
-  step time);
+* ``recompute``: steps trained again after resuming from an older checkpoint or a peer
+  snapshot (the steps retrained so far, up to the high-water mark before the resume, times
+  the step time);
 * ``checkpoint``: time the training thread spent in checkpoint saves (each saved
   step once, the longest any node reported);
 
@@ -99,7 +99,8 @@ def _advance(p: Progress, now: float, steps: Sequence[int], step_seconds: float,
     pid not seen stepping before whose first step came after an older checkpoint; without,
     the fastest rank's step going back (a sample can miss that dip when the new workers
     pass the old top before it).  Workers that regroup in process keep their pids and go
-    on from where they were: no resume.
+    on from where they were: no resume; unless they went back to a peer snapshot's step (the
+    same pids, the fastest rank's step going back), which is a resume they retrain from.
     """
     steps = [s for s in steps if s >= 0]  # a worker that has not stepped yet (-1) says nothing
     if not steps:
@@ -121,6 +122,11 @@ def _advance(p: Progress, now: float, steps: Sequence[int], step_seconds: float,
             resumes += (Resume(at=max(now - done * step_seconds, p.advanced_at or now), step=back_to,
                                high_water=p.high_water, reached=top, step_seconds=step_seconds,
                                down_from=p.advanced_at),)
+        elif not fresh and 0 <= top < p.last_top and top < p.high_water:
+            # The same workers went back: regrouped in process from a peer snapshot, they train
+            # the steps since it again.
+            resumes += (Resume(at=now, step=top, high_water=p.high_water, reached=top,
+                               step_seconds=step_seconds, down_from=p.advanced_at),)
     elif 0 <= top < p.last_top and top < p.high_water:
         # Ranks restarted behind the high-water mark: what they train up to it is recomputed.
         resumes += (Resume(at=now, step=top, high_water=p.high_water, reached=top,
