@@ -79,3 +79,23 @@ def test_snapshot_stats_out_of_range_refuse_the_batch_whole(bad):
     with pytest.raises(Rejected):
         st.ingest(r, pb.Batch(seq=1, snapshot=pb.SnapshotStats(**{"step": 1, **bad})))
     assert r.snapshot is None and r.last_batch_seq == 0
+
+
+def test_a_recovery_from_a_snapshot_reports_the_steps_it_recomputes_and_the_snapshots_copy_and_send():
+    from rankwatch.agent.durable.incidents import IncidentLog
+    from rankwatch.agent.node.recoveries import RecoveryLog
+
+    rec = pb.RecoveryRecord(started_at=1.7e9, step=40, old_world_size=3, new_world_size=2, dropped_nodes=["n1"],
+                            ok=True, phases={"left_step": 0.01, "resharded": 0.05, "first_step": 0.2}, rank_after=0,
+                            failed_at=43, snapshot=pb.SnapshotStats(step=40, copy_seconds=0.004, send_seconds=0.3,
+                                                                    sent_bytes=1 << 20))
+    st = NodeState("n0")
+    r = st.hello(pb.Hello(rank=0, world_size=3, pid=1000, node_id="n0", backend="gloo", op_names=list(OPS)))
+    (taken,) = st.take_recoveries(r, [rec])
+    inc = RecoveryLog("n0", IncidentLog(None)).record(0, taken)
+    assert inc.detail["recomputed_steps"] == 3
+    assert inc.detail["snapshot"] == {"step": 40, "copy_seconds": 0.004, "send_seconds": 0.3, "bytes": 1 << 20}
+    bad = pb.RecoveryRecord()
+    bad.CopyFrom(rec)
+    bad.snapshot.send_seconds = float("inf")
+    assert st.take_recoveries(r, [bad]) == []   # refused alone

@@ -38,11 +38,20 @@ _KEPT = 256   # recent recoveries a node agent matches reports against
 
 
 def detail(rec: pb.RecoveryRecord) -> dict[str, Any]:
-    """The incident detail of a (validated) record."""
-    return {"tier": TIER, "ok": rec.ok, "step": rec.step, "old_world_size": rec.old_world_size,
-            "new_world_size": rec.new_world_size, "dropped_nodes": list(rec.dropped_nodes),
-            "phases": {name: round(rec.phases[name], 6) for name in RECOVERY_PHASES if name in rec.phases},
-            "error": clean_text(rec.error), "started_at": rec.started_at}
+    """The incident detail of a (validated) record: with ``recomputed_steps`` where the failure
+    cut a later step than the one training goes on from (a peer snapshot's), and the snapshot's
+    copy and send where the rank takes them."""
+    out = {"tier": TIER, "ok": rec.ok, "step": rec.step, "old_world_size": rec.old_world_size,
+           "new_world_size": rec.new_world_size, "dropped_nodes": list(rec.dropped_nodes),
+           "phases": {name: round(rec.phases[name], 6) for name in RECOVERY_PHASES if name in rec.phases},
+           "error": clean_text(rec.error), "started_at": rec.started_at}
+    if rec.HasField("failed_at"):
+        out["recomputed_steps"] = max(0, rec.failed_at - rec.step)
+    if rec.HasField("snapshot"):
+        s = rec.snapshot
+        out["snapshot"] = {"step": s.step, "copy_seconds": round(s.copy_seconds, 6),
+                           "send_seconds": round(s.send_seconds, 6), "bytes": s.sent_bytes}
+    return out
 
 
 def is_in_process(inc: Incident) -> bool:

@@ -280,3 +280,7 @@ def check_recovery(rec: pb.RecoveryRecord, now: float | None = None) -> None:
     for node in rec.dropped_nodes:
         check_label(node, "a recovery's dropped node")
     check_recovery_phases(rec.phases)
+    if rec.HasField("failed_at"):
+        check_count(rec.failed_at, "recovery failed_at", lo=-1)
+    if rec.HasField("snapshot"):
+        check_snapshot(rec.snapshot)

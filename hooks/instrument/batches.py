@@ -21,7 +21,7 @@ from rankwatch.hooks.instrument.op_record import peer_rank
 from rankwatch.hooks.instrument.recorder import ACTIVITY_IDLE, ACTIVITY_TRAIN, OPS, Recorder
 from rankwatch.proto import pb
 
-__all__ = ["BatchBuilder"]
+__all__ = ["BatchBuilder", "snapshot_stats"]
 
 _STACKS_EVERY = 2.0       # seconds between a stuck rank's stack samples
 _STUCK_MIN = 2.0          # a step running this long, and 4x its usual time, looks stuck
@@ -77,9 +77,7 @@ class BatchBuilder:
         snap = rec.snapshot
         if snap is not None and snap is not self._sent_snapshot:   # the latest, once
             self._sent_snapshot = snap
-            batch.snapshot.CopyFrom(pb.SnapshotStats(
-                step=snap[0], memory_bytes=snap[1], sent_bytes=snap[2], send_seconds=snap[3],
-                copy_seconds=snap[4], exchanges=snap[5], failures=snap[6]))
+            batch.snapshot.CopyFrom(snapshot_stats(snap))
             n += 1
         # Counted, so that a batch holding only them is sent (not discarded as empty).
         n += len(batch.checkpoints) + len(batch.recoveries) + len(batch.expert_loads)
@@ -170,3 +168,11 @@ def _drain(dq: Any, limit: int) -> list[tuple]:
     except IndexError:
         pass
     return out
+
+
+def snapshot_stats(snap: tuple) -> pb.SnapshotStats:
+    """The peer snapshots' stats as the recorder keeps them (:attr:`Recorder.snapshot`), for the wire."""
+    step, memory, sent, send_seconds, copy_seconds, exchanges, failures = snap
+    return pb.SnapshotStats(step=step, memory_bytes=memory, sent_bytes=sent, send_seconds=send_seconds,
+                            copy_seconds=copy_seconds, exchanges=exchanges, failures=failures)
+

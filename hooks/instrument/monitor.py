@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from rankwatch.address import Address, node_id, resolve
 from rankwatch.credentials import ClientCredentials
 from rankwatch.proto import pb
+from rankwatch.hooks.instrument.batches import snapshot_stats
 from rankwatch.hooks.instrument.recorder import (
     ACTIVITY_CHECKPOINT,
     ACTIVITY_EVAL,
@@ -185,14 +186,16 @@ class Monitor:
 
     def recovered(self, *, started_at: float, step: int, old_world_size: int, new_world_size: int,
                   dropped_nodes: Iterable[str], phases: Mapping[str, float], ok: bool, error: str = "",
-                  rank_after: int) -> None:
+                  rank_after: int, failed_at: int | None = None) -> None:
         """Report an in-process recovery this rank took part in, or a failed attempt at one.
 
         Every surviving rank reports it; the agent keeps one incident per recovery and node.
         ``started_at`` is when this rank caught the failure (Unix seconds), ``step`` the last
         step every survivor completed, ``phases`` the seconds since ``started_at`` at the end
         of each phase reached (``left_step``, ``agreed``, ``reinitialised``, ``restored``,
-        ``first_step``), ``rank_after`` this rank's rank in the new world.  The record waits
+        ``first_step``), ``rank_after`` this rank's rank in the new world, ``failed_at`` the
+        step the failure cut short (the steps after ``step`` up to it are trained again), and the
+        latest peer snapshot's copy and send go with it where it takes them.  The record waits
         in a bounded buffer for the sender thread.  Never raises: the recovery tier calls it
         on its way back to training, and a report must not stop that.
         """
@@ -204,6 +207,10 @@ class Monitor:
                 new_world_size=new_world_size, dropped_nodes=[str(n) for n in dropped_nodes],
                 ok=ok, error=str(error)[:2000], phases={str(k): float(v) for k, v in phases.items()},
                 rank_after=rank_after)
+            if failed_at is not None:
+                record.failed_at = int(failed_at)
+            if self.recorder.snapshot is not None:
+                record.snapshot.CopyFrom(snapshot_stats(self.recorder.snapshot))
             self._client.recovered(record)
         except Exception:  # noqa: BLE001 - reporting never fails the recovery
             log.exception("rankwatch: recovery at step %s not reported", step)

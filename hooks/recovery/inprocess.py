@@ -297,7 +297,7 @@ class InProcessRecovery:
         self.membership = new
         self._joins.follow(new.rank, job.replica_size)
         self._joins.settle(decision)
-        self._report = {"caught": caught, "t0": t0, "step": decision.step, "old": old, "phases": phases}
+        self._report = {"caught": caught, "t0": t0, "step": decision.step, "old": old, "phases": phases, "at": completed}
         joined = [r for r in decision.members if r not in old.members]
         log.warning("rankwatch: recovered in process: rank %d -> %d of %d, without node(s) %s%s, from step %d "
                     "(%.3f s so far)", old.rank, new.rank, new.world_size, ", ".join(decision.dropped_nodes) or "-",
@@ -391,7 +391,7 @@ class InProcessRecovery:
         log.warning("rankwatch: first step after the in-process recovery: step %d, %.3f s after the failure "
                     "(%s)", step, r["phases"]["first_step"],
                     ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
-        report.send(self._monitor, r["caught"], r["step"], r["old"], self.membership, r["phases"], ok=True)
+        report.send(self._monitor, r["caught"], r["step"], r["old"], self.membership, r["phases"], True, failed_at=r["at"])
         return r["phases"]
 
     @property

@@ -20,15 +20,17 @@ def activity(monitor: Any, name: str) -> Any:
 
 
 def send(monitor: Any, caught: float, step: int, old: Membership, new: Membership, phases: dict[str, float],
-         ok: bool, error: str = "") -> None:
-    """Report one recovery attempt (``monitor.recovered``); never raises."""
+         ok: bool, error: str = "", failed_at: int | None = None) -> None:
+    """Report one recovery attempt (``monitor.recovered``; ``failed_at``: the step the failure
+    cut short, when training goes on from an earlier one); never raises."""
     recovered = getattr(monitor, "recovered", None)
     if recovered is None:
         return
     try:
+        more = {} if failed_at is None else {"failed_at": failed_at}
         recovered(started_at=caught, step=step, old_world_size=old.world_size, new_world_size=new.world_size,
                   dropped_nodes=list(new.dropped_nodes[len(old.dropped_nodes):]), phases=dict(phases),
-                  ok=ok, error=error, rank_after=new.rank)
+                  ok=ok, error=error, rank_after=new.rank, **more)
     except Exception as exc:  # noqa: BLE001 - reporting never breaks training
         log.warning("rankwatch: could not report the recovery: %s", exc)
 

@@ -192,7 +192,7 @@ class CheckpointRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., started_at: _Optional[float] = ..., duration: _Optional[float] = ..., path: _Optional[str] = ..., request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., completed_after: _Optional[float] = ..., asynchronous: _Optional[bool] = ...) -> None: ...
 
 class RecoveryRecord(_message.Message):
-    __slots__ = ("started_at", "step", "old_world_size", "new_world_size", "dropped_nodes", "ok", "error", "phases", "rank_after")
+    __slots__ = ("started_at", "step", "old_world_size", "new_world_size", "dropped_nodes", "ok", "error", "phases", "rank_after", "failed_at", "snapshot")
     class PhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,8 @@ class RecoveryRecord(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
     RANK_AFTER_FIELD_NUMBER: _ClassVar[int]
+    FAILED_AT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     started_at: float
     step: int
     old_world_size: int
@@ -218,7 +220,9 @@ class RecoveryRecord(_message.Message):
     error: str
     phases: _containers.ScalarMap[str, float]
     rank_after: int
-    def __init__(self, started_at: _Optional[float] = ..., step: _Optional[int] = ..., old_world_size: _Optional[int] = ..., new_world_size: _Optional[int] = ..., dropped_nodes: _Optional[_Iterable[str]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ..., rank_after: _Optional[int] = ...) -> None: ...
+    failed_at: int
+    snapshot: SnapshotStats
+    def __init__(self, started_at: _Optional[float] = ..., step: _Optional[int] = ..., old_world_size: _Optional[int] = ..., new_world_size: _Optional[int] = ..., dropped_nodes: _Optional[_Iterable[str]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., phases: _Optional[_Mapping[str, float]] = ..., rank_after: _Optional[int] = ..., failed_at: _Optional[int] = ..., snapshot: _Optional[_Union[SnapshotStats, _Mapping]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("seq", "dropped_total", "progress", "steps", "collectives", "checkpoints", "recoveries", "exit", "mesh", "expert_loads", "snapshot")
