@@ -87,3 +87,5 @@ def test_plain_fsdp2_node_kill_recovers_from_peer_snapshots(tmp_path):
     recs = [i["detail"] for i in status["incidents"] if i["kind"] == "restart"
             and i["detail"].get("tier") == "in_process"]
     assert len(recs) == 1 and recs[0]["ok"] and recs[0]["dropped_nodes"] == ["n1"], recs
+    # What the snapshot cost: the steps trained again, and its copy and send.
+    assert 0 <= recs[0]["recomputed_steps"] <= K and recs[0]["snapshot"]["copy_seconds"] > 0, recs
