@@ -29,13 +29,17 @@ Launchers:
   ``--replicate 3 --in-process-recovery``: the survivors regroup in their own processes.
   ``back`` is then exact: the recovery incident's first step after the failure, from the
   workers' own clocks, minus the kill's wall time;
+* ``rankwatch-snapshots``: as ``rankwatch-inprocess`` without replicas (plain FSDP2 over the
+  three ranks) and with ``--snapshot-every 5``: the survivors reshard from the peer snapshots
+  in their own processes;
 * ``torchrun``: plain torchrun, c10d tuned the same way, with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without it tuned restarts fail),
   ``--max-restarts 3``;
 * ``torchrun-default``: plain torchrun with c10d's defaults (keep-alive 5 s x 3,
   30 s last call, the shared worker store), ``--max-restarts 3``.
 
-The same agents watch every launcher.
+The same agents watch every launcher.  With several launchers, the runs alternate between
+them (run 1 of each, then run 2 of each, ...), so that they share the machine's minutes.
 
     python benchmarks/restart.py --fault kill --runs 10 --launchers rankwatch
     python benchmarks/restart.py --fault kill --runs 10 --launchers rankwatch-default --rdzv etcd --victim 0
@@ -91,7 +95,7 @@ def _kill_tagged(tag: str) -> None:
 
 def _launch_args(launcher: str, fault: str) -> tuple[str, tuple[str, ...]]:
     """(--rdzv-conf, more launcher flags) for ``launcher``."""
-    if launcher in ("rankwatch-default", "rankwatch-inprocess"):
+    if launcher in ("rankwatch-default", "rankwatch-inprocess", "rankwatch-snapshots"):
         return "", ()
     restarts = ("0" if fault == "hang" else "1") if launcher == "rankwatch" else "3"
     return ("" if launcher == "torchrun-default" else _RDZV), ("--max-restarts", restarts, "--monitor-interval", "0.1")
@@ -100,7 +104,8 @@ def _launch_args(launcher: str, fault: str) -> tuple[str, tuple[str, ...]]:
 def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etcd: str | None) -> dict:
     with Cluster(tmp, 3, ("--min-nodes", "2"), election=etcd) as c:
         rdzv_conf, flags = _launch_args(launcher, fault)
-        inprocess = ("--replicate", "3", "--in-process-recovery") if launcher == "rankwatch-inprocess" else ()
+        inprocess = {"rankwatch-inprocess": ("--replicate", "3", "--in-process-recovery"),
+                     "rankwatch-snapshots": ("--in-process-recovery", "--snapshot-every", "5")}.get(launcher, ())
         jobs = []
         for i in range(3):
             jobs.append(c.torchrun(
@@ -127,11 +132,11 @@ def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etc
         else:
             c.kill_node(victim, jobs[victim], [victim_rank["pid"]])
         t0, killed_at = time.monotonic(), time.time()
-        named = back = None
+        named = back = recomputed = None
         while time.monotonic() - t0 < timeout and back is None:
             if inprocess and (rec := _in_process(c, name)):
                 # named: the survivors caught the failure (their collective broke).
-                named, back = rec[0] - killed_at, rec[1] - killed_at
+                named, back, recomputed = rec[0] - killed_at, rec[1] - killed_at, rec[2]
                 break
             moving = set()
             for a in survivors:
@@ -162,12 +167,12 @@ def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etc
             for log in tmp.glob("*.log"):
                 shutil.copy(log, dest / log.name)
             print(f"in-process recovery did not happen: logs in {dest}", flush=True)
-        return {"named": named, "back": back}
+        return {"named": named, "back": back, "recomputed": recomputed}
 
 
-def _in_process(c: Cluster, victim: str) -> tuple[float, float] | None:
-    """Wall times (failure caught, first step after the in-process recovery), once the
-    coordinator has the recovery's incident with its first step."""
+def _in_process(c: Cluster, victim: str) -> tuple[float, float, int | None] | None:
+    """Wall times (failure caught, first step after the in-process recovery) and the steps
+    recomputed, once the coordinator has the recovery's incident with its first step."""
     for a in c.agents:
         if a.node == victim:
             continue
@@ -181,7 +186,7 @@ def _in_process(c: Cluster, victim: str) -> tuple[float, float] | None:
             d = i["detail"]
             if i["kind"] == "restart" and d.get("tier") == "in_process" and d.get("ok") and \
                     "first_step" in d.get("phases", {}):
-                return d["started_at"], d["started_at"] + d["phases"]["first_step"]
+                return d["started_at"], d["started_at"] + d["phases"]["first_step"], d.get("recomputed_steps")
     return None
 
 
@@ -194,11 +199,14 @@ def main() -> int:
     p.add_argument("--victim", type=int, choices=(0, 1, 2), default=2, help="the node that fails")
     p.add_argument("--rdzv", choices=("c10d", "etcd"), default="c10d")
     args = p.parse_args()
-    for launcher in args.launchers.split(","):
-        results = []
-        for _ in range(args.runs):
-            results.append(once(launcher, args.fault, args.timeout, args.victim, args.rdzv))
-            print(f"{launcher}: named {results[-1]['named']}, back {results[-1]['back']}", flush=True)
+    launchers = args.launchers.split(",")
+    runs: dict[str, list[dict]] = {launcher: [] for launcher in launchers}
+    for _ in range(args.runs):
+        for launcher in launchers:
+            runs[launcher].append(once(launcher, args.fault, args.timeout, args.victim, args.rdzv))
+            r = runs[launcher][-1]
+            print(f"{launcher}: named {r['named']}, back {r['back']}, recomputed {r['recomputed']}", flush=True)
+    for launcher, results in runs.items():
         named = [r["named"] for r in results if r["named"] is not None]
         back = [r["back"] for r in results if r["back"] is not None]
         print(f"{launcher}: hang named in {len(named)}/{len(results)} "
