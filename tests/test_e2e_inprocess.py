@@ -89,40 +89,18 @@ def test_node_kill_survivors_regroup_in_process(tmp_path):
     assert saved["step"] == steps and (saved["world_size"], saved["dp"], saved["global_batch"]) == (3, 3, 12), saved
 
 
-def test_tensor_parallel_replicas_regroup_in_process(tmp_path):
-    """Three nodes of two ranks, each node one replica of the model split over its two ranks
-    by tensor parallelism (--tp 2 --replicate 3).  n1 is SIGKILLed whole: n0 and n2 train on
-    in their processes, and the two replicas left hold the same TP shards, bit for bit, at
-    each TP position."""
-    out = tmp_path / "metrics"
-    steps = 60
-    with Cluster(tmp_path, 3) as c:
-        jobs = [c.torchrun(i, "2:3", 2, "--steps", str(steps), "--log-every", "0", "--replicate", "3",
-                           "--tp", "2", "--in-process-recovery", "--metrics-out", str(out), launcher="rankwatch")
-                for i in range(3)]
-        before = _kill_and_finish(c, jobs, victim=1, nodes=3, ranks=6)
-    m = _metrics(out, [f"rank{r}.json" for r in sorted(before.values())])
-    assert sorted(d["pid"] for d in m.values()) == sorted(before)   # the same processes
-    for d in m.values():
-        (rec,) = d["recoveries"]
-        assert d["world_size_now"] == 4 and rec["world_size"] == 4, rec
-        assert len(d["losses"]) == _recorded(d, steps)   # no step lost or trained twice
-    # Ranks 0, 1 of the new world are one replica's TP pair, 2, 3 the other's.
-    by_rank = {d["recoveries"][0]["rank"]: d["param_digest"] for d in m.values()}
-    assert sorted(by_rank) == [0, 1, 2, 3]
-    assert by_rank[0] == by_rank[2] and by_rank[1] == by_rank[3] and by_rank[0] != by_rank[1], by_rank
-
-
-def test_pipeline_replicas_regroup_in_process(tmp_path):
-    """Three nodes of two ranks, each node one whole replica of a two-stage pipeline (--pp 2
+@pytest.mark.parametrize("split", [("--tp", "2"), ("--pp", "2")], ids=["tensor_parallel", "pipeline"])
+def test_replicas_split_over_a_nodes_ranks_regroup_in_process(tmp_path, split):
+    """Three nodes of two ranks, each node one replica of the model split over its two ranks:
+    by tensor parallelism (--tp 2 --replicate 3), or as a two-stage pipeline (--pp 2
     --replicate 3: stage 0 and stage 1 on the node's two ranks).  n1 is SIGKILLed whole: n0
-    and n2 train on in their processes, and the two replicas left hold the same stage
-    parameters, bit for bit, at each stage."""
+    and n2 train on in their processes, and the two replicas left hold the same shards (TP
+    positions, or stages), bit for bit, at each position."""
     out = tmp_path / "metrics"
     steps = 60
     with Cluster(tmp_path, 3) as c:
         jobs = [c.torchrun(i, "2:3", 2, "--steps", str(steps), "--log-every", "0", "--replicate", "3",
-                           "--pp", "2", "--in-process-recovery", "--metrics-out", str(out), launcher="rankwatch")
+                           *split, "--in-process-recovery", "--metrics-out", str(out), launcher="rankwatch")
                 for i in range(3)]
         before = _kill_and_finish(c, jobs, victim=1, nodes=3, ranks=6)
     m = _metrics(out, [f"rank{r}.json" for r in sorted(before.values())])
@@ -131,7 +109,7 @@ def test_pipeline_replicas_regroup_in_process(tmp_path):
         (rec,) = d["recoveries"]
         assert d["world_size_now"] == 4 and rec["world_size"] == 4, rec
         assert len(d["losses"]) == _recorded(d, steps)   # no step lost or trained twice
-    # Ranks 0, 1 of the new world are one replica's two stages, 2, 3 the other's.
+    # Ranks 0, 1 of the new world are one replica's pair, 2, 3 the other's.
     by_rank = {d["recoveries"][0]["rank"]: d["param_digest"] for d in m.values()}
     assert sorted(by_rank) == [0, 1, 2, 3]
     assert by_rank[0] == by_rank[2] and by_rank[1] == by_rank[3] and by_rank[0] != by_rank[1], by_rank
