@@ -2,15 +2,16 @@
 
 Every dashboard query (panels, annotations, template variables) goes through
 Prometheus's HTTP API: it must be valid PromQL, and it must return data for
-the run.  Three agents, two 2-rank jobs:
+the run.  Three agents, three jobs:
 
 - n0 is the coordinator of n1's job, as on a multi-node cluster, and has no
   ranks of its own;
 - n1 runs a job with a hang (rank 0 stuck in Python), periodic and requested
   checkpoints, one undecodable message, and scripted GPU faults (thermal
   slowdown, ECC, row remaps, NVLink and PCIe errors, an XID 79, a lost GPU);
-- n2 is a standalone node whose job has a straggler (rank 1's compute slowed);
-  its agent is stopped at the end.
+- n2 is a standalone node whose job has a straggler (rank 1's compute slowed), then
+  a short 4-rank pipeline job with experts (the stage and expert panels); its agent is
+  stopped at the end.
 
 The alert rules are loaded too: they must evaluate without error, and the
 alerts those faults call for must go pending or fire.
@@ -88,6 +89,8 @@ HANG_JOB = ("--steps", "150", *PACE, "--checkpoint-interval", "50",
             "--fault", "sleep_forward:0:110:8")    # rank 0 stuck 8 s in forward at step 110
 STRAGGLER_JOB = ("--steps", "120", *PACE,
                  "--fault", "slow_compute:1:20:0.5")  # rank 1's forward slower from step 20
+# Then, on n2, a head-heavy two-stage pipeline with experts, for the stage and expert panels.
+PIPELINE_JOB = ("--steps", "40", "--pp", "2", "--ep", "2", "--layers", "4", "--pp-split", "1,3")
 SCRAPE = "1s"
 RATE_INTERVAL = "5s"
 
@@ -210,6 +213,8 @@ def test_dashboards_and_alerts_on_a_real_stack(stack, tmp_path):
         request_checkpoint(job_agent)
         for job, node in zip(jobs, ("n1", "n2")):
             assert job.wait(150) == 0, (tmp_path / f"job-{node}.log").read_text()[-3000:]
+        jobs.append(torchrun(4, *PIPELINE_JOB, agent=standalone.addr, log=tmp_path / "job-n2-pp.log"))
+        assert jobs[-1].wait(150) == 0, (tmp_path / "job-n2-pp.log").read_text()[-3000:]
     finally:
         for job in jobs:
             if job.poll() is None:
