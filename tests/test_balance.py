@@ -150,3 +150,12 @@ def test_the_coordinator_reads_stages_spread_over_nodes_from_their_summaries():
     assert c.exclude("n1", "test") is not None
     watch.update(nodes[0], c.view)
     assert watch.shown() == (None, None)   # an excluded node's stage is no part of the job
+
+
+def test_a_status_answer_lists_a_bounded_number_of_stages():
+    from rankwatch.agent.views.work_spread import pipeline_pb
+
+    p = pipeline([(stage, *windows(0.01 * (1 + stage % 3), 0.0)) for stage in range(3000)], CFG)
+    shown = pipeline_pb(p, "job")
+    assert len(p.stages) == 3000 and len(shown.stages) == 1024
+    assert shown.imbalance == pytest.approx(3.0)   # decided over every stage

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["BalanceWatch", "Findings", "experts_pb", "pipeline_pb"]
 
 _TOKENS_SHOWN = 4096   # ranks whose tokens a Status answer lists (the wire's summary cap)
+_STAGES_SHOWN = 1024   # stages a Status answer lists (a coordinator's peers claim their mesh coordinates)
 
 Findings = tuple[str, Pipeline | None, ExpertSkew | None]
 """(scope, the pipeline's balance, the experts' skew): ``node`` or ``job``."""
@@ -88,7 +89,7 @@ def pipeline_pb(p: Pipeline, scope: str) -> pb.PipelineBalance:
     ratio = p.imbalance
     return pb.PipelineBalance(
         stages=[pb.StageLoad(stage=s.stage, ranks=s.ranks, compute_seconds=s.compute, step_seconds=s.step,
-                             bubble=s.bubble) for s in p.stages],
+                             bubble=s.bubble) for s in p.stages[:_STAGES_SHOWN]],
         imbalance=ratio if math.isfinite(ratio) else 0.0, heaviest_stage=p.heaviest, lightest_stage=p.lightest,
         idle=p.idle, text=p.text(), scope=scope)
 
