@@ -110,7 +110,11 @@ class Cluster:
         """Print each job's exit code and the tail of each node's logs (shown when a test fails)."""
         print("jobs:", [(job.pid, job.poll()) for job in self.jobs])
         for log in sorted(self.tmp.glob("job-n*.log")) + sorted(self.tmp.glob("n*.log")):
-            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            text = log.read_text(errors="replace").splitlines()
+            fatal = next((i for i, line in enumerate(text) if line.startswith("Fatal Python error")), None)
+            if fatal is not None:   # a crash's head, which its thread dump pushes out of the tail
+                print(f"==== {log.name} (crash)", *text[max(0, fatal - 20):fatal + 20], sep="\n")
+            tail = text[-lines:]
             print(f"==== {log.name} (last {len(tail)} lines)", *tail, sep="\n")
 
     def torchrun(self, node: int, nnodes: str, nproc: int, *train_args: str, launcher: str = "torchrun",

@@ -114,10 +114,12 @@ def test_an_unmodified_script_whose_loaders_all_slow_is_input_bound(tmp_path):
     try:
         wait_for(lambda: past(agent, 1), 120, interval=0.2, what="both ranks stepping")
         started = time.monotonic()
-        status = wait_for(lambda: (s := agent.status())["bottleneck"] and s["bottleneck"]["kind"] == "input" and s,
-                          30, interval=0.2, what="the job named input-bound")
+        # A rank counts once it has 10 steps in its window; its batches may trail the other's.
+        status = wait_for(lambda: (s := agent.status())["bottleneck"] and s["bottleneck"]["kind"] == "input"
+                          and s["bottleneck"]["ranks_seen"] == 2 and s, 30, interval=0.2,
+                          what="the job named input-bound from both ranks")
         b = status["bottleneck"]
-        assert b["share"] >= 0.5 and b["ranks_seen"] == 2, b
+        assert b["share"] >= 0.5, b
         assert stragglers(status) == [] and {r["state"] for r in status["ranks"]} == {"ok"}, status["incidents"]
         print(f"unmodified script input-bound {time.monotonic() - started:.1f}s after its first steps: {b}")
     finally:

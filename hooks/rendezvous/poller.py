@@ -7,6 +7,7 @@ round, :mod:`.exit_barrier`), and SIGKILLs an excluded node's workers (torchrun 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _KILL_GRACE = 1.0
 """Seconds an excluded node's workers live on, so that the healthy nodes restart first."""
+_CALL_TIMEOUT = timedelta(seconds=1)
 
 
 class RelayedHandler(Protocol):
@@ -57,16 +59,22 @@ class DecisionRelay:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="rankwatch-rdzv-relay", daemon=True)
             self._thread.start()
+            atexit.register(self.stop)
 
     def stop(self) -> None:
+        """Stop polling and wait out a call in flight (at most its 1 s deadline): gRPC can
+        crash the interpreter's exit when a daemon thread is inside a call then."""
         self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(_CALL_TIMEOUT.total_seconds() + 1.0)
 
     def _loop(self) -> None:
         from rankwatch.status import AgentUnreachable, fetch_status
 
         while not self._stop.wait(self._interval):
             try:
-                status = fetch_status(self._agent, timedelta(seconds=1))
+                status = fetch_status(self._agent, _CALL_TIMEOUT)
             except AgentUnreachable:
                 continue
             try:
