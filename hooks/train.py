@@ -83,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "slow_compute / slow_data (from STEP on, the rank's forward / data "
                         "loading takes SECONDS x its usual step time longer), skip_collective "
                         "(the rank skips the step's loss all-reduce, a desync, then stalls SECONDS), "
-                        "raise (a RuntimeError at STEP), segv (SIGSEGV to itself at STEP); "
+                        "raise (a RuntimeError at STEP), segv (SIGSEGV to itself at STEP), reload_fails "
+                        "(the in-process tier's checkpoint load raises); "
                         "RANK -1 is every rank")
     p.add_argument("--ab-block", type=int, default=0,
                    help="benchmarks: alternate blocks of N steps with rankwatch on and off")
@@ -103,7 +104,7 @@ def _count(text: str) -> int:
 
 
 _FAULT_KINDS = ("sleep_forward", "slow_checkpoint", "slow_compute", "slow_data", "skip_collective", "raise",
-                "segv")
+                "segv", "reload_fails")
 
 
 def _parallelism_flags(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,9 @@ Real torchrun "nodes" on c10d through ``rankwatch run``, each with its own agent
 from __future__ import annotations
 
 import json
+import os
+import signal
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,7 @@ from multinode import Cluster
 pytestmark = pytest.mark.e2e
 
 K = 5
+DATA = Path(__file__).parent / "data"
 
 
 def _training(cluster: Cluster, nodes: int, ranks: int, min_step: int):
@@ -89,3 +93,102 @@ def test_plain_fsdp2_node_kill_recovers_from_peer_snapshots(tmp_path):
     assert len(recs) == 1 and recs[0]["ok"] and recs[0]["dropped_nodes"] == ["n1"], recs
     # What the snapshot cost: the steps trained again, and its copy and send.
     assert 0 <= recs[0]["recomputed_steps"] <= K and recs[0]["snapshot"]["copy_seconds"] > 0, recs
+
+
+def test_a_users_plain_fsdp2_loop_recovers_from_peer_snapshots(tmp_path):
+    """tests/data/user_recovery.py with ``--snapshot-every K``: a user's own plain FSDP2 loop
+    (its model, a one-dimensional ``init_device_mesh``, its DataLoader) and the tier's
+    ``snapshot_every``.  Three nodes of one rank; n1 is SIGKILLed whole.  The survivors go on
+    in their own processes from the newest snapshot: the steps after it are undone and trained
+    again, and the losses follow an uninterrupted run of the same loop."""
+    script = str(DATA / "user_recovery.py")
+    steps = 150
+    args = ("--steps", str(steps), "--snapshot-every", str(K))
+    out, ref_out = tmp_path / "a" / "out", tmp_path / "b" / "out"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with Cluster(tmp_path / "a", 3) as c:
+        jobs = [c.torchrun(i, "2:3", 1, *args, "--out", str(out), launcher="rankwatch", script=script)
+                for i in range(3)]
+        rs = wait_for(lambda: _training(c, 3, 3, 15), 180, what="3 nodes training")
+        c.kill_node(1, jobs[1], [r["pid"] for r in rs if r["node"] == "n1"])
+        for i in (0, 2):
+            assert jobs[i].wait(240) == 0, f"node n{i}'s torchrun failed"
+        status = c.coordinator.status()
+    with Cluster(tmp_path / "b", 1) as c:   # the reference: the same loop, uninterrupted
+        ref = c.torchrun(0, "1", 3, *args, "--out", str(ref_out), launcher="rankwatch", script=script)
+        assert ref.wait(240) == 0
+    want = json.loads((ref_out / "rank0.json").read_text())["mean_losses"]
+    before = {r["pid"]: r["rank"] for r in rs if r["node"] != "n1"}
+    got = [json.loads((out / f"rank{r}.json").read_text()) for r in sorted(before.values())]
+    assert sorted(d["pid"] for d in got) == sorted(before)   # the same processes, no restart
+    for d in got:
+        (rec,) = d["recoveries"]
+        at, was = rec["step"], rec["from"]
+        assert at % K == 0 and 0 <= was - at <= K and rec["world_size"] == 2 == d["world_size"], rec
+        # Steps after the snapshot were undone and trained again: applied once each in the end.
+        assert d["applied"] == list(range(1, was + 1)) + list(range(at + 1, steps + 1))
+        first, again = d["mean_losses"][:was], d["mean_losses"][was:]
+        assert first == pytest.approx(want[:was], rel=1e-5)
+        # Two ranks of 3 micro-batches keep the global batch of three ranks of 2: the same
+        # samples per step, reduced in another order.
+        assert again == pytest.approx(want[at:], rel=1e-3), (at, again[:5], want[at:at + 5])
+    assert got[0]["digest"] == got[1]["digest"]   # the whole parameters, gathered, agree
+    recs = [i["detail"] for i in status["incidents"] if i["kind"] == "restart"
+            and i["detail"].get("tier") == "in_process"]
+    assert len(recs) == 1 and recs[0]["ok"] and recs[0]["dropped_nodes"] == ["n1"], recs
+    assert 0 <= recs[0]["recomputed_steps"] <= K, recs
+
+
+@pytest.mark.parametrize("reload_fails", [False, True], ids=["in_process", "torchrun_restart"])
+def test_a_node_and_its_buddy_lost_reload_the_checkpoint(tmp_path, reload_fails):
+    """Four nodes of one rank, plain FSDP2 with snapshots and a save every 10 steps.  n1 and
+    n2 (n1's buddy: its snapshot's only copy) are lost together.  No survivor holds n1's
+    shards, so n0 and n3 load the newest complete checkpoint in their own processes,
+    resharded for two ranks, and train on.  With that load failing too (an injected fault),
+    the workers exit and torchrun's restart resumes from the checkpoint."""
+    steps, ckpt = 70, tmp_path / "ckpt"
+    args = ("--steps", str(steps), "--log-every", "0", "--batch-size", "2", "--step-sleep", "0.03",
+            "--in-process-recovery", "--snapshot-every", str(K), "--checkpoint-dir", str(ckpt),
+            "--checkpoint-interval", "10", "--metrics-out", str(tmp_path / "m"),
+            *(("--fault", "reload_fails:-1:0:0") if reload_fails else ()))
+    rdzv = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+    with Cluster(tmp_path, 4, ("--min-nodes", "2")) as c:
+        jobs = [c.torchrun(i, "2:4", 1, *args, launcher="rankwatch", rdzv_conf=rdzv,
+                           launcher_args=("--max-restarts", "1")) for i in range(4)]
+        rs = wait_for(lambda: _training(c, 4, 4, 25), 180, what="4 nodes past step 25")
+        lost = [r["pid"] for r in rs if r["node"] in ("n1", "n2")]
+        for pid in lost:   # both at once: neither takes part in the survivors' agreement
+            os.kill(pid, signal.SIGSTOP)
+        for i in (1, 2):
+            c.kill_node(i, jobs[i], lost)
+        for i in (0, 3):
+            assert jobs[i].wait(240) == 0, f"node n{i}'s torchrun failed"
+        status = c.coordinator.status()
+    survivors = {r["pid"]: r["rank"] for r in rs if r["node"] in ("n0", "n3")}
+    tried = [i["detail"] for i in status["incidents"] if i["kind"] == "restart"
+             and i["detail"].get("tier") == "in_process"]
+    got = [json.loads(p.read_text()) for p in sorted((tmp_path / "m").glob("rank*.json"))]
+    assert len(got) == 2, [d["pid"] for d in got]
+    if reload_fails:
+        assert tried and not any(d["ok"] for d in tried) and all("injected fault" in d["error"] for d in tried), tried
+        for d in got:   # new workers, resumed from the newest complete checkpoint on disk
+            assert d["pid"] not in survivors and d["start"] % 10 == 0 and d["start"] >= 10, d["start"]
+            assert len(d["losses"]) == steps - d["start"]
+        return
+    assert sorted(d["pid"] for d in got) == sorted(survivors)   # the same processes, to the end
+    for d in got:
+        (rec,) = d["recoveries"]
+        at, was = rec["step"], rec["from"]
+        assert at % 10 == 0 and at >= 10 and 0 <= was - at <= 20 and rec["world_size"] == 2, rec
+        assert "reloaded" in rec["phases"] and "resharded" not in rec["phases"], rec
+        # The steps after the checkpoint, trained again by two ranks on the same global batch,
+        # repeat the four ranks' losses within the reduction order's tolerance.
+        means = d["dp_mean_losses"]
+        assert len(means) == was + steps - at
+        first, again = means[at:was], means[was:was + (was - at)]
+        ok = [i for i, x in enumerate(first) if x == x]   # the cut step's may be nan
+        assert [again[i] for i in ok] == pytest.approx([first[i] for i in ok], rel=1e-3), (at, was)
+    (rec,) = [d for d in tried if d["ok"]]
+    assert sorted(rec["dropped_nodes"]) == ["n1", "n2"] and rec["new_world_size"] == 2, rec
+    assert 0 <= rec["recomputed_steps"] <= 20, rec

@@ -159,10 +159,10 @@ def test_on_nccl_a_fused_optimizer_steps_through_the_device_gate_without_a_host_
 
 @pytest.mark.gpu
 def test_a_users_own_loop_trains_on_nccl_through_the_tier_and_its_device_gate(tmp_path):
-    """The README's loop (tests/data/user_hsdp_recovery.py) on NCCL under a real torchrun:
+    """The README's loop (tests/data/user_recovery.py) on NCCL under a real torchrun:
     the tier sets the watchdog to abort without ending the worker, and fused AdamW steps
     through the device gate, every step applied once."""
-    script = Path(__file__).parent / "data" / "user_hsdp_recovery.py"
+    script = Path(__file__).parent / "data" / "user_recovery.py"
     env = {k: v for k, v in os.environ.items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                           str(script), "--device", "cuda", "--steps", "12", "--out", str(tmp_path / "out")],

@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from rankwatch.hooks.recovery.buddies import buddy_map, covered_by, sources_of
-from rankwatch.hooks.recovery.decide import Decision, from_snapshots
+from rankwatch.hooks.recovery.decide import Decision, Membership, from_checkpoint, from_snapshots
 
 
 def _nodes(n: int, per: int) -> list[str]:
@@ -82,6 +82,34 @@ def test_both_copies_lost_fails_for_the_disk_checkpoint():
     assert not d.ok
 
 
+def test_both_copies_lost_reload_the_checkpoint_in_process_on_every_survivor():
+    # Four nodes: n1 and its buddy n2 lost together, n0 and n3 go on from the checkpoint.
+    members, node_of = (0, 1, 2, 3), {0: "n0", 1: "n1", 2: "n2", 3: "n3"}
+    arrived = {0: 30, 3: 31}
+    d = from_checkpoint(members, arrived, node_of, can_reload={0, 3})
+    assert d.ok and d.reload and d.members == (0, 3) and d.dropped_nodes == ("n1", "n2") and d.step == 0
+    assert not d.providers and not d.fresh
+    # One survivor without a loader: none reloads, torchrun's restart recovers.
+    d = from_checkpoint(members, arrived, node_of, can_reload={0})
+    assert not d.ok and "cannot load a checkpoint" in d.error
+    # A node that lost one of its workers is left out whole, as for the snapshots.
+    d = from_checkpoint((0, 1, 2, 3), {0: 5, 1: 5, 2: 5}, {0: "n0", 1: "n0", 2: "n1", 3: "n1"}, {0, 1, 2})
+    assert d.ok and d.members == (0, 1) and d.dropped_nodes == ("n1",)
+    assert not from_checkpoint(MEMBERS, {0: 1, 1: 1, 2: 1}, NODE_OF, set(MEMBERS)).ok   # nothing lost
+
+
+def test_a_reload_decision_travels_through_the_store_and_hostile_ones_are_refused():
+    d = Decision(ok=True, members=(0,), dropped_nodes=("n1", "n2"), reload=True)
+    assert Decision.from_json(d.to_json(), MEMBERS) == d
+    assert Decision.from_json(Decision(ok=True, members=(0, 2), step=3).to_json(), MEMBERS).reload is False
+    for bad in ('"reload": 1', '"reload": "yes"'):
+        with pytest.raises(ValueError):
+            Decision.from_json(d.to_json().replace('"reload": true', bad), MEMBERS)
+    with_state = Decision(ok=True, members=(0, 2), step=20, providers=((0, 0), (1, 2), (2, 2)), reload=True)
+    with pytest.raises(ValueError):   # a reload comes with no other state
+        Decision.from_json(with_state.to_json(), MEMBERS)
+
+
 def test_nothing_lost_is_no_snapshot_recovery():
     d = from_snapshots(MEMBERS, {0: 3, 1: 3, 2: 3}, NODE_OF, {r: {"own": 0, "held": {}} for r in MEMBERS})
     assert not d.ok
@@ -94,3 +122,43 @@ def test_a_snapshot_decision_travels_through_the_store_and_hostile_ones_are_refu
         text = d.to_json().replace('[[0, 0], [1, 2], [2, 2]]', bad)
         with pytest.raises(ValueError):
             Decision.from_json(text, MEMBERS)
+
+
+@pytest.fixture
+def store():
+    from torch.distributed import TCPStore
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)
+    del master
+
+
+def _closed_port() -> str:
+    import socket
+
+    with socket.socket() as s:   # bound, never listening: a connection is refused
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("posted,error", [({"own": 10, "held": {2: 10}, "reload": True}, ""),
+                                          ({"own": 10, "held": {2: 10}}, "cannot load a checkpoint"),
+                                          ({"own": 10, "held": {2: 10}, "reload": "yes"}, "lost 2 of 3 ranks")])
+def test_a_survivor_of_two_lost_buddies_reloads_in_process_only_if_it_said_it_can(store, posted, error):
+    """Through the real protocol on a real TCPStore: n1 and n2 (n1's buddy) are gone, their
+    liveness ports refuse; n0's survivor holds no copy of n1's shards.  It reloads the
+    checkpoint in process if its holdings said it can; a value that is not a flag counts as
+    holdings that do not parse (none at all)."""
+    from rankwatch.hooks.recovery.protocol import Round
+
+    prefix = "rankwatch/job/round/1/"
+    rounds = [Round(store, prefix, {"RANKWATCH_TOKEN": "t", "RANKWATCH_NODE_ID": f"n{r}"}, settle=5.0)
+              for r in range(3)]
+    for r, rnd in enumerate(rounds):
+        rnd.register(r, 3, _closed_port())
+    old = Membership(generation=0, rank=0, world_size=3, members=MEMBERS)
+    d = rounds[0].agree(old, completed=12, replica_size=3, ready=False, settled=set(), holdings=posted)
+    if not error:
+        assert d.ok and d.reload and d.members == (0,) and d.dropped_nodes == ("n1", "n2"), d
+    else:
+        assert not d.ok and not d.reload and error in d.error, d

@@ -113,7 +113,8 @@ def _outcome(inc: dict[str, Any]) -> str:
 # The phases of an in-process recovery, in order (agent/wire/ranges.py RECOVERY_PHASES), as read.
 _RECOVERY_PHASES = (("left_step", "left the failed step"), ("agreed", "agreed on the new membership"),
                     ("reinitialised", "process groups and mesh rebuilt"),
-                    ("resharded", "shards assembled from peer snapshots"), ("restored", "state restored"),
+                    ("resharded", "shards assembled from peer snapshots"),
+                    ("reloaded", "the newest checkpoint loaded in process"), ("restored", "state restored"),
                     ("first_step", "first step done"))
 
 

@@ -55,9 +55,10 @@ MAX_DETAIL_JSON = 64 << 10
 MAX_WINDOW = 1024
 MAX_RECOVERY_SECONDS = 3600.0
 """An in-process recovery that took longer than an hour is no fast tier: its phases are refused."""
-RECOVERY_PHASES = ("left_step", "agreed", "reinitialised", "resharded", "restored", "first_step")
+RECOVERY_PHASES = ("left_step", "agreed", "reinitialised", "resharded", "reloaded", "restored", "first_step")
 """The phases of an in-process recovery, in order; each is seconds since the failure was caught
-(``resharded`` only in a recovery from peer snapshots)."""
+(``resharded`` only in a recovery from peer snapshots, ``reloaded`` only in one from the
+newest checkpoint, loaded in process)."""
 
 REASONS = (
     "undecodable", "no_hello", "invalid_hello", "unknown_rank", "duplicate_rank", "too_many_ranks",

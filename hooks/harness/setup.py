@@ -11,7 +11,7 @@ import argparse
 import datetime
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,7 +189,8 @@ def start(args: argparse.Namespace) -> Run | None:
     # first: the break shuts every group's connections, the save's own too.
     tier = InProcessRecovery(build, backend=backend, settle=args.recovery_settle, timeout=timeout,
                              total_steps=args.steps, drain=ckpt.wait if ckpt else None,
-                             snapshot_every=args.snapshot_every) if args.in_process_recovery else None
+                             snapshot_every=args.snapshot_every, reload=_reloader(ckpt, args.fault) if ckpt else None
+                             ) if args.in_process_recovery else None
     try:
         job = _first_job(build, tier, backend, timeout)
     except ValueError as exc:
@@ -237,3 +238,13 @@ def _resume(job: Job, ckpt: Checkpointer | None, tier: InProcessRecovery | None)
     if tier is not None and tier.completed:  # joined in process: the state came from a live replica
         return tier.completed, {}
     return ckpt.load(job.model, job.optimizer) if ckpt else (0, {})
+
+
+def _reloader(ckpt: Checkpointer, faults: list[tuple[str, int, int, float]]) -> Callable[[Job], int]:
+    """The in-process tier's checkpoint loader: the newest complete checkpoint, resharded for
+    the new world (``--fault reload_fails:RANK:0:0`` makes it raise on RANK, -1 every rank)."""
+    def reload(job: Job) -> int:
+        if any(kind == "reload_fails" and rank in (-1, dist.get_rank()) for kind, rank, _, _ in faults):
+            raise RuntimeError("injected fault: the in-process checkpoint load fails")
+        return ckpt.load(job.model, job.optimizer)[0]
+    return reload

@@ -16,6 +16,11 @@ survivor, whichever arrives first and decides, would decide the same.
   ids) are admitted at the step boundary when their node's workers have all asked and
   make whole replicas.  They take their state from the source replica too, and the
   world grows back.
+
+Without whole replicas, :func:`from_snapshots` decides from the peer snapshots the
+survivors hold; when no survivor holds a lost rank's snapshot either (the node and its
+buddy lost together), :func:`from_checkpoint` sends every survivor to the newest complete
+checkpoint, loaded in process.  Failing all three, torchrun's restart recovers.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["JOINER_BASE", "Decision", "Job", "Joiner", "Membership", "admissible", "decide", "from_snapshots"]
+__all__ = ["JOINER_BASE", "Decision", "Job", "Joiner", "Membership", "admissible", "decide", "from_checkpoint",
+           "from_snapshots"]
 
 JOINER_BASE = 1 << 20
 """Joiners' ids start here (original ranks are below): ``JOINER_BASE + n`` for the n-th to ask."""
@@ -98,12 +104,17 @@ class Decision:
     """From peer snapshots (:func:`from_snapshots`): for each old member in rank order, the
     member that provides its snapshot at ``step``; every member's shards are then
     assembled anew for the new world.  Empty: the replicas' own state (above)."""
+    reload: bool = False
+    """From the newest complete checkpoint (:func:`from_checkpoint`): every member loads it
+    in process, resharded for the new world, and goes on from its step (``step`` is 0
+    here: the load tells it)."""
 
     def to_json(self) -> str:
         return json.dumps({"ok": self.ok, "members": list(self.members), "dropped_nodes": list(self.dropped_nodes),
                            "step": self.step, "error": self.error[:MAX_MESSAGE], "fresh": list(self.fresh),
                            "source": self.source, "refused": list(self.refused), "note": self.note[:MAX_MESSAGE],
-                           "finish": list(self.finish), "providers": [list(p) for p in self.providers]})
+                           "finish": list(self.finish), "providers": [list(p) for p in self.providers],
+                           "reload": self.reload})
 
     @classmethod
     def from_json(cls, text: str, within: Sequence[int]) -> Decision:
@@ -126,7 +137,10 @@ class Decision:
         finish = tuple(int(r) for r in d.get("finish", ()))
         step, source = int(d["step"]), int(d.get("source", 0))
         providers = tuple((int(o), int(p)) for o, p in d.get("providers", ()))
+        reload = d.get("reload", False)
         world = set(within)
+        if not isinstance(reload, bool) or (reload and (providers or fresh)):
+            raise ValueError("decision's checkpoint reload is not a plain flag, or comes with other state")
         if providers and (len({o for o, _ in providers}) != len(providers) or not {o for o, _ in providers} <= world
                           or not {p for _, p in providers} <= set(members)):
             raise ValueError("decision's snapshot providers are not of the world")
@@ -146,7 +160,8 @@ class Decision:
             raise ValueError(f"decision source replica {source} out of range")
         return cls(ok=bool(d["ok"]), members=members, dropped_nodes=dropped, step=step,
                    error=str(d["error"])[:MAX_MESSAGE], fresh=fresh, source=source, refused=refused,
-                   note=str(d.get("note", ""))[:MAX_MESSAGE], finish=finish, providers=providers)
+                   note=str(d.get("note", ""))[:MAX_MESSAGE], finish=finish, providers=providers,
+                   reload=reload)
 
 
 def _fail(error: str) -> Decision:
@@ -241,8 +256,7 @@ def from_snapshots(members: Sequence[int], arrived: Mapping[int, int], node_of: 
     workers is left out whole, as :func:`decide` does.  Every survivor goes on from that
     step, its shards assembled anew for the new world.
     """
-    lost = {node_of.get(r, "?") for r in members if r not in arrived}
-    survivors = [r for r in members if r in arrived and node_of.get(r, "?") not in lost]
+    lost, survivors = _whole_nodes_left(members, arrived, node_of)
     if not lost or not survivors:
         return _fail("no node was lost, or no survivor: nothing to recover from snapshots")
     own = {r: int(holdings.get(r, {}).get("own", -1)) for r in survivors}
@@ -259,3 +273,32 @@ def from_snapshots(members: Sequence[int], arrived: Mapping[int, int], node_of: 
                             providers=tuple(providers),
                             note=f"resharded from the peer snapshots of step {step}")
     return _fail(f"no snapshot step at which the survivors hold every rank's shards (own: {sorted(set(own.values()))})")
+
+
+def from_checkpoint(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[int, str],
+                    can_reload: Collection[int]) -> Decision:
+    """The new membership when neither a replica nor a peer snapshot holds a lost rank's
+    shards: every survivor (of the nodes that lost none) loads the newest complete
+    checkpoint in process, resharded for the smaller world.
+
+    Args:
+        members, arrived, node_of: as for :func:`decide`.
+        can_reload: the survivors whose loop gave the tier a way to load a checkpoint; all
+            of them must have one, or none reloads (torchrun's restart recovers).
+    """
+    lost, survivors = _whole_nodes_left(members, arrived, node_of)
+    if not lost or not survivors:
+        return _fail("no node was lost, or no survivor: nothing to reload a checkpoint for")
+    unable = [r for r in survivors if r not in can_reload]
+    if unable:
+        return _fail(f"{len(unable)} survivor(s) cannot load a checkpoint in process (rank {unable[0]} first)")
+    return Decision(ok=True, members=tuple(survivors), dropped_nodes=tuple(sorted(lost)), reload=True,
+                    note="reloaded from the newest complete checkpoint: no survivor holds every lost rank's shards")
+
+
+def _whole_nodes_left(members: Sequence[int], arrived: Mapping[int, int],
+                      node_of: Mapping[int, str]) -> tuple[set[str], list[int]]:
+    """The nodes that lost a member, and the members of the others, in rank order (a node
+    that lost only some workers is left out whole, as :func:`decide` does)."""
+    lost = {node_of.get(r, "?") for r in members if r not in arrived}
+    return lost, [r for r in members if r in arrived and node_of.get(r, "?") not in lost]

@@ -41,8 +41,9 @@ workers exit, and torchrun's restart recovers the job as before.
 **Without whole replicas** (plain FSDP2 over every rank, ``snapshot_every=K``): every ``K``
 steps each rank's shards go to a buddy on another node (:mod:`snapshot`); a lost node's
 shards are then found there, and the survivors go on from the snapshot's step, every shard
-assembled anew for the smaller world (:mod:`reshard`).  docs/in-process-recovery.md shows
-the loop.
+assembled anew for the smaller world (:mod:`reshard`).  With both copies of a shard lost,
+a loop that gives the tier its checkpoint loader (``reload``) loads the newest complete
+checkpoint in process (:mod:`rebuild`).  docs/in-process-recovery.md shows the loop.
 """
 
 from __future__ import annotations
@@ -56,14 +57,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rankwatch.hooks.recovery import net, report, reshard
+from rankwatch.hooks.recovery import net, rebuild, report
 from rankwatch.hooks.recovery.decide import MAX_MESSAGE, Decision, Job, Membership, decide
 from rankwatch.hooks.recovery.commit import StepCommit
 from rankwatch.hooks.recovery.failure import is_peer_failure
 from rankwatch.hooks.recovery.joins import JoinWatch
 from rankwatch.hooks.recovery.protocol import RESTARTING, JobFinished, RecoveryFailed, Round
 from rankwatch.hooks.recovery.snapshot import PeerSnapshots
-from rankwatch.hooks.recovery.state import local_state, restore, transfer
+from rankwatch.hooks.recovery.state import local_state, transfer
 from rankwatch.hooks.recovery.store import JOIN_ENV, connect
 
 __all__ = ["Decision", "InProcessRecovery", "Job", "JobFinished", "Membership", "RecoveryFailed", "decide",
@@ -112,18 +113,23 @@ class InProcessRecovery:
         snapshot_every: every this many steps, peer snapshots (:mod:`snapshot`): a job
             without whole replicas on nodes then recovers a lost node from them, resharded
             (:mod:`reshard`), going on from the snapshot's step.  0: none.
+        reload: loads the newest complete checkpoint into a job built for the new world
+            (collective; DCP reshards) and returns its step, for when neither a replica
+            nor a peer snapshot holds a lost rank's shards.  None: torchrun's restart then.
     """
 
     def __init__(self, make: Callable[[Membership], Job], *, backend: str = "gloo", monitor: Any = None,
                  settle: float = 1.0, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
                  max_recoveries: int = 8, join_timeout: float = 600.0, commit: bool = True,
                  total_steps: int | None = None, drain: Callable[[], object] | None = None,
-                 snapshot_every: int = 0, env: Mapping[str, str] = os.environ) -> None:
+                 snapshot_every: int = 0, reload: rebuild.Reload | None = None,
+                 env: Mapping[str, str] = os.environ) -> None:
         if backend == "nccl":
             net.nccl_errors_to_caller()
         self._make = make
         self.snapshots = PeerSnapshots(snapshot_every, "cuda" if backend == "nccl" else "cpu") if snapshot_every else None
         self._job: Job | None = None   # the job the snapshots are taken of
+        self._reload = reload
         self._drain = drain
         self._total_steps = total_steps
         self._commit = StepCommit(backend) if commit else None
@@ -254,8 +260,7 @@ class InProcessRecovery:
                             "step %d, not %d", skipped, completed - skipped, completed)
                 completed -= skipped
             shards = local_state(job)
-            snaps = self.snapshots
-            holdings = snaps.holdings() if snaps is not None and snaps.wait(2.0) else None   # the copies here
+            holdings = self._holdings()
             net.destroy_groups()
             phases["left_step"] = time.perf_counter() - t0
             decision = self._round.agree(old, completed, job.replica_size, ready, self._joins.settled, holdings)
@@ -276,7 +281,7 @@ class InProcessRecovery:
             self._init_group(new)
             job = self._build(new)
             phases["reinitialised"] = time.perf_counter() - t0
-            self._restore(job, decision, new.rank, shards, phases, t0)
+            step = rebuild.put_back(job, decision, new.rank, shards, self.snapshots, self._reload, phases, t0)
         except Exception as failure:  # noqa: BLE001 - reported, then torchrun's restart takes over
             error = f"{type(failure).__name__}: {failure}"[:MAX_MESSAGE]
             log.error("rankwatch: in-process recovery failed (%s); the worker exits for torchrun's restart",
@@ -297,29 +302,21 @@ class InProcessRecovery:
         self.membership = new
         self._joins.follow(new.rank, job.replica_size)
         self._joins.settle(decision)
-        self._report = {"caught": caught, "t0": t0, "step": decision.step, "old": old, "phases": phases, "at": completed}
+        self._report = {"caught": caught, "t0": t0, "step": step, "old": old, "phases": phases, "at": completed}
         joined = [r for r in decision.members if r not in old.members]
         log.warning("rankwatch: recovered in process: rank %d -> %d of %d, without node(s) %s%s, from step %d "
                     "(%.3f s so far)", old.rank, new.rank, new.world_size, ", ".join(decision.dropped_nodes) or "-",
-                    f", with {len(joined)} joining worker(s)" if joined else "", decision.step, phases["restored"])
-        return job, decision.step
+                    f", with {len(joined)} joining worker(s)" if joined else "", step, phases["restored"])
+        return job, step
 
-    def _restore(self, job: Job, decision: Decision, rank: int, shards: dict, phases: dict[str, float],
-                 t0: float) -> None:
-        """The new job's state: its own shards (or a live replica's), or, without whole
-        replicas, assembled from the peer snapshots; then this world's snapshot."""
+    def _holdings(self) -> dict | None:
+        """What this rank can recover a lost node's shards from: the peer snapshots here (once
+        the exchange in flight is done), and whether it can reload a checkpoint."""
         snaps = self.snapshots
-        if decision.providers and snaps is not None:
-            reshard.assemble(job, snaps, decision.providers, decision.members, rank, decision.step)
-            phases["resharded"] = time.perf_counter() - t0
-        else:
-            fresh = decision.members[rank] in decision.fresh
-            if not fresh:
-                restore(job, shards)
-            transfer(job, decision, rank, None if fresh else shards)
-        if snaps is not None:   # a second loss finds this world's copies
-            snaps.renew(job, decision.step)
-        phases["restored"] = time.perf_counter() - t0
+        held = snaps.holdings() if snaps is not None and snaps.wait(2.0) else None
+        if self._reload is None:
+            return held
+        return {**(held or {"own": -1, "held": {}}), "reload": True}
 
     def _leave_step(self) -> int:
         """Break every survivor out of the failed step (see the module); the connections shut."""

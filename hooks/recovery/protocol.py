@@ -27,7 +27,7 @@ from typing import Any
 from rankwatch.address import NODE_ID_ENV
 from rankwatch.hooks.recovery import net
 from rankwatch.hooks.recovery.decide import (
-    JOINER_BASE, MAX_MESSAGE, Decision, Joiner, Membership, decide, from_snapshots,
+    JOINER_BASE, MAX_MESSAGE, Decision, Joiner, Membership, decide, from_checkpoint, from_snapshots,
 )
 from rankwatch.hooks.recovery.store import (
     ATTEMPTS_COUNT,
@@ -279,10 +279,15 @@ class Round:
         if decision.ok or not holdings:
             return decision
         again = from_snapshots(old.members, arrived, node_of, holdings)
-        return again if again.ok else Decision(ok=False, error=f"{decision.error}; {again.error}"[:MAX_MESSAGE])
+        if again.ok:
+            return again
+        last = from_checkpoint(old.members, arrived, node_of, {r for r, h in holdings.items() if h["reload"]})
+        return last if last.ok else Decision(
+            ok=False, error=f"{decision.error}; {again.error}; {last.error}"[:MAX_MESSAGE])
 
     def _holdings(self, gen: str, arrived: Mapping[int, int]) -> dict[int, dict]:
-        """The peer snapshots each survivor posted (one that does not parse counts as none)."""
+        """The peer snapshots each survivor posted, and whether it can reload a checkpoint in
+        process (one that does not parse counts as none)."""
         out = {}
         for r in arrived:
             if not self.has(f"{gen}snap/{r}"):
@@ -290,10 +295,12 @@ class Round:
             try:
                 d = json.loads(self.read(f"{gen}snap/{r}", cap=1 << 16))
                 held = {int(o): int(s) for o, s in dict(d["held"]).items()}
-                own = int(d["own"])
+                own, reload = int(d["own"]), d.get("reload", False)
                 if not -1 <= own < 2**62 or len(held) > 4096 or not all(0 <= s < 2**62 for s in held.values()):
                     raise ValueError(f"steps out of range: {own}")
-                out[r] = {"own": own, "held": held}
+                if not isinstance(reload, bool):
+                    raise ValueError(f"reload is {type(reload).__name__}, not a flag")
+                out[r] = {"own": own, "held": held, "reload": reload}
             except (ValueError, KeyError, TypeError) as exc:   # ForgedValue is a ValueError
                 log.warning("rankwatch: member %d's snapshot holdings do not parse: %s", r, exc)
         return out

@@ -1,11 +1,16 @@
-"""A user's own HSDP loop with rankwatch's in-process recovery, written as the README shows it.
+"""A user's own FSDP2 loop with rankwatch's in-process recovery, written as the docs show it.
 
 Its own model and dataset, ``init_device_mesh`` with a replicate dimension across nodes
 and a shard dimension within one, FSDP2's ``fully_shard`` (HSDP), its own DataLoader,
-and the README's pattern: ``make(membership)`` builds everything that holds a process
+and the docs' pattern: ``make(membership)`` builds everything that holds a process
 group, the tier's ``start``/``recover``/``stepped`` around the loop, and the Monitor's
 ``step``/``mark``.  The global batch is kept after a node's loss by accumulating more
 micro-batches on the ranks left.
+
+``--snapshot-every K`` makes it a plain FSDP2 job instead: one mesh dimension over every
+rank, no replicas, and the tier's peer snapshots every ``K`` steps (``snapshot_every``).
+After a node's loss the tier hands back the snapshot's step; the loop's data position is a
+function of the step, so the loader is simply made again from there.
 
 ``--device cuda`` runs it on NCCL, one GPU per worker, with fused AdamW.  ``--out DIR`` writes ``rank<R>.json`` per worker (R: its rank at the start; a worker that
 joined the running round later writes ``joiner<PID>.json``): its pid, the
@@ -65,6 +70,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--global-batch", type=int, default=MICRO * 6, help="samples per step, all ranks together")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="plain FSDP2 over every rank, recovered from peer snapshots taken every K steps")
     p.add_argument("--until-world", type=int, default=0,
                    help="train past --steps (up to 4x) until the world has this many ranks again")
     args = p.parse_args()
@@ -72,14 +79,18 @@ def main() -> None:
     dev = args.device
     if dev == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    per_node = int(os.environ["LOCAL_WORLD_SIZE"])   # one replica per node, sharded within it
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])   # HSDP: one replica per node, sharded within it
+    plain = args.snapshot_every > 0                  # plain FSDP2: one shard dimension, no replicas
     # The job's global batch is the user's setting, as in any training config (a worker that
     # joins later sees only its own node's WORLD_SIZE in its environment).
     global_batch = args.global_batch
 
     def make(membership: Membership) -> Job:
         world = dist.get_world_size()
-        mesh = init_device_mesh(dev, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+        if plain:
+            mesh = init_device_mesh(dev, (world,), mesh_dim_names=("shard",))
+        else:
+            mesh = init_device_mesh(dev, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(0)
         with torch.device("meta") if membership.generation else contextlib.nullcontext():
             model = Net()
@@ -89,7 +100,7 @@ def main() -> None:
         if membership.generation:
             model.to_empty(device=dev)   # the tier copies the weights back from memory
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True if dev == "cuda" else None)
-        return Job(model=model, optimizer=opt, replica_size=per_node, extra={"mesh": mesh})
+        return Job(model=model, optimizer=opt, replica_size=world if plain else per_node, extra={"mesh": mesh})
 
     limit = args.steps * 4 if args.until_world else args.steps
     data = Points(global_batch * limit)
@@ -102,7 +113,8 @@ def main() -> None:
         return iter(DataLoader(rest, batch_size=MICRO, sampler=sampler))
 
     # The last step is known only without --until-world (then a joiner may come in at any step).
-    tier = InProcessRecovery(make, backend="nccl" if dev == "cuda" else "gloo", total_steps=None if args.until_world else args.steps)
+    tier = InProcessRecovery(make, backend="nccl" if dev == "cuda" else "gloo",
+                             total_steps=None if args.until_world else args.steps, snapshot_every=args.snapshot_every)
     job = tier.start()
     done = tier.completed                   # 0, or the step a joining worker came in at
     mon = rw.init(mesh=job.extra["mesh"])   # after start(): it made the process group
