@@ -29,7 +29,7 @@ from rankwatch.agent.durable.incidents import IncidentLog
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 600
+STEPS = 250
 
 
 def _store_keys(endpoint: str) -> set[str]:

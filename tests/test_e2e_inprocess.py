@@ -316,26 +316,35 @@ def test_loss_continues_as_an_uninterrupted_run(tmp_path):
         assert mean == pytest.approx(ref_after, rel=1e-3), (at, mean[:5], ref_after[:5])
 
 
-def test_without_replicas_the_survivors_reload_the_checkpoint_in_process(tmp_path):
+@pytest.mark.parametrize("reload_fails", [False, True], ids=["in_process", "torchrun_restart"])
+def test_without_replicas_the_checkpoint_is_reloaded(tmp_path, reload_fails):
     """Without replicas (--replicate 1: plain FSDP2 over the three nodes) and without peer
     snapshots, the dead node's shards exist only in the checkpoint: the survivors agree to
-    load it in their own processes, resharded for two ranks, and train on from its step
-    (tests/test_e2e_snapshots.py makes that load fail: torchrun's restart then resumes)."""
+    load it in their own processes, resharded for two ranks, and train on from its step.
+    With that load failing too (an injected fault), they report it and exit, and torchrun's
+    restart resumes the job from the checkpoint."""
     out, ckpt = tmp_path / "metrics", tmp_path / "ckpt"
+    fault = ("--fault", "reload_fails:-1:0:0") if reload_fails else ()
     with Cluster(tmp_path, 3) as c:
         jobs = [c.torchrun(i, "2:3", 1, "--steps", "100", "--log-every", "0", "--in-process-recovery",
                            "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "10",
-                           "--metrics-out", str(out), launcher="rankwatch")
+                           "--metrics-out", str(out), *fault, launcher="rankwatch")
                 for i in range(3)]
         before = _kill_and_finish(c, jobs, victim=2, nodes=3, ranks=3)
         status = c.coordinator.status()
+    recs = [i["detail"] for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
+    if reload_fails:
+        m = _metrics(out, ["rank0.json", "rank1.json"])
+        assert not set(before) & {d["pid"] for d in m.values()}, "torchrun restarted the workers"
+        assert all(d["start"] > 0 and d["start"] % 10 == 0 and d["recoveries"] == [] for d in m.values())
+        assert recs and not any(d["ok"] for d in recs) and all("injected fault" in d["error"] for d in recs), recs
+        return
     m = _metrics(out, [f"rank{r}.json" for r in sorted(before.values())])
     assert sorted(d["pid"] for d in m.values()) == sorted(before), "the survivors' own processes, to the end"
     for d in m.values():
         (rec,) = d["recoveries"]
         assert d["start"] == 0 and rec["step"] % 10 == 0 and rec["world_size"] == 2, rec
         assert rec["phases"]["first_step"] > rec["phases"]["reloaded"] > rec["phases"]["reinitialised"], rec
-    recs = [i["detail"] for i in status["incidents"] if i["kind"] == "restart" and i["detail"].get("tier") == "in_process"]
     assert len(recs) == 1 and recs[0]["ok"] and recs[0]["dropped_nodes"] == ["n2"], recs
     assert "reloaded" in recs[0]["phases"], recs
 

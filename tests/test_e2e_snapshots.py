@@ -140,18 +140,16 @@ def test_a_users_plain_fsdp2_loop_recovers_from_peer_snapshots(tmp_path):
     assert 0 <= recs[0]["recomputed_steps"] <= K, recs
 
 
-@pytest.mark.parametrize("reload_fails", [False, True], ids=["in_process", "torchrun_restart"])
-def test_a_node_and_its_buddy_lost_reload_the_checkpoint(tmp_path, reload_fails):
+def test_a_node_and_its_buddy_lost_reload_the_checkpoint_in_process(tmp_path):
     """Four nodes of one rank, plain FSDP2 with snapshots and a save every 10 steps.  n1 and
     n2 (n1's buddy: its snapshot's only copy) are lost together.  No survivor holds n1's
     shards, so n0 and n3 load the newest complete checkpoint in their own processes,
-    resharded for two ranks, and train on.  With that load failing too (an injected fault),
-    the workers exit and torchrun's restart resumes from the checkpoint."""
+    resharded for two ranks, and train on.  (That load made to fail, torchrun's restart
+    resumes: tests/test_e2e_inprocess.py.)"""
     steps, ckpt = 70, tmp_path / "ckpt"
     args = ("--steps", str(steps), "--log-every", "0", "--batch-size", "2", "--step-sleep", "0.03",
             "--in-process-recovery", "--snapshot-every", str(K), "--checkpoint-dir", str(ckpt),
-            "--checkpoint-interval", "10", "--metrics-out", str(tmp_path / "m"),
-            *(("--fault", "reload_fails:-1:0:0") if reload_fails else ()))
+            "--checkpoint-interval", "10", "--metrics-out", str(tmp_path / "m"))
     rdzv = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
     with Cluster(tmp_path, 4, ("--min-nodes", "2")) as c:
         jobs = [c.torchrun(i, "2:4", 1, *args, launcher="rankwatch", rdzv_conf=rdzv,
@@ -170,12 +168,6 @@ def test_a_node_and_its_buddy_lost_reload_the_checkpoint(tmp_path, reload_fails)
              and i["detail"].get("tier") == "in_process"]
     got = [json.loads(p.read_text()) for p in sorted((tmp_path / "m").glob("rank*.json"))]
     assert len(got) == 2, [d["pid"] for d in got]
-    if reload_fails:
-        assert tried and not any(d["ok"] for d in tried) and all("injected fault" in d["error"] for d in tried), tried
-        for d in got:   # new workers, resumed from the newest complete checkpoint on disk
-            assert d["pid"] not in survivors and d["start"] % 10 == 0 and d["start"] >= 10, d["start"]
-            assert len(d["losses"]) == steps - d["start"]
-        return
     assert sorted(d["pid"] for d in got) == sorted(survivors)   # the same processes, to the end
     for d in got:
         (rec,) = d["recoveries"]

@@ -45,12 +45,11 @@ def _mesh(ranks: list[dict]) -> dict[int, tuple[int, int]]:
     return {r["rank"]: (r["mesh"]["dp"], r["mesh"]["tp"]) for r in ranks}
 
 
-@pytest.mark.parametrize("run", range(3))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_clean_tp_run_flags_no_one(tmp_path, shape, run):
-    # The agent's defaults (an 8 % threshold), 300 steps, 3 runs a shape: the issue saw 2 of 2
-    # dp1 x tp2 runs flagged (communication, from ~1 ms late starts of a few-ms step: scheduling
-    # noise).
+def test_a_clean_tp_run_flags_no_one(tmp_path, shape):
+    # The agent's defaults (an 8 % threshold), 300 steps: the issue saw 2 of 2 dp1 x tp2 runs
+    # flagged (communication, from ~1 ms late starts of a few-ms step: scheduling noise).  One
+    # run a shape here; benchmarks/stragglers.py counts false positives over many clean runs.
     nproc, tp = SHAPES[shape]
     agent = AgentProcess(tmp_path / "agent.sock").start()
     try:

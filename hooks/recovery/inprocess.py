@@ -83,8 +83,7 @@ def _warm_up() -> None:
         log.debug("rankwatch: warm-up import failed: %s", exc)
 
 
-_RESTART_GRACE = 60.0
-"""Seconds a worker waits to be stopped when torchrun is already restarting the round."""
+_RESTART_GRACE = 60.0   # seconds a worker waits to be stopped when torchrun already restarts the round
 
 
 class InProcessRecovery:
@@ -278,6 +277,7 @@ class InProcessRecovery:
             new = Membership(generation=old.generation + 1, rank=decision.members.index(me),
                              world_size=len(decision.members), members=decision.members,
                              dropped_nodes=old.dropped_nodes + decision.dropped_nodes)
+            phases["reinitialised"] = time.perf_counter() - t0   # overwritten once done
             self._init_group(new)
             job = self._build(new)
             phases["reinitialised"] = time.perf_counter() - t0
@@ -289,6 +289,9 @@ class InProcessRecovery:
             # torchrun may stop this worker any moment now (another survivor's exit starts its
             # restart): the report reaches the agent first, a SIGTERM waiting meanwhile.
             with net.deferred_termination():
+                if self._round is not None and "reinitialised" in phases:   # a member's failure: no worker rejoins
+                    with contextlib.suppress(Exception):
+                        self._round.mark_restarting()
                 report.send(self._monitor, caught, completed, old, old, phases, ok=False, error=error)
                 report.deliver(self._monitor)
             if RESTARTING in error:

@@ -251,9 +251,8 @@ class Round:
             if decision.ok:
                 for node in decision.dropped_nodes:  # the round goes on without it: no restart
                     mark_regrouped(store, self.prefix, node, old.generation + 1, self.seal)
-            else:   # every worker exits for torchrun's restart: no node waits to join in process
-                key = self.prefix + RESTARTING_KEY
-                store.set(key, self.seal.seal(key, self.node))
+            else:
+                self.mark_restarting()
             self.put(f"{gen}decision", decision.to_json())
             store.add(self.prefix + DECIDED_COUNT, 1)
             # Joiners wait on their own key: admitted ones read this generation's decision.
@@ -263,6 +262,12 @@ class Round:
             for j in turned:
                 self.put(f"joined/{j}", f"refused: {decision.note or decision.error}"[:MAX_MESSAGE])
             return decision
+
+    def mark_restarting(self) -> None:
+        """Every worker exits for torchrun's restart (a failed decision, or a failure after an
+        agreed one): no restarted worker may wait to join this round in process."""
+        key = self.prefix + RESTARTING_KEY
+        self.store.set(key, self.seal.seal(key, self.node))
 
     def _decide(self, old: Membership, gen: str, replica_size: int, joiners: list[Joiner]) -> Decision:
         keys = {r: f"{gen}alive/{r}" for r in old.members}
