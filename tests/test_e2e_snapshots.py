@@ -17,6 +17,8 @@ import pytest
 
 from conftest import parse_metrics, wait_for
 from multinode import Cluster
+from rankwatch.hooks.harness.dcp import complete_checkpoints
+from rankwatch.hooks.recovery.buddies import buddy_map
 
 pytestmark = pytest.mark.e2e
 
@@ -52,9 +54,10 @@ def test_plain_fsdp2_node_kill_recovers_from_peer_snapshots(tmp_path):
     common = ("--steps", str(steps), "--log-every", "0", "--batch-size", "2", "--step-sleep", "0.03")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    out = tmp_path / "a" / "m"
+    out, ckpt = tmp_path / "a" / "m", tmp_path / "a" / "ckpt"
     with Cluster(tmp_path / "a", 3) as c:
         jobs = [c.torchrun(i, "2:3", 1, *common, "--in-process-recovery", "--snapshot-every", str(K),
+                           "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "10",
                            "--metrics-out", str(out), launcher="rankwatch") for i in range(3)]
         rs = wait_for(lambda: _training(c, 3, 3, 12), 180, what="3 nodes training")
         _check_snapshot_metrics(c, next(r["rank"] for r in rs if r["node"] == "n0"))
@@ -88,6 +91,9 @@ def test_plain_fsdp2_node_kill_recovers_from_peer_snapshots(tmp_path):
         # within the reduction order's tolerance; the recomputed steps repeat the first ones.
         assert again == pytest.approx(want[at:], rel=1e-3), (at, again[:5], want[at:at + 5])
     assert len({d["param_digest"] for d in got.values()}) == 2   # two shards, not replicas
+    # The new world's asynchronous saves complete (the newest three are kept): its resharded
+    # state stages like any other.
+    assert at < steps - 20 and sorted(s for s, _ in complete_checkpoints(ckpt)) == [steps - 20, steps - 10, steps]
     recs = [i["detail"] for i in status["incidents"] if i["kind"] == "restart"
             and i["detail"].get("tier") == "in_process"]
     assert len(recs) == 1 and recs[0]["ok"] and recs[0]["dropped_nodes"] == ["n1"], recs
@@ -140,12 +146,22 @@ def test_a_users_plain_fsdp2_loop_recovers_from_peer_snapshots(tmp_path):
     assert 0 <= recs[0]["recomputed_steps"] <= K, recs
 
 
+def _node_and_its_buddy(ranks: list[dict]) -> tuple[str, str]:
+    """Two nodes, neither n0 (the store's host), the second holding the first's only snapshot
+    copy: torchrun's rendezvous deals ranks to nodes in its own order, and the buddy ring
+    follows the ranks (one rank a node here: rank r's buddy is rank r + 1)."""
+    node_of = {r["rank"]: r["node"] for r in ranks}
+    first = (next(r for r, n in node_of.items() if n == "n0") + 1) % len(node_of)
+    buddy = buddy_map([node_of[r] for r in range(len(node_of))])[first]
+    return node_of[first], node_of[buddy]
+
+
 def test_a_node_and_its_buddy_lost_reload_the_checkpoint_in_process(tmp_path):
-    """Four nodes of one rank, plain FSDP2 with snapshots and a save every 10 steps.  n1 and
-    n2 (n1's buddy: its snapshot's only copy) are lost together.  No survivor holds n1's
-    shards, so n0 and n3 load the newest complete checkpoint in their own processes,
-    resharded for two ranks, and train on.  (That load made to fail, torchrun's restart
-    resumes: tests/test_e2e_inprocess.py.)"""
+    """Four nodes of one rank, plain FSDP2 with snapshots and a save every 10 steps.  A node
+    and its buddy (its snapshot's only copy) are lost together.  No survivor holds the first
+    one's shards, so the other two load the newest complete checkpoint in their own
+    processes, resharded for two ranks, and train on.  (That load made to fail, torchrun's
+    restart resumes: tests/test_e2e_inprocess.py.)"""
     steps, ckpt = 70, tmp_path / "ckpt"
     args = ("--steps", str(steps), "--log-every", "0", "--batch-size", "2", "--step-sleep", "0.03",
             "--in-process-recovery", "--snapshot-every", str(K), "--checkpoint-dir", str(ckpt),
@@ -155,15 +171,17 @@ def test_a_node_and_its_buddy_lost_reload_the_checkpoint_in_process(tmp_path):
         jobs = [c.torchrun(i, "2:4", 1, *args, launcher="rankwatch", rdzv_conf=rdzv,
                            launcher_args=("--max-restarts", "1")) for i in range(4)]
         rs = wait_for(lambda: _training(c, 4, 4, 25), 180, what="4 nodes past step 25")
-        lost = [r["pid"] for r in rs if r["node"] in ("n1", "n2")]
+        pair = _node_and_its_buddy(rs)
+        lost = [r["pid"] for r in rs if r["node"] in pair]
         for pid in lost:   # both at once: neither takes part in the survivors' agreement
             os.kill(pid, signal.SIGSTOP)
-        for i in (1, 2):
-            c.kill_node(i, jobs[i], lost)
-        for i in (0, 3):
-            assert jobs[i].wait(240) == 0, f"node n{i}'s torchrun failed"
+        for node in pair:
+            c.kill_node(int(node[1:]), jobs[int(node[1:])], lost)
+        for i in range(4):
+            if f"n{i}" not in pair:
+                assert jobs[i].wait(240) == 0, f"node n{i}'s torchrun failed"
         status = c.coordinator.status()
-    survivors = {r["pid"]: r["rank"] for r in rs if r["node"] in ("n0", "n3")}
+    survivors = {r["pid"]: r["rank"] for r in rs if r["node"] not in pair}
     tried = [i["detail"] for i in status["incidents"] if i["kind"] == "restart"
              and i["detail"].get("tier") == "in_process"]
     got = [json.loads(p.read_text()) for p in sorted((tmp_path / "m").glob("rank*.json"))]
@@ -182,5 +200,5 @@ def test_a_node_and_its_buddy_lost_reload_the_checkpoint_in_process(tmp_path):
         ok = [i for i, x in enumerate(first) if x == x]   # the cut step's may be nan
         assert [again[i] for i in ok] == pytest.approx([first[i] for i in ok], rel=1e-3), (at, was)
     (rec,) = [d for d in tried if d["ok"]]
-    assert sorted(rec["dropped_nodes"]) == ["n1", "n2"] and rec["new_world_size"] == 2, rec
+    assert sorted(rec["dropped_nodes"]) == sorted(pair) and rec["new_world_size"] == 2, rec
     assert 0 <= rec["recomputed_steps"] <= 20, rec

@@ -134,7 +134,10 @@ def assemble(job: Job, snaps: PeerSnapshots, providers: Sequence[tuple[int, int]
                 if e0["whole"] is None:   # the same on every rank (a step count)
                     val = v0.clone().to(local.device)
                 else:
-                    mine = _mine(_whole(kparts, e0["whole"], v0), p).to(local.device).contiguous()
+                    # A copy of its own: a view would keep the whole tensor alive, and DCP's
+                    # async staging fails on a DTensor whose local tensor starts inside its storage.
+                    mine = _mine(_whole(kparts, e0["whole"], v0), p).to(local.device, copy=True,
+                                                                         memory_format=torch.contiguous_format)
                     val = DTensor.from_local(mine, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                              run_check=False) if isinstance(p, DTensor) else mine
                 state[k] = val
