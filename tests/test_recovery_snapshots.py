@@ -9,7 +9,8 @@ import itertools
 import pytest
 
 from rankwatch.hooks.recovery.buddies import buddy_map, covered_by, sources_of
-from rankwatch.hooks.recovery.decide import Decision, Membership, from_checkpoint, from_snapshots
+from rankwatch.hooks.recovery.decide import (JOINER_BASE, Decision, Joiner, Membership, from_checkpoint,
+                                             from_snapshots)
 
 
 def _nodes(n: int, per: int) -> list[str]:
@@ -67,6 +68,40 @@ def test_a_lost_node_s_shards_come_from_its_buddy_at_the_newest_common_step():
     d = from_snapshots(MEMBERS, arrived, NODE_OF, holdings)
     assert d.ok and d.members == (0, 2) and d.step == 20 and d.dropped_nodes == ("n1",)
     assert d.providers == ((0, 0), (1, 2), (2, 2))
+
+
+def test_a_joining_node_takes_a_lost_node_s_place_in_the_rank_order():
+    """A spare of one worker fills n1's place: the world keeps its size and layout, so each
+    member's shards are the old ones at its position (nothing to reshard for a survivor)."""
+    j = JOINER_BASE + 1
+    spare = [Joiner(j, "n9", 0, 1)]
+    holdings = {0: {"own": 20, "held": {2: 20}}, 2: {"own": 20, "held": {1: 20}}}
+    d = from_snapshots(MEMBERS, {0: 23, 2: 23}, NODE_OF, holdings, spare)
+    assert d.ok and d.members == (0, j, 2) and d.step == 20 and d.dropped_nodes == ("n1",)
+    assert d.providers == ((0, 0), (1, 2), (2, 2)) and not d.refused
+    assert Decision.from_json(d.to_json(), MEMBERS + (j,)) == d
+    # A node of two workers does not fit n1's one: it is appended, and the world reshards.
+    two = [Joiner(j, "n9", 0, 2), Joiner(j + 1, "n9", 1, 2)]
+    d = from_snapshots(MEMBERS, {0: 23, 2: 23}, NODE_OF, holdings, two)
+    assert d.ok and d.members == (0, 2, j, j + 1)
+    # Half a node has not all asked: it waits for a later boundary, neither in nor refused.
+    d = from_snapshots(MEMBERS, {0: 23, 2: 23}, NODE_OF, holdings, two[:1])
+    assert d.ok and d.members == (0, 2) and not d.refused
+
+
+def test_a_returning_node_grows_the_world_from_the_survivors_state_now():
+    """No loss: the survivors posted their own state of the step they completed (the break
+    for the joiner), and the world grows by resharding it."""
+    j = JOINER_BASE + 3
+    holdings = {0: {"own": 40, "now": 43, "held": {2: 40}}, 2: {"own": 40, "now": 43, "held": {0: 40}}}
+    d = from_snapshots((0, 2), {0: 43, 2: 43}, NODE_OF, holdings, [Joiner(j, "n1", 0, 1)])
+    assert d.ok and d.members == (0, 2, j) and d.step == 43 and d.dropped_nodes == ()
+    assert d.providers == ((0, 0), (2, 2))
+    assert not from_snapshots((0, 2), {0: 43, 2: 43}, NODE_OF, holdings).ok   # nothing lost, nobody joins
+    # A survivor that did not copy its state now (a store hiccup): the snapshot's step serves.
+    holdings[2]["now"] = -1
+    d = from_snapshots((0, 2), {0: 43, 2: 43}, NODE_OF, holdings, [Joiner(j, "n1", 0, 1)])
+    assert d.ok and d.step == 40 and d.members == (0, 2, j)
 
 
 def test_a_copy_still_in_flight_falls_back_to_an_older_step_or_fails():

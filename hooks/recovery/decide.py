@@ -243,36 +243,70 @@ def decide(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[
 
 
 def from_snapshots(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[int, str],
-                   holdings: Mapping[int, Mapping[str, Any]]) -> Decision:
+                   holdings: Mapping[int, Mapping[str, Any]], joiners: Sequence[Joiner] = ()) -> Decision:
     """The new membership when the replicas cannot recover (no whole replicas on nodes):
     from the peer snapshots the survivors hold (:mod:`rankwatch.hooks.recovery.snapshot`).
 
     Args:
         members, arrived, node_of: as for :func:`decide`.
-        holdings: each survivor's ``{"own": step, "held": {owner id: step}}``.
+        holdings: each survivor's ``{"own": step, "now": step, "held": {owner id: step}}``
+            (``now``: its state of the step it completed, posted when joiners wait).
+        joiners: workers of joining nodes that asked so far; whole nodes are admitted.
 
     The step is the newest one at which some survivor provides every old member's
     snapshot: its own, or a copy it holds of a lost member's.  A node that lost only some
-    workers is left out whole, as :func:`decide` does.  Every survivor goes on from that
-    step, its shards assembled anew for the new world.
+    workers is left out whole, as :func:`decide` does.  Every member goes on from that
+    step, its shards assembled anew for the new world.  A joining node takes a lost node's
+    place in the rank order when it has as many workers (the world keeps its layout: each
+    member's shards are the old ones at its position); other joiners are appended, and the
+    world grows (the survivors then post a snapshot of the step they completed).
     """
     lost, survivors = _whole_nodes_left(members, arrived, node_of)
-    if not lost or not survivors:
-        return _fail("no node was lost, or no survivor: nothing to recover from snapshots")
-    own = {r: int(holdings.get(r, {}).get("own", -1)) for r in survivors}
+    joining, _, _ = admissible(joiners, 1)
+    if not survivors or not (lost or joining):
+        return _fail("no node was lost and none joins, or no survivor: nothing to recover from snapshots")
+    own = {r: {int(holdings.get(r, {}).get(k, -1)) for k in ("own", "now")} for r in survivors}
     held = {r: {int(o): int(s) for o, s in dict(holdings.get(r, {}).get("held", {})).items()} for r in survivors}
-    for step in sorted({s for s in own.values() if s >= 0}, reverse=True):
+    for step in sorted({s for steps in own.values() for s in steps if s >= 0}, reverse=True):
         providers = []
         for m in members:
-            by = m if own.get(m) == step else next((h for h in survivors if held[h].get(m) == step), None)
+            by = m if step in own.get(m, ()) else next((h for h in survivors if held[h].get(m) == step), None)
             if by is None:
                 break
             providers.append((m, by))
         else:
-            return Decision(ok=True, members=tuple(survivors), dropped_nodes=tuple(sorted(lost)), step=step,
+            new = _in_place(members, node_of, lost, joiners, joining)
+            return Decision(ok=True, members=new, dropped_nodes=tuple(sorted(lost)), step=step,
                             providers=tuple(providers),
-                            note=f"resharded from the peer snapshots of step {step}")
-    return _fail(f"no snapshot step at which the survivors hold every rank's shards (own: {sorted(set(own.values()))})")
+                            note=f"resharded from the peer snapshots of step {step}"
+                                 + (f"; {len(joining)} joining worker(s) in" if joining else ""))
+    return _fail("no snapshot step at which the survivors hold every rank's shards "
+                 f"(own: {sorted({s for steps in own.values() for s in steps})})")
+
+
+def _in_place(members: Sequence[int], node_of: Mapping[int, str], lost: set[str], joiners: Sequence[Joiner],
+              joining: Sequence[int]) -> tuple[int, ...]:
+    """The new rank order: the old one, each lost node's ranks taken by a joining node of as
+    many workers (the first to ask first) or left out; the joiners left over at the end."""
+    node_of_joiner = {j.id: j.node for j in joiners}
+    nodes: dict[str, list[int]] = {}
+    for j in joining:   # node by node already
+        nodes.setdefault(node_of_joiner[j], []).append(j)
+    spare = list(nodes.values())
+    out: list[int] = []
+    done: set[str] = set()
+    for r in members:
+        node = node_of.get(r, "?")
+        if node not in lost:
+            out.append(r)
+        elif node not in done:
+            done.add(node)
+            count = sum(node_of.get(m, "?") == node for m in members)
+            fit = next((s for s in spare if len(s) == count), None)
+            if fit is not None:
+                spare.remove(fit)
+                out += fit
+    return tuple(out) + tuple(j for s in spare for j in s)
 
 
 def from_checkpoint(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[int, str],

@@ -64,7 +64,7 @@ from rankwatch.hooks.recovery.failure import is_peer_failure
 from rankwatch.hooks.recovery.joins import JoinWatch
 from rankwatch.hooks.recovery.protocol import RESTARTING, JobFinished, RecoveryFailed, Round
 from rankwatch.hooks.recovery.snapshot import PeerSnapshots
-from rankwatch.hooks.recovery.state import local_state, transfer
+from rankwatch.hooks.recovery.state import local_state
 from rankwatch.hooks.recovery.store import JOIN_ENV, connect
 
 __all__ = ["Decision", "InProcessRecovery", "Job", "JobFinished", "Membership", "RecoveryFailed", "decide",
@@ -259,6 +259,8 @@ class InProcessRecovery:
                             "step %d, not %d", skipped, completed - skipped, completed)
                 completed -= skipped
             shards = local_state(job)
+            if self.snapshots is not None and (breaking or self._round.joiners_waiting(self._joins.settled)):
+                self.snapshots.keep_now(job, completed)   # joiners may come in: the world grows from now
             holdings = self._holdings()
             net.destroy_groups()
             phases["left_step"] = time.perf_counter() - t0
@@ -350,11 +352,8 @@ class InProcessRecovery:
                          members=decision.members, dropped_nodes=decision.dropped_nodes)
         self.membership = new
         self._init_group(new)
-        job = self._build(new)
-        transfer(job, decision, new.rank, None)
-        if self.snapshots is not None:   # with the survivors, who take theirs now
-            self.snapshots.renew(job, decision.step)
-        self.completed = decision.step
+        job = self._build(new)   # the state from a live replica, or the survivors' snapshots
+        self.completed = rebuild.put_back(job, decision, new.rank, {}, self.snapshots, None, {}, time.perf_counter())
         self._joins.follow(new.rank, job.replica_size)
         self._joins.settle(decision)
         self._round.mark_admitted(gen)

@@ -209,6 +209,14 @@ class Round:
                 settled.add(JOINER_BASE + n)
         return out
 
+    def joiners_waiting(self, settled: set[int]) -> bool:
+        """Some worker asks to join and was not answered yet (False on a store hiccup)."""
+        try:
+            return bool(self.waiting_joiners(self.store, set(settled)))
+        except Exception as exc:  # noqa: BLE001 - the recovery goes on without them
+            log.debug("rankwatch: looking for join requests: %s", exc)
+            return False
+
     def tell_finished(self, step: int, settled: set[int]) -> int:
         """Mark the job finished at ``step`` and answer every waiting joiner so; how many."""
         self.put("finished", str(step))   # first: a joiner asking now looks
@@ -283,7 +291,7 @@ class Round:
         holdings = self._holdings(gen, arrived)
         if decision.ok or not holdings:
             return decision
-        again = from_snapshots(old.members, arrived, node_of, holdings)
+        again = from_snapshots(old.members, arrived, node_of, holdings, joiners)
         if again.ok:
             return again
         last = from_checkpoint(old.members, arrived, node_of, {r for r, h in holdings.items() if h["reload"]})
@@ -300,12 +308,13 @@ class Round:
             try:
                 d = json.loads(self.read(f"{gen}snap/{r}", cap=1 << 16))
                 held = {int(o): int(s) for o, s in dict(d["held"]).items()}
-                own, reload = int(d["own"]), d.get("reload", False)
-                if not -1 <= own < 2**62 or len(held) > 4096 or not all(0 <= s < 2**62 for s in held.values()):
-                    raise ValueError(f"steps out of range: {own}")
+                own, now, reload = int(d["own"]), int(d.get("now", -1)), d.get("reload", False)
+                if not -1 <= min(own, now) <= max(own, now) < 2**62 or len(held) > 4096 \
+                        or not all(0 <= s < 2**62 for s in held.values()):
+                    raise ValueError(f"steps out of range: {own}, {now}")
                 if not isinstance(reload, bool):
                     raise ValueError(f"reload is {type(reload).__name__}, not a flag")
-                out[r] = {"own": own, "held": held, "reload": reload}
+                out[r] = {"own": own, "now": now, "held": held, "reload": reload}
             except (ValueError, KeyError, TypeError) as exc:   # ForgedValue is a ValueError
                 log.warning("rankwatch: member %d's snapshot holdings do not parse: %s", r, exc)
         return out

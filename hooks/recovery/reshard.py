@@ -114,7 +114,7 @@ def assemble(job: Job, snaps: PeerSnapshots, providers: Sequence[tuple[int, int]
     pieces, got = [], 0
     for owner, provider in providers:
         src = members.index(provider)
-        piece = _broadcast(snaps.piece(owner, me) if src == rank else None, src, snaps.group)
+        piece = _broadcast(snaps.piece(owner, me, step) if src == rank else None, src, snaps.group)
         got += 0 if src == rank else piece.payload.numel()
         if piece.step != step:
             raise ReshardFailed(f"member {owner}'s snapshot is of step {piece.step}, not {step}")
@@ -143,7 +143,7 @@ def assemble(job: Job, snaps: PeerSnapshots, providers: Sequence[tuple[int, int]
                 state[k] = val
             if state:
                 job.optimizer.state[p] = state
-    own = snaps.own
+    own = snaps.piece(me, me, step) if snaps.own is not None or snaps.now is not None else None
     if own is not None and own.rng is not None and own.step == step:
         torch.set_rng_state(own.rng)
     return got

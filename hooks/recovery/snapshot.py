@@ -130,6 +130,9 @@ class PeerSnapshots:
         self.own: Piece | None = None
         self.held: dict[int, Piece] = {}
         """Complete copies this rank holds, by their owner's member id."""
+        self.now: Piece | None = None
+        """This rank's state at the step it completed, taken at a recovery that joiners wait
+        for (the world grows from it); the own snapshot stays for a lost node's sake."""
         self._spare: dict[int, Any] = {}   # buffers to reuse, by owner id (own: -1)
         self._thread: threading.Thread | None = None
         self.stats = Stats()
@@ -156,7 +159,7 @@ class PeerSnapshots:
 
     def forget(self) -> None:
         """Drop every snapshot (a new world's layout makes them stale)."""
-        self.own, self.held = None, {}
+        self.own, self.held, self.now = None, {}, None
 
     def renew(self, job: Job, step: int) -> None:
         """After a recovery: the old world's snapshots dropped, this world's taken at ``step``."""
@@ -171,13 +174,30 @@ class PeerSnapshots:
         """What this rank can provide after a failure: its own snapshot's step and the
         complete copies it holds (owner id -> step)."""
         return {"own": self.own.step if self.own is not None else -1,
+                "now": self.now.step if self.now is not None else -1,
                 "held": {str(o): p.step for o, p in self.held.items()}}
 
-    def piece(self, owner: int, me: int) -> Piece:
-        """The snapshot of member ``owner`` that this rank (member ``me``) holds."""
-        if owner == me and self.own is not None:
-            return self.own
+    def piece(self, owner: int, me: int, step: int) -> Piece:
+        """The snapshot of member ``owner`` at ``step`` that this rank (member ``me``) holds."""
+        if owner == me:
+            return self.now if self.now is not None and self.now.step == step else self.own
         return self.held[owner]
+
+    def keep_now(self, job: Job, step: int) -> None:
+        """Copy this rank's state of ``step`` (just completed) beside the snapshots, for a
+        recovery that lets joiners in (collective-free; its buffer goes at :meth:`forget`).
+        Never raises: without it, the newest snapshot serves."""
+        import torch
+
+        try:
+            entries, size = layout(job)
+            buf = torch.empty(size, dtype=torch.uint8)
+            for e, (_, _, _, t, _) in zip(entries, _tensors(job)):
+                buf[e["at"]:e["at"] + e["bytes"]].view(t.dtype).view(t.shape).copy_(t)
+            header = {"step": step, "position": None, "entries": entries}
+            self.now = Piece(step=step, header=header, payload=buf, rng=torch.get_rng_state())
+        except Exception as exc:  # noqa: BLE001 - the snapshots still recover, from their step
+            log.warning("rankwatch: copying the state of step %d for the joiners failed: %s", step, exc)
 
     # -- taking ----------------------------------------------------------------------
     def take(self, job: Job, step: int, position: int | None = None) -> Stats:
