@@ -32,6 +32,9 @@ Launchers:
 * ``rankwatch-snapshots``: as ``rankwatch-inprocess`` without replicas (plain FSDP2 over the
   three ranks) and with ``--snapshot-every 5``: the survivors reshard from the peer snapshots
   in their own processes;
+* ``rankwatch-reload``: as ``rankwatch-snapshots`` without the snapshots: no survivor holds
+  the lost rank's shards, so the survivors load the newest complete checkpoint in their own
+  processes (DCP reshards it for two ranks);
 * ``torchrun``: plain torchrun, c10d tuned the same way, with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without it tuned restarts fail),
   ``--max-restarts 3``;
@@ -95,7 +98,7 @@ def _kill_tagged(tag: str) -> None:
 
 def _launch_args(launcher: str, fault: str) -> tuple[str, tuple[str, ...]]:
     """(--rdzv-conf, more launcher flags) for ``launcher``."""
-    if launcher in ("rankwatch-default", "rankwatch-inprocess", "rankwatch-snapshots"):
+    if launcher in ("rankwatch-default", "rankwatch-inprocess", "rankwatch-snapshots", "rankwatch-reload"):
         return "", ()
     restarts = ("0" if fault == "hang" else "1") if launcher == "rankwatch" else "3"
     return ("" if launcher == "torchrun-default" else _RDZV), ("--max-restarts", restarts, "--monitor-interval", "0.1")
@@ -105,7 +108,8 @@ def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etc
     with Cluster(tmp, 3, ("--min-nodes", "2"), election=etcd) as c:
         rdzv_conf, flags = _launch_args(launcher, fault)
         inprocess = {"rankwatch-inprocess": ("--replicate", "3", "--in-process-recovery"),
-                     "rankwatch-snapshots": ("--in-process-recovery", "--snapshot-every", "5")}.get(launcher, ())
+                     "rankwatch-snapshots": ("--in-process-recovery", "--snapshot-every", "5"),
+                     "rankwatch-reload": ("--in-process-recovery",)}.get(launcher, ())
         jobs = []
         for i in range(3):
             jobs.append(c.torchrun(
