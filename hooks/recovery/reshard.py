@@ -143,7 +143,7 @@ def assemble(job: Job, snaps: PeerSnapshots, providers: Sequence[tuple[int, int]
                 state[k] = val
             if state:
                 job.optimizer.state[p] = state
-    own = snaps.piece(me, me, step) if snaps.own is not None or snaps.now is not None else None
-    if own is not None and own.rng is not None and own.step == step:
+    own = snaps.own_at(step)
+    if own is not None and own.rng is not None:
         torch.set_rng_state(own.rng)
     return got

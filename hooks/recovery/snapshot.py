@@ -177,11 +177,16 @@ class PeerSnapshots:
                 "now": self.now.step if self.now is not None else -1,
                 "held": {str(o): p.step for o, p in self.held.items()}}
 
+    def own_at(self, step: int) -> Piece | None:
+        """This rank's own state of ``step``: the one kept now, or its snapshot."""
+        return next((p for p in (self.now, self.own) if p is not None and p.step == step), None)
+
     def piece(self, owner: int, me: int, step: int) -> Piece:
         """The snapshot of member ``owner`` at ``step`` that this rank (member ``me``) holds."""
-        if owner == me:
-            return self.now if self.now is not None and self.now.step == step else self.own
-        return self.held[owner]
+        got = self.own_at(step) if owner == me else self.held.get(owner)
+        if got is None:
+            raise KeyError(f"no snapshot of member {owner} at step {step} here")
+        return got
 
     def keep_now(self, job: Job, step: int) -> None:
         """Copy this rank's state of ``step`` (just completed) beside the snapshots, for a
@@ -192,8 +197,7 @@ class PeerSnapshots:
         try:
             entries, size = layout(job)
             buf = torch.empty(size, dtype=torch.uint8)
-            for e, (_, _, _, t, _) in zip(entries, _tensors(job)):
-                buf[e["at"]:e["at"] + e["bytes"]].view(t.dtype).view(t.shape).copy_(t)
+            _copy_in(job, entries, buf, non_blocking=False)
             header = {"step": step, "position": None, "entries": entries}
             self.now = Piece(step=step, header=header, payload=buf, rng=torch.get_rng_state())
         except Exception as exc:  # noqa: BLE001 - the snapshots still recover, from their step
@@ -220,10 +224,7 @@ class PeerSnapshots:
                 buf = torch.empty(size, dtype=torch.uint8, pin_memory=self._device == "cuda")
                 self._spare[-1] = buf
             self.own = None   # being overwritten
-            tensors = _tensors(job)
-            for e, (_, _, _, t, _) in zip(entries, tensors):
-                dst = buf[e["at"]:e["at"] + e["bytes"]].view(t.dtype).view(t.shape)
-                dst.copy_(t, non_blocking=self._device == "cuda")
+            _copy_in(job, entries, buf, non_blocking=self._device == "cuda")
             ready = None
             if self._device == "cuda":
                 ready = torch.cuda.Event()
@@ -297,6 +298,12 @@ class PeerSnapshots:
     def memory_bytes(self) -> int:
         """Host bytes the snapshots hold (own and copies, with the buffers kept for reuse)."""
         return sum(b.numel() for b in self._spare.values())
+
+
+def _copy_in(job: Job, entries: list[dict], buf: Any, non_blocking: bool) -> None:
+    """Copy the job's tensors into ``buf`` at the places ``entries`` (its :func:`layout`) give."""
+    for e, (_, _, _, t, _) in zip(entries, _tensors(job)):
+        buf[e["at"]:e["at"] + e["bytes"]].view(t.dtype).view(t.shape).copy_(t, non_blocking=non_blocking)
 
 
 def _rank() -> int:
