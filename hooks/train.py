@@ -180,6 +180,8 @@ def _train(run: Run, record: RunRecord) -> tuple[Job, int]:
             record.arms.append(ab.on)
             record.losses.append(loss.item())
             after_step(mon, job, run.ckpt, run.ckpt_extra, args, run.dev, rank, step, record, summed)
+            if tier is not None and (phases := tier.stepped(done)) is not None:
+                record.recoveries[-1]["phases"] = phases  # the recovery's first step is done
         except Exception as exc:
             if tier is None:
                 raise
@@ -196,9 +198,6 @@ def _train(run: Run, record: RunRecord) -> tuple[Job, int]:
             # Later saves record the world they are made in (a restart from one keeps its batch).
             run.ckpt_extra.update(world_size=dist.get_world_size(), dp=job.extra["dims"].dp,
                                   global_batch=feed.global_batch)
-            continue
-        if tier is not None and (phases := tier.stepped(done)) is not None:
-            record.recoveries[-1]["phases"] = phases  # the recovery's first step is done
     return job, done
 
 

@@ -197,3 +197,21 @@ def test_a_survivor_of_two_lost_buddies_reloads_in_process_only_if_it_said_it_ca
         assert d.ok and d.reload and d.members == (0,) and d.dropped_nodes == ("n1", "n2"), d
     else:
         assert not d.ok and not d.reload and error in d.error, d
+
+
+def test_a_lone_survivor_grows_by_resharding_its_one_replica(store):
+    """A plain FSDP2 job down to one rank: that rank is a whole replica of one, yet the job's
+    next mesh shards over the joiner too.  The joiner gets a share assembled from the
+    survivor's state of the step it completed (``now``), not a replica's copy."""
+    from rankwatch.hooks.recovery.protocol import Round
+
+    prefix = "rankwatch/job/round/1/"
+    survivor = Round(store, prefix, {"RANKWATCH_TOKEN": "t", "RANKWATCH_NODE_ID": "n0"}, settle=0.5)
+    survivor.register(0, 1, _closed_port())
+    joiner = Round(store, prefix, {"RANKWATCH_TOKEN": "t", "RANKWATCH_NODE_ID": "n2"}, settle=0.5)
+    me = joiner.ask_to_join(_closed_port(), 0, 1)
+    old = Membership(generation=1, rank=0, world_size=1, members=(0,))
+    d = survivor.agree(old, completed=53, replica_size=1, ready=False, settled=set(),
+                       holdings={"own": 50, "now": 53, "held": {}})
+    assert d.ok and d.members == (0, me) and d.step == 53 and d.providers == ((0, 0),), d
+    assert "resharded" in d.note, d

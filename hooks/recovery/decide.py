@@ -242,6 +242,15 @@ def decide(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[
                     finish=tuple(r for r in finish if r in survivors and step == top))
 
 
+def grows_by_resharding(replica_size: int, members: Sequence[int], joiners: Sequence[Joiner]) -> bool:
+    """Workers ask to join a world that is one replica (plain FSDP2 sharded over every rank,
+    down to a lone survivor): each joiner takes a share of that replica's shards, which
+    :func:`from_snapshots` assembles anew, not a whole replica's copy that :func:`decide`
+    would send it (a lone survivor is a whole replica of one rank, yet the job's next mesh
+    shards over two).  Asked only of a job that takes peer snapshots."""
+    return bool(joiners) and replica_size >= len(members)
+
+
 def from_snapshots(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[int, str],
                    holdings: Mapping[int, Mapping[str, Any]], joiners: Sequence[Joiner] = ()) -> Decision:
     """The new membership when the replicas cannot recover (no whole replicas on nodes):

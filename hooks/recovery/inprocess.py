@@ -9,7 +9,8 @@ disk.  This tier keeps the survivors' processes and their state in memory:
    process groups (:func:`~rankwatch.hooks.recovery.net.shut_group_sockets`).  Gloo
    cannot cancel a pending collective, and only a dead peer's direct neighbours see its
    connections break; shutting ours breaks our neighbours' pending collectives in
-   turn, so every survivor leaves the step within milliseconds.  (A hung peer breaks
+   turn, so every survivor leaves the step within milliseconds; every worker's watch
+   (:mod:`breakout`) breaks out one that the chain missed.  (A hung peer breaks
    nothing: the groups' timeout bounds that wait.)
 2. **Agree** on the new membership in the recovery store (:mod:`store`), under a
    fresh prefix per generation: the first survivor to arrive decides, once every member
@@ -50,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib
 import logging
 import os
 import time
@@ -58,10 +58,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rankwatch.hooks.recovery import net, rebuild, report
+from rankwatch.hooks.recovery.breakout import BreakWatch, leave_step
 from rankwatch.hooks.recovery.decide import MAX_MESSAGE, Decision, Job, Membership, decide
 from rankwatch.hooks.recovery.commit import StepCommit
 from rankwatch.hooks.recovery.failure import is_peer_failure
-from rankwatch.hooks.recovery.joins import JoinWatch
+from rankwatch.hooks.recovery.joins import JoinWatch, warm_up
 from rankwatch.hooks.recovery.protocol import RESTARTING, JobFinished, RecoveryFailed, Round
 from rankwatch.hooks.recovery.snapshot import PeerSnapshots
 from rankwatch.hooks.recovery.state import local_state
@@ -71,16 +72,6 @@ __all__ = ["Decision", "InProcessRecovery", "Job", "JobFinished", "Membership", 
            "is_peer_failure"]
 
 log = logging.getLogger(__name__)
-
-
-def _warm_up() -> None:
-    """Pay a fresh process's one-time costs that building the job would otherwise pay while
-    the survivors wait for it: torch imports its compiler stack (``torch._dynamo``, about a
-    second) on the first use of a meta-device initialiser or of FSDP2's lazy paths."""
-    try:
-        importlib.import_module("torch._dynamo")
-    except Exception as exc:  # noqa: BLE001 - only a cost moved, nothing lost
-        log.debug("rankwatch: warm-up import failed: %s", exc)
 
 
 _RESTART_GRACE = 60.0   # seconds a worker waits to be stopped when torchrun already restarts the round
@@ -141,6 +132,7 @@ class InProcessRecovery:
         self._env = env
         self._round: Round | None = None
         self._joins: JoinWatch | None = None   # with a store: rank 0's watch for joiners
+        self._breaks: BreakWatch | None = None  # with a store: breaks this worker out of a step others left
         self._baseline: set[tuple] = set()
         self._excluded_endpoints: set[tuple[str, int]] = set()
         self.membership: Membership | None = None
@@ -169,6 +161,8 @@ class InProcessRecovery:
         # Connections opened from here on are the process groups' (and the worker store's,
         # used only to create them): a failure shuts them.
         self._baseline = net.tcp_sockets()
+        if self._round is not None:
+            self._breaks = BreakWatch(self._round, self._env, self._leave_own)
         if self._joins is not None and self._env.get(JOIN_ENV):
             job = self._join()
             self._joins.start()
@@ -181,9 +175,11 @@ class InProcessRecovery:
             self._liveness = net.Liveness()
             self._round.register(rank, world, self._liveness.address)
         job = self._build(self.membership)
-        if self._joins is not None:
+        if self._joins is not None and self._breaks is not None:
             self._joins.follow(rank, job.replica_size)
             self._joins.start()
+            self._breaks.follow(0)
+            self._breaks.start()
         return job
 
     # -- the hot path ---------------------------------------------------------------
@@ -199,8 +195,9 @@ class InProcessRecovery:
             if self._drain is not None:   # the break shuts every group's connections, its own too
                 self._drain()
             self._breaking = True
-            shut = self._leave_step()
-            log.debug("rankwatch: shut %d connection(s) to admit joiners", shut)
+            log.debug("rankwatch: shut %d connection(s) to admit joiners", self._leave())
+            if self.membership is not None and self.membership.world_size == 1:
+                raise RuntimeError("rankwatch: leaving the step to admit joining workers")  # no collective would fail
         return phases
 
     def carry(self, values: Any) -> bool:
@@ -241,7 +238,7 @@ class InProcessRecovery:
         caught = time.time()
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
-        shut = 0 if breaking else self._leave_step()
+        shut = 0 if breaking else self._leave()
         ready = self._commit is not None and self._commit.failed_inside() and not breaking
         assert self.membership is not None
         old = self.membership
@@ -307,6 +304,7 @@ class InProcessRecovery:
         self.membership = new
         self._joins.follow(new.rank, job.replica_size)
         self._joins.settle(decision)
+        self._breaks.follow(new.generation)
         self._report = {"caught": caught, "t0": t0, "step": step, "old": old, "phases": phases, "at": completed}
         joined = [r for r in decision.members if r not in old.members]
         log.warning("rankwatch: recovered in process: rank %d -> %d of %d, without node(s) %s%s, from step %d "
@@ -323,25 +321,24 @@ class InProcessRecovery:
             return held
         return {**(held or {"own": -1, "held": {}}), "reload": True}
 
-    def _leave_step(self) -> int:
-        """Break every survivor out of the failed step (see the module); the connections shut."""
-        if self._backend == "nccl":  # NCCL cancels its pending collectives itself
-            try:
-                net.abort_nccl()
-            except Exception as err:  # noqa: BLE001 - the watchdog's timeout still bounds the wait
-                log.warning("rankwatch: could not abort the NCCL communicators: %s", err)
-        try:   # a gloo group beside NCCL's (object collectives, the CPU side) too
-            return net.shut_group_sockets(self._baseline, self._excluded_endpoints)
-        except Exception as err:  # noqa: BLE001 - the groups' timeout still bounds the others' wait
-            log.warning("rankwatch: could not shut the failed groups' connections: %s", err)
-            return 0
+    def _leave(self) -> int:
+        """Leave the step, and tell every other worker to leave it too (see :mod:`breakout`)."""
+        if self._breaks is not None:
+            self._breaks.recovering()
+        shut = self._leave_own()
+        if self._breaks is not None and (m := self.membership) is not None:
+            self._breaks.announce(m.generation, m.members[m.rank])
+        return shut
+
+    def _leave_own(self) -> int:
+        return leave_step(self._backend, self._baseline, self._excluded_endpoints)
 
     # -- joining ----------------------------------------------------------------------
     def _join(self) -> Job:
         """Ask to join the round's survivors; wait until they admit this worker at a step
         boundary; build the job and take its state from a live replica."""
-        assert self._round is not None and self._joins is not None
-        _warm_up()   # before asking: the survivors pause from the moment they admit this worker
+        assert self._round is not None and self._joins is not None and self._breaks is not None
+        warm_up()   # before asking: the survivors pause from the moment they admit this worker
         self._liveness = net.Liveness()
         local_rank = int(self._env.get("LOCAL_RANK", "0"))
         me = self._round.ask_to_join(self._liveness.address, local_rank, int(self._env.get("LOCAL_WORLD_SIZE", "1")))
@@ -356,6 +353,8 @@ class InProcessRecovery:
         self.completed = rebuild.put_back(job, decision, new.rank, {}, self.snapshots, None, {}, time.perf_counter())
         self._joins.follow(new.rank, job.replica_size)
         self._joins.settle(decision)
+        self._breaks.follow(gen)
+        self._breaks.start()
         self._round.mark_admitted(gen)
         log.warning("rankwatch: joined in process as rank %d of %d at step %d", new.rank, new.world_size,
                     decision.step)

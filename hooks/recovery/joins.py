@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import logging
 import threading
 from collections.abc import Iterator, Mapping
@@ -28,13 +29,23 @@ from rankwatch.hooks.recovery.decide import JOINER_BASE, Decision, admissible
 from rankwatch.hooks.recovery.protocol import Round
 from rankwatch.hooks.recovery.store import connect
 
-__all__ = ["JoinWatch"]
+__all__ = ["JoinWatch", "warm_up"]
 
 log = logging.getLogger(__name__)
 
 _POLL = 0.5
 """Seconds between rank 0's looks for workers asking to join."""
 _STOP_SECONDS = 5.0   # the longest a process's exit waits for the watch's store call
+
+
+def warm_up() -> None:
+    """A joiner pays a fresh process's one-time costs before it asks, not while the survivors
+    wait for it: torch imports its compiler stack (``torch._dynamo``, about a second) on the
+    first use of a meta-device initialiser or of FSDP2's lazy paths."""
+    try:
+        importlib.import_module("torch._dynamo")
+    except Exception as exc:  # noqa: BLE001 - only a cost moved, nothing lost
+        log.debug("rankwatch: warm-up import failed: %s", exc)
 
 
 class JoinWatch:

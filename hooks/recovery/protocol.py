@@ -28,6 +28,7 @@ from rankwatch.address import NODE_ID_ENV
 from rankwatch.hooks.recovery import net
 from rankwatch.hooks.recovery.decide import (
     JOINER_BASE, MAX_MESSAGE, Decision, Joiner, Membership, decide, from_checkpoint, from_snapshots,
+    grows_by_resharding,
 )
 from rankwatch.hooks.recovery.store import (
     ATTEMPTS_COUNT,
@@ -50,6 +51,7 @@ _MAX_JOIN_LOOK = 1024
 """The most recent join requests read per look (a counter in the store is no bound of its own)."""
 _FINISHED = "finished"       # a join answer: the survivors finished the job
 _DECISION_WAIT = 30.0        # seconds past ``settle`` a survivor waits for the first one's decision
+_COMING = 10.0               # seconds past ``settle`` the first waits for a member that said it left the step
 
 
 class RecoveryFailed(RuntimeError):
@@ -279,7 +281,7 @@ class Round:
 
     def _decide(self, old: Membership, gen: str, replica_size: int, joiners: list[Joiner]) -> Decision:
         keys = {r: f"{gen}alive/{r}" for r in old.members}
-        self._await_survivors(keys, self.key(f"{gen}arrived"))
+        self._await_survivors(gen, keys, self.key(f"{gen}arrived"))
         arrived = {r: int(self.read(k, cap=32)) for r, k in keys.items() if self.has(k)}
         node_of = {r: self.read(f"node/{r}", cap=64) for r in old.members}
         restarting = self.prefix + RESTARTING_KEY
@@ -289,7 +291,7 @@ class Round:
         ready_ids = [r for r in arrived if self.has(f"{gen}ready/{r}") and self.read(f"{gen}ready/{r}") == "1"]
         decision = decide(old.members, arrived, node_of, replica_size, joiners, ready_ids)
         holdings = self._holdings(gen, arrived)
-        if decision.ok or not holdings:
+        if not holdings or (decision.ok and not grows_by_resharding(replica_size, old.members, joiners)):
             return decision
         again = from_snapshots(old.members, arrived, node_of, holdings, joiners)
         if again.ok:
@@ -319,18 +321,22 @@ class Round:
                 log.warning("rankwatch: member %d's snapshot holdings do not parse: %s", r, exc)
         return out
 
-    def _await_survivors(self, keys: dict[int, str], arrived_key: str) -> None:
+    def _await_survivors(self, gen: str, keys: dict[int, str], arrived_key: str) -> None:
         """Until every member arrived, or every one missing is proven dead (its liveness
-        port refuses connections: the process is gone), or ``settle`` seconds passed."""
-        deadline = time.monotonic() + self._settle
+        port refuses connections: the process is gone), or ``settle`` seconds passed; up to
+        ``_COMING`` s more for a member that said it left the step and is on its way
+        (:meth:`~rankwatch.hooks.recovery.breakout.BreakWatch.announce`)."""
+        start = time.monotonic()
         dead: set[int] = set()
         while True:
             count = int(self.store.add(arrived_key, 0))
-            if count == len(keys) or time.monotonic() >= deadline:
+            waited = time.monotonic() - start
+            if count == len(keys) or waited >= self._settle + _COMING:
                 return
-            for r, k in keys.items():
-                if r not in dead and not self.has(k) and net.refused(self.live_address(r)):
-                    dead.add(r)
+            missing = [r for r, k in keys.items() if r not in dead and not self.has(k)]
+            dead |= {r for r in missing if net.refused(self.live_address(r))}
             if count + len(dead) >= len(keys) and int(self.store.add(arrived_key, 0)) == count:
                 return  # all that are alive arrived; the rest are gone
+            if waited >= self._settle and not any(self.has(f"{gen}leaving/{r}") for r in missing if r not in dead):
+                return  # the rest neither arrived nor said they are coming: hung, or a host down
             time.sleep(0.005)

@@ -53,9 +53,9 @@ class Net(nn.Module):
 
 class Points(Dataset):
     def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, DIM, generator=g)
-        self.y = torch.randint(0, CLASSES, (n,), generator=g)
+        # A generator each: the first samples are the same however many the job asks for.
+        self.x = torch.randn(n, DIM, generator=torch.Generator().manual_seed(0))
+        self.y = torch.randint(0, CLASSES, (n,), generator=torch.Generator().manual_seed(1))
 
     def __len__(self) -> int:
         return len(self.x)
