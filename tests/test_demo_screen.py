@@ -40,7 +40,7 @@ def render(status, n) -> str:
 
 def test_the_screen_has_every_part():
     n = notes(spare_started=True)
-    n.note("hot spare demo-n3 started: the job is full, so it waits", at=T0 + 20)
+    n.note("hot spare demo-n3 started: the job is full, so it stands by", at=T0 + 20)
     text = render(STATUS, n)
     print(text)
     assert "t+60s" in text and "goodput 50.0% (30.0s productive of 60.0s)" in text
@@ -51,7 +51,7 @@ def test_the_screen_has_every_part():
     assert "stacks" not in text.split("incidents and decisions")[1]  # evidence stays in diagnose
     assert "what happens next" in text and "demo-n2 is out" in text
     nodes = text[text.index("nodes"):]
-    assert "excluded" in nodes and "hot spare, waiting" in nodes
+    assert "excluded" in nodes and "hot spare, standing by" in nodes
     # The spare, once it had a rank, restarts with the others: never a waiting spare again.
     later = {**STATUS, "ranks": STATUS["ranks"] + [rank(3, "demo-n3", 71, connected=False)]}
     assert "hot spare" not in render(later, n).split("nodes")[-1]

@@ -126,6 +126,60 @@ def test_plain_fsdp2_node_kill_recovers_from_peer_snapshots_and_a_returning_node
     assert 0 <= recs[0]["recomputed_steps"] <= was - at and recs[0]["snapshot"]["copy_seconds"] > 0, recs
 
 
+def test_a_hot_spare_standing_by_takes_the_lost_node_s_place_at_the_loss_bit_for_bit(tmp_path):
+    """Three nodes of one rank, plain FSDP2 with snapshots every 10 steps.  A fourth node
+    arrives while the job is full: it stands by, its worker warmed up and asking to join
+    ahead of any loss.  n1 is SIGKILLed: at that one recovery the spare takes n1's place in
+    the rank order, receiving n1's shards from n1's buddy; the survivors put back their own
+    snapshot.  The world keeps its size and layout, so every step from the snapshot on is
+    trained exactly as before: the recomputed steps' losses equal the first run's bit for
+    bit, and no torchrun restarts anyone."""
+    k, steps = 10, 400
+    out, ckpt = tmp_path / "m", tmp_path / "ckpt"
+    args = ("--steps", str(steps), "--log-every", "0", "--batch-size", "2", "--step-sleep", "0.03",
+            "--in-process-recovery", "--snapshot-every", str(k), "--checkpoint-dir", str(ckpt),
+            "--checkpoint-interval", "10", "--metrics-out", str(out))
+    with Cluster(tmp_path, 4) as c:
+        jobs = [c.torchrun(i, "2:3", 1, *args, launcher="rankwatch") for i in range(3)]
+        rs = wait_for(lambda: _training(c, 3, 3, 12), 180, what="3 nodes training")
+        spare = c.torchrun(3, "2:3", 1, *args, launcher="rankwatch")
+        spare_log = tmp_path / "job-n3.log"
+        wait_for(lambda: "asks to join the training in process at the next lost node's place"
+                 in spare_log.read_text(), 120, 0.2, "the spare standing by")
+        c.kill_node(1, jobs[1], [r["pid"] for r in rs if r["node"] == "n1"])
+        for job in (jobs[0], jobs[2], spare):
+            assert job.wait(240) == 0
+        status = c.coordinator.status()
+    survivors = {r["pid"] for r in rs if r["node"] != "n1"}
+    got = [json.loads(p.read_text()) for p in out.glob("rank*.json")]
+    old = [d for d in got if d["pid"] in survivors]
+    (new,) = [d for d in got if d["pid"] not in survivors]
+    assert len(old) == 2
+    recs = [i["detail"] for i in status["incidents"] if i["kind"] == "restart"
+            and i["detail"].get("tier") == "in_process"]
+    assert len(recs) == 1 and recs[0]["ok"] and recs[0]["dropped_nodes"] == ["n1"], recs
+    logs = (tmp_path / "job-n0.log").read_text()
+    (rec,) = old[0]["recoveries"]
+    at, was = rec["step"], rec["from"]
+    if "reloaded" in rec["phases"]:
+        # The kill cut the exchange of the newest snapshot (docs: the exchange window): the
+        # survivors reloaded the checkpoint in process, at two ranks; the spare stood by to the end.
+        cut = int(re.findall(r"peer snapshot exchange of step (\d+) failed", logs)[0])
+        assert was - k <= cut <= was and rec["world_size"] == 2 and new["start"] == steps, (rec, cut)
+        return
+    assert at % k == 0 and 0 <= was - at <= k and rec["world_size"] == 3 == recs[0]["new_world_size"], rec
+    assert new["start"] == at and new["world_size_now"] == 3 and new["recoveries"] == []
+    assert 0 <= recs[0]["recomputed_steps"] <= k, recs
+    for d in old:
+        means = d["dp_mean_losses"]
+        assert len(means) == was + steps - at
+        first, again = means[at:was], means[was:was + (was - at)]
+        ok = [i for i, x in enumerate(first) if x == x]   # the cut step's may be nan
+        assert [again[i] for i in ok] == [first[i] for i in ok], (at, was)   # bit for bit
+        assert means[was:] == new["dp_mean_losses"]   # the spare trained every step with them
+    assert len({d["param_digest"] for d in got}) == 3   # three shards, n1's in the spare
+
+
 def test_a_users_plain_fsdp2_loop_recovers_from_peer_snapshots(tmp_path):
     """tests/data/user_recovery.py with ``--snapshot-every K``: a user's own plain FSDP2 loop
     (its model, a one-dimensional ``init_device_mesh``, its DataLoader) and the tier's

@@ -215,3 +215,35 @@ def test_a_lone_survivor_grows_by_resharding_its_one_replica(store):
                        holdings={"own": 50, "now": 53, "held": {}})
     assert d.ok and d.members == (0, me) and d.step == 53 and d.providers == ((0, 0),), d
     assert "resharded" in d.note, d
+
+
+def test_a_standby_spare_is_placed_only_into_a_lost_node_s_place():
+    """Hot spares stand by ahead of any loss: a recovery takes as many standby nodes as nodes
+    were lost (the first to ask first), never one to grow the world; joiners that asked to
+    join (a returning node) are all taken as before."""
+    from rankwatch.hooks.recovery.decide import placeable
+
+    a, b, c = (Joiner(JOINER_BASE + i, n, 0, 1, standby=True) for i, n in ((1, "s1"), (2, "s2"), (3, "s3")))
+    back = Joiner(JOINER_BASE + 4, "n9", 0, 1)
+    assert placeable([a, b, back], MEMBERS, {0: 5, 1: 5, 2: 5}, NODE_OF) == [back]   # nothing lost
+    assert placeable([b, a, back], MEMBERS, {0: 5, 2: 5}, NODE_OF) == [a, back]      # n1 lost: the first
+    assert placeable([a, b, c], MEMBERS, {0: 5}, NODE_OF) == [a, b]                   # n1 and n2 lost
+    # Into n1's place, at the snapshot step: the world keeps its size and layout.
+    holdings = {0: {"own": 20, "now": 23, "held": {2: 20}}, 2: {"own": 20, "now": 23, "held": {1: 20}}}
+    d = from_snapshots(MEMBERS, {0: 23, 2: 23}, NODE_OF, holdings, placeable([a, b], MEMBERS, {0: 23, 2: 23}, NODE_OF))
+    assert d.ok and d.members == (0, a.id, 2) and d.step == 20 and d.providers == ((0, 0), (1, 2), (2, 2)), d
+
+
+def test_a_standby_request_travels_through_the_store_and_a_bad_flag_is_ignored(store):
+    from rankwatch.hooks.recovery.protocol import Round
+
+    prefix = "rankwatch/job/round/1/"
+    spare = Round(store, prefix, {"RANKWATCH_TOKEN": "t", "RANKWATCH_NODE_ID": "s1"}, settle=0.5)
+    me = spare.ask_to_join(_closed_port(), 0, 1, standby=True)
+    other = spare.ask_to_join(_closed_port(), 0, 1)
+    (j, k) = spare.waiting_joiners(store, set())
+    assert (j.id, j.standby, k.id, k.standby) == (me, True, other, False)
+    raw = spare.key(f"join/{me - JOINER_BASE}")
+    store.set(raw, spare.seal.seal(raw, '{"node": "s1", "local_rank": 0, "local_world": 1, "standby": "yes"}'))
+    settled: set[int] = set()
+    assert [x.id for x in spare.waiting_joiners(store, settled)] == [other] and me in settled

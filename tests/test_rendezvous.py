@@ -23,6 +23,7 @@ from rankwatch.hooks.recovery.store import (
     DECIDED_COUNT,
     JOIN_ENV,
     ROUND_ENV,
+    STANDBY_ENV,
     STORE_ENV,
     Seal,
     mark_regrouped,
@@ -213,37 +214,31 @@ def test_a_spare_waits_without_restarting_the_job_then_takes_an_excluded_nodes_p
             h.shutdown()
 
 
-def test_a_waiting_spare_joins_in_process_when_the_workers_leave_an_excluded_node_out(monkeypatch, port):
-    # The excluded node leaves the rendezvous (the job stops being full) before its survivors
-    # say they left it out: the spare must wait for them, not enter the stock rendezvous, which
-    # would restart every node's workers to admit it.
-    for name in (STORE_ENV, ROUND_ENV, JOIN_ENV):
+def test_a_spare_of_a_full_round_that_recovers_in_process_stands_by_and_a_second_waits(monkeypatch, port):
+    # The first spare's workers start at once, as a standby for the next lost node's place
+    # (the survivors admit them at that loss, in process): nobody restarts for it.  The
+    # second finds that place claimed and waits as a hot spare, outside the stock
+    # rendezvous, which would restart every node's workers to admit it.
+    for name in (STORE_ENV, ROUND_ENV, JOIN_ENV, STANDBY_ENV):
         monkeypatch.delenv(name, raising=False)  # the handlers export them to their workers
-    a, b, spare = _handlers(["n0", "n1", "n2"], monkeypatch, port, max_nodes=2)
+    a, b, spare, second = _handlers(["n0", "n1", "n2", "n3"], monkeypatch, port, max_nodes=2)
     workers = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     try:
         _join([a, b])
         prefix = os.environ[ROUND_ENV]
+        assert STANDBY_ENV not in os.environ   # a round's own nodes do not stand by
         workers.set(prefix + CAPABLE_KEY, "1")  # the round's workers recover in process
-        joined = []
-        t = threading.Thread(target=lambda: joined.append(spare.next_rendezvous()), daemon=True)
-        t.start()
-        t.join(3)
-        assert t.is_alive(), "the spare waits while the job is full"
-        a.write_decision(_decision("n1", 1))
-        with pytest.raises(RendezvousGracefulExitError):
-            b.next_rendezvous()  # n1 leaves: the round has room
-        # The survivors' workers say they left it out 2 s later (a hung node's peers wait for
-        # its worker's death first): longer than the spare's view of the round is cached.
-        time.sleep(2.0)
-        mark_regrouped(workers, prefix, "n1", 1, Seal(None))
-        t.join(30)
-        assert joined, "the spare joined"
-        assert joined[0].world_size == 1 and os.environ[JOIN_ENV] == "1", "its workers join in process"
+        info = spare.next_rendezvous()
+        assert info.world_size == 1 and os.environ[JOIN_ENV] == "1" and os.environ[STANDBY_ENV] == "1"
         assert os.environ[ROUND_ENV] == prefix
-        assert a.num_nodes_waiting() == 0, "no node restarts its workers for the spare"
+        assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0, "no node restarts for the standby"
+        waiting = threading.Thread(target=second.next_rendezvous, daemon=True)
+        waiting.start()
+        waiting.join(3)
+        assert waiting.is_alive(), "the second spare waits while the job is full"
+        assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0
     finally:
-        for h in (spare, b, a):
+        for h in (second, spare, b, a):
             h.shutdown()
 
 

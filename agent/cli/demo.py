@@ -3,7 +3,7 @@
 Four "nodes" on this machine, each with its own agent and its own
 ``rankwatch run`` (torchrun, one rank each, ``--nnodes 2:3``, the rankwatch
 rendezvous backend): three train and the fourth, started once they do, finds
-the job full and waits as a hot spare.  Node 0's agent listens at the default
+the job full and stands by as a hot spare.  Node 0's agent listens at the default
 address and is the coordinator, so ``rankwatch status`` in another terminal
 shows the whole job, and its ``/metrics`` is on port 9478 (or a free one).
 Injected, all from outside the code under test, in this order:
@@ -14,9 +14,9 @@ Injected, all from outside the code under test, in this order:
 * node 2's rank gets stuck in Python inside forward at step 100 (a hang): the
   coordinator names it and excludes node 2, whose relay kills its worker; the
   others regroup without it in their own processes (in-process recovery: the
-  harness runs HSDP, one replica per node), then the spare (node 3) joins
-  them in process too, at a step boundary, its state sent by a live replica (no
-  worker restarts, nothing read from disk), and the world is three ranks again;
+  harness runs HSDP, one replica per node), and the spare (node 3), standing by,
+  takes node 2's place in that same recovery, its state sent by a live replica (no
+  worker restarts, nothing read from disk): the world stays three ranks;
 * once the spare trains, node 1's scripted GPU raises XID 79 (fatal: reboot):
   node 1 is excluded, and nodes 0 and 3 regroup in process and finish the job.
 
@@ -229,7 +229,7 @@ class _Story:
         if len(self.jobs) < len(_NODES) and len(training) >= 3:
             self.jobs.append(self.launch(_SPARE))
             self.notes.spare_started = True
-            self.say(f"hot spare {_NODES[_SPARE]} started: the job is full, so it waits")
+            self.say(f"hot spare {_NODES[_SPARE]} started: the job is full, so it stands by")
         if not self.fired and _NODES[2] in status["excluded_nodes"] and _NODES[_SPARE] in training:
             if isinstance(source, ScriptedSource):
                 source.fire(0, 79)

@@ -123,9 +123,9 @@ def next_line(status: dict[str, Any], notes: DemoNotes) -> str:
         if not notes.spare_started:
             return (f"{notes.hung} is out: the others regrouped without it in their own processes "
                     "(in-process recovery), in well under a second")
-        return (f"{notes.hung} is out and the others trained on in process; the spare {notes.spare} "
-                "joins them in process at a step boundary (its state from a live replica, no "
-                f"restart); then {notes.xid}'s GPU raises XID 79")
+        return (f"{notes.hung} is out: the spare {notes.spare}, standing by, took its place as the others "
+                "regrouped in process (its state from a live replica, no restart); then "
+                f"{notes.xid}'s GPU raises XID 79")
     if "hang" in kinds:
         return (f"the coordinator named the hung rank (stacks, collective, alive): it excludes "
                 f"{notes.hung} and kills its worker; the others regroup without it in process")
@@ -168,7 +168,7 @@ def _nodes(status: dict[str, Any], notes: DemoNotes) -> Table:
         elif ranks:
             state = "[yellow]restarting[/]"
         elif node == notes.spare:
-            state = "[cyan]hot spare, waiting[/]" if notes.spare_started else "[dim]not started[/]"
+            state = "[cyan]hot spare, standing by[/]" if notes.spare_started else "[dim]not started[/]"
         else:
             state = "[dim]starting[/]"
         t.add_row(node, state, str(len(live)), str(max((r["step"] for r in live), default="-")))

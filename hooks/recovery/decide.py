@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["JOINER_BASE", "Decision", "Job", "Joiner", "Membership", "admissible", "decide", "from_checkpoint",
-           "from_snapshots"]
+           "from_snapshots", "grows_by_resharding", "placeable"]
 
 JOINER_BASE = 1 << 20
 """Joiners' ids start here (original ranks are below): ``JOINER_BASE + n`` for the n-th to ask."""
@@ -78,6 +78,9 @@ class Joiner:
     local_rank: int
     local_world: int
     """Its node's worker count: the node joins once all of them asked."""
+    standby: bool = False
+    """A hot spare's worker, started ahead of any loss: it takes a lost node's place at the
+    loss itself (:func:`placeable`), and never grows the world."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,16 @@ class Decision:
 
 def _fail(error: str) -> Decision:
     return Decision(ok=False, error=error[:MAX_MESSAGE])
+
+
+def placeable(joiners: Sequence[Joiner], members: Sequence[int], arrived: Mapping[int, int],
+              node_of: Mapping[int, str]) -> list[Joiner]:
+    """The joiners a recovery may take: every one that asked to join, and standby ones of as
+    many nodes as were lost (the first to ask first); the other standby nodes wait on."""
+    lost, _ = _whole_nodes_left(members, arrived, node_of)
+    standing = list(dict.fromkeys(j.node for j in sorted(joiners, key=lambda j: j.id) if j.standby))
+    taken = set(standing[:len(lost)])
+    return [j for j in joiners if not j.standby or j.node in taken]
 
 
 def admissible(joiners: Sequence[Joiner], replica_size: int) -> tuple[list[int], list[int], str]:

@@ -27,13 +27,7 @@ disk.  This tier keeps the survivors' processes and their state in memory:
    within a replica is unchanged.  A survivor whose step differs from the newest whole
    replica's takes that replica's state instead (:mod:`state`).
 
-**Joining.**  A spare or returning node that the rendezvous handler sends to a round which
-lost nodes in process (``RANKWATCH_RECOVERY_JOIN``) does not make torchrun restart anyone:
-its workers first pay a fresh process's one-time imports, then ask to join in the store
-and wait.  The survivors' rank 0 sees the request (:mod:`joins`, off the training
-thread) and, at its next step boundary, leaves the step as a failure would; every survivor
-then agrees with the joiners in, and the joiners take their state from a live replica,
-point to point, not from disk.  The world grows back.
+**Joining** (a spare, a returning node, a hot spare standing by): :mod:`joins`.
 
 Whatever cannot be done in process (a partial node, a broken replica, no replica whole at
 one step) fails the attempt on every survivor: :class:`RecoveryFailed` is raised, the
@@ -66,7 +60,7 @@ from rankwatch.hooks.recovery.joins import JoinWatch, warm_up
 from rankwatch.hooks.recovery.protocol import RESTARTING, JobFinished, RecoveryFailed, Round
 from rankwatch.hooks.recovery.snapshot import PeerSnapshots
 from rankwatch.hooks.recovery.state import local_state
-from rankwatch.hooks.recovery.store import JOIN_ENV, connect
+from rankwatch.hooks.recovery.store import JOIN_ENV, STANDBY_ENV, connect
 
 __all__ = ["Decision", "InProcessRecovery", "Job", "JobFinished", "Membership", "RecoveryFailed", "decide",
            "is_peer_failure"]
@@ -75,6 +69,7 @@ log = logging.getLogger(__name__)
 
 
 _RESTART_GRACE = 60.0   # seconds a worker waits to be stopped when torchrun already restarts the round
+_STANDBY_WAIT = 30 * 24 * 3600.0   # a standby worker waits for a loss as long as the job runs
 
 
 class InProcessRecovery:
@@ -341,10 +336,12 @@ class InProcessRecovery:
         warm_up()   # before asking: the survivors pause from the moment they admit this worker
         self._liveness = net.Liveness()
         local_rank = int(self._env.get("LOCAL_RANK", "0"))
-        me = self._round.ask_to_join(self._liveness.address, local_rank, int(self._env.get("LOCAL_WORLD_SIZE", "1")))
-        log.warning("rankwatch: worker %d of node %s asks to join the training in process", local_rank,
-                    self._round.node)
-        gen, decision = self._round.await_admission(me, self._join_timeout)
+        standby = self._env.get(STANDBY_ENV) == "1"   # a hot spare's: admitted at a loss, however late
+        me = self._round.ask_to_join(self._liveness.address, local_rank, int(self._env.get("LOCAL_WORLD_SIZE", "1")),
+                                     standby)
+        log.warning("rankwatch: worker %d of node %s asks to join the training in process%s", local_rank,
+                    self._round.node, " at the next lost node's place" if standby else "")
+        gen, decision = self._round.await_admission(me, _STANDBY_WAIT if standby else self._join_timeout)
         new = Membership(generation=gen, rank=decision.members.index(me), world_size=len(decision.members),
                          members=decision.members, dropped_nodes=decision.dropped_nodes)
         self.membership = new

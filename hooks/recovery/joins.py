@@ -1,5 +1,13 @@
 """Rank 0's watch for workers asking to join the training in process.
 
+A spare or returning node that the rendezvous handler sends to a round which lost nodes in
+process (``RANKWATCH_RECOVERY_JOIN``) does not make torchrun restart anyone: its workers
+first pay a fresh process's one-time imports (:func:`warm_up`), then ask to join, and take
+their state from a live replica or the survivors' snapshots, point to point, not from disk.
+A hot spare that arrives while the job is full stands by (``RANKWATCH_RECOVERY_STANDBY``):
+its workers ask ahead of any loss and are admitted at the next loss itself, into the lost
+node's place (:func:`~rankwatch.hooks.recovery.decide.placeable`); this watch leaves them be.
+
 A spare or returning node's workers ask to join in the recovery store
 (:meth:`~rankwatch.hooks.recovery.protocol.Round.ask_to_join`) and wait.  The survivors must
 admit them at a step boundary, all at once, without the training thread ever touching the
@@ -25,7 +33,7 @@ import logging
 import threading
 from collections.abc import Iterator, Mapping
 
-from rankwatch.hooks.recovery.decide import JOINER_BASE, Decision, admissible
+from rankwatch.hooks.recovery.decide import JOINER_BASE, Decision, Joiner, admissible
 from rankwatch.hooks.recovery.protocol import Round
 from rankwatch.hooks.recovery.store import connect
 
@@ -104,7 +112,7 @@ class JoinWatch:
         if self._rank != 0:
             return False
         try:
-            admitted, refused, _ = admissible(self._round.waiting_joiners(self._round.store, self.settled),
+            admitted, refused, _ = admissible(_growing(self._round.waiting_joiners(self._round.store, self.settled)),
                                               self._replica_size)
         except Exception as exc:  # noqa: BLE001 - a store hiccup: the watch looks again
             log.debug("rankwatch: checking join requests: %s", exc)
@@ -138,7 +146,7 @@ class JoinWatch:
             try:
                 if store is None:
                     store, _ = connect(self._env)
-                admitted, refused, _ = admissible(self._round.waiting_joiners(store, self.settled),
+                admitted, refused, _ = admissible(_growing(self._round.waiting_joiners(store, self.settled)),
                                                   self._replica_size)
             except Exception as exc:  # noqa: BLE001 - a store hiccup: connect again at the next look
                 log.debug("rankwatch: looking for join requests: %s", exc)
@@ -148,3 +156,8 @@ class JoinWatch:
                 log.warning("rankwatch: %d worker(s) ask to join; admitting them at the next step boundary",
                             len(admitted) + len(refused))
                 self._due.set()
+
+
+def _growing(joiners: list[Joiner]) -> list[Joiner]:
+    """The joiners that grow the world; a standby one waits for a loss (see :mod:`decide`)."""
+    return [j for j in joiners if not j.standby]

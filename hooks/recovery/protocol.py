@@ -28,7 +28,7 @@ from rankwatch.address import NODE_ID_ENV
 from rankwatch.hooks.recovery import net
 from rankwatch.hooks.recovery.decide import (
     JOINER_BASE, MAX_MESSAGE, Decision, Joiner, Membership, decide, from_checkpoint, from_snapshots,
-    grows_by_resharding,
+    grows_by_resharding, placeable,
 )
 from rankwatch.hooks.recovery.store import (
     ATTEMPTS_COUNT,
@@ -132,13 +132,15 @@ class Round:
         return dist.PrefixStore(self.key(f"gen/{generation}/pg/"), self.store)
 
     # -- joining ---------------------------------------------------------------------
-    def ask_to_join(self, live_address: str, local_rank: int, local_world: int) -> int:
-        """Post a join request; returns this worker's id (``JOINER_BASE + n``)."""
+    def ask_to_join(self, live_address: str, local_rank: int, local_world: int, standby: bool = False) -> int:
+        """Post a join request (``standby``: a hot spare's, for a lost node's place only);
+        returns this worker's id (``JOINER_BASE + n``)."""
         n = int(self.store.add(self.key("join/seq"), 1))
         me = JOINER_BASE + n
         self.put(f"node/{me}", self.node)
         self.put(f"live/{me}", live_address)
-        self.put(f"join/{n}", json.dumps({"node": self.node, "local_rank": local_rank, "local_world": local_world}))
+        self.put(f"join/{n}", json.dumps({"node": self.node, "local_rank": local_rank, "local_world": local_world,
+                                          "standby": standby}))
         return me
 
     def await_admission(self, me: int, timeout: float) -> tuple[int, Decision]:
@@ -204,8 +206,11 @@ class Round:
                 continue  # settled, or asking now: seen at the next look
             try:
                 d = json.loads(self.read(f"join/{n}", store, cap=512))
+                standby = d.get("standby", False)
+                if not isinstance(standby, bool):
+                    raise ValueError(f"standby is {type(standby).__name__}, not a flag")
                 out.append(Joiner(id=JOINER_BASE + n, node=str(d["node"])[:64], local_rank=int(d["local_rank"]),
-                                  local_world=int(d["local_world"])))
+                                  local_world=int(d["local_world"]), standby=standby))
             except (ValueError, KeyError, TypeError) as exc:   # ForgedValue is a ValueError
                 log.warning("rankwatch: a join request that does not parse is ignored: %s", exc)
                 settled.add(JOINER_BASE + n)
@@ -284,6 +289,7 @@ class Round:
         self._await_survivors(gen, keys, self.key(f"{gen}arrived"))
         arrived = {r: int(self.read(k, cap=32)) for r, k in keys.items() if self.has(k)}
         node_of = {r: self.read(f"node/{r}", cap=64) for r in old.members}
+        joiners = placeable(joiners, old.members, arrived, node_of)
         restarting = self.prefix + RESTARTING_KEY
         if self.store.check([restarting]):  # torchrun stops the workers itself
             by = self._read(restarting, cap=64)

@@ -35,12 +35,13 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["ForgedValue", "Seal", "ATTEMPTS_COUNT", "CAPABLE_KEY", "DECIDED_COUNT", "JOIN_ENV", "JOINED_COUNT", "RESTARTING_KEY", "REGROUPED_COUNT", "REGROUPED_NODE", "ROUND_ENV", "STORE_ENV", "admitted_key", "connect", "mark_regrouped",
+__all__ = ["ForgedValue", "Seal", "ATTEMPTS_COUNT", "CAPABLE_KEY", "DECIDED_COUNT", "JOIN_ENV", "JOINED_COUNT", "STANDBY_ENV", "RESTARTING_KEY", "REGROUPED_COUNT", "REGROUPED_NODE", "ROUND_ENV", "STORE_ENV", "admitted_key", "connect", "mark_regrouped",
            "regrouped_key", "round_key"]
 
 STORE_ENV = "RANKWATCH_RECOVERY_STORE"
 ROUND_ENV = "RANKWATCH_RECOVERY_ROUND"
 JOIN_ENV = "RANKWATCH_RECOVERY_JOIN"  # "1": this node's workers join the round's survivors in process
+STANDBY_ENV = "RANKWATCH_RECOVERY_STANDBY"  # "1": ... as a hot spare's, for the next lost node's place
 JOINED_COUNT = "joined_count"        # under a round's prefix: nodes the handler sent to join in process
 REGROUPED_COUNT = "regrouped_count"  # under a round's prefix: nodes left out in process so far
 REGROUPED_NODE = "regrouped_node/"   # regrouped_node/<i> -> the i-th node left out (from 1)

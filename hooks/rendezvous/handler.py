@@ -237,7 +237,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         generation = self.generation()  # read before joining: a later exclusion is checked
         rejoin = self._round.prefix is not None   # this node's torchrun restarts its workers
         while True:
-            joined = self._round.join()
+            joined = self._round.join() or (self._round.standby() if self._job_full() else None)
             if joined is not None:
                 self._joined_generation = generation
                 return joined

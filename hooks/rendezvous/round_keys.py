@@ -41,6 +41,7 @@ from rankwatch.hooks.recovery.store import (
     REGROUPED_NODE,
     RESTARTING_KEY,
     ROUND_ENV,
+    STANDBY_ENV,
     STORE_ENV,
     ForgedValue,
     Seal,
@@ -188,11 +189,21 @@ class InProcessRound:
         it.  Its torchrun gets a round of its own (one node, a private store) to start the
         workers in; they learn their place in the job from the survivors."""
         prefix = self.room()
-        if prefix is None:
-            return None
+        return None if prefix is None else self._claim(prefix, ahead=0)
+
+    def standby(self) -> RendezvousInfo | None:
+        """Start this node's workers as a hot spare of a full round whose workers recover in
+        process: they ask to join ahead of any loss, and the survivors admit them at the
+        next loss itself, into the lost node's place.  One node stands by at a time (it
+        claims the next place in advance); None: another does, or the round cannot."""
+        prefix = self._joinable()
+        return None if prefix is None else self._claim(prefix, ahead=1)
+
+    def _claim(self, prefix: str, ahead: int) -> RendezvousInfo | None:
+        """Take a place the round lost (``ahead`` 1: the next one) and send the workers in."""
         raw = self._raw
-        if int(raw.add(prefix + JOINED_COUNT, 1)) > int(raw.add(prefix + REGROUPED_COUNT, 0)):
-            raw.add(prefix + JOINED_COUNT, -1)  # another node took the room meanwhile
+        if int(raw.add(prefix + JOINED_COUNT, 1)) > int(raw.add(prefix + REGROUPED_COUNT, 0)) + ahead:
+            raw.add(prefix + JOINED_COUNT, -1)  # another node took it meanwhile
             return None
         from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
         from torch.distributed.elastic.utils.distributed import get_free_port
@@ -204,9 +215,14 @@ class InProcessRound:
         os.environ[STORE_ENV] = self.endpoint
         os.environ[ROUND_ENV] = prefix
         os.environ[JOIN_ENV] = "1"
+        if ahead:
+            os.environ[STANDBY_ENV] = "1"
+        else:
+            os.environ.pop(STANDBY_ENV, None)
         own = PrefixStore(f"{self._run}joining/{self._node}/{time.time_ns()}/", raw)
-        log.warning("rankwatch: node %s joins the running round in process (it lost a node that way); "
-                    "no node restarts its workers for it", self._node)
+        log.warning("rankwatch: node %s %s; no node restarts its workers for it", self._node,
+                    "stands by to take the next lost node's place in process" if ahead else
+                    "joins the running round in process (it lost a node that way)")
         return RendezvousInfo(own, 0, 1, RendezvousStoreInfo(socket.getfqdn(), get_free_port()))
 
     def _joinable(self) -> str | None:
