@@ -35,6 +35,9 @@ Launchers:
 * ``rankwatch-reload``: as ``rankwatch-snapshots`` without the snapshots: no survivor holds
   the lost rank's shards, so the survivors load the newest complete checkpoint in their own
   processes (DCP reshards it for two ranks);
+* ``rankwatch-standby``: as ``rankwatch-snapshots`` with a fourth node started once the job
+  is full: it stands by, and at the kill its worker takes the lost node's place in process
+  (the world keeps three ranks; ``world`` reports the recovery's new world size);
 * ``torchrun``: plain torchrun, c10d tuned the same way, with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without it tuned restarts fail),
   ``--max-restarts 3``;
@@ -46,6 +49,7 @@ them (run 1 of each, then run 2 of each, ...), so that they share the machine's 
 
     python benchmarks/restart.py --fault kill --runs 10 --launchers rankwatch
     python benchmarks/restart.py --fault kill --runs 10 --launchers rankwatch-default --rdzv etcd --victim 0
+    python benchmarks/restart.py --fault kill --runs 10 --launchers rankwatch-standby,rankwatch-snapshots --timeout 60
 """
 
 from __future__ import annotations
@@ -98,27 +102,30 @@ def _kill_tagged(tag: str) -> None:
 
 def _launch_args(launcher: str, fault: str) -> tuple[str, tuple[str, ...]]:
     """(--rdzv-conf, more launcher flags) for ``launcher``."""
-    if launcher in ("rankwatch-default", "rankwatch-inprocess", "rankwatch-snapshots", "rankwatch-reload"):
+    if launcher.startswith("rankwatch-"):
         return "", ()
     restarts = ("0" if fault == "hang" else "1") if launcher == "rankwatch" else "3"
     return ("" if launcher == "torchrun-default" else _RDZV), ("--max-restarts", restarts, "--monitor-interval", "0.1")
 
 
 def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etcd: str | None) -> dict:
-    with Cluster(tmp, 3, ("--min-nodes", "2"), election=etcd) as c:
+    standby = launcher == "rankwatch-standby"
+    with Cluster(tmp, 4 if standby else 3, ("--min-nodes", "2"), election=etcd) as c:
         rdzv_conf, flags = _launch_args(launcher, fault)
         inprocess = {"rankwatch-inprocess": ("--replicate", "3", "--in-process-recovery"),
                      "rankwatch-snapshots": ("--in-process-recovery", "--snapshot-every", "5"),
+                     "rankwatch-standby": ("--in-process-recovery", "--snapshot-every", "5"),
                      "rankwatch-reload": ("--in-process-recovery",)}.get(launcher, ())
-        jobs = []
-        for i in range(3):
-            jobs.append(c.torchrun(
+        def start(i: int):
+            return c.torchrun(
                 i, "2:3", 1, "--steps", "100000", "--log-every", "0", *inprocess,
                 "--checkpoint-dir", f"{tmp}/ck", "--checkpoint-interval", "20",
                 launcher="torchrun" if launcher.startswith("torchrun") else "rankwatch",
                 rdzv_conf=rdzv_conf, etcd=etcd,
                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun" else None,
-                launcher_args=flags))
+                launcher_args=flags)
+
+        jobs = [start(i) for i in range(3)]
         deadline = time.monotonic() + 180
         while True:
             ranks = [r for a in c.agents for r in a.status()["ranks"] if r["node"] == a.node]
@@ -127,6 +134,8 @@ def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etc
             if time.monotonic() > deadline:
                 raise RuntimeError("the job did not start")
             time.sleep(0.2)
+        if standby:
+            _stand_by(tmp, start(3))
         name = f"n{victim}"
         survivors = [a for a in c.agents if a.node != name]
         victim_rank = next(r for r in ranks if r["node"] == name)
@@ -136,11 +145,11 @@ def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etc
         else:
             c.kill_node(victim, jobs[victim], [victim_rank["pid"]])
         t0, killed_at = time.monotonic(), time.time()
-        named = back = recomputed = None
+        named = back = recomputed = world = None
         while time.monotonic() - t0 < timeout and back is None:
             if inprocess and (rec := _in_process(c, name)):
                 # named: the survivors caught the failure (their collective broke).
-                named, back, recomputed = rec[0] - killed_at, rec[1] - killed_at, rec[2]
+                named, back, recomputed, world = rec[0] - killed_at, rec[1] - killed_at, rec[2], rec[3]
                 break
             moving = set()
             for a in survivors:
@@ -171,12 +180,22 @@ def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etc
             for log in tmp.glob("*.log"):
                 shutil.copy(log, dest / log.name)
             print(f"in-process recovery did not happen: logs in {dest}", flush=True)
-        return {"named": named, "back": back, "recomputed": recomputed}
+        return {"named": named, "back": back, "recomputed": recomputed, "world": world}
 
 
-def _in_process(c: Cluster, victim: str) -> tuple[float, float, int | None] | None:
-    """Wall times (failure caught, first step after the in-process recovery) and the steps
-    recomputed, once the coordinator has the recovery's incident with its first step."""
+def _stand_by(tmp: Path, spare) -> None:
+    """Until the fourth node's worker stands by (asked to join ahead of any loss)."""
+    deadline = time.monotonic() + 120
+    while "at the next lost node's place" not in (tmp / "job-n3.log").read_text():
+        if time.monotonic() > deadline or spare.poll() is not None:
+            raise RuntimeError("the spare did not stand by")
+        time.sleep(0.2)
+
+
+def _in_process(c: Cluster, victim: str) -> tuple[float, float, int | None, int] | None:
+    """Wall times (failure caught, first step after the in-process recovery), the steps
+    recomputed and the new world's size, once the coordinator has the recovery's incident
+    with its first step."""
     for a in c.agents:
         if a.node == victim:
             continue
@@ -190,7 +209,8 @@ def _in_process(c: Cluster, victim: str) -> tuple[float, float, int | None] | No
             d = i["detail"]
             if i["kind"] == "restart" and d.get("tier") == "in_process" and d.get("ok") and \
                     "first_step" in d.get("phases", {}):
-                return d["started_at"], d["started_at"] + d["phases"]["first_step"], d.get("recomputed_steps")
+                return (d["started_at"], d["started_at"] + d["phases"]["first_step"], d.get("recomputed_steps"),
+                        d.get("new_world_size"))
     return None
 
 
@@ -209,7 +229,8 @@ def main() -> int:
         for launcher in launchers:
             runs[launcher].append(once(launcher, args.fault, args.timeout, args.victim, args.rdzv))
             r = runs[launcher][-1]
-            print(f"{launcher}: named {r['named']}, back {r['back']}, recomputed {r['recomputed']}", flush=True)
+            print(f"{launcher}: named {r['named']}, back {r['back']}, recomputed {r['recomputed']}, "
+                  f"world {r['world']}", flush=True)
     for launcher, results in runs.items():
         named = [r["named"] for r in results if r["named"] is not None]
         back = [r["back"] for r in results if r["back"] is not None]
@@ -217,7 +238,8 @@ def main() -> int:
               f"(median {statistics.median(named):.1f} s)" if named else f"{launcher}: never named",
               flush=True)
         print(f"{launcher}: training again in {len(back)}/{len(results)} within {args.timeout:.0f} s"
-              + (f" (median {statistics.median(back):.1f} s, max {max(back):.1f} s)" if back else ""), flush=True)
+              + (f" (median {statistics.median(back):.2f} s, {min(back):.2f}-{max(back):.2f} s)" if back else ""),
+              flush=True)
     return 0
 
 

@@ -133,7 +133,9 @@ def test_a_hot_spare_standing_by_takes_the_lost_node_s_place_at_the_loss_bit_for
     the rank order, receiving n1's shards from n1's buddy; the survivors put back their own
     snapshot.  The world keeps its size and layout, so every step from the snapshot on is
     trained exactly as before: the recomputed steps' losses equal the first run's bit for
-    bit, and no torchrun restarts anyone."""
+    bit, and no torchrun restarts anyone.  (A kill inside the snapshot exchange's window
+    sends every member, the spare too, to the newest checkpoint instead, in process: the
+    same checks hold from its step.)"""
     k, steps = 10, 400
     out, ckpt = tmp_path / "m", tmp_path / "ckpt"
     args = ("--steps", str(steps), "--log-every", "0", "--batch-size", "2", "--step-sleep", "0.03",
@@ -162,14 +164,14 @@ def test_a_hot_spare_standing_by_takes_the_lost_node_s_place_at_the_loss_bit_for
     (rec,) = old[0]["recoveries"]
     at, was = rec["step"], rec["from"]
     if "reloaded" in rec["phases"]:
-        # The kill cut the exchange of the newest snapshot (docs: the exchange window): the
-        # survivors reloaded the checkpoint in process, at two ranks; the spare stood by to the end.
+        # The kill cut the exchange of the newest snapshot (docs: the exchange window): every
+        # member, the spare too, loaded the newest complete checkpoint in process instead.
         cut = int(re.findall(r"peer snapshot exchange of step (\d+) failed", logs)[0])
-        assert was - k <= cut <= was and rec["world_size"] == 2 and new["start"] == steps, (rec, cut)
-        return
-    assert at % k == 0 and 0 <= was - at <= k and rec["world_size"] == 3 == recs[0]["new_world_size"], rec
+        assert was - k <= cut <= was and 0 <= was - at <= 2 * k, (rec, cut)
+    else:
+        assert 0 <= was - at <= k and 0 <= recs[0]["recomputed_steps"] <= k, (rec, recs)
+    assert at % k == 0 and rec["world_size"] == 3 == recs[0]["new_world_size"], rec
     assert new["start"] == at and new["world_size_now"] == 3 and new["recoveries"] == []
-    assert 0 <= recs[0]["recomputed_steps"] <= k, recs
     for d in old:
         means = d["dp_mean_losses"]
         assert len(means) == was + steps - at
@@ -187,15 +189,19 @@ def test_a_users_plain_fsdp2_loop_recovers_from_peer_snapshots(tmp_path):
     in their own processes from the newest snapshot: the steps after it are undone and trained
     again, and the losses follow an uninterrupted run of the same loop."""
     script = str(DATA / "user_recovery.py")
-    steps = 150
-    args = ("--steps", str(steps), "--snapshot-every", str(K))
+    steps = 60
+    # Eight micro-batches a rank per step (about 0.15 s here): the snapshot's copy and send
+    # take a fraction of a step, as the docs ask of K.  With steps of a few ms the exchange is
+    # in flight most of the time, and a kill then finds no whole snapshot step (the exchange
+    # window); the kill below comes two steps after a snapshot, its exchange long done.
+    args = ("--steps", str(steps), "--snapshot-every", str(K), "--global-batch", "192")
     out, ref_out = tmp_path / "a" / "out", tmp_path / "b" / "out"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with Cluster(tmp_path / "a", 3) as c:
         jobs = [c.torchrun(i, "2:3", 1, *args, "--out", str(out), launcher="rankwatch", script=script)
                 for i in range(3)]
-        rs = wait_for(lambda: _training(c, 3, 3, 15), 180, what="3 nodes training")
+        rs = wait_for(lambda: _training(c, 3, 3, 3 * K + 2), 180, 0.05, "3 nodes past a snapshot's exchange")
         c.kill_node(1, jobs[1], [r["pid"] for r in rs if r["node"] == "n1"])
         for i in (0, 2):
             assert jobs[i].wait(240) == 0, f"node n{i}'s torchrun failed"

@@ -247,3 +247,14 @@ def test_a_standby_request_travels_through_the_store_and_a_bad_flag_is_ignored(s
     store.set(raw, spare.seal.seal(raw, '{"node": "s1", "local_rank": 0, "local_world": 1, "standby": "yes"}'))
     settled: set[int] = set()
     assert [x.id for x in spare.waiting_joiners(store, settled)] == [other] and me in settled
+
+
+def test_a_checkpoint_reload_places_a_spare_that_can_load_it_too():
+    """Both copies of n1's shards gone (or the exchange cut): the survivors reload the
+    checkpoint, and a spare whose loop can load it takes n1's place; one that cannot waits."""
+    able = Joiner(JOINER_BASE + 1, "s1", 0, 1, standby=True, reload=True)
+    unable = Joiner(JOINER_BASE + 2, "s2", 0, 1, standby=True)
+    d = from_checkpoint(MEMBERS, {0: 23, 2: 23}, NODE_OF, {0, 2}, [able])
+    assert d.ok and d.reload and d.members == (0, able.id, 2) and d.dropped_nodes == ("n1",), d
+    d = from_checkpoint(MEMBERS, {0: 23, 2: 23}, NODE_OF, {0, 2}, [unable])
+    assert d.ok and d.members == (0, 2) and not d.refused, d

@@ -22,6 +22,7 @@ from rankwatch.hooks.recovery.store import (
     CAPABLE_KEY,
     DECIDED_COUNT,
     JOIN_ENV,
+    RESTARTING_KEY,
     ROUND_ENV,
     STANDBY_ENV,
     STORE_ENV,
@@ -313,3 +314,26 @@ def test_a_store_that_stops_answering_is_no_node_waiting_not_an_error(monkeypatc
     del store                          # the store's server goes away
     assert a.num_nodes_waiting() == 0
     assert "the rendezvous store did not answer" in caplog.text
+
+
+def test_a_node_that_joined_in_process_restarts_with_its_round_once(monkeypatch, port):
+    # n1's workers joined the round in process; then the round gives up on recovering in
+    # process (a failed decision marks it restarting) and every torchrun restarts its
+    # workers into a new stock round.  There n1 is a member like any other: the old round's
+    # mark must not make it restart its workers again at every check (it did, forever).
+    a, b, workers, prefix = _capable_round(monkeypatch, port)
+    try:
+        workers.add(prefix + ATTEMPTS_COUNT, 1)
+        t, joined = _restart_workers(b)
+        mark_regrouped(workers, prefix, "n1", 1, Seal(None))
+        workers.add(prefix + DECIDED_COUNT, 1)
+        t.join(30)
+        assert joined and os.environ[JOIN_ENV] == "1", "n1's workers joined in process"
+        workers.set(prefix + RESTARTING_KEY, "n0")   # the decision failed: torchrun restarts the round
+        assert b.num_nodes_waiting() == 1 and a.num_nodes_waiting() == 1
+        infos = _join([a, b])
+        assert [i.world_size for i in infos] == [2, 2] and JOIN_ENV not in os.environ
+        assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0, "the new round trains on"
+    finally:
+        for h in (b, a):
+            h.shutdown()

@@ -81,6 +81,8 @@ class Joiner:
     standby: bool = False
     """A hot spare's worker, started ahead of any loss: it takes a lost node's place at the
     loss itself (:func:`placeable`), and never grows the world."""
+    reload: bool = False
+    """Its loop can load a checkpoint in process (:func:`from_checkpoint` may admit it)."""
 
 
 @dataclass(frozen=True)
@@ -332,15 +334,17 @@ def _in_place(members: Sequence[int], node_of: Mapping[int, str], lost: set[str]
 
 
 def from_checkpoint(members: Sequence[int], arrived: Mapping[int, int], node_of: Mapping[int, str],
-                    can_reload: Collection[int]) -> Decision:
+                    can_reload: Collection[int], joiners: Sequence[Joiner] = ()) -> Decision:
     """The new membership when neither a replica nor a peer snapshot holds a lost rank's
     shards: every survivor (of the nodes that lost none) loads the newest complete
-    checkpoint in process, resharded for the smaller world.
+    checkpoint in process, resharded for the new world.
 
     Args:
         members, arrived, node_of: as for :func:`decide`.
         can_reload: the survivors whose loop gave the tier a way to load a checkpoint; all
             of them must have one, or none reloads (torchrun's restart recovers).
+        joiners: as for :func:`from_snapshots`; whole nodes whose workers can load the
+            checkpoint too are placed the same way (a spare standing by keeps the world's size).
     """
     lost, survivors = _whole_nodes_left(members, arrived, node_of)
     if not lost or not survivors:
@@ -348,8 +352,12 @@ def from_checkpoint(members: Sequence[int], arrived: Mapping[int, int], node_of:
     unable = [r for r in survivors if r not in can_reload]
     if unable:
         return _fail(f"{len(unable)} survivor(s) cannot load a checkpoint in process (rank {unable[0]} first)")
-    return Decision(ok=True, members=tuple(survivors), dropped_nodes=tuple(sorted(lost)), reload=True,
-                    note="reloaded from the newest complete checkpoint: no survivor holds every lost rank's shards")
+    able = [j for j in joiners if j.reload]
+    joining, _, _ = admissible(able, 1)
+    return Decision(ok=True, members=_in_place(members, node_of, lost, able, joining),
+                    dropped_nodes=tuple(sorted(lost)), reload=True,
+                    note="reloaded from the newest complete checkpoint: no survivor holds every lost rank's "
+                         "shards" + (f"; {len(joining)} joining worker(s) in" if joining else ""))
 
 
 def _whole_nodes_left(members: Sequence[int], arrived: Mapping[int, int],

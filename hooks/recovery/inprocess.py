@@ -338,7 +338,7 @@ class InProcessRecovery:
         local_rank = int(self._env.get("LOCAL_RANK", "0"))
         standby = self._env.get(STANDBY_ENV) == "1"   # a hot spare's: admitted at a loss, however late
         me = self._round.ask_to_join(self._liveness.address, local_rank, int(self._env.get("LOCAL_WORLD_SIZE", "1")),
-                                     standby)
+                                     standby, reload=self._reload is not None)
         log.warning("rankwatch: worker %d of node %s asks to join the training in process%s", local_rank,
                     self._round.node, " at the next lost node's place" if standby else "")
         gen, decision = self._round.await_admission(me, _STANDBY_WAIT if standby else self._join_timeout)
@@ -347,7 +347,8 @@ class InProcessRecovery:
         self.membership = new
         self._init_group(new)
         job = self._build(new)   # the state from a live replica, or the survivors' snapshots
-        self.completed = rebuild.put_back(job, decision, new.rank, {}, self.snapshots, None, {}, time.perf_counter())
+        self.completed = rebuild.put_back(job, decision, new.rank, {}, self.snapshots, self._reload, {},
+                                          time.perf_counter())
         self._joins.follow(new.rank, job.replica_size)
         self._joins.settle(decision)
         self._breaks.follow(gen)

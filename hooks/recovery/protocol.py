@@ -132,15 +132,16 @@ class Round:
         return dist.PrefixStore(self.key(f"gen/{generation}/pg/"), self.store)
 
     # -- joining ---------------------------------------------------------------------
-    def ask_to_join(self, live_address: str, local_rank: int, local_world: int, standby: bool = False) -> int:
-        """Post a join request (``standby``: a hot spare's, for a lost node's place only);
-        returns this worker's id (``JOINER_BASE + n``)."""
+    def ask_to_join(self, live_address: str, local_rank: int, local_world: int, standby: bool = False,
+                    reload: bool = False) -> int:
+        """Post a join request (``standby``: a hot spare's, for a lost node's place only;
+        ``reload``: its loop can load a checkpoint); returns this worker's id (``JOINER_BASE + n``)."""
         n = int(self.store.add(self.key("join/seq"), 1))
         me = JOINER_BASE + n
         self.put(f"node/{me}", self.node)
         self.put(f"live/{me}", live_address)
         self.put(f"join/{n}", json.dumps({"node": self.node, "local_rank": local_rank, "local_world": local_world,
-                                          "standby": standby}))
+                                          "standby": standby, "reload": reload}))
         return me
 
     def await_admission(self, me: int, timeout: float) -> tuple[int, Decision]:
@@ -206,11 +207,11 @@ class Round:
                 continue  # settled, or asking now: seen at the next look
             try:
                 d = json.loads(self.read(f"join/{n}", store, cap=512))
-                standby = d.get("standby", False)
-                if not isinstance(standby, bool):
-                    raise ValueError(f"standby is {type(standby).__name__}, not a flag")
+                standby, reload = d.get("standby", False), d.get("reload", False)
+                if not isinstance(standby, bool) or not isinstance(reload, bool):
+                    raise ValueError("standby and reload must be flags")
                 out.append(Joiner(id=JOINER_BASE + n, node=str(d["node"])[:64], local_rank=int(d["local_rank"]),
-                                  local_world=int(d["local_world"]), standby=standby))
+                                  local_world=int(d["local_world"]), standby=standby, reload=reload))
             except (ValueError, KeyError, TypeError) as exc:   # ForgedValue is a ValueError
                 log.warning("rankwatch: a join request that does not parse is ignored: %s", exc)
                 settled.add(JOINER_BASE + n)
@@ -302,7 +303,7 @@ class Round:
         again = from_snapshots(old.members, arrived, node_of, holdings, joiners)
         if again.ok:
             return again
-        last = from_checkpoint(old.members, arrived, node_of, {r for r, h in holdings.items() if h["reload"]})
+        last = from_checkpoint(old.members, arrived, node_of, {r for r, h in holdings.items() if h["reload"]}, joiners)
         return last if last.ok else Decision(
             ok=False, error=f"{decision.error}; {again.error}; {last.error}"[:MAX_MESSAGE])
 

@@ -96,6 +96,10 @@ class InProcessRound:
         the round's workers (they inherit this process's environment), where their in-process
         recovery agrees.  Without a usable store or round, the workers use their own."""
         self._round_store, self._round_nodes, self._checked_in = round_store, round_nodes, 0
+        # A member of a stock round now: a round it once joined in process is over (its
+        # restart mark would otherwise restart this node's workers at every check, forever).
+        self.joined, self._tried_join = None, False
+        os.environ.pop(STANDBY_ENV, None)
         if self.endpoint is None or round_ is None:
             self.prefix = None
             os.environ.pop(STORE_ENV, None)
