@@ -164,3 +164,31 @@ def test_the_fault_directory_is_made_private_with_the_per_user_one_above_it(tmp_
     finally:
         if was:
             faulthandler.enable()
+
+
+def test_a_worker_torchrun_sigtermed_after_another_failed_is_stopped_not_failed():
+    """torchrun stops a group's other workers with SIGTERM once one failed; one that died of
+    it before torchrun collected the result is listed among the failures with -15.  It is
+    reported as stopped by torchrun (a consequence), not as killed by a signal of its own;
+    a group that all died of SIGTERM (a scheduler's preemption) stays as it was."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from rankwatch.hooks.rendezvous.worker_results import report_of
+
+    def exits(*codes: int) -> dict[int, object]:
+        result = RunResult(state=WorkerState.FAILED, failures={
+            r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=c, error_file="") for r, c in enumerate(codes)})
+        msg = report_of(SimpleNamespace(workers=[]), result, "n0", "run", 5.0)
+        return {e.rank: e for e in msg.exits}
+
+    raised, stopped = exits(1, -15)[0], exits(1, -15)[1]
+    assert raised.failed and not stopped.failed and stopped.exitcode == -15
+    d = classify(record=None, fault=None, torchrun={"exitcode": -15, "signal": "SIGTERM", "failed": stopped.failed},
+                 oom=False)
+    assert (d["how"], d["signal"], d["stopped_by"]) == ("signal", "SIGTERM", "torchrun")
+    assert all(e.failed for e in exits(-15, -15).values())
+    d = classify(record=None, fault=None, torchrun={"exitcode": -15, "signal": "SIGTERM", "failed": True}, oom=False)
+    assert (d["how"], d["signal"]) == ("signal", "SIGTERM") and "stopped_by" not in d

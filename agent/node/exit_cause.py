@@ -144,10 +144,10 @@ def classify(*, record: Mapping[str, Any] | None, fault: Mapping[str, Any] | Non
         d.update(how="oom", signal="SIGKILL")
     elif fault is not None:
         d.update(how="signal", signal=fault["signal"], fatal_error=fault["error"], frames=list(fault["frames"]))
+    elif torchrun is not None and not torchrun.get("failed", True):   # stopped, or SIGTERMed, by torchrun
+        d.update(how="signal", signal="SIGTERM", stopped_by="torchrun")
     elif tsignal is not None:
         d.update(how="signal", signal=tsignal)
-    elif torchrun is not None and not torchrun.get("failed", True):
-        d.update(how="signal", signal="SIGTERM", stopped_by="torchrun")
     elif code:
         exc = error_file_exception(_json(torchrun.get("error_file") if torchrun else None))
         d.update(how="exception", **exc) if exc else d.update(how="exit_code")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import time
 from datetime import timedelta
@@ -41,6 +42,9 @@ def report_of(worker_group: Any, result: Any, node: str, run_id: str, now: float
     """The ``WorkerExits`` message for a failed ``RunResult`` of ``worker_group``."""
     msg = pb.WorkerExits(node_id=node, run_id=run_id)
     failures = dict(getattr(result, "failures", {}) or {})
+    # Once a worker failed, torchrun stops the others with SIGTERM; one that died of it before
+    # torchrun collected the result is listed too, but did not fail of its own.
+    first = any(int(f.exitcode) != -signal.SIGTERM for f in failures.values())
     for global_rank, f in failures.items():
         code = int(f.exitcode)
         written = os.path.isfile(str(getattr(f, "error_file", "") or ""))   # else torchrun made it up
@@ -48,7 +52,7 @@ def report_of(worker_group: Any, result: Any, node: str, run_id: str, now: float
         msg.exits.append(pb.WorkerExit(
             pid=int(f.pid), rank=int(global_rank), local_rank=int(f.local_rank), exitcode=max(-255, min(255, code)),
             signal=f.signal_name() if code < 0 else "", error_file=data if len(data) <= _MAX_ERROR_FILE else "",
-            at=now, failed=True))
+            at=now, failed=not (first and code == -signal.SIGTERM)))
     for w in getattr(worker_group, "workers", []) or []:
         if w.global_rank in failures or not isinstance(w.id, int) or w.id <= 0:
             continue
