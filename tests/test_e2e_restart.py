@@ -149,7 +149,10 @@ def test_dead_node_is_excluded_and_refused_when_it_returns(tmp_path):
             "--checkpoint-interval", "20")
     launch = ("--max-restarts", "1", "--monitor-interval", "0.1")
     with Cluster(tmp_path, 3, ("--min-nodes", "2")) as c:
-        jobs = [c.torchrun(i, "2:3", 1, *args, launcher="rankwatch", rdzv_conf=_RDZV, launcher_args=launch)
+        # The keep-alive of _RDZV_SPARE: once, with 2 s, the restart dropped live n0 from the new
+        # round (n1 trained alone, n0 waited out its rank assignment); the exclusion, not the
+        # keep-alive, takes n2 out.
+        jobs = [c.torchrun(i, "2:3", 1, *args, launcher="rankwatch", rdzv_conf=_RDZV_SPARE, launcher_args=launch)
                 for i in range(3)]
         ranks = wait_for(lambda: (r := c.coordinator.status()["ranks"]) and len(r) == 3
                          and min(x["step"] for x in r) >= 25 and r, 180, what="three nodes training")
@@ -169,7 +172,7 @@ def test_dead_node_is_excluded_and_refused_when_it_returns(tmp_path):
         assert jobs[0].poll() is None and jobs[1].poll() is None
         # n2 comes back: its agent and torchrun start again, and the rendezvous refuses it.
         c.agents[2].start()
-        again = c.torchrun(2, "2:3", 1, *args, launcher="rankwatch", rdzv_conf=_RDZV, launcher_args=launch)
+        again = c.torchrun(2, "2:3", 1, *args, launcher="rankwatch", rdzv_conf=_RDZV_SPARE, launcher_args=launch)
         assert again.wait(90) == 0
         assert "excluded" in (tmp_path / "job-n2.log").read_text()
 
