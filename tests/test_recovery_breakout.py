@@ -150,3 +150,19 @@ def _late_agreement(said_it_left: bool) -> tuple[int, ...]:
 def test_the_agreement_waits_past_settle_only_for_a_member_that_said_it_left_the_step():
     assert _late_agreement(said_it_left=True) == (0, 1)
     assert _late_agreement(said_it_left=False) == (0,)   # hung, as far as anyone can tell
+
+
+def test_a_leave_written_without_the_job_s_token_breaks_nothing():
+    """Anyone who reaches the store can write keys; only a worker of the job (its token) can
+    make the others leave a healthy step, or make the agreement wait for it."""
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    env = {STORE_ENV: f"127.0.0.1:{master.port}", ROUND_ENV: "t/", NODE_ID_ENV: "n0", "RANKWATCH_TOKEN": "s3cret"}
+    worker = Round(*connect(env), env, 1.0)
+    forger = Round(*connect(env), {**env, "RANKWATCH_TOKEN": "guess"}, 1.0)
+    for suffix in ("gen/1/leave", "gen/1/leaving/2"):
+        master.set(worker.key(suffix), b"n9")               # bare
+        assert worker.has(suffix) and not worker.said(suffix)
+        forger.put(suffix, "n9")                            # sealed with another token
+        assert not worker.said(suffix)
+    BreakWatch(worker, env, _Counting()).announce(0, 2)     # a worker of the job
+    assert worker.said("gen/1/leave") and worker.said("gen/1/leaving/2")

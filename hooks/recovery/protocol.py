@@ -108,6 +108,18 @@ class Round:
     def has(self, suffix: str, store: Any = None) -> bool:
         return bool((store or self.store).check([self.key(suffix)]))
 
+    def said(self, suffix: str, store: Any = None) -> bool:
+        """A worker of the job said it: the key is there and opens under the job's token (a
+        value written without the token counts as nothing, and is logged)."""
+        if not self.has(suffix, store):
+            return False
+        try:
+            self.read(suffix, store, cap=64)
+            return True
+        except ForgedValue as exc:
+            log.warning("rankwatch: %s", exc)
+            return False
+
     # -- members ---------------------------------------------------------------------
     def register(self, rank: int, world: int, live_address: str) -> None:
         """A member of generation 0: its node, its liveness port; rank 0 the world's size.
@@ -344,6 +356,6 @@ class Round:
             dead |= {r for r in missing if net.refused(self.live_address(r))}
             if count + len(dead) >= len(keys) and int(self.store.add(arrived_key, 0)) == count:
                 return  # all that are alive arrived; the rest are gone
-            if waited >= self._settle and not any(self.has(f"{gen}leaving/{r}") for r in missing if r not in dead):
+            if waited >= self._settle and not any(self.said(f"{gen}leaving/{r}") for r in missing if r not in dead):
                 return  # the rest neither arrived nor said they are coming: hung, or a host down
             time.sleep(0.005)
