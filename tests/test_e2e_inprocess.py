@@ -51,7 +51,7 @@ def test_node_kill_survivors_regroup_in_process(tmp_path):
     that are not the dead one's neighbours, so this also needs the survivors to break each
     other out of the failed all-reduce."""
     out = tmp_path / "metrics"
-    steps = 120
+    steps = 60
     with Cluster(tmp_path, 4) as c:
         jobs = [c.torchrun(i, "2:4", 1, "--steps", str(steps), "--log-every", "0", "--replicate", "4",
                            "--in-process-recovery", "--metrics-out", str(out),
@@ -163,7 +163,7 @@ def test_a_spare_joins_in_process_and_the_world_grows_back(tmp_path):
     and the save of the step it came after must be drained first, written and marked
     complete (it used to fail with gloo's "Connection closed by peer")."""
     out = tmp_path / "metrics"
-    steps = 250   # a save after each step: the spare is in by step ~70 on two cores
+    steps = 160   # a save after each step: the spare is in by step ~55 on two cores
     args = ("--steps", str(steps), "--log-every", "0", "--replicate", "3", "--in-process-recovery",
             "--step-sleep", "0.02", "--metrics-out", str(out),
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "1")
@@ -281,7 +281,7 @@ def test_loss_continues_as_an_uninterrupted_run(tmp_path):
     """Two nodes of two ranks (HSDP: a replica per node, sharded over its two ranks).  After
     n1 is lost, n0's two ranks keep the global batch by accumulating two micro-batches, so
     the loss goes on as a run that never lost a node does."""
-    steps = 80
+    steps = 50
     common = ("--steps", str(steps), "--log-every", "0", "--replicate", "2", "--batch-size", "4",
               "--in-process-recovery")
     (tmp_path / "a").mkdir()
@@ -326,7 +326,7 @@ def test_without_replicas_the_checkpoint_is_reloaded(tmp_path, reload_fails):
     out, ckpt = tmp_path / "metrics", tmp_path / "ckpt"
     fault = ("--fault", "reload_fails:-1:0:0") if reload_fails else ()
     with Cluster(tmp_path, 3) as c:
-        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100", "--log-every", "0", "--in-process-recovery",
+        jobs = [c.torchrun(i, "2:3", 1, "--steps", "60", "--log-every", "0", "--in-process-recovery",
                            "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "10",
                            "--metrics-out", str(out), *fault, launcher="rankwatch")
                 for i in range(3)]
@@ -357,7 +357,7 @@ def test_hung_node_excluded_then_left_out_in_process(tmp_path):
     import signal
 
     out = tmp_path / "metrics"
-    steps = 150
+    steps = 80
     with Cluster(tmp_path, 3, ("--min-nodes", "2")) as c:
         jobs = [c.torchrun(i, "2:3", 1, "--steps", str(steps), "--log-every", "0", "--replicate", "3",
                            "--in-process-recovery", "--metrics-out", str(out), launcher="rankwatch")
@@ -389,7 +389,7 @@ def test_first_node_lost_on_etcd_regroup_in_process(tmp_path):
     from etcdcluster import EtcdCluster
 
     out = tmp_path / "metrics"
-    steps = 120
+    steps = 60
     etcd = EtcdCluster(tmp_path)
     try:
         with Cluster(tmp_path, 3, ("--min-nodes", "2"), election=etcd.endpoints[0]) as c:

@@ -2,7 +2,7 @@
 
 * Three layouts: a head-heavy two-stage pipeline (``--pp 2 --dp 2``, stage 1 holds three
   times stage 0's layers and the loss head), pipeline and experts (``--pp 2 --ep 2``), and
-  experts alone (``--ep 2``).  300 clean steps each: no straggler, and the stage imbalance
+  experts alone (``--ep 2``).  160 clean steps each: no straggler, and the stage imbalance
   named with the ratio the stages' own work shows.  Then one rank is slowed from outside
   (a SIGSTOP duty cycle): it is flagged, against its own stage, and no other rank.
 * A mixture of experts (``--ep 2``) whose router favours one expert: the rank that holds it
@@ -78,7 +78,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_clean_steps_flag_nothing_and_a_rank_slowed_from_outside_is_flagged_alone(tmp_path, layout):
-    """300 clean steps: no straggler (pipeline stages differ by design; experts' loads vary),
+    """160 clean steps: no straggler (pipeline stages differ by design; experts' loads vary),
     and where there are stages their imbalance is named with the ratio their own work shows.
     Then one rank is slowed from outside (a SIGSTOP duty cycle): it is flagged, against the
     ranks of its own stage, and no other rank is."""
@@ -90,9 +90,9 @@ def test_clean_steps_flag_nothing_and_a_rank_slowed_from_outside_is_flagged_alon
         def clean_steps():
             s = agent.status()
             ranks = s["ranks"]
-            return s if len(ranks) == nproc and min(r["step"] for r in ranks) >= 300 else None
+            return s if len(ranks) == nproc and min(r["step"] for r in ranks) >= 160 else None
 
-        s = wait_for(clean_steps, 400, 1.0, "300 clean steps")
+        s = wait_for(clean_steps, 400, 1.0, "160 clean steps")
         assert _stragglers(s) == [], "ranks that differ by design were called stragglers"
         assert {r["state"] for r in s["ranks"]} == {"ok"}
         if "--pp" in flags:

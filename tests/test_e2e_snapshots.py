@@ -136,7 +136,7 @@ def test_a_hot_spare_standing_by_takes_the_lost_node_s_place_at_the_loss_bit_for
     bit, and no torchrun restarts anyone.  (A kill inside the snapshot exchange's window
     sends every member, the spare too, to the newest checkpoint instead, in process: the
     same checks hold from its step.)"""
-    k, steps = 10, 400
+    k, steps = 10, 200   # the spare stands by, and n1 is killed, by step ~75 on two cores
     out, ckpt = tmp_path / "m", tmp_path / "ckpt"
     args = ("--steps", str(steps), "--log-every", "0", "--batch-size", "2", "--step-sleep", "0.03",
             "--in-process-recovery", "--snapshot-every", str(k), "--checkpoint-dir", str(ckpt),
@@ -189,7 +189,7 @@ def test_a_users_plain_fsdp2_loop_recovers_from_peer_snapshots(tmp_path):
     in their own processes from the newest snapshot: the steps after it are undone and trained
     again, and the losses follow an uninterrupted run of the same loop."""
     script = str(DATA / "user_recovery.py")
-    steps = 60
+    steps = 40
     # Eight micro-batches a rank per step (about 0.15 s here): the snapshot's copy and send
     # take a fraction of a step, as the docs ask of K.  With steps of a few ms the exchange is
     # in flight most of the time, and a kill then finds no whole snapshot step (the exchange
