@@ -206,14 +206,17 @@ def test_a_spare_joins_in_process_and_the_world_grows_back(tmp_path):
         assert any(s["step"] == at and s["ok"] for s in d["checkpoints"]), f"the save of step {at} is missing"
 
 
-def _hsdp_nodes_training(c: Cluster, steps: int, out) -> tuple[list, list[dict]]:
-    """tests/data/user_recovery.py on three nodes of two ranks, training until the world
-    is six again; returns the torchruns and the ranks once all train."""
+def _hsdp_nodes_training(c: Cluster, steps: int, rebuilt: int, out) -> tuple[list, list[dict]]:
+    """tests/data/user_recovery.py on three nodes of two ranks, training past ``steps`` until
+    the world is six again after ``rebuilt`` recoveries; returns the torchruns and the ranks
+    once all train.  Each step waits 20 ms for its data: on two cores, the restarted workers'
+    start (their imports) then does not compete with four ranks training flat out."""
     from pathlib import Path
 
     script = str(Path(__file__).parent / "data" / "user_recovery.py")
-    jobs = [c.torchrun(i, "2:3", 2, "--steps", str(steps), "--until-world", "6", "--out", str(out),
-                       launcher="rankwatch", script=script)
+    jobs = [c.torchrun(i, "2:3", 2, "--steps", str(steps), "--until-world", "6",
+                       "--until-recoveries", str(rebuilt), "--out", str(out),
+                       "--data-wait", "0.02", launcher="rankwatch", script=script)
             for i in range(3)]
     return jobs, wait_for(lambda: _training(c, 3, 6, 15), 180, what="3 nodes training")
 
@@ -231,9 +234,9 @@ def test_a_rejoined_node_loses_a_worker_again_and_rejoins_again(tmp_path):
     import signal
 
     out = tmp_path / "out"
-    steps = 2000   # long enough for two rounds of n1's restart; the job stops once whole again
+    steps = 50   # then on until the world is whole again after its four recoveries
     with Cluster(tmp_path, 3) as c:
-        jobs, rs = _hsdp_nodes_training(c, steps, out)
+        jobs, rs = _hsdp_nodes_training(c, steps, 4, out)
         os.kill(next(r["pid"] for r in rs if r["node"] == "n1"), signal.SIGKILL)
 
         def rejoined():

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -73,7 +74,11 @@ def main() -> None:
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="plain FSDP2 over every rank, recovered from peer snapshots taken every K steps")
     p.add_argument("--until-world", type=int, default=0,
-                   help="train past --steps (up to 4x) until the world has this many ranks again")
+                   help="train past --steps (2000 steps at most) until the world has this many ranks again")
+    p.add_argument("--until-recoveries", type=int, default=0,
+                   help="with --until-world: and until the world has been rebuilt this many times")
+    p.add_argument("--data-wait", type=float, default=0.0,
+                   help="seconds each step waits for its data before it begins, as a slow input pipeline would")
     args = p.parse_args()
     torch.set_num_threads(1)
     dev = args.device
@@ -102,7 +107,7 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True if dev == "cuda" else None)
         return Job(model=model, optimizer=opt, replica_size=world if plain else per_node, extra={"mesh": mesh})
 
-    limit = args.steps * 4 if args.until_world else args.steps
+    limit = args.steps + 2000 if args.until_world else args.steps
     data = Points(global_batch * limit)
 
     def batches(done: int):
@@ -129,7 +134,9 @@ def main() -> None:
         """Train on?  Past --steps only until the world is whole again and has trained a few
         steps so (a recovery is reported after its first step).  Every rank answers alike."""
         nonlocal whole_at
-        if dist.get_world_size() < args.until_world:
+        # The generation counts the world's rebuilds alike on every rank, a joiner's too.
+        rebuilt = tier.membership is None or tier.membership.generation >= args.until_recoveries
+        if dist.get_world_size() < args.until_world or not rebuilt:
             whole_at = None
         elif whole_at is None:
             whole_at = done
@@ -138,6 +145,7 @@ def main() -> None:
     while more(done):
         try:
             loader = loader or batches(done)
+            time.sleep(args.data_wait)
             accum = max(1, global_batch // (MICRO * dist.get_world_size()))
             with mon.step(done + 1):
                 step_loss = torch.zeros(1, device=dev)
