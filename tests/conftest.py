@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -99,30 +100,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _LEAK_ENV = "RANKWATCH_TEST_PROCESS_TAG"
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_processes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Kill whatever a test started and left behind.
+@contextlib.contextmanager
+def processes_cleaned_up() -> Iterator[None]:
+    """Kill whatever the block started and left behind.
 
     torchrun starts each worker in its own session, so killing a launcher's process
     group leaves its workers training (or stopped) on a 2-core machine.  Every process
-    a test starts inherits a tag in its environment; after the test, any process still
-    carrying it is continued and killed.
+    the block starts inherits a tag in its environment; after the block, any process
+    still carrying it is continued and killed.
     """
     import uuid
 
     import psutil
 
     tag = uuid.uuid4().hex
-    monkeypatch.setenv(_LEAK_ENV, tag)
-    yield
-    me = os.getpid()
-    for p in psutil.process_iter():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(_LEAK_ENV, tag)
         try:
-            if p.pid != me and p.environ().get(_LEAK_ENV) == tag:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-        except (psutil.Error, OSError):
-            pass
+            yield
+        finally:
+            me = os.getpid()
+            for p in psutil.process_iter():
+                try:
+                    if p.pid != me and p.environ().get(_LEAK_ENV) == tag:
+                        p.send_signal(signal.SIGCONT)
+                        p.kill()
+                except (psutil.Error, OSError):
+                    pass
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes() -> Iterator[None]:
+    """What a test starts ends with it (:func:`processes_cleaned_up`); a module-scoped
+    fixture that starts processes cleans up after itself the same way."""
+    with processes_cleaned_up():
+        yield
 
 
 @pytest.fixture

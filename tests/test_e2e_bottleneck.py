@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AgentProcess, parse_metrics, torchrun, wait_for
+from conftest import AgentProcess, parse_metrics, processes_cleaned_up, torchrun, wait_for
 from rankwatch.agent.cli.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
-ONSET = 60
+ONSET = 120   # clean to step 80 and some: those steps are read too (test_nothing_slowed_is_not_input_bound)
 # As the straggler fault tests: noise alone on this 2-core machine has flagged ranks at
 # x1.17-1.32 with the default threshold, so a flag from x1.35 on is a real one.
 AGENT = ("--straggler-threshold", "0.35")
@@ -59,50 +59,55 @@ def shares(agent: AgentProcess) -> dict[str, float]:
             if name == "rankwatch_bottleneck_share" and dict(labels)["scope"] == "node"}
 
 
-def test_every_loader_slowed_names_the_job_input_bound(tmp_path):
-    agent = AgentProcess(tmp_path / "agent.sock", extra=AGENT).start()
-    # From step ONSET on, every rank's data loading takes 3x its usual step time longer.
-    job = run_job(agent, tmp_path, "--steps", "100000", "--fault", f"slow_data:-1:{ONSET}:3")
-    try:
-        before = wait_for(lambda: past(agent, ONSET - 5), 180, interval=0.2, what=f"both ranks near step {ONSET}")
-        assert before["bottleneck"] is not None and before["bottleneck"]["kind"] != "input", before["bottleneck"]
-        wait_for(lambda: past(agent, ONSET), 60, interval=0.1, what=f"both ranks at step {ONSET}")
-        onset = time.monotonic()
-        status = wait_for(lambda: (s := agent.status())["bottleneck"]["kind"] == "input" and s, 30, interval=0.2,
-                          what="the job named input-bound")
-        took = time.monotonic() - onset
-        b = status["bottleneck"]
-        assert b["scope"] == "node" and b["share"] >= 0.5 and b["ranks_seen"] == 2, b
-        assert b["gpu_utilization"] is None   # CPU ranks: no GPU reading
-        assert stragglers(status) == [] and {r["state"] for r in status["ranks"]} == {"ok"}, status["incidents"]
-        assert shares(agent)["input"] >= 0.5
-        table = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent", str(agent.addr)],
-                               capture_output=True, text=True, timeout=60)
-        assert "input-bound" in table.stdout, table.stdout
-        # Held: a few more steps, still input-bound, still no straggler.
-        now = max(r["step"] for r in status["ranks"])
-        later = wait_for(lambda: past(agent, now + 10), 60, interval=0.2, what="10 more steps")
-        assert later["bottleneck"]["kind"] == "input" and stragglers(later) == []
-        print(f"input-bound {took:.1f}s after step {ONSET}: {b}")
-    finally:
-        stop(job)
-        agent.stop()
+@pytest.fixture(scope="module")
+def clean_then_slowed(tmp_path_factory):
+    """One harness job read by two tests: clean to step ONSET, then every rank's data loading
+    takes 3x its usual step time longer.  Returns the bottleneck seen at steps 40, 60 and 80
+    (clean), and what the agent showed once it named the job input-bound and 10 steps later."""
+    tmp = tmp_path_factory.mktemp("clean_then_slowed")
+    facts: dict = {}
+    with processes_cleaned_up():
+        agent = AgentProcess(tmp / "agent.sock", extra=AGENT).start()
+        job = run_job(agent, tmp, "--steps", "100000", "--fault", f"slow_data:-1:{ONSET}:3")
+        try:
+            wait_for(lambda: past(agent, 30), 180, interval=0.2, what="both ranks past step 30")
+            facts["clean"] = [wait_for(lambda: past(agent, step), 60, interval=0.2, what=f"step {step}")["bottleneck"]
+                              for step in (40, 60, 80)]
+            facts["clean_shares"] = shares(agent)
+            wait_for(lambda: past(agent, ONSET), 60, interval=0.1, what=f"both ranks at step {ONSET}")
+            onset = time.monotonic()
+            facts["status"] = wait_for(lambda: (s := agent.status())["bottleneck"]["kind"] == "input" and s, 30,
+                                       interval=0.2, what="the job named input-bound")
+            facts["took"] = time.monotonic() - onset
+            facts["slow_shares"] = shares(agent)
+            facts["table"] = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "status", "--agent",
+                                             str(agent.addr)], capture_output=True, text=True, timeout=60).stdout
+            # Held: a few more steps, still input-bound, still no straggler.
+            now = max(r["step"] for r in facts["status"]["ranks"])
+            facts["later"] = wait_for(lambda: past(agent, now + 10), 60, interval=0.2, what="10 more steps")
+        finally:
+            stop(job)
+            agent.stop()
+    return facts
 
 
-def test_nothing_slowed_is_not_input_bound(tmp_path):
-    agent = AgentProcess(tmp_path / "agent.sock", extra=AGENT).start()
-    job = run_job(agent, tmp_path, "--steps", "100000")
-    try:
-        wait_for(lambda: past(agent, 30), 180, interval=0.2, what="both ranks past step 30")
-        seen = []
-        for step in (40, 60, 80):
-            s = wait_for(lambda: past(agent, step), 60, interval=0.2, what=f"step {step}")
-            seen.append(s["bottleneck"])
-        assert all(b is not None and b["kind"] != "input" and b["shares"]["input"] < 0.2 for b in seen), seen
-        assert shares(agent)["input"] < 0.2
-    finally:
-        stop(job)
-        agent.stop()
+def test_nothing_slowed_is_not_input_bound(clean_then_slowed):
+    seen = clean_then_slowed["clean"]
+    assert all(b is not None and b["kind"] != "input" and b["shares"]["input"] < 0.2 for b in seen), seen
+    assert clean_then_slowed["clean_shares"]["input"] < 0.2
+
+
+def test_every_loader_slowed_names_the_job_input_bound(clean_then_slowed):
+    status, took = clean_then_slowed["status"], clean_then_slowed["took"]
+    b = status["bottleneck"]
+    assert b["scope"] == "node" and b["share"] >= 0.5 and b["ranks_seen"] == 2, b
+    assert b["gpu_utilization"] is None   # CPU ranks: no GPU reading
+    assert stragglers(status) == [] and {r["state"] for r in status["ranks"]} == {"ok"}, status["incidents"]
+    assert clean_then_slowed["slow_shares"]["input"] >= 0.5
+    assert "input-bound" in clean_then_slowed["table"], clean_then_slowed["table"]
+    later = clean_then_slowed["later"]
+    assert later["bottleneck"]["kind"] == "input" and stragglers(later) == []
+    print(f"input-bound {took:.1f}s after step {ONSET}: {b}")
 
 
 def test_an_unmodified_script_whose_loaders_all_slow_is_input_bound(tmp_path):

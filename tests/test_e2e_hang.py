@@ -64,7 +64,7 @@ def test_sigstopped_worker_named_within_10s(agent_proc, tmp_path):
 
 
 def test_rank_stuck_in_python_carries_its_stack(agent_proc, tmp_path):
-    job = torchrun(2, "--steps", "12", "--log-every", "0", "--fault", "sleep_forward:1:8:14",
+    job = torchrun(2, "--steps", "12", "--log-every", "0", "--fault", "sleep_forward:1:8:9",
                    agent=agent_proc.addr, log=tmp_path / "job.log")
     try:
         (inc,) = wait_for(lambda: hangs(agent_proc), 90, interval=0.2, what="hang incident")
@@ -129,7 +129,7 @@ def test_a_pipeline_stage_stuck_in_python_is_named_with_the_stage_waiting_on_it(
     # step-8 schedule: stage 0 sends its microbatches and blocks in a send or receive whose
     # other end is rank 1.
     job = torchrun(2, "--steps", "12", "--log-every", "0", "--pp", "2", "--pp-schedule", "gpipe",
-                   "--microbatches", "4", "--fault", "sleep_forward:1:8:14", agent=agent_proc.addr,
+                   "--microbatches", "4", "--fault", "sleep_forward:1:8:9", agent=agent_proc.addr,
                    log=tmp_path / "job.log")
     try:
         (inc,) = wait_for(lambda: hangs(agent_proc), 90, interval=0.2, what="hang incident")

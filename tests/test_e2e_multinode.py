@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import parse_metrics, wait_for
+from conftest import parse_metrics, processes_cleaned_up, wait_for
 from multinode import Cluster, check_buckets, seconds_per_step
 
 pytestmark = pytest.mark.e2e
@@ -28,35 +28,69 @@ def running(cluster, min_step):
             and min(r["step"] for r in ranks) >= min_step and ranks)
 
 
-def start(cluster, *n1_args, steps="400"):
+def start(cluster, *n1_args, steps="400", n0_too=False):
+    """The job on both nodes; ``n1_args`` on n1 alone, or on both with ``n0_too``."""
     for node in (0, 1):
         cluster.torchrun(node, "2", 1, "--steps", steps, "--log-every", "0",
-                         *(n1_args if node == 1 else ()))
+                         *(n1_args if node == 1 or n0_too else ()))
 
 
-def test_sigstopped_worker_on_second_node(tmp_path):
-    with Cluster(tmp_path, 2, _KEEP) as c:
-        start(c, steps="5000")
-        ranks = wait_for(lambda: running(c, 10), 120, what="both nodes training")
-        victim = next(r for r in ranks if r["node"] == "n1")
+@pytest.fixture(scope="module")
+def clean_then_stopped(tmp_path_factory):
+    """One two-node job (a rank a node, checkpoints to a directory) read by two tests: while it
+    trains clean, a checkpoint is asked for through n1's agent; then n1's worker is SIGSTOPped
+    and the coordinator names the hang.  Returns what each test reads."""
+    from rankwatch.agent.job.uplink import forward_checkpoint
+
+    tmp = tmp_path_factory.mktemp("clean_then_stopped")
+    ck = tmp / "ck"
+    facts: dict = {}
+    with processes_cleaned_up(), Cluster(tmp, 2, _KEEP) as c:
+        start(c, "--checkpoint-dir", str(ck), steps="5000", n0_too=True)
+        ranks = wait_for(lambda: running(c, 20), 120, what="both nodes training")
+        # The coordinator's view shows the other node's rank as fully as its own.
+        (facts["remote"],) = wait_for(lambda: [r for r in c.coordinator.status()["ranks"]
+                                               if r["node"] == "n1" and r["op_latency"]], 10, what="n1's rank in full")
+        step_s = seconds_per_step(c.coordinator.status)
+        # Asked through the second node's agent: it forwards to the coordinator; asked again
+        # through n0's, it is a duplicate.
+        facts["reply"] = forward_checkpoint(c.agents[1].addr, "test")
+        facts["again"] = forward_checkpoint(c.agents[0].addr, "duplicate")
+
+        def saved():
+            per_node = {a.node: [i for i in a.status()["incidents"] if i["kind"] == "checkpoint"] for a in c.agents}
+            return all(per_node.values()) and per_node
+        facts["saves"] = wait_for(saved, 60, what="checkpoint incidents on both nodes")
+        facts["saved_dir"] = ck
+        facts["status"], facts["step_s"] = c.coordinator.status(), step_s
+
+        victim = facts["victim"] = next(r for r in ranks if r["node"] == "n1")
         os.kill(victim["pid"], signal.SIGSTOP)
         t0 = time.monotonic()
-        (inc,) = wait_for(lambda: job_hangs(c), 20, interval=0.1, what="job hang incident")
-        latency = time.monotonic() - t0
-        assert latency < 10.0, latency
-        assert (inc["node"], inc["rank"]) == ("n1", victim["rank"]), inc
-        d = inc["detail"]
-        assert d["alive"] is True and d["stopped"] is True and d["pid"] == victim["pid"], d
+        facts["hangs"] = wait_for(lambda: job_hangs(c), 20, interval=0.1, what="job hang incident")
+        facts["latency"] = time.monotonic() - t0
         # The culprit's own node agent got the job's verdict too, and marks its rank hung.
-        n1 = wait_for(lambda: (s := c.agents[1].status())["ranks"][0]["state"] == "hung" and s, 3,
-                      what="the verdict on n1's agent")
-        assert any(i["kind"] == "hang" and i["rank"] == victim["rank"] for i in n1["incidents"])
-        assert n1["coordinator_node"] == "n0"
-        # n0 raised no hang of its own about its waiting rank.
-        n0_hangs = [i for i in job_hangs(c) if i["node"] == "n0"]
-        assert n0_hangs == []
+        facts["n1"] = wait_for(lambda: (s := c.agents[1].status())["ranks"][0]["state"] == "hung" and s, 3,
+                               what="the verdict on n1's agent")
+        facts["n0_hangs"] = [i for i in job_hangs(c) if i["node"] == "n0"]
         os.kill(victim["pid"], signal.SIGCONT)
-        print(f"cross-node SIGSTOP hang named after {latency:.2f}s")
+    return facts
+
+
+def test_sigstopped_worker_on_second_node(clean_then_stopped):
+    f = clean_then_stopped
+    victim, latency = f["victim"], f["latency"]
+    (inc,) = f["hangs"]
+    assert latency < 10.0, latency
+    assert (inc["node"], inc["rank"]) == ("n1", victim["rank"]), inc
+    d = inc["detail"]
+    assert d["alive"] is True and d["stopped"] is True and d["pid"] == victim["pid"], d
+    n1 = f["n1"]
+    assert any(i["kind"] == "hang" and i["rank"] == victim["rank"] for i in n1["incidents"])
+    assert n1["coordinator_node"] == "n0"
+    # n0 raised no hang of its own about its waiting rank.
+    assert f["n0_hangs"] == []
+    print(f"cross-node SIGSTOP hang named after {latency:.2f}s")
 
 
 def test_desync_on_second_node(tmp_path):
@@ -86,43 +120,24 @@ def test_stuck_in_python_on_second_node(tmp_path):
         assert inc["detail"]["alive"] and not inc["detail"]["stopped"]
 
 
-def test_checkpoint_on_demand_saves_one_step_on_every_node(tmp_path):
-    ck = tmp_path / "ck"
-    with Cluster(tmp_path, 2) as c:
-        for node in (0, 1):
-            c.torchrun(node, "2", 1, "--steps", "5000", "--log-every", "0", "--checkpoint-dir", str(ck))
-        wait_for(lambda: running(c, 20), 120, what="both nodes training")
-        # The coordinator's view shows the other node's rank as fully as its own.
-        (remote,) = wait_for(lambda: [r for r in c.coordinator.status()["ranks"]
-                                      if r["node"] == "n1" and r["op_latency"]], 10, what="n1's rank in full")
-        assert remote["mesh"] == {"dp": remote["rank"], "tp": 0}, remote
-        assert remote["phase_seconds"]["forward"] > 0 and remote["backend"] == "gloo", remote
-        assert remote["op_latency"]["all_gather"]["count"] > 0 and remote["collectives"] > 0, remote
-        step_s = seconds_per_step(c.coordinator.status)
-        # Asked through the second node's agent: it forwards to the coordinator.
-        from rankwatch.agent.job.uplink import forward_checkpoint
-
-        reply = forward_checkpoint(c.agents[1].addr, "test")
-        assert reply.accepted, reply.message
-        again = forward_checkpoint(c.agents[0].addr, "duplicate")
-        assert again.id == reply.id and again.step == reply.step  # a duplicate is not a second save
-
-        def saved():
-            per_node = {}
-            for a in c.agents:
-                per_node[a.node] = [i for i in a.status()["incidents"] if i["kind"] == "checkpoint"]
-            return all(per_node.values()) and per_node
-
-        per_node = wait_for(saved, 60, what="checkpoint incidents on both nodes")
-        steps = {i["step"] for incs in per_node.values() for i in incs}
-        assert steps == {reply.step}, (steps, reply.step)
-        assert all(i["detail"]["ok"] and i["detail"]["request"] == reply.id
-                   for incs in per_node.values() for i in incs)
-        assert (ck / f"step_{reply.step:08d}" / "COMPLETE").is_file()
-        status = c.coordinator.status()
-        assert status["coordinator"]
-        # No fault: the save is the only time lost, and the rest trained steps.
-        check_buckets(status, step_s, lost=("checkpoint",))
+def test_checkpoint_on_demand_saves_one_step_on_every_node(clean_then_stopped):
+    f = clean_then_stopped
+    remote, reply, again = f["remote"], f["reply"], f["again"]
+    assert remote["mesh"] == {"dp": remote["rank"], "tp": 0}, remote
+    assert remote["phase_seconds"]["forward"] > 0 and remote["backend"] == "gloo", remote
+    assert remote["op_latency"]["all_gather"]["count"] > 0 and remote["collectives"] > 0, remote
+    assert reply.accepted, reply.message
+    assert again.id == reply.id and again.step == reply.step  # a duplicate is not a second save
+    per_node = f["saves"]
+    steps = {i["step"] for incs in per_node.values() for i in incs}
+    assert steps == {reply.step}, (steps, reply.step)
+    assert all(i["detail"]["ok"] and i["detail"]["request"] == reply.id
+               for incs in per_node.values() for i in incs)
+    assert (f["saved_dir"] / f"step_{reply.step:08d}" / "COMPLETE").is_file()
+    status = f["status"]
+    assert status["coordinator"]
+    # No fault yet: the save is the only time lost, and the rest trained steps.
+    check_buckets(status, f["step_s"], lost=("checkpoint",))
 
 
 def test_a_users_script_straggling_on_one_node_is_named_by_the_coordinator(tmp_path):
