@@ -103,7 +103,7 @@ def test_gpu_risk_checkpoints_and_a_fatal_xid_excludes_the_node(tmp_path):
     ck = tmp_path / "ck"
     with Cluster(tmp_path, 3, ("--min-nodes", "2"), node_args={
             1: script("n1", [{"at": 24, "gpu": 0, "ecc": {"corrected": 4}}]),
-            2: script("n2", [{"at": 45, "gpu": 0, "xid": 79}])}) as c:
+            2: script("n2", [{"at": 36, "gpu": 0, "xid": 79}])}) as c:
         jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0",
                            "--checkpoint-dir", str(ck), launcher="rankwatch", rdzv_conf=_RDZV,
                            launcher_args=_LAUNCH) for i in range(3)]
