@@ -160,9 +160,13 @@ def test_a_leave_written_without_the_job_s_token_breaks_nothing():
     worker = Round(*connect(env), env, 1.0)
     forger = Round(*connect(env), {**env, "RANKWATCH_TOKEN": "guess"}, 1.0)
     for suffix in ("gen/1/leave", "gen/1/leaving/2"):
+        # A store client's set is not acknowledged: a get on the same connection comes back
+        # only after it, so the value is in the store before another client looks.
         master.set(worker.key(suffix), b"n9")               # bare
+        assert master.get(worker.key(suffix)) == b"n9"
         assert worker.has(suffix) and not worker.said(suffix)
         forger.put(suffix, "n9")                            # sealed with another token
+        assert forger.store.get(worker.key(suffix)) != b"n9"
         assert not worker.said(suffix)
     BreakWatch(worker, env, _Counting()).announce(0, 2)     # a worker of the job
     assert worker.said("gen/1/leave") and worker.said("gen/1/leaving/2")
