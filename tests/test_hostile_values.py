@@ -171,7 +171,8 @@ _RANK_NUMBERS = [("rank", -1), ("pid", -1), ("pid", 2**53), ("step", -2), ("step
                  ("group_seqs", {"\x1b": 1})]
 
 
-@pytest.mark.parametrize("field,value", _RANK_NUMBERS)
+@pytest.mark.parametrize("field,value", _RANK_NUMBERS,
+                         ids=[f"{field}-{i}" for i, (field, _) in enumerate(_RANK_NUMBERS)])
 def test_a_rank_number_out_of_range_is_refused_by_name(field, value):
     """The range check reads a rank's numbers in one expression and names the one out of
     range only when that fails: each bound still holds, and the refusal says which."""
