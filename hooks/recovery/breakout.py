@@ -117,9 +117,9 @@ class BreakWatch:
         with self._lock:   # never the next generation's groups: recovering() takes the same lock
             if self._generation != generation:
                 return
-            shut = self._leave()
             self._generation = None   # once per generation; follow() arms it again
-            self.broke += 1
+            self.broke += 1   # before the shut: the worker's collective fails as the first connection closes
+            shut = self._leave()
         log.warning("rankwatch: another worker left generation %d's step; shut %d connection(s) of this "
                     "worker's process groups so that its pending collective fails too", generation, shut)
 
