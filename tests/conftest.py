@@ -89,26 +89,12 @@ def has_gpu() -> bool:
         return False
 
 
-@pytest.hookimpl(tryfirst=True)   # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _e2e_last_on_one_worker(items)
     gpu_items = [item for item in items if "gpu" in item.keywords and item.get_closest_marker("gpu")]
     if gpu_items and not has_gpu():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU (NVML finds none here); run `pytest -m gpu` on one")
         for item in gpu_items:
             item.add_marker(skip)
-
-
-def _e2e_last_on_one_worker(items: list[pytest.Item]) -> None:
-    """The schedule under xdist (pyproject's addopts: two workers, ``--dist loadgroup`` in
-    collection order).  The tests without the ``e2e`` mark come first, a file to a worker, on
-    both workers.  The ``e2e`` tests follow in one group, so one worker runs them one at a time:
-    their jobs take both cores, and their checks (straggler ratios, hang floors, the
-    coordinator's load shedding) assume a machine that runs no other job beside them."""
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)   # stable
-    for item in items:
-        group = "e2e" if item.get_closest_marker("e2e") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 _LEAK_ENV = "RANKWATCH_TEST_PROCESS_TAG"
