@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import cores
 from rankwatch.address import Address
 from rankwatch.status import AgentUnreachable, fetch_status
 
@@ -74,6 +75,9 @@ class AgentProcess:
                 self.proc.wait()
 
 
+_CORES = pytest.StashKey["cores.Cores"]()
+
+
 @functools.lru_cache(maxsize=1)
 def has_gpu() -> bool:
     """NVML initialises and lists a GPU (no torch import: most runs have no GPU)."""
@@ -90,11 +94,25 @@ def has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[_CORES] = cores.Cores(os.environ.get("PYTEST_XDIST_TESTRUNUID"), cores.order(items))
     gpu_items = [item for item in items if "gpu" in item.keywords and item.get_closest_marker("gpu")]
     if gpu_items and not has_gpu():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU (NVML finds none here); run `pytest -m gpu` on one")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Hold this worker's share of the cores for the item's file (tests/cores.py)."""
+    held = item.config.stash.get(_CORES, None)
+    if held is not None:
+        held.enter(item)
+    try:
+        yield
+    finally:
+        if held is not None:
+            held.leave(item, nextitem)
 
 
 _LEAK_ENV = "RANKWATCH_TEST_PROCESS_TAG"

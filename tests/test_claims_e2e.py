@@ -23,7 +23,7 @@ from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.hooks.instrument.recorder import OPS
 from rankwatch.proto import pb, pb_grpc
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.light]
 
 TOKEN = "claims-token"
 

@@ -35,6 +35,9 @@ from rankwatch.agent.durable.incidents import IncidentLog
 from rankwatch.agent.cli.ports import free_port
 from rankwatch.status import fetch_status
 
+# Its e2e tests mostly wait on timers: they may run beside another light file (tests/cores.py).
+pytestmark = pytest.mark.light
+
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "deploy" / "slurm"
 PROLOG, EPILOG, SBATCH = SLURM_DIR / "prolog.sh", SLURM_DIR / "epilog.sh", SLURM_DIR / "train.sbatch"

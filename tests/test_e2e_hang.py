@@ -14,7 +14,7 @@ import pytest
 from conftest import torchrun, wait_for
 from rankwatch.agent.durable.incidents import IncidentLog
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.light]
 
 
 def hangs(agent):

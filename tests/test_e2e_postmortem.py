@@ -21,7 +21,7 @@ from rankwatch.address import Address
 from rankwatch.agent.durable.incidents import IncidentLog
 from rankwatch.status import AgentUnreachable, fetch_status
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.light]
 
 SCRIPT = Path(__file__).parent / "data" / "user_fsdp.py"
 

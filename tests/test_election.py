@@ -13,7 +13,7 @@ from etcdcluster import EtcdCluster
 from rankwatch.agent.job.decisions import DecisionLog
 from rankwatch.agent.job.election import Election, EtcdDecisions, parse_endpoints
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.light]
 
 
 @pytest.fixture

@@ -12,6 +12,9 @@ from rankwatch.agent.job.pacing import (Load, LoadConfig, first_sync_delay, hang
                                          node_silent, overload, quiet_until, retry_delay, silence_allowance,
                                          straggler_due, sync_interval)
 
+# Its e2e tests mostly wait on timers: they may run beside another light file (tests/cores.py).
+pytestmark = pytest.mark.light
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 CFG = LoadConfig()

@@ -21,7 +21,7 @@ from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.proto import pb, pb_grpc
 from tlscerts import CertAuthority
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.light]
 
 TOKEN = "node-rights-token"
 

@@ -36,6 +36,9 @@ from rankwatch.hooks.instrument.client import AgentClient
 from rankwatch.hooks.instrument.recorder import OPS, Recorder
 from rankwatch.proto import pb
 
+# Its e2e tests mostly wait on timers: they may run beside another light file (tests/cores.py).
+pytestmark = pytest.mark.light
+
 OTEL_VARS = ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
              "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
              "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",

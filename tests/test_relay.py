@@ -26,6 +26,9 @@ from rankwatch.agent.job.routing import (RelayConfig, assign, callers, relay_ans
 from rankwatch.agent.wire.ranges import Rejected
 from rankwatch.proto import pb
 
+# Its e2e tests mostly wait on timers: they may run beside another light file (tests/cores.py).
+pytestmark = pytest.mark.light
+
 
 # -- the rules --------------------------------------------------------------------
 
