@@ -1,9 +1,10 @@
 """How the suite shares this machine's two cores between pytest-xdist's two workers.
 
 pyproject's addopts run two workers, a test file to a worker (``--dist loadfile``).  A file
-is *heavy* when it holds a test with the ``e2e`` mark and the file is not marked ``light``:
-its jobs take both cores, and its checks (straggler ratios, hang floors, the coordinator's
-load shedding) assume that no other job runs beside them.  Every other file is *light*: the
+is *heavy* when it holds a test with the ``e2e`` or the ``gpu`` mark and the file is not
+marked ``light``: its jobs take both cores (or the one GPU), and its checks (straggler ratios,
+hang floors, the coordinator's load shedding, GPU timings) assume that no other job runs
+beside them.  Every other file is *light*: the
 tests without the mark, and the e2e files that mostly wait on timers (marked ``light``).
 
 A heavy file runs alone; two light files may run at once, one on each worker.  The two
@@ -28,19 +29,21 @@ import pytest
 _SLOTS = ("slot0", "slot1")
 
 
-def is_heavy(items: list[pytest.Item]) -> bool:
-    """A file's weight, from its items: an ``e2e`` test in a file not marked ``light``."""
-    return any(i.get_closest_marker("e2e") for i in items) and not any(i.get_closest_marker("light") for i in items)
+def is_heavy(items: list[pytest.Item], gpu: bool) -> bool:
+    """A file's weight, from its items: an ``e2e`` test, or a ``gpu`` one on a machine with a
+    GPU (elsewhere they are skipped), in a file not marked ``light``."""
+    marked = any(i.get_closest_marker("e2e") or (gpu and i.get_closest_marker("gpu")) for i in items)
+    return marked and not any(i.get_closest_marker("light") for i in items)
 
 
-def order(items: list[pytest.Item]) -> dict[Path, bool]:
+def order(items: list[pytest.Item], gpu: bool) -> dict[Path, bool]:
     """Sort ``items`` in place, whole files at a time (light e2e, other light, heavy), and
     return each file's weight (True: heavy).  Deterministic, as xdist needs every worker's
     collection to be the same."""
     by_file: dict[Path, list[pytest.Item]] = {}
     for item in items:
         by_file.setdefault(item.path, []).append(item)
-    heavy = {path: is_heavy(its) for path, its in by_file.items()}
+    heavy = {path: is_heavy(its, gpu) for path, its in by_file.items()}
 
     def rank(path: Path) -> int:
         its = by_file[path]

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cores import Cores
+from cores import Cores, is_heavy, order
 
 A, B, C, H = (Path(f"tests/test_{n}.py") for n in "abch")
 WEIGHTS = {A: False, B: False, C: False, H: True}
@@ -75,3 +75,21 @@ def test_without_xdist_nothing_is_locked(worker):
     solo.enter(_item(H))
     other = worker()
     assert _enters(other, H).wait(5)
+
+
+def _marked(path: str, *marks: str) -> SimpleNamespace:
+    return SimpleNamespace(path=Path(path), get_closest_marker=lambda name: name if name in marks else None)
+
+
+def test_a_files_weight_comes_from_its_marks():
+    assert is_heavy([_marked("a"), _marked("a", "e2e")], gpu=False)
+    assert not is_heavy([_marked("a"), _marked("a", "e2e", "light")], gpu=False)
+    assert not is_heavy([_marked("a"), _marked("a")], gpu=True)
+    assert is_heavy([_marked("a", "gpu")], gpu=True) and not is_heavy([_marked("a", "gpu")], gpu=False)
+
+
+def test_the_order_runs_light_e2e_files_then_units_then_heavy_files_each_whole():
+    items = [_marked("h", "e2e"), _marked("u"), _marked("l", "e2e", "light"), _marked("h"), _marked("u")]
+    weights = order(items, gpu=False)
+    assert [str(i.path) for i in items] == ["l", "u", "u", "h", "h"]
+    assert weights == {Path("h"): True, Path("u"): False, Path("l"): False}
