@@ -4,8 +4,8 @@ pyproject's addopts run two workers, a test file to a worker (``--dist loadfile`
 is *heavy* when it holds a test with the ``e2e`` or the ``gpu`` mark and the file is not
 marked ``light``: its jobs take both cores (or the one GPU), and its checks (straggler ratios,
 hang floors, the coordinator's load shedding, GPU timings) assume that no other job runs
-beside them.  Every other file is *light*: the
-tests without the mark, and the e2e files that mostly wait on timers (marked ``light``).
+beside them.  Every other file is *light*: the tests without those marks, and the e2e files
+that mostly wait on timers (marked ``light``).
 
 A heavy file runs alone; two light files may run at once, one on each worker.  The two
 workers agree through ``flock`` on three files in a directory named for the run: a light
