@@ -113,6 +113,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         held.leave(item, nextitem)
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    held = config.stash.get(_CORES, None)
+    if held is not None:
+        held.close()
+
+
 _LEAK_ENV = "RANKWATCH_TEST_PROCESS_TAG"
 
 

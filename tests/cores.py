@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -63,10 +64,11 @@ class Cores:
         self._heavy = heavy
         self._fds: dict[str, int] = {}
         self._held: list[str] = []
+        self._root: Path | None = None
         if run_id:
-            root = Path(tempfile.gettempdir()) / f"rankwatch-tests-cores-{os.getuid()}-{run_id}"
-            root.mkdir(parents=True, exist_ok=True)
-            self._fds = {n: os.open(root / n, os.O_RDWR | os.O_CREAT, 0o600) for n in ("gate", *_SLOTS)}
+            self._root = Path(tempfile.gettempdir()) / f"rankwatch-tests-cores-{os.getuid()}-{run_id}"
+            self._root.mkdir(parents=True, exist_ok=True)
+            self._fds = {n: os.open(self._root / n, os.O_RDWR | os.O_CREAT, 0o600) for n in ("gate", *_SLOTS)}
 
     def enter(self, item: pytest.Item) -> None:
         if not self._fds or self._held:
@@ -96,3 +98,12 @@ class Cores:
             return
         while self._held:
             fcntl.flock(self._fds[self._held.pop()], fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """At the worker's end: let go, and remove the lock files.  The other worker opened
+        them at its collection, so its descriptors keep working on the unlinked files."""
+        for fd in self._fds.values():
+            os.close(fd)   # closing releases any lock still held
+        self._fds, self._held = {}, []
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)

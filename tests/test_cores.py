@@ -93,3 +93,14 @@ def test_the_order_runs_light_e2e_files_then_units_then_heavy_files_each_whole()
     weights = order(items, gpu=False)
     assert [str(i.path) for i in items] == ["l", "u", "u", "h", "h"]
     assert weights == {Path("h"): True, Path("u"): False, Path("l"): False}
+
+
+def test_a_closed_worker_lets_go_and_leaves_no_files(worker, tmp_path):
+    w1, w2 = worker(), worker()
+    assert _enters(w1, H).wait(5)
+    waiting = _enters(w2, A)
+    assert not waiting.wait(0.5)
+    w1.close()                            # a worker that ends holding its slots
+    assert waiting.wait(5)
+    w2.close()
+    assert list(tmp_path.glob("rankwatch-tests-cores-*")) == []
