@@ -120,15 +120,16 @@ def test_an_exception_at_step_20_is_named_with_its_consequence(agent, tmp_path):
 
 
 def test_a_sigsegv_is_a_signal_with_the_crashing_stack(agent, tmp_path):
-    run = _run(agent, tmp_path, "-m", "rankwatch.hooks.train", "--steps", "30", "--fault", "segv:1:8:0")
+    faults = tmp_path / "faults"   # its own: pids wrap, and a killed rank's file outlives it in the shared one
+    run = _run(agent, tmp_path, "-m", "rankwatch.hooks.train", "--steps", "30", "--fault", "segv:1:8:0",
+               env={"RANKWATCH_FAULT_DIR": str(faults)})
     _finish(run, tmp_path)
     one = _exits(agent, 2)[1]
     d = one["detail"]
     assert (d["how"], d["signal"]) == ("signal", "SIGSEGV"), d
     assert "faulthandler" in d["evidence"] and d["frames"][-1]["function"] == "_crash_faults"
     assert d["exit_code"] == -11 and d["root_cause"] == one["id"]
-    assert not any(Path(os.environ.get("TMPDIR", "/tmp")).glob(f"rankwatch-{os.getuid()}/faults/fault-{d['pid']}-*")), \
-        "the agent removed the fault file it read"
+    assert faults.is_dir() and not any(faults.glob(f"fault-{d['pid']}-*")), "the agent removed the fault file it read"
 
 
 def test_a_sigkill_from_outside_is_named_from_torchruns_report(agent, tmp_path):
