@@ -3,6 +3,10 @@ as two xdist workers hold them."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -10,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from cores import Cores, is_heavy, order
+from cores import BACKGROUND, HEAVY, WAITS, Cores, can_renice, is_heavy, order
 
-A, B, C, H = (Path(f"tests/test_{n}.py") for n in "abch")
-WEIGHTS = {A: False, B: False, C: False, H: True}
+A, B, C, H, U = (Path(f"tests/test_{n}.py") for n in "abchu")
+WEIGHTS = {A: WAITS, B: WAITS, C: WAITS, H: HEAVY, U: BACKGROUND}
 
 
 def _item(path: Path) -> SimpleNamespace:
@@ -23,7 +27,7 @@ def _item(path: Path) -> SimpleNamespace:
 @pytest.fixture
 def worker(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    return lambda: Cores("run-1", WEIGHTS)
+    return lambda renice=True: Cores("run-1", WEIGHTS, renice)
 
 
 def _enters(cores: Cores, path: Path) -> threading.Event:
@@ -71,7 +75,7 @@ def test_a_waiting_heavy_file_is_not_overtaken_by_light_ones(worker):
 
 
 def test_without_xdist_nothing_is_locked(worker):
-    solo = Cores(None, WEIGHTS)
+    solo = Cores(None, WEIGHTS, True)
     solo.enter(_item(H))
     other = worker()
     assert _enters(other, H).wait(5)
@@ -88,11 +92,59 @@ def test_a_files_weight_comes_from_its_marks():
     assert is_heavy([_marked("a", "gpu")], gpu=True) and not is_heavy([_marked("a", "gpu")], gpu=False)
 
 
-def test_the_order_runs_light_e2e_files_then_units_then_heavy_files_each_whole():
-    items = [_marked("h", "e2e"), _marked("u"), _marked("l", "e2e", "light"), _marked("h"), _marked("u")]
+def test_the_order_deals_the_unit_files_out_after_the_light_e2e_then_the_heavy_files():
+    items = [_marked("h1", "e2e"), _marked("u1"), _marked("l", "e2e", "light"), _marked("h2", "e2e"),
+             _marked("u2"), _marked("u3"), _marked("h1"), _marked("u1"), _marked("u4")]
     weights = order(items, gpu=False)
-    assert [str(i.path) for i in items] == ["l", "u", "u", "h", "h"]
-    assert weights == {Path("h"): True, Path("u"): False, Path("l"): False}
+    assert [str(i.path) for i in items] == ["l", "u1", "u1", "h1", "h1", "u2", "h2", "u3", "u4"]
+    assert weights == {Path("h1"): HEAVY, Path("h2"): HEAVY, Path("l"): WAITS,
+                       **{Path(f"u{n}"): BACKGROUND for n in range(1, 5)}}
+    units = [_marked("u2"), _marked("u1")]
+    order(units, gpu=False)
+    assert [str(i.path) for i in units] == ["u2", "u1"]
+
+
+@pytest.mark.skipif(not can_renice(), reason="this process may not raise a thread's priority back (no CAP_SYS_NICE)")
+def test_a_unit_file_runs_beside_a_heavy_one_at_low_priority_and_the_next_file_at_normal(worker):
+    w1, w2 = worker(), worker()
+    assert _enters(w1, H).wait(5)
+    w1.leave(_item(H), _item(H))          # the heavy file holds both slots
+    base, nice, entered = os.getpriority(os.PRIO_PROCESS, 0), [], threading.Event()
+
+    def second_worker() -> None:          # a nice value is a thread's: read it in the one that entered
+        w2.enter(_item(U))
+        nice.append(os.getpriority(os.PRIO_PROCESS, 0))
+        entered.set()
+        w2.leave(_item(U), _item(A))
+        w2.enter(_item(A))
+        nice.append(os.getpriority(os.PRIO_PROCESS, 0))
+
+    t = threading.Thread(target=second_worker, daemon=True)
+    t.start()
+    assert entered.wait(5) and nice == [min(19, base + 10)]   # a unit file takes no slot: at once, reniced
+    w1.leave(_item(H), None)
+    t.join(5)
+    assert nice[1:] == [base]             # the light e2e file after it, once it has its slot, at the run's
+
+
+def test_without_renicing_a_unit_file_takes_a_slot(worker):
+    w1, w2 = worker(), worker(renice=False)
+    assert _enters(w1, H).wait(5)
+    unit = _enters(w2, U)
+    assert not unit.wait(0.5)
+    w1.leave(_item(H), None)
+    assert unit.wait(5)
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0 or not can_renice(),
+                    reason="needs root with CAP_SYS_NICE and setpriv, to take the capability away")
+def test_without_the_capability_to_raise_priority_back_renicing_is_off():
+    probe = [sys.executable, "-c", "import cores; print(cores.can_renice())"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    dropped = subprocess.run(["setpriv", "--bounding-set", "-sys_nice", "--inh-caps", "-sys_nice", *probe],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert dropped.stdout.strip() == "False", dropped.stderr
+    assert subprocess.run(probe, capture_output=True, text=True, env=env, timeout=60).stdout.strip() == "True"
 
 
 def test_a_closed_worker_lets_go_and_leaves_no_files(worker, tmp_path):
