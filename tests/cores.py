@@ -7,9 +7,9 @@ this module sets (``--no-loadscope-reorder``).  Each file has a weight:
   Its jobs take both cores (or the one GPU), and its checks (straggler ratios, hang floors, the
   coordinator's load shedding, GPU timings) assume that no other job competes with them.
 * **waits**: an e2e file marked ``light``: its tests mostly wait on timers.
-* **background**: every other file (the unit tests).  It runs at a low CPU priority (nice
-  :data:`BACKGROUND_NICE` above the run's), so it takes the cycles that the file beside it leaves idle and
-  little more.  Where this process may not raise a thread's priority back again (no
+* **background**: every other file (the unit tests).  It runs at the lowest CPU priority
+  (nice :data:`BACKGROUND_NICE`), so it takes the cycles that the file beside it leaves idle
+  and little more.  Where this process may not raise a thread's priority back again (no
   ``CAP_SYS_NICE``), a background file is weighed as *waits* instead.
 
 A heavy file runs with no other file at normal priority beside it; two *waits* files may run at
@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 HEAVY, WAITS, BACKGROUND = "heavy", "waits", "background"
-BACKGROUND_NICE = 19   # above the run's own (capped at 19): CFS weighs a thread at nice 19 at 15, one at 0 at 1024
+BACKGROUND_NICE = 19   # CFS weighs a thread at nice 19 at 15, one at nice 0 at 1024
 _SLOTS = ("slot0", "slot1")
 
 
@@ -70,10 +70,6 @@ def order(items: list[pytest.Item], gpu: bool) -> dict[Path, str]:
     return weight
 
 
-def _niced(base: int) -> int:
-    return min(19, base + BACKGROUND_NICE)
-
-
 def can_renice() -> bool:
     """Whether a thread here may lower its CPU priority and raise it back again (probed on a
     thread of its own: on Linux a nice value belongs to a thread)."""
@@ -82,7 +78,7 @@ def can_renice() -> bool:
     def probe() -> None:
         try:
             base = os.getpriority(os.PRIO_PROCESS, 0)
-            os.setpriority(os.PRIO_PROCESS, 0, _niced(base))
+            os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
             os.setpriority(os.PRIO_PROCESS, 0, base)
             ok.append(True)
         except OSError:
@@ -148,7 +144,7 @@ class Cores:
         """This thread (the tests', and so the processes they start) at the background's
         priority, or back at normal priority."""
         if background != self._niced:
-            os.setpriority(os.PRIO_PROCESS, 0, _niced(self._base) if background else self._base)
+            os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE if background else self._base)
             self._niced = background
 
     def leave(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
