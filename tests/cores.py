@@ -12,6 +12,13 @@ this module sets (``--no-loadscope-reorder``).  Each file has a weight:
   and little more.  Where this process may not raise a thread's priority back again (no
   ``CAP_SYS_NICE``), a background file is weighed as *waits* instead.
 
+A nice value weighs only against the threads of its own scheduling group.  Where the kernel
+groups by session (``CONFIG_SCHED_AUTOGROUP``, on by default in most distributions' kernels),
+it first shares the CPU between sessions, and torchrun starts each rank in a session of its
+own: a reniced unit in the run's session still took a rank's share (a third of the CPU beside
+two busy ranks, measured).  So each worker moves to a session of its own (:func:`background_priority`)
+and sets that session's autogroup to the background nice as well (about 0.5 % beside them).
+
 A heavy file runs with no other file at normal priority beside it; two *waits* files may run at
 once.  The two workers agree through ``flock`` on three files in a directory named for the run:
 a *waits* file holds one of two slots, a heavy file both, from its first test's setup to its
@@ -37,6 +44,7 @@ import pytest
 HEAVY, WAITS, BACKGROUND = "heavy", "waits", "background"
 BACKGROUND_NICE = 19   # CFS weighs a thread at nice 19 at 15, one at nice 0 at 1024
 _SLOTS = ("slot0", "slot1")
+_AUTOGROUP = Path("/proc/self/autogroup")
 
 
 def is_heavy(items: list[pytest.Item], gpu: bool) -> bool:
@@ -70,6 +78,22 @@ def order(items: list[pytest.Item], gpu: bool) -> dict[Path, str]:
     return weight
 
 
+def background_priority(run_id: str | None) -> tuple[bool, Path | None]:
+    """Whether this xdist worker may run background files reniced, and the autogroup control
+    file (``/proc/self/autogroup``) to renice with them, whose nice value weighs this worker's
+    whole session against the others.  Where the kernel has autogroups the worker first moves
+    to a session of its own; where it cannot (it leads a process group), renicing is off."""
+    if not run_id or not can_renice():
+        return False, None
+    if not _AUTOGROUP.exists():
+        return True, None
+    try:
+        os.setsid()
+    except OSError:
+        return False, None
+    return True, _AUTOGROUP
+
+
 def can_renice() -> bool:
     """Whether a thread here may lower its CPU priority and raise it back again (probed on a
     thread of its own: on Linux a nice value belongs to a thread)."""
@@ -99,15 +123,19 @@ class Cores:
         weight: each file's weight (:func:`order`).
         renice: whether background files may run reniced (:func:`can_renice`); else they
             are weighed as *waits*.
+        autogroup: this worker's session's autogroup control file (:func:`background_priority`), set
+            to the background's nice with the thread; None where there is none to set.
     """
 
-    def __init__(self, run_id: str | None, weight: dict[Path, str], renice: bool) -> None:
+    def __init__(self, run_id: str | None, weight: dict[Path, str], renice: bool,
+                 autogroup: Path | None = None) -> None:
         self._weight = weight if renice else {p: WAITS if w == BACKGROUND else w for p, w in weight.items()}
         self._fds: dict[str, int] = {}
         self._held: list[str] = []
         self._root: Path | None = None
         self._base = os.getpriority(os.PRIO_PROCESS, 0)
         self._niced = False
+        self._autogroup = autogroup
         if run_id:
             self._root = Path(tempfile.gettempdir()) / f"rankwatch-tests-cores-{os.getuid()}-{run_id}"
             self._root.mkdir(parents=True, exist_ok=True)
@@ -141,10 +169,12 @@ class Cores:
             fcntl.flock(gate, fcntl.LOCK_UN)
 
     def _nice(self, background: bool) -> None:
-        """This thread (the tests', and so the processes they start) at the background's
-        priority, or back at normal priority."""
+        """This thread (the tests', and so the processes they start) and this worker's
+        session at the background's priority, or back at normal priority."""
         if background != self._niced:
             os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE if background else self._base)
+            if self._autogroup is not None:
+                self._autogroup.write_text(str(BACKGROUND_NICE if background else 0))
             self._niced = background
 
     def leave(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:

@@ -3,6 +3,7 @@ as two xdist workers hold them."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -135,6 +136,44 @@ def _unit_beside_heavy(worker) -> None:
     w1.leave(_item(H), None)
     t.join(5)
     assert nice[1:] == [base]             # the light e2e file after it, once it has its slot, at the run's
+
+
+_SESSION_PROBE = """
+import json, os, subprocess, sys
+from pathlib import Path
+from types import SimpleNamespace
+import cores
+renice, autogroup = cores.background_priority("run-1")
+worker = cores.Cores("run-1", {Path("u"): cores.BACKGROUND, Path("a"): cores.WAITS}, renice, autogroup)
+def child_autogroup():
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    line = Path(f"/proc/{child.pid}/autogroup").read_text().split()
+    child.communicate(b"")
+    return line
+worker.enter(SimpleNamespace(path=Path("u")))
+unit = child_autogroup()
+worker.leave(SimpleNamespace(path=Path("u")), SimpleNamespace(path=Path("a")))
+worker.enter(SimpleNamespace(path=Path("a")))
+print(json.dumps({"renice": renice, "leader": os.getsid(0) == os.getpid(), "unit": unit, "next": child_autogroup()}))
+"""
+
+
+@pytest.mark.skipif(not can_renice() or not Path("/proc/self/autogroup").exists(),
+                    reason="needs CAP_SYS_NICE and a kernel that groups the scheduler by session")
+def test_a_worker_renices_its_own_session_so_that_its_units_yield_to_ranks_in_theirs(tmp_path):
+    """torchrun starts each rank in a session of its own; where the kernel shares the CPU between
+    sessions first, the worker's units must be niced as a session, in one that is the worker's alone."""
+    here = Path("/proc/self/autogroup").read_text().split()[0]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "TMPDIR": str(tmp_path)}
+    normal = lambda: os.setpriority(os.PRIO_PROCESS, 0, 0)   # noqa: E731 - from a reniced unit file's thread
+    out = subprocess.run([sys.executable, "-c", _SESSION_PROBE], capture_output=True, text=True, env=env,
+                         timeout=60, preexec_fn=normal)
+    assert out.returncode == 0, out.stderr
+    probe = json.loads(out.stdout)
+    assert probe["renice"] and probe["leader"], probe
+    (group, _, unit_nice), (next_group, _, next_nice) = probe["unit"], probe["next"]
+    assert group == next_group != here    # the units' processes share the worker's own session
+    assert (unit_nice, next_nice) == (str(BACKGROUND_NICE), "0")
 
 
 def test_without_renicing_a_unit_file_takes_a_slot(worker):
