@@ -94,9 +94,7 @@ def has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    renice, autogroup = cores.background_priority(run_id)
-    config.stash[_CORES] = cores.Cores(run_id, cores.order(items, has_gpu()), renice, autogroup)
+    config.stash[_CORES] = cores.Cores(os.environ.get("PYTEST_XDIST_TESTRUNUID"), cores.order(items, has_gpu()))
     gpu_items = [item for item in items if "gpu" in item.keywords and item.get_closest_marker("gpu")]
     if gpu_items and not has_gpu():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU (NVML finds none here); run `pytest -m gpu` on one")

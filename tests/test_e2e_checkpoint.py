@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -22,17 +24,26 @@ def run(tmp_path, name, steps, ckpt, *extra):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The two resume tests' reference: the default model trained 8 steps uninterrupted."""
+    """The two resume tests' reference: the default model trained 8 steps uninterrupted, saving
+    at steps 3 and 6 (each test resumes from a copy of those checkpoints)."""
     tmp = tmp_path_factory.mktemp("straight")
     with processes_cleaned_up():
-        return run(tmp, "straight", 8, tmp / "ckpt", "--no-rankwatch")
+        metrics = run(tmp, "straight", 8, tmp / "ckpt", "--checkpoint-interval", "3", "--no-rankwatch")
+    return metrics, tmp / "ckpt"
+
+
+def _copy(ckpt: Path, to: Path, *drop: int) -> Path:
+    shutil.copytree(ckpt, to)
+    for step in drop:
+        shutil.rmtree(to / f"step_{step:08d}")
+    return to
 
 
 def test_resume_continues_the_loss_curve(tmp_path, straight):
-    ckpt = tmp_path / "ckpt"
-    first = run(tmp_path, "first", 6, ckpt, "--checkpoint-interval", "3", "--no-rankwatch")
-    assert first["start"] == 0
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000003", "step_00000006"]
+    metrics, saved = straight
+    assert metrics["start"] == 0
+    assert sorted(p.name for p in saved.iterdir()) == ["step_00000003", "step_00000006"]
+    ckpt = _copy(saved, tmp_path / "ckpt")
     # A save cut short (no marker) and one with a garbled marker, both newer.
     (ckpt / "step_00000009").mkdir()
     (ckpt / "step_00000009" / ".metadata").write_bytes(b"partial")
@@ -40,24 +51,23 @@ def test_resume_continues_the_loss_curve(tmp_path, straight):
     (ckpt / "step_00000012" / MARKER).write_text("{not json")
     resumed = run(tmp_path, "resumed", 8, ckpt, "--no-rankwatch")
     assert resumed["start"] == 6
-    assert straight["losses"][:6] == pytest.approx(first["losses"], rel=1e-6)
-    assert resumed["losses"] == pytest.approx(straight["losses"][6:], rel=1e-5)
+    assert resumed["losses"] == pytest.approx(metrics["losses"][6:], rel=1e-5)
 
 
 def test_resume_on_fewer_ranks_keeps_the_global_batch(tmp_path, straight):
-    # Two dp ranks save at step 4; one rank resumes (DCP reshards) and accumulates two
+    # Two dp ranks saved at step 3; one rank resumes (DCP reshards) and accumulates two
     # micro-batches per step, so its losses follow the uninterrupted two-rank run.
-    ckpt = tmp_path / "ckpt"
-    run(tmp_path, "two", 4, ckpt, "--checkpoint-interval", "4", "--no-rankwatch")
+    metrics, saved = straight
+    ckpt = _copy(saved, tmp_path / "ckpt", 6)
     out = tmp_path / "one"
-    job = torchrun(1, "--steps", "7", "--checkpoint-dir", str(ckpt), "--metrics-out", str(out),
+    job = torchrun(1, "--steps", "6", "--checkpoint-dir", str(ckpt), "--metrics-out", str(out),
                    "--log-every", "0", "--no-rankwatch", log=tmp_path / "one.log")
     assert job.wait(180) == 0, (tmp_path / "one.log").read_text()[-3000:]
     assert "accumulating 2 micro-batches" in (tmp_path / "one.log").read_text()
     resumed = json.loads((out / "rank0.json").read_text())
-    assert resumed["start"] == 4
+    assert resumed["start"] == 3
     # The dp-mean loss of the straight run against the single rank's mean over its micro-batches.
-    assert resumed["losses"] == pytest.approx(straight["dp_mean_losses"][4:7], rel=1e-4)
+    assert resumed["losses"] == pytest.approx(metrics["dp_mean_losses"][3:6], rel=1e-4)
 
 
 def _kill_tree(job) -> None:
@@ -167,19 +177,31 @@ def test_checkpoint_sync_blocks_the_training_thread_until_written(agent_proc, tm
         assert not late, f"written after the training thread went on (s): {late}"
 
 
-def test_a_corrupt_newest_checkpoint_is_skipped_and_the_one_before_it_loaded(tmp_path):
+_SMALL = ("--checkpoint-interval", "5", "--no-rankwatch", "--dim", "128", "--hidden-dim", "512")
+
+
+@pytest.fixture(scope="module")
+def saved20(tmp_path_factory):
+    """20 steps of a small model saved every 5: steps 10, 15 and 20 kept (each test damages a copy)."""
+    tmp = tmp_path_factory.mktemp("saved20")
+    with processes_cleaned_up():
+        metrics = run(tmp, "first", 20, tmp / "ckpt", *_SMALL)
+    assert [step for step, _ in complete_checkpoints(tmp / "ckpt")] == [20, 15, 10]
+    return metrics, tmp / "ckpt"
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_and_the_one_before_it_loaded(tmp_path, saved20):
     # A shard of the newest complete checkpoint is cut short on disk after its marker was
     # written (a storage fault).  The restarted job must not fail on it at every restart:
     # every rank skips it alike, loads the one before it and trains on, and the steps after
     # it are trained again exactly as the first run trained them.
-    ckpt = tmp_path / "ckpt"
-    common = ("--checkpoint-interval", "5", "--no-rankwatch", "--dim", "128", "--hidden-dim", "512")
-    first = run(tmp_path, "first", 20, ckpt, *common)
+    first, saved = saved20
+    ckpt = _copy(saved, tmp_path / "ckpt")
     newest = ckpt / "step_00000020"
     shards = sorted(newest.glob("*.distcp"))
     assert (newest / MARKER).exists() and shards
     shards[-1].write_bytes(shards[-1].read_bytes()[:100])
-    again = run(tmp_path, "again", 25, ckpt, *common)
+    again = run(tmp_path, "again", 25, ckpt, *_SMALL)
     log = (tmp_path / "again.log").read_text()
     assert "checkpoint" in log and "step_00000020 could not be loaded" in log, log[-3000:]
     assert again["start"] == 15
@@ -189,13 +211,11 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_the_one_before_it_loaded(tmp
     assert [step for step, _ in complete_checkpoints(ckpt)] == [25, 20, 15]
 
 
-def test_no_loadable_checkpoint_fails_the_job_instead_of_starting_over(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    common = ("--checkpoint-interval", "5", "--no-rankwatch", "--dim", "128", "--hidden-dim", "512")
-    run(tmp_path, "first", 10, ckpt, *common)
+def test_no_loadable_checkpoint_fails_the_job_instead_of_starting_over(tmp_path, saved20):
+    ckpt = _copy(saved20[1], tmp_path / "ckpt")
     for shard in ckpt.glob("step_*/*.distcp"):
         shard.write_bytes(b"")
-    job = torchrun(2, "--steps", "15", "--checkpoint-dir", str(ckpt), *common, log=tmp_path / "again.log")
+    job = torchrun(2, "--steps", "25", "--checkpoint-dir", str(ckpt), *_SMALL, log=tmp_path / "again.log")
     assert job.wait(180) != 0
     log = (tmp_path / "again.log").read_text()
-    assert "LoadFailed: none of the 2 complete checkpoint(s)" in log, log[-3000:]
+    assert "LoadFailed: none of the 3 complete checkpoint(s)" in log, log[-3000:]

@@ -84,14 +84,18 @@ def test_auto_off_leaves_an_unmodified_script_alone(agent_proc, tmp_path):
     assert agent_proc.status()["ranks"] == []
 
 
-def test_a_sigstopped_worker_of_an_unmodified_script_is_named(agent_proc, tmp_path):
-    job = subprocess.Popen(_run_cmd(agent_proc, "plain_ddp.py", "--epochs", "100000"),
+def test_a_slow_loader_is_a_data_straggler_and_then_a_sigstopped_worker_is_named(agent_proc, tmp_path):
+    """One job, two faults from outside the unmodified script: rank 1's loader is slow (the
+    script's own argument), and it is named a data straggler; then rank 1 is SIGSTOPped, and it
+    is named as the hang, with the all-reduce the survivor waits in."""
+    job = subprocess.Popen(_run_cmd(agent_proc, "plain_ddp.py", "--epochs", "100000", "--slow-loader", "1:0.03"),
                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "job.log", "w"))
     try:
-        ranks = wait_for(lambda: len(r := _ranks(agent_proc)) == 2 and min(x["step"] for x in r) >= 20 and r,
-                         90, what="both ranks stepping")
-        victim = ranks[1]
+        (inc,) = wait_for(lambda: [i for i in agent_proc.status()["incidents"] if i["kind"] == "straggler"], 60,
+                          what="a straggler incident")
+        assert inc["rank"] == 1 and inc["detail"]["cause"] == "data", inc
+        victim = next(r for r in _ranks(agent_proc) if r["rank"] == 1)
         os.kill(victim["pid"], signal.SIGSTOP)
         t0 = time.monotonic()
         (inc,) = wait_for(lambda: [i for i in agent_proc.status()["incidents"] if i["kind"] == "hang"], 15,
@@ -103,19 +107,6 @@ def test_a_sigstopped_worker_of_an_unmodified_script_is_named(agent_proc, tmp_pa
         pending = d["flight_recorder"]["0"]["pending"]
         assert any(e["op"] == "all_reduce" for e in pending), d["flight_recorder"]
         os.kill(victim["pid"], signal.SIGCONT)
-    finally:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait(30)
-
-
-def test_a_slow_loader_on_one_rank_is_a_data_straggler(agent_proc, tmp_path):
-    job = subprocess.Popen(_run_cmd(agent_proc, "plain_ddp.py", "--epochs", "100000", "--slow-loader", "1:0.03"),
-                           env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-                           stdout=subprocess.DEVNULL, stderr=open(tmp_path / "job.log", "w"))
-    try:
-        (inc,) = wait_for(lambda: [i for i in agent_proc.status()["incidents"] if i["kind"] == "straggler"], 60,
-                          what="a straggler incident")
-        assert inc["rank"] == 1 and inc["detail"]["cause"] == "data", inc
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait(30)

@@ -6,6 +6,7 @@ gRPC over TCP from this process.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from concurrent import futures
@@ -42,7 +43,9 @@ def test_an_earlier_deadline_armed_later_still_runs_on_time():
     """The thread sleeps towards the head; a new, earlier head must wake it."""
     dog = Watchdog()
     dog.after(30.0, lambda: None)
-    time.sleep(0.05)   # the thread now sleeps towards 30 s
+    # The thread now sleeps towards 30 s: its innermost Python frame is the condition's wait.
+    wait_for(lambda: (f := sys._current_frames().get(dog._thread.ident)) is not None and f.f_code.co_name == "wait",
+             5, 0.001, "the deadline thread asleep")
     fired = threading.Event()
     t0 = time.monotonic()
     dog.after(0.1, fired.set)

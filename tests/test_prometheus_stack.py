@@ -23,8 +23,10 @@ from PENDING, and its panels are checked for data like every other.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,6 +97,14 @@ SCRAPE = "1s"
 RATE_INTERVAL = "5s"
 
 
+def _epoch(rfc3339: str) -> float:
+    """Prometheus's RFC 3339 time (nanosecond fractions, ``Z``) as seconds since the epoch."""
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)", rfc3339)
+    assert m, rfc3339
+    zone = "+00:00" if m[3] == "Z" else m[3]
+    return datetime.datetime.fromisoformat(m[1] + zone).timestamp() + float("0" + (m[2] or ""))
+
+
 class Prometheus:
     """The Debian ``prometheus`` binary on a free loopback port with a throwaway TSDB."""
 
@@ -136,6 +146,16 @@ class Prometheus:
                 return json.loads(r.read())
         except urllib.error.HTTPError as exc:
             return json.loads(exc.read())
+
+    def scraped_since(self, t: float, targets: int) -> bool:
+        """Every one of ``targets`` scraped after ``t`` (the time of its last ``up`` sample)."""
+        result = self.api("query", query="timestamp(up)")["data"]["result"]
+        return len(result) == targets and all(float(r["value"][1]) > t for r in result)
+
+    def rules_evaluated_since(self, t: float) -> bool:
+        """Every rule group evaluated after ``t``."""
+        groups = self.api("rules")["data"]["groups"]
+        return bool(groups) and all(_epoch(g["lastEvaluation"]) > t for g in groups)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -222,13 +242,16 @@ def test_dashboards_and_alerts_on_a_real_stack(stack, tmp_path):
                 os.killpg(job.pid, signal.SIGCONT)
                 os.killpg(job.pid, signal.SIGKILL)
                 job.wait(30)
-    time.sleep(3)  # a few more scrapes of the finished jobs
+    finished = time.time()
+    wait_for(lambda: prom.scraped_since(finished + 1.0, len(agents)), 20, interval=0.5,
+             what="two scrapes of every agent after the jobs ended")
     exported = exported_names(agents)
     standalone.stop()
     instance = f"127.0.0.1:{standalone.metrics_port}"
     wait_for(lambda: prom.api("query", query=f'up{{instance="{instance}"}} == 0')["data"]["result"], 20,
              interval=0.5, what="Prometheus to see the stopped agent down")
-    time.sleep(2)  # the rules evaluate once more
+    down = time.time()
+    wait_for(lambda: prom.rules_evaluated_since(down), 20, interval=0.5, what="the rules evaluated once more")
     end = time.time()
     span = f"{int(end - started) + 1}s"
 

@@ -16,6 +16,7 @@ user's script has them:
 """
 
 import argparse
+import gc
 import os
 import time
 
@@ -114,6 +115,10 @@ def main() -> None:
         with open(f"{args.time_out}.{rank}", "w") as f:
             f.write(str(kept[len(kept) // 2]))
     print(f"rank {rank}: {steps} steps", flush=True)
+    # Free DDP (its reducer holds the process group, in reference cycles) while the interpreter
+    # is whole: collected at exit instead, gloo's worker threads can abort the process.
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 
