@@ -3,8 +3,9 @@
 * Three layouts: a head-heavy two-stage pipeline (``--pp 2 --dp 2``, stage 1 holds three
   times stage 0's layers and the loss head), pipeline and experts (``--pp 2 --ep 2``), and
   experts alone (``--ep 2``).  160 clean steps each: no straggler, and the stage imbalance
-  named with the ratio the stages' own work shows.  Then one rank is slowed from outside
-  (a SIGSTOP duty cycle): it is flagged, against its own stage, and no other rank.
+  named with the ratio the stages' own work shows.  Then, with stages, one rank is slowed
+  from outside (a SIGSTOP duty cycle): it is flagged, against its own stage, and no other
+  rank.  Experts alone are not slowed: LAYOUTS says why.
 * A mixture of experts (``--ep 2``) whose router favours one expert: the rank that holds it
   is a straggler of cause ``expert_load``, and the experts' skew is in ``status``.
 """
