@@ -54,7 +54,7 @@ from rankwatch.agent.cli.screen import (
 from rankwatch.agent.gpu import GpuConfig, load_script
 from rankwatch.agent.gpu.script import ScriptedSource
 from rankwatch.agent.detect.hang_verdict import HangConfig
-from rankwatch.agent.cli.ports import free_port, port_free
+from rankwatch.agent.cli.ports import free_port
 from rankwatch.agent.cli.run import DEFAULT_METRICS_PORT
 from rankwatch.agent.durable.safedir import UnsafeDirectory, check_default
 from rankwatch.agent.server import Agent, AgentConfig
@@ -151,7 +151,7 @@ def _start_agents(addr: Address, workdir: Path) -> list[Agent]:
 def _agent_config(i: int, node: str, addr: Address, coord: Address, workdir: Path, script: Path) -> AgentConfig:
     """Node ``i``'s agent, set for a short job: node 1's GPU scripted, the others' none."""
     listen = [addr, coord] if i == 0 else [Address(path=str(workdir / f"{node}.sock"))]
-    port = (DEFAULT_METRICS_PORT if port_free(DEFAULT_METRICS_PORT) else 0) if i == 0 else 0
+    port = DEFAULT_METRICS_PORT if i == 0 else 0   # the agent moves off it by itself if it is taken
     # A short job: a throttle is a risk after 3 s of it, not the default 10 s.
     gpu = (GpuConfig(source="script", script=load_script(script), throttle_sustain=timedelta(seconds=3))
            if i == 1 else GpuConfig(source="none"))

@@ -20,16 +20,17 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 from rankwatch.address import AGENT_ENV, AUTO_ENV, EXIT_NOTE_ENV, NODE_ID_ENV, Address
-from rankwatch.agent.cli.ports import port_free
 from rankwatch.agent.cli.torchrun_args import plan
 from rankwatch.status import AgentUnreachable, fetch_status, reachable
 
-__all__ = ["DEFAULT_METRICS_PORT", "metrics_port_line", "run_torchrun", "start_local_agent"]
+__all__ = ["DEFAULT_METRICS_PORT", "ensure_local_agent", "metrics_port_line", "run_torchrun", "start_local_agent"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_PORT = 9478
 _AGENT_START = timedelta(seconds=15)
+_AGENT_ATTEMPTS = 3
+_AGENT_RETRY = timedelta(seconds=0.5)   # backoff after a failed start, times the attempt
 
 
 def start_local_agent(addr: Address, node: str, metrics_port: int | None = None) -> subprocess.Popen:
@@ -39,7 +40,7 @@ def start_local_agent(addr: Address, node: str, metrics_port: int | None = None)
         RuntimeError: it did not come up in time (its stderr is in the message).
     """
     if metrics_port is None:
-        metrics_port = DEFAULT_METRICS_PORT if port_free(DEFAULT_METRICS_PORT) else 0
+        metrics_port = DEFAULT_METRICS_PORT   # the agent moves off it by itself if it is taken
     cmd = [sys.executable, "-m", "rankwatch.agent.cli", "agent", "--listen", str(addr),
            "--node-id", node, "--metrics-port", str(metrics_port)]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -52,6 +53,34 @@ def start_local_agent(addr: Address, node: str, metrics_port: int | None = None)
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"the local agent did not answer at {addr} within {_AGENT_START}")
+
+
+def ensure_local_agent(addr: Address, node: str, attempts: int = _AGENT_ATTEMPTS) -> subprocess.Popen | None:
+    """A live agent at ``addr``: the one already there (None), or a local one started here.
+
+    Two ``rankwatch run`` of one host may race for one address: the loser's agent finds the
+    winner's socket and exits, and the next attempt finds the winner's agent answering.  Each
+    failed attempt is said on stderr; after the last, training goes on without an agent
+    (fail-open: the ranks keep retrying the address), and that is said loudly."""
+    for attempt in range(1, attempts + 1):
+        if reachable(addr):
+            return None
+        log.info("no agent at %s; starting a local one", addr)
+        try:
+            agent = start_local_agent(addr, node)
+        except (RuntimeError, OSError) as exc:
+            print(f"rankwatch run: the local agent for node {node} failed to start (attempt {attempt} of "
+                  f"{attempts}): {exc}", file=sys.stderr, flush=True)
+            time.sleep(_AGENT_RETRY.total_seconds() * attempt)
+            continue
+        print(metrics_port_line(addr), file=sys.stderr, flush=True)
+        return agent
+    if reachable(addr):
+        return None
+    print(f"rankwatch run: WARNING: node {node} has no agent at {addr} after {attempts} attempts: this "
+          "node's ranks train unwatched (no status, no hang or straggler detection) until one answers "
+          "there", file=sys.stderr, flush=True)
+    return None
 
 
 def metrics_port_line(addr: Address) -> str:
@@ -94,15 +123,7 @@ def excluded_reason(addr: Address, node: str) -> str | None:
 def run_torchrun(addr: Address, node: str, torchrun_args: Sequence[str],
                  start_agent: bool = True) -> int:
     """Run torchrun with the agent's address in the workers' environment; return its exit code."""
-    agent = None
-    if start_agent and not reachable(addr):
-        log.info("no agent at %s; starting a local one", addr)
-        try:
-            agent = start_local_agent(addr, node)
-            print(metrics_port_line(addr), file=sys.stderr, flush=True)
-        except (RuntimeError, OSError) as exc:
-            # Fail-open: training never waits on rankwatch; the ranks retry the address.
-            log.warning("could not start a local agent (%s); training goes on without one", exc)
+    agent = ensure_local_agent(addr, node) if start_agent else None
     env = dict(os.environ)
     env[AGENT_ENV] = str(addr)
     env[NODE_ID_ENV] = node

@@ -8,6 +8,7 @@ which process presented a nonce (:mod:`rankwatch.peercred`).  The RPCs themselve
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -45,11 +46,26 @@ class Listeners:
         self._owns_sockets = False
 
     def serve_metrics(self, registry: CollectorRegistry) -> None:
-        """HTTP /metrics, when a port is configured (0: one the system picks)."""
-        if self._config.metrics_port is not None:
-            self._http, _ = start_http_server(self._config.metrics_port, self._config.metrics_addr,
-                                              registry=registry)
-            self.metrics_port = self._http.server_port
+        """HTTP /metrics, when a port is configured (0: one the system picks).
+
+        The port is taken by the bind itself, never probed first: two agents that start
+        together cannot both see it free.  The server binds with ``SO_REUSEADDR`` (the
+        standard library's HTTP server sets it), so the previous job's connections in
+        TIME-WAIT leave the port usable.  If another process listens on it, the agent
+        takes a port the system picks and says which: it never exits over /metrics."""
+        port = self._config.metrics_port
+        if port is None:
+            return
+        addr = self._config.metrics_addr
+        try:
+            self._http, _ = start_http_server(port, addr, registry=registry)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or port == 0:
+                raise
+            self._http, _ = start_http_server(0, addr, registry=registry)
+            log.warning("metrics port %d is taken by another process: /metrics is on port %d instead",
+                        port, self._http.server_port)
+        self.metrics_port = self._http.server_port
 
     def serve_grpc(self, handlers: Any, gate: Gate) -> None:
         """Serve ``handlers`` behind ``gate`` on every configured address.
