@@ -683,3 +683,60 @@ def test_a_slow_straggler_pass_is_spaced_by_what_it_cost():
     c, ran = _straggler_passes(0.1, pass_seconds=0.19)
     assert c.load.overloaded is None
     assert [round(b - a, 2) for a, b in zip(ran, ran[1:])] == [4.0, 4.0]
+
+
+def test_a_silent_nodes_ranks_end_with_it_and_root_the_survivors_peer_errors(tmp_path):
+    """n2 falls silent with ranks 2 and 3.  The survivors' gloo errors are recorded first (n1's
+    in its summary, n0's in the coordinator's own log), rooted among themselves; once n2 is
+    judged dead, each of its ranks gets a ``node_lost`` exit at its last word, its own root,
+    and the survivors' exits are linked to it, in the live view and in the durable file."""
+    from rankwatch.agent.durable.incidents import Incident
+
+    log = IncidentLog(tmp_path / "incidents.jsonl")
+    c = Coordinator("n0", incidents=log, policy=PolicyConfig(min_nodes=1, node_timeout_seconds=3), clock=Clock())
+    clock = c.clock
+    peer = {"how": "exception", "type": "RuntimeError", "message": "[pair.cc:589] Connection reset by peer",
+            "root_cause": None}
+
+    def sync(node, seq, ranks, incidents=()):
+        s = summary(node, seq, clock.t, [dict(rank=r, pid=10 + r, step=30, progress_at=clock.t, last_seen=clock.t)
+                                         for r in ranks])
+        s.incidents.extend(incidents)
+        c.sync(s)
+
+    for seq in (1, 2, 3):
+        clock.t += 0.25
+        for node, ranks in (("n0", [0]), ("n1", [1]), ("n2", [2, 3])):
+            sync(node, seq, ranks)
+    heard = clock.t
+    clock.t += 0.5   # n2 is gone; the survivors' workers break on it
+    n1_exit = Incident(id="rank_exit-n1-1", kind="rank_exit", node="n1", rank=1, step=30, detected_at=clock.t,
+                       detail={**peer, "pid": 11, "started_at": heard + 0.1})
+    sync("n1", 4, [1], [n1_exit.to_pb()])
+    n0_exit = log.add(kind="rank_exit", node="n0", rank=0, step=30, detected_at=clock.t,
+                      detail={**peer, "pid": 10, "started_at": heard + 0.05}, tag="n0")
+    sync("n0", 4, [0])
+    c.evaluate()
+    assert c.node_states()["n2"] == "ok" and log.get(n0_exit.id).detail["root_cause"] == n0_exit.id, \
+        "before n2 is judged dead, the survivors' exits root among themselves"
+    clock.t += 3.5
+    sync("n0", 5, [0])
+    sync("n1", 5, [1], [n1_exit.to_pb()])
+    c.evaluate()
+    lost = sorted((i for i in log.items if i.detail.get("how") == "node_lost"), key=lambda i: i.rank)
+    assert [(i.node, i.rank, i.step, i.detail["pid"]) for i in lost] == [("n2", 2, 30, 12), ("n2", 3, 30, 13)]
+    for i in lost:
+        assert i.detail["started_at"] == heard and i.detail["why"] == "its agent went silent"
+        assert i.detail["root_cause"] == i.id and i.detail["consequence"] is False
+    root = lost[0].id
+    assert log.get(n0_exit.id).detail["root_cause"] == root and log.get(n0_exit.id).detail["consequence"] is True
+    (seen,) = [i for i in c.job_incidents() if i.id == n1_exit.id]
+    assert seen.detail["root_cause"] == root
+    on_disk = {i.id: i for i in IncidentLog.replay(tmp_path / "incidents.jsonl")}
+    assert on_disk[n0_exit.id].detail["root_cause"] == root
+    assert [on_disk[i.id].detail["how"] for i in lost] == ["node_lost", "node_lost"]
+    assert [on_disk[i.id].detail["root_cause"] for i in lost] == [i.id for i in lost]
+    # The lost node's ranks are recorded once, however long it stays dead.
+    clock.t += 5
+    c.evaluate()
+    assert len([i for i in log.items if i.detail.get("how") == "node_lost"]) == 2

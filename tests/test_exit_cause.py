@@ -192,3 +192,87 @@ def test_a_worker_torchrun_sigtermed_after_another_failed_is_stopped_not_failed(
     assert all(e.failed for e in exits(-15, -15).values())
     d = classify(record=None, fault=None, torchrun={"exitcode": -15, "signal": "SIGTERM", "failed": True}, oom=False)
     assert (d["how"], d["signal"]) == ("signal", "SIGTERM") and "stopped_by" not in d
+
+
+PEER = {"how": "exception", "type": "RuntimeError", "message": "[pair.cc:589] Read error [x]:1: Connection reset by peer"}
+
+
+def test_a_rank_lost_with_its_node_is_its_own_root_and_the_survivors_errors_follow_it():
+    lost = {"how": "node_lost", "why": "its agent went silent"}
+    # The survivors' peer errors end a hair after the lost rank was last heard; the order they
+    # come in (detected first: silence takes seconds to confirm) changes nothing.
+    exits = [_view("s0", 10.2, **PEER), _view("s1", 10.3, **PEER), ExitView(id="l2", ended_at=10.0,
+                                                                            consequence=False, lost=True)]
+    assert root_causes(exits) == {"s0": "l2", "s1": "l2", "l2": "l2"}
+    assert exit_view("l2", 13.0, {**lost, "started_at": 10.0}) == exits[2]
+    assert not is_consequence(lost)
+    # Two ranks lost with their node: each is its own root; the consequences follow the first.
+    two = [exits[0], ExitView(id="l3", ended_at=10.1, consequence=False, lost=True), exits[2]]
+    assert root_causes(two) == {"s0": "l2", "l3": "l3", "l2": "l2"}
+    # A rank that failed before the node was lost stays the root; the lost rank is never its consequence.
+    cause = _view("c", 9.0, how="exception", type="ValueError", message="bad batch")
+    assert root_causes([cause, *exits]) == {"c": "c", "s0": "c", "s1": "c", "l2": "l2"}
+    # Without the lost node's exit (a survivor's own agent), the earliest consequence stays the root.
+    assert root_causes(exits[:2]) == {"s0": "s0", "s1": "s0"}
+
+
+def test_the_ranks_a_lost_node_took_are_one_exit_each_at_their_last_word():
+    from rankwatch.agent.job.node_lost import LastSeen, lost_exits
+
+    ranks = [LastSeen(rank=4, pid=40, step=30, last_seen=99.5), LastSeen(rank=5, pid=50, step=31, last_seen=0.0),
+             LastSeen(rank=4, pid=41, step=29, last_seen=90.0),                    # an older process of rank 4
+             LastSeen(rank=6, pid=60, step=31, last_seen=99.0, exited_cleanly=True),
+             LastSeen(rank=7, pid=70, step=12, last_seen=80.0),                    # its agent told its exit
+             LastSeen(rank=8, pid=80, step=31, last_seen=101.0)]                   # seen after the last summary?
+    out = lost_exits("n2", "its agent went silent", heard_at=100.0, now=103.5, ranks=ranks, told_pids={70})
+    assert [(x.rank, x.step, x.detail["pid"]) for x in out] == [(4, 30, 40), (5, 31, 50), (8, 31, 80)]
+    assert [x.detail["started_at"] for x in out] == [99.5, 100.0, 100.0], "last heard, never after the node"
+    for x in out:
+        d = x.detail
+        assert (d["how"], d["why"], d["last_heard"], d["silent_seconds"]) == ("node_lost", "its agent went silent",
+                                                                             100.0, 3.5)
+        assert "node n2 was lost" in d["reason"] and not is_consequence(d)
+    assert lost_exits("n2", "x", heard_at=1.0, now=2.0, ranks=[]) == []
+
+
+def _inc(id_, node, rank, step, at, **detail):
+    return {"id": id_, "kind": "rank_exit", "node": node, "rank": rank, "step": step, "detected_at": at,
+            "detail": detail}
+
+
+def test_the_story_of_a_lost_node_tells_the_node_first_then_the_consequences():
+    from rankwatch.agent.cli.postmortem import tell_exit
+
+    lost = dict(how="node_lost", why="its agent went silent", pid=22, started_at=100.0, last_heard=100.2,
+                root_cause="rank_exit-n0-5", evidence=["node_death"])
+    incidents = [
+        _inc("rank_exit-n0-3", "n0", 0, 31, 101.0, **PEER, pid=20, started_at=100.4, root_cause="rank_exit-n0-5"),
+        _inc("rank_exit-n1-1", "n1", 1, 31, 101.5, **PEER, pid=21, started_at=100.5, root_cause="rank_exit-n0-5"),
+        _inc("rank_exit-n0-5", "n2", 2, 30, 104.0, **lost),
+        _inc("rank_exit-n0-6", "n2", 3, 30, 104.0, **{**lost, "pid": 23, "root_cause": "rank_exit-n0-6"})]
+    text = tell_exit(incidents[0], incidents)
+    lines = text.splitlines()
+    assert lines[0].startswith("rank_exit-n0-3: rank 0 on node n0 raised RuntimeError"), text
+    assert lines[1] == "  a consequence of rank_exit-n0-5 (node n2 was lost); its story:", text
+    head = lines.index(next(x for x in lines if x.startswith("node n2 was lost first: its agent went silent")))
+    assert lines[head + 1].startswith("  rank_exit-n0-5: rank 2, pid 22, last seen at step 30"), text
+    assert lines[head + 2].startswith("  rank_exit-n0-6: rank 3, pid 23, last seen at step 30"), text
+    then = lines.index("  then, as consequences (2):")
+    assert then > head + 2 and "failed first" not in text
+    assert "rank_exit-n1-1: rank 1 on node n1 raised RuntimeError" in lines[then + 2]
+    assert tell_exit(incidents[2], incidents).splitlines()[0].startswith("node n2 was lost first"), \
+        "asked about the lost rank itself, the story starts with its node"
+
+
+def test_an_agent_holding_only_consequences_says_so_and_never_failed_first():
+    from rankwatch.agent.cli.postmortem import tell_exit
+
+    incidents = [_inc("rank_exit-n1-1", "n1", 1, 31, 101.5, **PEER, pid=21, started_at=100.5,
+                      root_cause="rank_exit-n1-1"),
+                 _inc("rank_exit-n1-2", "n1", 4, 31, 101.6, **PEER, pid=24, started_at=100.6,
+                      root_cause="rank_exit-n1-1")]
+    for asked in incidents:
+        text = tell_exit(asked, incidents)
+        assert "failed first" not in text, text
+        assert "rank_exit-n1-1: rank 1 on node n1, pid 21 ended at step 31, a consequence of a lost peer" in text
+    assert "then, also as consequences (1):" in tell_exit(incidents[0], incidents)

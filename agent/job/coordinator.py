@@ -23,7 +23,7 @@ Which question is answered where (``job/`` unless named):
 * has an open hang ended: ``detect/hang_end.py`` :func:`~rankwatch.agent.detect.hang_end.hang_end`;
 * what a hang verdict records (its incident, its end): ``hang_watch.py`` :meth:`HangWatch.look`;
 * is a node dead: ``node_death.judge``, evaluation after evaluation ``death_watch.py``
-  :meth:`DeathWatch.check`;
+  :meth:`DeathWatch.check`; the exits of the ranks it took with it: ``node_lost.py``;
 * is a node silent, how often do nodes sync, when does the straggler pass run: ``pacing.py``
   (its counters: ``loadmeter.py``);
 * which nodes straggle: ``slow_nodes.py``; when one is evicted: ``evictions.py``
@@ -328,6 +328,9 @@ class Coordinator:
     def _check_dead(self, now: float) -> None:
         for name, why in self.deaths.check(now):
             log.warning("node %s is dead: %s", name, why)
+            for x in self.deaths.lost_ranks(name, why, now):   # its ranks ended with it (node_lost.py)
+                self.incidents.add(kind="rank_exit", node=name, rank=x.rank, step=x.step, detected_at=now,
+                                   detail={**x.detail, "root_cause": None}, tag=self.node_id)
             if self.policy.exclude_dead:
                 self.exclude(name, f"node dead: {why}")
 

@@ -4,14 +4,17 @@ The rule for one node is :func:`~rankwatch.agent.job.node_death.judge` (a pure f
 this keeps what it needs between evaluations: each node's ranks' death time (on its
 :class:`~rankwatch.agent.job.global_view.NodeView`), the nodes judged dead for their silence
 lately (one burst, though they fall silent one evaluation apart), and whether a burst is on.
-What a dead node costs it (an exclusion) is the coordinator's policy.
+What a dead node costs it (an exclusion) is the coordinator's policy; the exits of the ranks it
+took with it are :func:`~rankwatch.agent.job.node_lost.lost_exits`' (read here: :meth:`DeathWatch.lost_ranks`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 from rankwatch.agent.job import node_death
+from rankwatch.agent.job.node_lost import LastSeen, LostExit, lost_exits
 from rankwatch.agent.job.global_view import JobView
 from rankwatch.agent.job.loadmeter import LoadMeter
 from rankwatch.agent.job.policy import PolicyConfig
@@ -72,6 +75,28 @@ class DeathWatch:
         self._say_burst(len(quiet) + len(gone) > 1 and not counts, len(quiet) + len(gone),
                         len(included) + len(gone), len(gone))
         return dead
+
+    def lost_ranks(self, name: str, why: str, now: float) -> list[LostExit]:
+        """The ``rank_exit`` records of the ranks node ``name``, judged dead at ``now`` for
+        ``why``, took with it (:func:`~rankwatch.agent.job.node_lost.lost_exits`), from its
+        last summary on this clock."""
+        with self.view.lock:
+            n = self.view.nodes.get(name)
+            if n is None:
+                return []
+            summary, offset, heard = n.summary, n.offset, n.received_at
+        told = set()
+        for i in summary.incidents:
+            if i.kind == "rank_exit" and i.node == name:
+                try:
+                    pid = json.loads(i.detail_json or "{}").get("pid")
+                except (ValueError, AttributeError):
+                    continue
+                if isinstance(pid, int):
+                    told.add(pid)
+        ranks = [LastSeen(rank=r.rank, pid=r.pid, step=r.step, exited_cleanly=r.exited_cleanly,
+                          last_seen=r.last_seen + offset if r.last_seen > 0 else 0.0) for r in summary.ranks]
+        return lost_exits(name, why, heard_at=heard, now=now, ranks=ranks, told_pids=told)
 
     def _say_burst(self, burst: bool, silent: int, nodes: int, gone: int) -> None:
         """Log once when a burst of silent nodes begins, and once when it is over."""

@@ -11,13 +11,19 @@ coordinator), each with when it ended and how:
   collective's timeout, an aborted communicator), or a worker torchrun stopped (SIGTERM)
   because another had failed -- is never the root while the episode holds an exit that
   does not: the first of those, by the time it ended, is the **root cause**;
-* an episode of consequences only (the root's node was lost with its agent) is rooted at
-  its earliest exit.
+* a rank that ended with its node (``how: node_lost``, recorded by the coordinator when it
+  judged the node dead: :mod:`.node_lost`) is never a consequence, and is its own root; it
+  ended when it was last heard, so it comes before the survivors' peer errors that the
+  coordinator recorded while the node's silence was still being confirmed;
+* an episode of consequences only (the root's node was lost with its agent, and this view
+  does not hold its exit: a node agent's) is rooted at its earliest exit, which the story
+  tells as a consequence of a lost peer (:mod:`rankwatch.agent.cli.postmortem`).
 
 Every exit of an episode gets ``root_cause`` = its root's incident id (the root's own
-id for the root).  The node watch (:mod:`rankwatch.agent.node.sweep`) and the coordinator
-(:mod:`rankwatch.agent.job.coordinator`) apply it; the CLI tells the story
-(:mod:`rankwatch.agent.cli.postmortem`).
+id for the root, and for every ``node_lost`` exit).  The node watch
+(:mod:`rankwatch.agent.node.sweep`) and the coordinator (:mod:`rankwatch.agent.job.coordinator`)
+apply it each time an exit is added, so a root named before the lost node's exits were
+known is replaced; the CLI tells the story (:mod:`rankwatch.agent.cli.postmortem`).
 """
 
 from __future__ import annotations
@@ -44,10 +50,14 @@ class ExitView:
     id: str
     ended_at: float
     consequence: bool
+    lost: bool = False
+    """It ended with its node (``how: node_lost``): never a consequence, its own root."""
 
 
 def is_consequence(detail: Mapping[str, Any]) -> bool:
     """A rank exit that reads as another rank's doing (see the module docstring)."""
+    if detail.get("how") == "node_lost":
+        return False
     if detail.get("stopped_by") == "torchrun":
         return True
     if detail.get("how") != "exception":
@@ -62,7 +72,7 @@ def exit_view(incident_id: str, detected_at: float, detail: Mapping[str, Any]) -
     ended = detail.get("started_at")
     ok = isinstance(ended, (int, float)) and not isinstance(ended, bool) and 0 < ended <= detected_at + 1.0
     return ExitView(id=incident_id, ended_at=float(ended) if ok and ended is not None else float(detected_at),
-                    consequence=is_consequence(detail))
+                    consequence=is_consequence(detail), lost=detail.get("how") == "node_lost")
 
 
 def root_causes(exits: Iterable[ExitView], window: float = WINDOW) -> dict[str, str]:
@@ -73,7 +83,7 @@ def root_causes(exits: Iterable[ExitView], window: float = WINDOW) -> dict[str, 
     for e in ordered + [None]:   # type: ignore[list-item]
         if episode and (e is None or e.ended_at - episode[-1].ended_at > window):
             root = next((x for x in episode if not x.consequence), episode[0])
-            out.update({x.id: root.id for x in episode})
+            out.update({x.id: x.id if x.lost else root.id for x in episode})
             episode = []
         if e is not None:
             episode.append(e)
