@@ -112,6 +112,58 @@ def test_the_wait_for_a_batch_is_the_data_phase(hooked):
         assert data + forward + backward + optimizer <= t1 - t0
 
 
+SLOW_FETCH = 0.1
+
+
+def _token_count_body(rank: int, out_dir: str) -> None:
+    """A Trainer-shaped loop on a real gloo pair: fetch (rank 1 slowly), all-gather the batch's
+    token count, forward, backward, optimizer step."""
+    import json
+
+    import torch.distributed as dist
+
+    from rankwatch.hooks.instrument.collectives import CollectiveInstrumentation
+
+    rec = Recorder()
+    instr = CollectiveInstrumentation(rec)
+    instr.install()
+    hooks = StepHooks(rec)
+    hooks.install()
+    try:
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(5):
+            x, y = _batch(SLOW_FETCH if rank == 1 else 0.0)
+            counts = torch.zeros(2, dtype=torch.long)
+            dist.all_gather_into_tensor(counts, torch.tensor([len(y)]))
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        hooks.uninstall()
+        instr.uninstall()
+    with open(f"{out_dir}/steps{rank}.json", "w") as f:
+        json.dump([list(s) for s in rec.steps], f)
+
+
+def test_a_wait_for_a_slower_peer_before_the_forward_is_wait_not_data(tmp_path):
+    """The rank with the fast loader waits in the token-count all-gather for the slow one: its
+    step counts that as time blocked in collectives, and its data phase as its own loader's
+    time only; the slow rank's data phase holds its slow fetch."""
+    import json
+
+    from conftest import run_gloo_pair
+
+    run_gloo_pair(_token_count_body, str(tmp_path), error_path=tmp_path / "error.txt")
+    fast, slow = (json.loads((tmp_path / f"steps{r}.json").read_text()) for r in (0, 1))
+    assert [s[0] for s in fast] == [s[0] for s in slow] == [1, 2, 3, 4, 5]
+    # From the second step on each step is dated from the step before's end (zero-code).
+    for (step, t0, t1, data, *_p, blocked), (_, _, _, slow_data, *_q, slow_blocked) in zip(fast[1:], slow[1:]):
+        assert data < 0.3 * SLOW_FETCH * 1e9 < 0.7 * SLOW_FETCH * 1e9 < blocked, (step, data, blocked)
+        assert slow_data > 0.9 * SLOW_FETCH * 1e9 > 3 * slow_blocked, (step, slow_data, slow_blocked)
+        assert blocked <= t1 - t0
+
+
 def test_a_nested_module_is_not_a_new_forward(hooked):
     """Only the root call marks: its submodules run inside it."""
     model = Net()

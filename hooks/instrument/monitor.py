@@ -82,7 +82,7 @@ class Monitor:
                 batch = next(it)
             except StopIteration:  # the loader is done: no step n
                 return
-            rec.begin_step(n, t0)  # the step began when its batch was asked for
+            rec.begin_step(n, t0, since_last=True)  # it began when its batch was asked for
             rec.mark("data")
             try:
                 yield n, batch

@@ -85,6 +85,7 @@ class Recorder:
         self._last_ns = 0
         # Nanoseconds the training thread spent blocked in collectives this step.
         self.blocked_ns = 0
+        self._blocked_at = 0     # blocked_ns at the last mark
         # When the last reduction a backward issues asynchronously (DDP's gradient buckets) was
         # issued, or 0: the rest of that backward waits for the reductions (zero-code's step
         # hooks add it to blocked_ns when the backward returns).
@@ -100,22 +101,38 @@ class Recorder:
         self.expert_loads.append((self.step, tuple(int(c) for c in counts)[:MAX_EXPERTS]))
 
     # -- steps ------------------------------------------------------------
-    def begin_step(self, step: int, started_ns: int = 0) -> None:
-        """Open ``step`` now, or at ``started_ns`` (a ``perf_counter_ns`` reading) if given."""
+    def begin_step(self, step: int, started_ns: int = 0, *, since_last: bool = False) -> None:
+        """Open ``step`` now, or at ``started_ns`` (a ``perf_counter_ns`` reading) if given.
+
+        ``since_last``: the step is dated from the previous step's end (zero-code opens a
+        step at its first forward), so the time blocked in collectives since then (a token
+        count all-gathered after the batch was fetched) is the step's, not dropped."""
         now = started_ns or time.perf_counter_ns()
         self.step = step
         self.step_started_ns = now
         self.activity = ACTIVITY_TRAIN
         self._acc = {}
         self._last_ns = now
-        self.blocked_ns = 0
+        if not since_last:
+            self.blocked_ns = 0
+        self._blocked_at = 0
         self.microbatch = None
 
     def mark(self, phase: str) -> None:
-        """Close ``phase`` now: the time since the previous mark is charged to it."""
+        """Close ``phase`` now: the time since the previous mark is charged to it.
+
+        The data phase is charged net of the time blocked in collectives within it: a rank
+        that waits for a slower peer's batch in a collective before its forward (a token
+        count, a barrier) waits, it does not load data.  Other phases keep their waits; the
+        step's own work is its time less all of them (``blocked_ns``)."""
         now = time.perf_counter_ns()
         acc = self._acc
-        acc[phase] = acc.get(phase, 0) + now - self._last_ns
+        span = now - self._last_ns
+        blocked = self.blocked_ns
+        if phase == "data":
+            span -= blocked - self._blocked_at
+        self._blocked_at = blocked
+        acc[phase] = acc.get(phase, 0) + max(span, 0)
         self._last_ns = now
 
     def end_step(self, tokens: float = 0.0, flops: float = 0.0) -> None:
@@ -125,6 +142,10 @@ class Recorder:
                            acc.get("forward", 0), acc.get("backward", 0),
                            acc.get("optimizer", 0), tokens, flops, self.blocked_ns))
         self.activity = ACTIVITY_IDLE
+        # What blocks from here until the next step opens is the next step's when it is dated
+        # from this end (``since_last``); a step opened later, at its own time, starts at 0.
+        self.blocked_ns = 0
+        self._blocked_at = 0
 
     def step_scope(self, step: int, tokens: float = 0.0, flops: float = 0.0) -> StepScope:
         return StepScope(self, step, tokens, flops)

@@ -206,4 +206,4 @@ class StepHooks:
 
     def _begin(self, now_ns: int) -> None:
         self._open = True
-        self._rec.begin_step(self._step, self._next_ns or now_ns)
+        self._rec.begin_step(self._step, self._next_ns or now_ns, since_last=bool(self._next_ns))
