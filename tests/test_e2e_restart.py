@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -170,11 +172,55 @@ def test_dead_node_is_excluded_and_refused_when_it_returns(tmp_path):
         wait_for(back, 120, interval=0.25, what="n0 and n1 training again")
         print(f"node killed -> training again on two nodes after {time.monotonic() - t0:.1f}s")
         assert jobs[0].poll() is None and jobs[1].poll() is None
+        _the_lost_node_is_the_root_cause(c, ranks)
         # n2 comes back: its agent and torchrun start again, and the rendezvous refuses it.
         c.agents[2].start()
         again = c.torchrun(2, "2:3", 1, *args, launcher="rankwatch", rdzv_conf=_RDZV_SPARE, launcher_args=launch)
         assert again.wait(90) == 0
         assert "excluded" in (tmp_path / "job-n2.log").read_text()
+        c.coordinator.stop()   # the coordinator's state directory tells the same story
+        text = _cli("diagnose", "--agent", str(c.coordinator.sock)).stdout
+        assert "\nnode n2 was lost first: its agent went silent" in text, text
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def _the_lost_node_is_the_root_cause(c: Cluster, ranks: list[dict]) -> None:
+    """n2's rank ended with its node (``how: node_lost``, its own root), the survivors' workers'
+    exits (they broke on the lost peer) are its consequences, and ``diagnose`` tells n2's loss
+    first; n1's agent, which sees only its own exits, says they followed a lost peer."""
+    lost_pids = {r["pid"]: r for r in ranks if r["node"] == "n2"}
+    others = {r["pid"] for r in ranks if r["node"] != "n2"}
+
+    def linked():
+        found = [i for i in c.coordinator.status()["incidents"] if i["kind"] == "rank_exit"]
+        lost = [i for i in found if i["detail"].get("pid") in lost_pids]
+        after = [i for i in found if i["detail"].get("pid") in others]
+        return (len(lost) == len(lost_pids) and len(after) == len(others)
+                and all(i["detail"].get("root_cause") for i in found) and (lost, after))
+    lost, after = wait_for(linked, 60, interval=0.25, what="the lost node's exits and the survivors'")
+    for i in lost:
+        d, seen = i["detail"], lost_pids[i["detail"]["pid"]]
+        assert (i["node"], i["rank"], d["how"], d["why"]) == ("n2", seen["rank"], "node_lost",
+                                                              "its agent went silent"), i
+        assert d["root_cause"] == i["id"] and d["consequence"] is False, i
+        assert seen["step"] <= i["step"] and d["started_at"] <= i["detected_at"], i
+    roots = {i["id"] for i in lost}
+    for i in after:
+        assert i["detail"]["root_cause"] in roots and i["detail"]["consequence"] is True, i
+    text = _cli("diagnose", "--agent", str(c.coordinator.sock)).stdout
+    print(text)
+    lines = text.splitlines()
+    assert lines[0].startswith("node n2 was lost first: its agent went silent"), text
+    then = lines.index(f"  then, as consequences ({len(after)}):")
+    assert all(f"{i['id']}: rank" in "\n".join(lines[then:]) for i in after), text
+    assert "failed first" not in text, text
+    n1 = [i for i in c.agents[1].status()["incidents"] if i["kind"] == "rank_exit" and i["node"] == "n1"]
+    story = _cli("diagnose", "--agent", str(c.agents[1].sock), n1[0]["id"]).stdout
+    assert "a consequence of a lost peer" in story and "failed first" not in story, story
 
 
 def _alive(pid: int) -> bool:
