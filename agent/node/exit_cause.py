@@ -31,7 +31,9 @@ from typing import Any
 __all__ = ["FAULT_SIGNALS", "HOWS", "classify", "error_file_exception", "parse_fault_text", "signal_name"]
 
 HOWS = ("exception", "signal", "oom", "exit_code")
-"""The values of ``detail.how`` (the contract's, and the metric's label set)."""
+"""The values of ``detail.how`` a node agent decides (the metric's label set); the contract's
+fifth, ``node_lost``, is the coordinator's record of a rank its dead node took with it
+(:mod:`rankwatch.agent.job.node_lost`)."""
 
 FAULT_SIGNALS = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
                  "Floating-point exception": "SIGFPE", "Floating point exception": "SIGFPE",
