@@ -223,10 +223,12 @@ def test_the_ranks_a_lost_node_took_are_one_exit_each_at_their_last_word():
              LastSeen(rank=4, pid=41, step=29, last_seen=90.0),                    # an older process of rank 4
              LastSeen(rank=6, pid=60, step=31, last_seen=99.0, exited_cleanly=True),
              LastSeen(rank=7, pid=70, step=12, last_seen=80.0),                    # its agent told its exit
-             LastSeen(rank=8, pid=80, step=31, last_seen=101.0)]                   # seen after the last summary?
+             LastSeen(rank=8, pid=80, step=31, last_seen=101.0),                   # seen after the last summary?
+             LastSeen(rank=9, pid=90, step=31, last_seen=97.0, connected=False),   # its end not told yet
+             LastSeen(rank=10, pid=95, step=20, last_seen=60.0, connected=False)]  # stopped long before
     out = lost_exits("n2", "its agent went silent", heard_at=100.0, now=103.5, ranks=ranks, told_pids={70})
-    assert [(x.rank, x.step, x.detail["pid"]) for x in out] == [(4, 30, 40), (5, 31, 50), (8, 31, 80)]
-    assert [x.detail["started_at"] for x in out] == [99.5, 100.0, 100.0], "last heard, never after the node"
+    assert [(x.rank, x.step, x.detail["pid"]) for x in out] == [(4, 30, 40), (5, 31, 50), (8, 31, 80), (9, 31, 90)]
+    assert [x.detail["started_at"] for x in out] == [99.5, 100.0, 100.0, 97.0], "last heard, never after the node"
     for x in out:
         d = x.detail
         assert (d["how"], d["why"], d["last_heard"], d["silent_seconds"]) == ("node_lost", "its agent went silent",

@@ -94,8 +94,9 @@ class DeathWatch:
                     continue
                 if isinstance(pid, int):
                     told.add(pid)
-        ranks = [LastSeen(rank=r.rank, pid=r.pid, step=r.step, exited_cleanly=r.exited_cleanly,
-                          last_seen=r.last_seen + offset if r.last_seen > 0 else 0.0) for r in summary.ranks]
+        ranks = [LastSeen(rank=r.rank, pid=r.pid, step=r.step, connected=r.connected,
+                          exited_cleanly=r.exited_cleanly, last_seen=r.last_seen + offset if r.last_seen > 0 else 0.0)
+                 for r in summary.ranks]
         return lost_exits(name, why, heard_at=heard, now=now, ranks=ranks, told_pids=told)
 
     def _say_burst(self, burst: bool, silent: int, nodes: int, gone: int) -> None:

@@ -2,8 +2,11 @@
 
 When the coordinator judges a node dead (:func:`~rankwatch.agent.job.node_death.judge`: its
 agent went silent, or all its ranks died and stayed so), each rank that node's agent last
-reported, whose end it never told (no ``rank_exit`` of its pid) and that did not finish
-cleanly, ended with the node: no one is left to say how.  Each gets a ``rank_exit`` at the
+reported streaming (or whose stream it had seen end within :data:`RECENT_SECONDS` of its
+last summary), whose end it never told (no ``rank_exit`` of its pid) and that did not finish
+cleanly, ended with the node: no one is left to say how.  (A node whose agent lives tells its
+ranks' ends itself, within the grace before all-dead counts: none is left for this; nor is
+an older worker that a restart stopped.)  Each gets a ``rank_exit`` at the
 step it was last seen, with ``how: node_lost``, the why, and ``started_at`` = when it was
 last heard (its last word to its agent, or the agent's last summary if that is earlier), on
 the coordinator's clock.  The root-cause decision (:mod:`.root_cause`) orders exits by that
@@ -20,9 +23,12 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HOW", "LastSeen", "LostExit", "lost_exits"]
+__all__ = ["HOW", "RECENT_SECONDS", "LastSeen", "LostExit", "lost_exits"]
 
 HOW = "node_lost"
+RECENT_SECONDS = 10.0
+"""A rank whose stream its agent saw end this long before its last summary, without telling
+its exit yet (it waits a few seconds for evidence), ended with the node too."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +40,7 @@ class LastSeen:
     step: int
     last_seen: float
     """Its last word to its agent (0: none)."""
+    connected: bool = True
     exited_cleanly: bool = False
 
 
@@ -54,6 +61,8 @@ def lost_exits(node: str, why: str, *, heard_at: float, now: float, ranks: Itera
     latest: dict[int, LastSeen] = {}
     for r in ranks:
         if r.exited_cleanly or (r.pid and r.pid in told_pids):
+            continue
+        if not r.connected and not heard_at - r.last_seen <= RECENT_SECONDS:
             continue
         held = latest.get(r.rank)
         if held is None or r.last_seen > held.last_seen:
