@@ -19,7 +19,8 @@ that is slow for everyone cancels out):
   flagged once its CUSUM reaches ``evidence`` *and* its windowed slowdown is at
   least ``1 + threshold`` *and* its excess is at least ``min_excess_seconds`` a step
   (a few percent of a millisecond step is scheduling noise), once that has held for
-  ``hold_seconds`` of step time, start to start (a burst of another process is shorter);
+  ``hold_seconds`` of step time since its onset, start to start, and stayed confirmed (a
+  burst of another process is shorter);
 * hysteresis: a flagged rank is cleared only after ``clear_after`` steps with
   its slowdown below ``1 + clear_threshold``; at once if it now works less than
   the others (slowdown below 1) while another flagged rank works more: the
@@ -95,7 +96,8 @@ class StragglerDetector:
     flagged: dict[int, Score] = field(default_factory=dict)
     _cusum: dict[int, float] = field(default_factory=dict)
     _below: dict[int, int] = field(default_factory=dict)
-    _ready: dict[int, int] = field(default_factory=dict)
+    _ready: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Confirmed ranks -> (the step they were confirmed at, their slowdown's onset step)."""
     _last: int = 0
 
     def update(self, ranks: list[RankWork], step: int | None = None) -> list[StragglerEvent]:
@@ -145,12 +147,13 @@ class StragglerDetector:
         assert x is not None
         rows = self._candidates(full)
         spans = self._spans(full, x[:, -self.cfg.window:], rows)
+        slow_now = self._slow_now(full, x, rows)
         scores = {s.rank: s for s in score_window(full, w, self.cfg, self.gpu_throttle, spans, rows)}
         for s in scores.values():
             s.evidence = self._cusum.get(s.rank, 0.0)
         by_rank = {r.rank: r for r in full}
         events = self._clear(scores, by_rank, last)
-        events += self._flag(scores, by_rank, ranks, last)
+        events += self._flag(scores, by_rank, ranks, last, spans, slow_now)
         events += self._superseded(scores, by_rank)
         return events
 
@@ -186,6 +189,14 @@ class StragglerDetector:
         best = np.argmax(tail[:, 2:], axis=1) + 3
         return {full[i].rank: int(b) for i, b in zip(rows, best.tolist())}
 
+    def _slow_now(self, full: list[RankWork], x: np.ndarray, rows: list[int]) -> set[int]:
+        """The candidate ranks whose newest steps are still slow: the median log ratio of
+        their last three steps (``x``: the window's) is at least ``log(1 + threshold)``."""
+        if not rows or x.shape[1] < 3:
+            return set()
+        recent = np.median(np.nan_to_num(x[rows, -3:], nan=0.0), axis=1)
+        return {full[i].rank for i, v in zip(rows, recent.tolist()) if v >= math.log1p(self.cfg.threshold)}
+
     def _clear(self, scores: dict[int, Score], by_rank: dict[int, RankWork],
                last: int) -> list[StragglerEvent]:
         events = []
@@ -217,7 +228,15 @@ class StragglerDetector:
         return StragglerEvent(kind="cleared", score=s, work=by_rank[rank])
 
     def _flag(self, scores: dict[int, Score], by_rank: dict[int, RankWork], ranks: list[RankWork],
-              last: int) -> list[StragglerEvent]:
+              last: int, onsets: dict[int, int], slow_now: set[int]) -> list[StragglerEvent]:
+        """Raise the flags whose slowdown is confirmed and has held.
+
+        ``onsets``: per rank, the steps since its likeliest onset (:meth:`_spans`);
+        ``slow_now``: the ranks whose newest steps are still slow (:meth:`_slow_now`).  The
+        hold is counted from the onset, not from the confirmation (that added the CUSUM's
+        steps to every flag: 8 steps of 60 ms), and it holds only while the newest steps are
+        still slow: the windowed scores stay confirmed a few steps after a burst ends, and
+        those steps must not count.  A node's grace is counted from the confirmation."""
         cfg = self.cfg
         slow = {rank for rank, s in scores.items()
                 if s.slowdown >= 1 + cfg.threshold and s.excess_seconds >= cfg.min_excess_seconds
@@ -230,7 +249,7 @@ class StragglerDetector:
             if rank not in confirmed:
                 del self._ready[rank]
         for rank in confirmed:
-            self._ready.setdefault(rank, last)
+            self._ready.setdefault(rank, (last, last - onsets.get(rank, 1) + 1))
         if not self._ready:
             return []
         nodes: dict[str, list[int]] = {}
@@ -250,8 +269,9 @@ class StragglerDetector:
             waiting = len(nodes) > 1 and len(members) > 1 and all(
                 r in slow or r in self.flagged for r in members)
             for rank in ready:
-                held = (last - self._ready[rank]) * step_period(by_rank[rank], cfg.window) >= cfg.hold_seconds
-                if held and (not waiting or last - self._ready[rank] >= cfg.node_grace):
+                since, onset = self._ready[rank]
+                held = rank in slow_now and (last - onset) * step_period(by_rank[rank], cfg.window) >= cfg.hold_seconds
+                if held and (not waiting or last - since >= cfg.node_grace):
                     events.append(self._raise([scores[rank]], by_rank, "rank", [rank]))
         return events
 
