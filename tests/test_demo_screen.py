@@ -93,3 +93,14 @@ def test_the_progress_line_shows_the_jobs_ranks_when_they_are_done():
     assert progress_line(between) == "ranks 2 steps 74..75 (1 gone) tokens/s 900 incidents 1"
     bare = {"ranks": [], "incidents": [], "excluded_nodes": [], "tokens_per_second": 0.0}
     assert progress_line(bare) == "ranks 0 tokens/s 0 incidents 0"
+
+
+def test_a_rank_lost_with_its_node_says_so_in_the_feed():
+    from rankwatch.agent.cli.screen import feed
+
+    lost = {"id": "rank_exit-n0-3", "kind": "rank_exit", "node": "n2", "rank": 2, "step": 26, "detected_at": 5.0,
+            "detail": {"how": "node_lost", "why": "its agent went silent"}}
+    gone = {**lost, "id": "rank_exit-n0-2", "node": "n0", "rank": 0, "detail": {"how": "signal", "stream": "closed"}}
+    rows = [text for _, _, text in feed({"incidents": [lost, gone]}, notes())]
+    assert rows == ["rank_exit  n2 rank 2 step 26: lost with its node (its agent went silent)",
+                    "rank_exit  n0 rank 0 step 26: process gone (closed)"]

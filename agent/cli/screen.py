@@ -99,6 +99,8 @@ def _says(incident: dict[str, Any]) -> str:
     if kind == "gpu_fault":
         return f"gpu {d.get('gpu')} xid {d.get('xid')}: {d.get('action')}"
     if kind == "rank_exit":
+        if d.get("how") == "node_lost":
+            return f"lost with its node ({d.get('why', '')})"
         return f"process gone ({d.get('stream', '')})"
     return brief(d)
 
