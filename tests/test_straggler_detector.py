@@ -549,3 +549,15 @@ def test_new_workers_whose_steps_count_from_zero_are_scored_at_once_not_after_th
     assert list(flagged) == [2] and flagged[2][0] <= 60, flagged   # not blind until step 400
     lifted = [t for t, ev in events if ev.kind == "cleared" and ev.score.rank == 0]
     assert lifted and lifted[0] <= 120   # the old flag is lifted by the new steps
+
+
+def test_the_hold_counts_from_the_onset_and_a_threshold_beyond_the_clip_still_flags():
+    # Rank 1 works 1.5x from step 60 on 0.1 s steps: the 1 s hold is 10 steps from the onset
+    # (not from the confirmation, some steps later).  A threshold of 0.35 lies beyond the
+    # per-step clip (log 1.35 > 0.3): the newest steps' clipped ratios still read as slow.
+    onset, n = 60, 140
+    for cfg in (CFG, StragglerConfig(warmup_steps=0, hold_seconds=1.0, threshold=0.35)):
+        series = [[0.05] * n, [0.075 if t >= onset else 0.05 for t in range(n)], [0.05] * n]
+        flags = first_flags(feed(StragglerDetector(cfg), series))
+        assert list(flags) == [1], flags
+        assert flags[1][0] <= onset + math.ceil(cfg.hold_seconds / 0.1) + 2, (cfg, flags[1][0])

@@ -180,22 +180,28 @@ class StragglerDetector:
         window (``x``: the window's log ratios).
 
         The onset is where the sum of the newest steps' log ratios, each less
-        ``log(1 + threshold)``, peaks: steps before a slowdown pull the sum down.
+        :meth:`_slow_level`, peaks: steps before a slowdown pull the sum down.
         """
         rows = [i for i in rows if self._cusum.get(full[i].rank)]
         if not rows:
             return {}
-        tail = np.cumsum(np.nan_to_num(x[rows], nan=0.0)[:, ::-1] - math.log1p(self.cfg.threshold), axis=1)
+        tail = np.cumsum(np.nan_to_num(x[rows], nan=0.0)[:, ::-1] - self._slow_level(), axis=1)
         best = np.argmax(tail[:, 2:], axis=1) + 3
         return {full[i].rank: int(b) for i, b in zip(rows, best.tolist())}
 
     def _slow_now(self, full: list[RankWork], x: np.ndarray, rows: list[int]) -> set[int]:
         """The candidate ranks whose newest steps are still slow: the median log ratio of
-        their last three steps (``x``: the window's) is at least ``log(1 + threshold)``."""
+        their last three steps (``x``: the window's, clipped to ``±clip``) is at least
+        :meth:`_slow_level`."""
         if not rows or x.shape[1] < 3:
             return set()
         recent = np.median(np.nan_to_num(x[rows, -3:], nan=0.0), axis=1)
-        return {full[i].rank for i, v in zip(rows, recent.tolist()) if v >= math.log1p(self.cfg.threshold)}
+        return {full[i].rank for i, v in zip(rows, recent.tolist()) if v >= self._slow_level()}
+
+    def _slow_level(self) -> float:
+        """The log ratio a slow step reaches: ``log(1 + threshold)``, but at most half the clip
+        (a threshold beyond the clip would make every clipped slow step read as not slow)."""
+        return min(math.log1p(self.cfg.threshold), 0.5 * self.cfg.clip)
 
     def _clear(self, scores: dict[int, Score], by_rank: dict[int, RankWork],
                last: int) -> list[StragglerEvent]:
