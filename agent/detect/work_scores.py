@@ -105,6 +105,7 @@ class RankWork:
     start: list[float] | None = None
     comm_delay: list[float] | None = None
     gap: list[float] | None = None        # time before each step since the previous one ended
+    late: list[float] | None = None       # its late arrival at collectives per step (:mod:`.late_arrival`)
     period: float = 0.0                   # start to start, as the rank's node measured it (0: unknown)
     role: int = 0
     """Ranks are compared only with ranks of the same role: their pipeline stage (stages differ
@@ -143,11 +144,12 @@ class StepWindow:
     start: np.ndarray
     gap: np.ndarray
     comm_delay: np.ndarray
+    late: np.ndarray
     roles: np.ndarray | None = None
     """Each row's role (:attr:`RankWork.role`); None: one role."""
 
 
-_COLUMNS = ("own", "data", "delay", "start", "gap", "comm_delay")
+_COLUMNS = ("own", "data", "delay", "start", "gap", "comm_delay", "late")
 
 
 def recent_window(ranks: list[RankWork], last: int, n: int) -> StepWindow:
@@ -209,12 +211,14 @@ def _loo_median(x: np.ndarray) -> np.ndarray:
 
 
 def _effective(w: StepWindow) -> np.ndarray:
-    """Own work plus how late the step started after the others' (where starts are known):
-    a rank that leaves its collectives late holds everyone up by that much."""
+    """Own work plus how late the rank held the others up: its step's late start after the
+    others' (where starts are known: a rank that leaves its collectives late), or its late
+    arrival at the step's collectives (where the node lined them up), whichever is more."""
+    late = np.nan_to_num(w.late, nan=0.0)
     if not np.isfinite(w.start).any():
-        return w.own
+        return w.own + late
     lag = np.nan_to_num(w.start - _peer_median(w.start, w.roles), nan=0.0)
-    return w.own + np.maximum(lag, 0.0)
+    return w.own + np.maximum(np.maximum(lag, 0.0), late)
 
 
 def log_ratios(w: StepWindow, clip: float) -> np.ndarray:
@@ -290,7 +294,7 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
     own, base_k = _tail_medians(own_w, k), _tail_medians(base, k)
     own_excess = _tail_medians(own_w - base, k)
     data_excess, delay_excess, lag = excess(w.data), excess(w.delay), excess(w.start)
-    gap_excess, comm_delay_excess = excess(w.gap), excess(w.comm_delay)
+    gap_excess, comm_delay_excess, late = excess(w.gap), excess(w.comm_delay), excess(w.late)
     load = _expert_load(full, w.roles)
     out = []
     for j, i in enumerate(idx.tolist()):
@@ -298,10 +302,13 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
         if not np.isfinite(slowdown[j]) or not base_k[j] > 0:
             continue
         lag_j = max(float(lag[j]), 0.0) if np.isfinite(lag[j]) else 0.0
-        extra = float(own_excess[j]) + lag_j
+        late_j = max(float(late[j]), 0.0) if np.isfinite(late[j]) else 0.0   # the others' wait for it
+        extra = max(float(own_excess[j]) + lag_j, late_j)
         cause = _cause(extra, lag_j, float(data_excess[j]), float(delay_excess[j]),
                        gpu_throttle(r.rank) if gpu_throttle else [], cfg, outside=float(gap_excess[j]))
         ratio = float(slowdown[j])
+        if late_j > max(float(own_excess[j]) + lag_j, 0.0):   # held the others up more than its own work shows
+            ratio = max(ratio, (float(base_k[j]) + late_j) / float(base_k[j]))
         if cause in ("compute", "host") and load[i] - 1 >= cfg.cause_share * (ratio - 1) > 0:
             cause = "expert_load"   # its experts got the tokens that make up its extra work
         if lag_j > 0 and cause in ("communication", "data"):

@@ -57,6 +57,9 @@ class NodeState:
         self._next_stream = 0
         self._last_log: dict[str, float] = {}
         self.step_listeners: list[Callable[[RankState, pb.StepColumns], None]] = []
+        # Called as the step listeners are, with the batch's collective records: (rank, the
+        # agent's op index per record, the decoded columns, the rank's process-group names).
+        self.collective_listeners: list[Callable[[RankState, np.ndarray, dict, list[str]], None]] = []
         self.max_ranks = bounds.MAX_RANK_IDS
 
     # -- streams ----------------------------------------------------------
@@ -152,9 +155,19 @@ class NodeState:
                 rank.mesh_shape = dict(batch.mesh.mesh_shape)
             if (rank.step, rank.last_collective_seq, rank.steps_completed) != before:
                 rank.progress_at = rank.last_seen
+        if coll is not None and self.collective_listeners:
+            self._notify_collectives(rank, coll, list(batch.collectives.pg_names))
         if steps is not None and self.step_listeners:
             self._notify_steps(rank, steps)
         return n
+
+    def _notify_collectives(self, rank: RankState, cols: dict[str, np.ndarray], names: list[str]) -> None:
+        ops = cols["op"] if rank.op_identity else rank.op_map[cols["op"]]
+        for listener in list(self.collective_listeners):
+            try:
+                listener(rank, ops, cols, names)
+            except Exception:  # noqa: BLE001 - a listener never fails ingestion
+                log.exception("collective listener %r failed on rank %d", listener, rank.rank)
 
     def _notify_steps(self, rank: RankState, steps: pb.StepColumns) -> None:
         for listener in list(self.step_listeners):

@@ -29,6 +29,7 @@ from rankwatch.agent.node.rankexit import BrokenStream, ExitConfig, ExitWatch, e
 from rankwatch.agent.node.transitions import next_state
 from rankwatch.agent.node.starvation import StarvationTracker
 from rankwatch.agent.node.intake import NodeState, RankState, _pid_alive
+from rankwatch.agent.node.arrivals import Arrivals
 from rankwatch.agent.node.stepstarts import StepStarts
 from rankwatch.agent.detect.straggler import StragglerConfig, StragglerDetector, period_of, score
 from rankwatch.agent.detect.work_scores import CAUSES
@@ -98,6 +99,9 @@ class NodeWatch:
         self._starvation = StarvationTracker()
         self._step_starts = StepStarts()
         state.step_listeners.append(self._step_starts.on_steps)
+        self._arrivals = Arrivals()   # who the node's ranks wait for in their collectives
+        state.step_listeners.append(self._arrivals.on_steps)
+        state.collective_listeners.append(self._arrivals.on_collectives)
         self._evaluated_steps = 0
         self._local_view: tuple[dict[int, str], float] = ({}, 1.0)   # this node's own detector's
         self._marked_at: dict[int, float] = {}   # rank -> when a job verdict marked it hung
@@ -254,12 +258,15 @@ class NodeWatch:
         work = evaluate(now, snapshot(st, now), self.hang).work
         pids = {r.rank: r.pid for r in ranks}
         self._starvation.retain(set(pids))
+        self._arrivals.forget(set(pids))
+        self._arrivals.settle(now)
         for w in work:
             self._starvation.sample(w.rank, pids.get(w.rank, 0), w.completed)
             w.delay = self._starvation.per_step(w.rank)
             w.comm_delay = self._starvation.collective_per_step(w.rank)
             w.start = self._step_starts.for_rank(w.rank, w.completed)
             w.gap = self._step_starts.gaps_for_rank(w.rank, w.completed)
+            w.late = self._arrivals.for_rank(w.rank, w.completed)
             w.tokens = tokens.get(w.rank, math.nan)
         events = self.stragglers.update(work, done)
         scores = {s.rank: s for s in score(work, self.straggler, self._gpu_throttle)}

@@ -49,6 +49,7 @@ MAX_EXPERTS = 256
 """Local experts a rank reports the load of (the hooks cut the rest)."""
 MAX_RECORDS_PER_BATCH = 65536
 MAX_OP_NAMES = 64
+MAX_GROUP_NAMES = 256   # process-group names in one batch's collective columns (MAX_LABEL characters each)
 MAX_SUMMARY_INCIDENTS = 1024
 MAX_SUMMARY_DECISIONS = 1024
 MAX_DETAIL_JSON = 64 << 10

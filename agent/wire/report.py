@@ -15,7 +15,7 @@ import numpy as np
 
 from rankwatch.agent.wire import inflight as in_flight
 from rankwatch.agent.wire.ranges import (
-    MAX_CLOCK_AHEAD, MAX_DROPPED_NODES, MAX_DURATION, MAX_EXPERTS, MAX_LABEL, MAX_OP_NAMES, MAX_RECORDS_PER_BATCH, MAX_RECOVERIES_PER_BATCH,
+    MAX_CLOCK_AHEAD, MAX_DROPPED_NODES, MAX_DURATION, MAX_EXPERTS, MAX_GROUP_NAMES, MAX_LABEL, MAX_OP_NAMES, MAX_RECORDS_PER_BATCH, MAX_RECOVERIES_PER_BATCH,
     MAX_CHECKPOINTS_PER_BATCH, MAX_STACKS, MAX_STEP, MAX_WORLD_SIZE, Rejected, check_count,
     check_duration, check_flight_recorder, check_label, check_recovery_phases,
     check_timestamp, parse_flight_recorder,
@@ -23,7 +23,7 @@ from rankwatch.agent.wire.ranges import (
 from rankwatch.proto import pb
 
 __all__ = [
-    "check_batch", "check_checkpoints", "check_collective_columns", "check_expert_loads", "check_hello", "check_snapshot", "check_mesh", "check_progress",
+    "check_batch", "check_checkpoints", "check_collective_columns", "check_expert_loads", "check_group_names", "check_hello", "check_snapshot", "check_mesh", "check_progress",
     "check_progress_shape", "check_recovery", "check_step_columns", "check_step_shapes", "decode_collectives",
 ]
 
@@ -49,7 +49,18 @@ def decode_collectives(c: pb.CollectiveColumns, n_ops: int) -> dict[str, np.ndar
         cols[name] = np.frombuffer(raw, dtype=dtype)
     if n and int(_MAX(cols["op"])) >= n_ops:
         raise Rejected("malformed", "collective op code outside the rank's op names")
+    check_group_names(c.pg_names)
     return cols
+
+
+def check_group_names(names: Sequence[str]) -> None:
+    """The process-group names of a batch's collective columns: at most ``MAX_GROUP_NAMES``,
+    each at most ``MAX_LABEL`` characters.  A pg code beyond them has no name (its records
+    are not lined up with other ranks'), which is no error."""
+    if len(names) > MAX_GROUP_NAMES:
+        raise Rejected("oversized", f"{len(names)} process-group names in one batch (at most {MAX_GROUP_NAMES})")
+    if any(len(name) > MAX_LABEL for name in names):
+        raise Rejected("oversized", f"a process-group name over {MAX_LABEL} characters")
 
 
 def check_step_shapes(s: pb.StepColumns) -> pb.StepColumns:

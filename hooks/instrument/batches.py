@@ -28,17 +28,24 @@ _STUCK_MIN = 2.0          # a step running this long, and 4x its usual time, loo
 _STUCK_ELSEWHERE = 60.0   # ... and this long in a checkpoint or an evaluation
 
 
+MAX_GROUPS = 256          # process-group names a batch carries (the agent's bound)
+MAX_GROUP_NAME = 128      # characters of each
+
+
 class BatchBuilder:
     """Args:
         recorder: the buffers the training thread writes.
         max_batch: records of each kind per batch.
         last_seq: returns the rank's latest collective sequence number.
         group_seqs: returns each process group's latest sequence number.
+        group_names: returns each process group's name, indexed by the code records carry.
     """
 
     def __init__(self, recorder: Recorder, max_batch: int, last_seq: Callable[[], int],
-                 group_seqs: Callable[[], dict[str, int]]) -> None:
+                 group_seqs: Callable[[], dict[str, int]],
+                 group_names: Callable[[], list[str]] = list) -> None:
         self._rec = recorder
+        self._group_names = group_names
         self._max_batch = max_batch
         self._last_seq = last_seq
         self._group_seqs = group_seqs
@@ -129,10 +136,15 @@ class BatchBuilder:
         rec = self._rec
         start = rec.wall0 + (arr[:, 4] - rec.mono0_ns) * 1e-9
         duration = (arr[:, 5] - arr[:, 4]) * 1e-9
+        try:
+            names = [name[:MAX_GROUP_NAME] for name in self._group_names()[:MAX_GROUPS]]
+        except Exception:  # noqa: BLE001 - the names are an extra: the records go without them
+            names = []
         return pb.CollectiveColumns(
             op=arr[:, 1].astype("<u1").tobytes(), pg=arr[:, 2].astype("<u2").tobytes(),
             seq=arr[:, 3].astype("<i8").tobytes(), start=start.astype("<f8").tobytes(),
-            duration=duration.astype("<f8").tobytes(), nbytes=arr[:, 6].astype("<i8").tobytes())
+            duration=duration.astype("<f8").tobytes(), nbytes=arr[:, 6].astype("<i8").tobytes(),
+            pg_names=names)
 
     def _step_columns(self, steps: list[tuple]) -> pb.StepColumns:
         rec = self._rec

@@ -72,6 +72,7 @@ class AgentClient:
                  max_batch: int = 1024, queue_batches: int = 256,
                  last_seq: Callable[[], int] = lambda: -1,
                  group_seqs: Callable[[], dict[str, int]] = dict,
+                 group_names: Callable[[], list[str]] = list,
                  creds: ClientCredentials | None = None) -> None:
         self._rec = recorder
         self._creds = creds or ClientCredentials()
@@ -80,7 +81,7 @@ class AgentClient:
         self._interval = flush_interval.total_seconds()
         self._max_batch = max_batch
         self._queue: queue.Queue[pb.Batch] = queue.Queue(maxsize=queue_batches)
-        self._batches = BatchBuilder(recorder, max_batch, last_seq, group_seqs)
+        self._batches = BatchBuilder(recorder, max_batch, last_seq, group_seqs, group_names)
         self._stop = threading.Event()
         self._dropped_batches_records = 0
         self._lost_in_flight = 0

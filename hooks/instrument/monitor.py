@@ -321,7 +321,7 @@ def _init(mesh: Any, address: Address, node: str, peak_flops: float | None,
     hello.collective_source = instr.source
     hello.instrumentation = instrumentation
     client = AgentClient(recorder, hello, address, last_seq=instr.last_seq,
-                         group_seqs=instr.group_seqs, creds=_credentials())
+                         group_seqs=instr.group_seqs, group_names=instr.group_names, creds=_credentials())
     __import__("rankwatch.hooks.instrument.exit_capture", fromlist=["install"]).install(recorder, client, hello)
     client.start()
     monitor = Monitor(recorder, instr, client)

@@ -99,20 +99,22 @@ class StepColumns(_message.Message):
     def __init__(self, step: _Optional[_Iterable[int]] = ..., start: _Optional[_Iterable[float]] = ..., duration: _Optional[_Iterable[float]] = ..., data: _Optional[_Iterable[float]] = ..., forward: _Optional[_Iterable[float]] = ..., backward: _Optional[_Iterable[float]] = ..., optimizer: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[float]] = ..., flops: _Optional[_Iterable[float]] = ..., wait: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CollectiveColumns(_message.Message):
-    __slots__ = ("op", "pg", "seq", "start", "duration", "nbytes")
+    __slots__ = ("op", "pg", "seq", "start", "duration", "nbytes", "pg_names")
     OP_FIELD_NUMBER: _ClassVar[int]
     PG_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     DURATION_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PG_NAMES_FIELD_NUMBER: _ClassVar[int]
     op: bytes
     pg: bytes
     seq: bytes
     start: bytes
     duration: bytes
     nbytes: bytes
-    def __init__(self, op: _Optional[bytes] = ..., pg: _Optional[bytes] = ..., seq: _Optional[bytes] = ..., start: _Optional[bytes] = ..., duration: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ...) -> None: ...
+    pg_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, op: _Optional[bytes] = ..., pg: _Optional[bytes] = ..., seq: _Optional[bytes] = ..., start: _Optional[bytes] = ..., duration: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., pg_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("step", "step_started_at", "phase", "last_collective_seq", "sampled_at", "inflight", "group_seqs", "stacks", "flight_recorder")
