@@ -224,6 +224,11 @@ class AgentClient:
             if mesh is not None and self._mesh_pending is None:
                 self._mesh_pending = mesh   # with the next batch, then
 
+    @property
+    def mesh(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The rank's mesh coordinates and sizes as the agent last heard them."""
+        return dict(self._hello.mesh_coords), dict(self._hello.mesh_shape)
+
     def update_mesh(self, coords: dict[str, int], shape: dict[str, int]) -> None:
         """The rank's DeviceMesh, learnt after the Hello: sent with the next batch (within the
         idle-progress interval), and in the Hello of every later stream."""

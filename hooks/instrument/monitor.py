@@ -28,6 +28,7 @@ from rankwatch.hooks.instrument.recorder import (
     Recorder,
     StepScope,
 )
+from rankwatch.hooks.instrument.stage_infer import with_stage
 
 __all__ = ["DISABLE_ENV", "ZERO_CODE", "Monitor", "NullMonitor", "init"]
 
@@ -61,6 +62,10 @@ class Monitor:
         self._served: dict[int, str] = {}  # step -> the request id its save serves
         self._agree_device: Any = None     # where checkpoint_due's all-reduce runs
         self.mark = recorder.mark  # the hot path: a bound method, no indirection
+        self._stage: tuple[int, int] | None = None   # found from the pipelining library's stages
+        chunks = getattr(instrumentation, "chunks", None)
+        if chunks is not None:
+            chunks.on_stage = self._stage_found
 
     def step(self, step: int, tokens: float = 0.0, flops: float = 0.0) -> StepScope:
         """Bracket one training step; phases inside are closed with :meth:`mark`."""
@@ -106,7 +111,7 @@ class Monitor:
         dimension names and this rank's coordinates go to the agent with the next batch."""
         coords, shape = mesh_of(mesh)
         if coords and self._client is not None:
-            self._client.update_mesh(coords, shape)
+            self._client.update_mesh(*with_stage(coords, shape, self._stage))
 
     def expert_load(self, counts: Iterable[int]) -> None:
         """This step's tokens routed to each of this rank's local experts (a mixture of experts:
@@ -125,6 +130,12 @@ class Monitor:
         ``pp`` dimension: stragglers are then compared within a stage, never across stages."""
         if self._client is not None and 0 <= stage < stages:
             self._client.update_mesh({"pp": int(stage)}, {"pp": int(stages)})
+
+    def _stage_found(self, stage: int, stages: int) -> None:
+        """This rank's stage, from the pipelining library (sender thread): the ``pp`` coordinate."""
+        self._stage = (stage, stages)
+        if self._client is not None:
+            self._client.update_mesh(*with_stage(*self._client.mesh, self._stage))
 
     @property
     def dropped(self) -> int:
