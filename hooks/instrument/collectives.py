@@ -48,6 +48,8 @@ from rankwatch.hooks.instrument.op_record import (
 )
 from rankwatch.hooks.instrument.chunk_watch import ChunkWatch
 from rankwatch.hooks.instrument.recorder import OP_CODE, Recorder
+from rankwatch.hooks.instrument.untouched import raise_bare
+from rankwatch.hooks.instrument.waits import funcol_wait, work_wait
 
 __all__ = ["CollectiveInstrumentation", "backend_of"]
 
@@ -134,10 +136,6 @@ class CollectiveInstrumentation:
                 continue
         return out
 
-    def group_names(self) -> list[str]:
-        """The c10d name of every group seen, indexed by the code records carry (sender thread)."""
-        return [str(getattr(pg, "group_name", "")) for pg in list(self.pgs)]
-
     def group_code(self, pg: Any) -> int:
         """The code records carry for process group ``pg`` (a new one is given the next)."""
         return self._pg_code(pg)
@@ -199,29 +197,7 @@ class CollectiveInstrumentation:
         pending[key] = value
 
     def _wrap_work_wait(self, work_cls: type) -> None:
-        rec = self._rec
-        clock = time.perf_counter_ns
-        pending = self._pending_work
-        wait = work_cls.wait
-
-        pgs = self.pgs
-
-        @functools.wraps(wait)
-        def timed_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-            p = pending.pop(id(work), None) if pending else None
-            if p is None:
-                return wait(work, *args, **kwargs)
-            op, pgc, seq, t0, nbytes, peer = p
-            rec.inflight = (op, pgs[pgc], t0, peer)
-            tw = clock()
-            out = wait(work, *args, **kwargs)
-            t1 = clock()
-            rec.inflight = None
-            rec.blocked_ns += t1 - tw
-            rec.collective(op, pgc, seq, t0, t1, nbytes)
-            return out
-
-        self._patch(work_cls, "wait", timed_wait)
+        self._patch(work_cls, "wait", work_wait(work_cls.wait, self._rec, self._pending_work, self.pgs))
 
     def _dist_wrapper(self, fn: Callable, op: int, c10d: Any, payload: Callable[[tuple, dict], int],
                       peer_of: Callable[[tuple, dict], Any]) -> Callable:
@@ -241,12 +217,16 @@ class CollectiveInstrumentation:
                 pg = group if group is not None else (self._default_pg or self._find_default(c10d))
                 peer = peer_of(args, kwargs)
             except Exception:  # noqa: BLE001 - the verb itself will report a bad call
-                return fn(*args, **kwargs)
-            rec.inflight = (op, pg, t0, peer)
+                pg = peer = None
+            rec.inflight = (op, pg, t0, peer) if pg is not None else None
             try:
                 work = fn(*args, **kwargs)
-            finally:
-                rec.inflight = None
+            except BaseException as exc:
+                rec.inflight = raise_bare(exc)   # (None) PyTorch's error, no frame of ours
+                raise
+            rec.inflight = None
+            if pg is None:
+                return work
             try:
                 known = groups.get(pg)
                 if known is None:
@@ -283,25 +263,7 @@ class CollectiveInstrumentation:
             self._patch(act_cls, method, self._timed_wait(getattr(act_cls, method)))
 
     def _timed_wait(self, wait: Callable) -> Callable:
-        rec = self._rec
-        clock = time.perf_counter_ns
-
-        @functools.wraps(wait)
-        def timed_wait(act: Any) -> Any:
-            pending = self._pending.pop(_storage_key(act), None) if self._pending else None
-            if pending is None:
-                return wait(act)
-            op, pgc, seq, t0, nbytes = pending
-            rec.inflight = (op, self.pgs[pgc] if pgc >= 0 else None, t0, None)
-            tw = clock()
-            out = wait(act)
-            t1 = clock()
-            rec.inflight = None
-            rec.blocked_ns += t1 - tw
-            rec.collective(op, max(pgc, 0), seq, t0, t1, nbytes)
-            return out
-
-        return timed_wait
+        return funcol_wait(wait, self._rec, self._pending, self.pgs)
 
     def _funcol_wrapper(self, fn: Callable, op: int, act_cls: type,
                         payload: Callable[[tuple, dict], int],
@@ -312,7 +274,11 @@ class CollectiveInstrumentation:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = clock()
-            out = fn(*args, **kwargs)
+            try:
+                out = fn(*args, **kwargs)
+            except BaseException as exc:
+                raise_bare(exc)   # PyTorch's error as PyTorch raised it: no frame of ours
+                raise
             try:
                 nbytes = payload(args, kwargs)
                 # The group and its sequence number as c10d (and Flight Recorder) count them.

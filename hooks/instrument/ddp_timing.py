@@ -1,143 +1,95 @@
-"""DDP's gradient all-reduces, timed through its communication hook.
+"""DDP's gradient all-reduce, timed from the autograd side, with DDP's own C++ path untouched.
 
 ``DistributedDataParallel`` all-reduces its gradient buckets from C++ (its Reducer calls the
-process group directly), so the Python wrappers of :mod:`.collectives` never see them.  A DDP
-communication hook does: it is called with each bucket and returns the future of its
-reduction.  So, at a DDP module's first forward:
+process group directly), so the Python wrappers of :mod:`.collectives` never see them.  A
+Python communication hook would, but it replaces DDP's built-in reduction with Python on
+every bucket (a call into Python per bucket and a ``Future.then`` callback that needs the
+GIL on the backend's thread: on a tiny GPT-2, +0.3 ms a step, ~5 %), and an exception in its
+callback chain reaches the user wrapped in "Got the following error when running the
+callback".  So no hook is registered, and nothing of DDP is patched.  Instead, for a backward
+that :mod:`.step_hooks` sees begin on a DDP model's output:
 
-* if the script registered no hook, a timing hook that does what DDP does by default
-  (divide by the group's size, all-reduce, hand the bucket back) is registered;
-* if it registered a Python hook (``register_comm_hook``), its hook is wrapped by the
-  timer instead, and still does its own work;
-* a built-in C++ hook (``_register_builtin_comm_hook``) cannot be wrapped: that model's
-  buckets go untimed.
+* the group's sequence number is read at the backward's start and at its end: if it moved,
+  DDP reduced in this backward (under ``no_sync()`` it does not, and nothing is recorded);
+* the reduction is one ``all_reduce`` record per backward: from the moment the last gradient
+  was ready (the autograd graph has run: DDP has launched its last bucket, and from there the
+  training thread can only wait) to the end of the backward (DDP's finalizer has waited for
+  every bucket), the way an async collective is timed to its ``wait()``; its sequence number
+  is the group's last (the last bucket's), its size the model's gradients.  That span is the
+  backward's time blocked in collectives (a rank that waits there for a slower peer is not
+  the slow one).  Earlier buckets overlap the backward's compute and get no record of their own.
 
-A bucket's record runs from the hook's call (the bucket is ready) to its future's
-completion, as the backend's thread sees it.  The training thread waits for all of them at
-the end of the backward: the backward's time after the last bucket was ready is its time
-blocked in collectives (``Recorder.comm_ready_ns``; a rank that waits there for a slower
-peer is not the slow one).  Records go to the current sink (the
-recorder and collective bookkeeping of the monitor in charge, which ``rw.init`` may replace).
+Records go to the current sink (the recorder and collective bookkeeping of the monitor in
+charge).  Nothing here raises into the backward: errors are counted.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
 from rankwatch.hooks.instrument.recorder import OP_CODE
 
 __all__ = ["DdpTiming"]
 
-log = logging.getLogger(__name__)
-
 _ALL_REDUCE = OP_CODE["all_reduce"]
+_MAX_MODELS = 16   # DDP models remembered (the roots a script calls)
 
 
 class DdpTiming:
-    """Patches ``DistributedDataParallel`` so its buckets' all-reduces are recorded.
+    """Times the gradient reduction of the DDP models whose backward :mod:`.step_hooks` sees.
 
     ``sink()`` returns (recorder, collective instrumentation) or None (record nothing).
     """
 
     def __init__(self, sink: Any) -> None:
         self._sink = sink
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._models: dict[int, tuple[Any, Any]] = {}   # id -> (the model, held; its timing or None)
+        self._open: tuple[Any, Any, Any, int] | None = None   # (model, group, seq getter, bytes)
+        self._seq0 = 0
         self.errors = 0
 
-    def install(self) -> None:
+    def begin(self, model: Any) -> None:
+        """A backward through ``model``'s output begins (training thread)."""
+        try:
+            seen = self._models.get(id(model))
+            known = seen[1] if seen is not None else self._learn(model)
+            self._open = known
+            if known is not None:
+                self._seq0 = known[2]()
+        except Exception:  # noqa: BLE001 - never raise into the backward
+            self.errors += 1
+            self._open = None
+
+    def end(self, ready_ns: int, end_ns: int) -> bool:
+        """The backward that :meth:`begin` opened has ended; True if DDP reduced in it."""
+        known, self._open = self._open, None
+        if known is None:
+            return False
+        try:
+            seq = known[2]()
+            if seq == self._seq0:   # no_sync(): no reduction in this backward
+                return False
+            sink = self._sink()
+            if sink is not None:
+                rec, instr = sink
+                rec.collective(_ALL_REDUCE, instr.group_code(known[1]), int(seq), ready_ns, end_ns, known[3])
+            return True
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+            return False
+
+    def _learn(self, model: Any) -> tuple[Any, Any, Any, int] | None:
+        """(model, its group, the group's sequence number getter, gradient bytes) for a DDP
+        model; None for any other."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        if self._saved:
-            return
-        forward, register = DDP.forward, DDP.register_comm_hook
-        builtin = DDP._register_builtin_comm_hook
-        timing = self
-
-        def first_forward(ddp: Any, *args: Any, **kwargs: Any) -> Any:
-            if not getattr(ddp, "_rankwatch_hooked", False):
-                ddp._rankwatch_hooked = True
-                timing._hook_default(ddp, register)
-            return forward(ddp, *args, **kwargs)
-
-        def register_comm_hook(ddp: Any, state: object, hook: Any) -> Any:
-            ddp._rankwatch_hooked = True
-            return register(ddp, state, timing._timed(hook))
-
-        def register_builtin(ddp: Any, comm_hook_type: Any) -> Any:
-            ddp._rankwatch_hooked = True   # C++: nothing to wrap
-            return builtin(ddp, comm_hook_type)
-
-        for name, fn in (("forward", first_forward), ("register_comm_hook", register_comm_hook),
-                         ("_register_builtin_comm_hook", register_builtin)):
-            original = getattr(DDP, name)
-            fn.__doc__, fn.__wrapped__ = original.__doc__, original  # type: ignore[attr-defined]
-            self._saved.append((DDP, name, original))
-            setattr(DDP, name, fn)
-
-    def uninstall(self) -> None:
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
-        self._saved.clear()
-
-    # -- internals ----------------------------------------------------------
-    def _hook_default(self, ddp: Any, register: Any) -> None:
-        """DDP's default reduction, timed (never raises: the model trains untimed instead)."""
-        try:
-            register(ddp, ddp.process_group, self._timed(_average))
-        except Exception as exc:  # noqa: BLE001 - e.g. a hook registered some other way
-            self.errors += 1
-            log.info("rankwatch: DDP buckets untimed (%s)", exc)
-
-    def _timed(self, hook: Any) -> Any:
-        clock = time.perf_counter_ns
-
-        def timed(state: Any, bucket: Any) -> Any:
-            t0 = clock()
-            fut = hook(state, bucket)
-            try:
-                sink = self._sink()
-                if sink is None:
-                    return fut
-                rec, instr = sink
-                rec.comm_ready_ns = t0
-                group = getattr(state, "process_group", state) if state is not None else None
-                pg = group if _is_group(group) else _default_group()
-                pgc, seq = instr.group_code(pg), int(pg._get_sequence_number_for_group())
-                buf = bucket.buffer()
-                nbytes = buf.numel() * buf.element_size()
-            except Exception:  # noqa: BLE001 - never raise into the backward
-                self.errors += 1
-                return fut
-
-            def done(f: Any) -> Any:
-                rec.collective(_ALL_REDUCE, pgc, seq, t0, clock(), nbytes)
-                return f.value()
-
-            return fut.then(done)
-
-        # DDP checks a hook's annotations (``bucket: dist.GradBucket``); these are strings here.
-        timed.__annotations__ = {}
-        return timed
-
-
-def _average(process_group: Any, bucket: Any) -> Any:
-    """DDP's default: the bucket divided by the group's size, all-reduced (a future of it)."""
-    import torch.distributed as dist
-
-    group = process_group if process_group is not None else dist.group.WORLD
-    buf = bucket.buffer()
-    buf.div_(dist.get_world_size(group))
-    pg = group if _is_group(group) else _default_group()
-    return pg.allreduce([buf]).get_future().then(lambda f: f.value()[0])
-
-
-def _is_group(obj: Any) -> bool:
-    return hasattr(obj, "_get_sequence_number_for_group")
-
-
-def _default_group() -> Any:
-    from torch.distributed import distributed_c10d as c10d
-
-    return c10d._get_default_group()
+        known = None
+        if isinstance(model, DDP):
+            pg = model.process_group
+            params = getattr(model, "_module_parameters", None) or list(model.parameters())
+            nbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+            known = (model, pg, pg._get_sequence_number_for_group, int(nbytes))
+        if len(self._models) >= _MAX_MODELS:
+            self._models.clear()
+        self._models[id(model)] = (model, known)   # the model is held: its id is not reused
+        return known

@@ -6,8 +6,8 @@ first line, for ``script.py`` and ``-m module`` alike.  Then, in a torchrun work
 
 1. **When torch is imported** (an import watcher: nothing of torch loads earlier than the
    script asks for it), the process is armed: a recorder, the global step and phase hooks of
-   :mod:`.step_hooks`, DDP's bucket timing (:mod:`.ddp_timing`), and wrappers of
-   ``init_process_group`` and ``init_device_mesh``.
+   :mod:`.step_hooks` (DDP's reduction timed in the backwards they see: :mod:`.ddp_timing`),
+   and wrappers of ``init_process_group`` and ``init_device_mesh``.
 2. **When the process group exists** (``init_process_group`` returned, or
    ``init_device_mesh`` made it), the monitor starts as :func:`rankwatch.hooks.init` starts
    one: collective timers on every group, the agent stream, hang evidence; its Hello says
@@ -16,10 +16,12 @@ first line, for ``script.py`` and ``-m module`` alike.  Then, in a torchrun work
    the agent (the mesh with the most dimensions is the job's).
 4. **When the script calls** ``rankwatch.hooks.init()`` itself, this stands down first
    (hooks removed, its stream closed with a goodbye): the script's own markers are the only
-   ones, and nothing is counted twice.  DDP's buckets then go to the script's monitor.
+   ones, and nothing is counted twice (DDP's reduction is then untimed).
 
 Fail-open: any failure leaves the script running as if rankwatch were absent, and says so
-once on stderr.  ``RANKWATCH_AUTO=0`` (or ``RANKWATCH_DISABLE=1``) turns it off.  Processes the
+once on stderr.  The script's own errors are untouched: an exception raised inside a wrapped
+call leaves the wrapper with its traceback as PyTorch raised it (the wrapper's frame taken
+off, re-raised bare, which adds none), and no hook of this package runs around user code.  ``RANKWATCH_AUTO=0`` (or ``RANKWATCH_DISABLE=1``) turns it off.  Processes the
 worker starts (data-loader workers, subprocesses) are not instrumented: the worker takes the
 bootstrap directory off their path, and a process whose ``RANKWATCH_AUTO_PID`` names another
 process stays out.
@@ -125,10 +127,9 @@ class ZeroCode:
             return
         monitor.ZERO_CODE.append(self)
         self.recorder = Recorder()
-        self._hooks = StepHooks(self.recorder)
-        self._hooks.install()
         self._ddp = DdpTiming(self._sink)
-        self._ddp.install()
+        self._hooks = StepHooks(self.recorder, ddp=self._ddp)
+        self._hooks.install()
         c10d = dist.distributed_c10d
         self._wrap(c10d.init_process_group, self._after_init, (dist, c10d))
         from torch.distributed import device_mesh
@@ -138,7 +139,11 @@ class ZeroCode:
     def _wrap(self, fn: Any, after: Any, owners: tuple[Any, ...]) -> None:
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            out = fn(*args, **kwargs)
+            try:
+                out = fn(*args, **kwargs)
+            except BaseException as exc:
+                exc.__traceback__ = exc.__traceback__.tb_next if exc.__traceback__ else None
+                raise   # bare: this frame is not added back; the error is PyTorch's own
             after(out)
             return out
 
@@ -188,7 +193,7 @@ class ZeroCode:
     # -- an explicit rw.init() -------------------------------------------------
     def stand_down(self) -> None:
         """The script calls ``rankwatch.hooks.init()`` itself: remove the step hooks and wrappers,
-        close this stream (a goodbye: no exit); DDP's timing waits for :meth:`adopt`."""
+        close this stream (a goodbye: no exit)."""
         if self._stood_down:
             return
         self._stood_down = True
@@ -205,7 +210,7 @@ class ZeroCode:
             self._fail("could not stand down", exc)
 
     def adopt(self, monitor: Any) -> None:
-        """The script's own monitor: DDP's buckets are recorded on it from now on."""
+        """The script's own monitor (what a sink still asked for records on)."""
         self.monitor = monitor if hasattr(monitor, "_instr") else None
 
     def _fail(self, what: str, exc: BaseException) -> None:

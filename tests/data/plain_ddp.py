@@ -8,6 +8,10 @@ user's script has them:
 * ``--slow-loader RANK:SECONDS`` (RANK -1: every rank): each batch of that rank's loader
   takes SECONDS longer;
 * ``--raise-at RANK:STEP``: that rank raises ``RuntimeError`` at that step;
+* ``--exit-at RANK:STEP``: that rank leaves at that step, before its forward (exit code 0, as a
+  peer that dies): the others' all-reduce in the backward fails (gloo: connection closed);
+* ``--traceback-out PATH``: an exception that ends the script is written there first, as
+  ``traceback`` formats it (``PATH.<rank>``), then raised on;
 * ``--accumulate K``: K forward/backward micro-batches per optimizer step;
 * ``--eval-every N``: an eval pass (``torch.no_grad``, no optimizer) every N steps;
 * ``--count-out PATH``: the script writes its own count of optimizer steps there at the end;
@@ -18,7 +22,9 @@ user's script has them:
 import argparse
 import gc
 import os
+import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -73,12 +79,24 @@ def main() -> None:
     p.add_argument("--count-out", default=None)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--time-out", default=None)
+    p.add_argument("--exit-at", default=None)
+    p.add_argument("--traceback-out", default=None)
     args = p.parse_args()
+    try:
+        train(args)
+    except BaseException:
+        if args.traceback_out:
+            with open(f"{args.traceback_out}.{os.environ.get('RANK', '0')}", "w") as f:
+                f.write(traceback.format_exc())
+        raise
+
+
+def train(args: argparse.Namespace) -> None:
 
     dist.init_process_group(backend="gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    slow, fail = _pair(args.slow_loader), _pair(args.raise_at)
+    slow, fail, leave = _pair(args.slow_loader), _pair(args.raise_at), _pair(args.exit_at)
     delay = slow[1] / args.batch_size if slow and slow[0] in (-1, rank) else 0.0
     data = Points(args.samples, args.dim, delay)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=DistributedSampler(data))
@@ -88,6 +106,9 @@ def main() -> None:
     for epoch in range(args.epochs):
         loader.sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
+            if leave and leave[0] == rank and steps + 1 == int(leave[1]):
+                sys.stdout.flush()
+                os._exit(0)
             loss = F.cross_entropy(model(x), y) / args.accumulate
             loss.backward()
             if (i + 1) % args.accumulate:

@@ -5,10 +5,16 @@
 shape of a Hugging Face-style loop it has two optimizers (the body's AdamW and the head's
 SGD) stepped one after the other after each backward, and a learning-rate scheduler.
 ``--count-out PATH`` writes the script's own count of updates there at the end.
+``--exit-at RANK:STEP``: that rank leaves at that step, before its forward (exit code 0, as a
+peer that dies): the others' collectives fail (gloo: connection closed).
+``--traceback-out PATH``: an exception that ends the script is written there first, as
+``traceback`` formats it (``PATH.<rank>``), then raised on.
 """
 
 import argparse
 import os
+import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -46,7 +52,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--count-out", default=None)
+    p.add_argument("--exit-at", default=None)
+    p.add_argument("--traceback-out", default=None)
     args = p.parse_args()
+    try:
+        train(args)
+    except BaseException:
+        if args.traceback_out:
+            with open(f"{args.traceback_out}.{os.environ.get('RANK', '0')}", "w") as f:
+                f.write(traceback.format_exc())
+        raise
+
+
+def train(args: argparse.Namespace) -> None:
 
     world = int(os.environ["WORLD_SIZE"])
     if args.tp > 1:
@@ -67,7 +85,11 @@ def main() -> None:
     sampler = DistributedSampler(data, num_replicas=world // args.tp, rank=dp_rank)
     loader = DataLoader(data, batch_size=8, sampler=sampler)
     updates = 0
+    leave = tuple(int(v) for v in args.exit_at.split(":")) if args.exit_at else None
     for x, y in loader:
+        if leave and leave[0] == dist.get_rank() and updates + 1 == leave[1]:
+            sys.stdout.flush()
+            os._exit(0)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         body.step()
