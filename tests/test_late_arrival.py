@@ -110,3 +110,14 @@ def test_a_rank_the_others_wait_for_is_scored_by_its_late_arrival_when_its_own_w
     # A compute straggler arrives late by its extra work: that is not counted twice.
     s = {x.rank: x for x in score([_work(0, 0.05, 0.0), _work(1, 0.075, 0.025), _work(2, 0.05, 0.0)], cfg)}
     assert s[1].excess_seconds == pytest.approx(0.025) and s[1].slowdown == pytest.approx(1.5)
+
+
+def test_a_rank_the_others_wait_longer_for_is_scored_by_that_wait_where_arrivals_are_unknown():
+    """No late arrivals lined up (a rank alone on its node: the coordinator's view), but the
+    others wait 30 ms a step more than it does in their collectives: they wait for it."""
+    cfg = StragglerConfig(warmup_steps=0)
+    ranks = [RankWork(rank=r, node=f"n{r}", step=16, own=[0.05] * 16, data=[0.0] * 16,
+                      wait=[0.01 if r == 1 else 0.04] * 16, step_seconds=0.1, completed=16) for r in range(3)]
+    s = {x.rank: x for x in score(ranks, cfg)}
+    assert s[1].excess_seconds == pytest.approx(0.03) and s[1].slowdown == pytest.approx(1.6)
+    assert s[0].excess_seconds <= 0 and s[2].excess_seconds <= 0

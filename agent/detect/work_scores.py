@@ -13,15 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rankwatch.agent.detect.straggler_cause import cause_of
 from rankwatch.knobs import require_positive
 
 __all__ = ["CAUSES", "GpuThrottle", "RankWork", "Score", "StragglerConfig", "cost_ratio", "eligible",
            "last_steps", "log_ratios", "recent_window", "role_of", "score", "score_window"]
 
 CAUSES = ("compute", "data", "communication", "host", "gpu_health", "expert_load")
-# GPU throttle reasons that slow a GPU down (idle, clock settings and sync boost do not).
-SLOWING_THROTTLES = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown",
-                               "hw_thermal_slowdown", "hw_power_brake_slowdown"})
 
 
 @dataclass(kw_only=True)
@@ -145,11 +143,12 @@ class StepWindow:
     gap: np.ndarray
     comm_delay: np.ndarray
     late: np.ndarray
+    wait: np.ndarray
     roles: np.ndarray | None = None
     """Each row's role (:attr:`RankWork.role`); None: one role."""
 
 
-_COLUMNS = ("own", "data", "delay", "start", "gap", "comm_delay", "late")
+_COLUMNS = ("own", "data", "delay", "start", "gap", "comm_delay", "late", "wait")
 
 
 def recent_window(ranks: list[RankWork], last: int, n: int) -> StepWindow:
@@ -213,7 +212,8 @@ def _loo_median(x: np.ndarray) -> np.ndarray:
 def _effective(w: StepWindow) -> np.ndarray:
     """Own work plus how late the rank held the others up: its step's late start after the
     others' (where starts are known: a rank that leaves its collectives late), or its late
-    arrival at the step's collectives (where the node lined them up), whichever is more."""
+    arrival at its collectives (where the node lined them up), whichever is more.  (Its
+    wait below the others' swings step to step: it counts in :func:`score_window` only.)"""
     late = np.nan_to_num(w.late, nan=0.0)
     if not np.isfinite(w.start).any():
         return w.own + late
@@ -294,7 +294,8 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
     own, base_k = _tail_medians(own_w, k), _tail_medians(base, k)
     own_excess = _tail_medians(own_w - base, k)
     data_excess, delay_excess, lag = excess(w.data), excess(w.delay), excess(w.start)
-    gap_excess, comm_delay_excess, late = excess(w.gap), excess(w.comm_delay), excess(w.late)
+    gap_excess, comm_delay_excess = excess(w.gap), excess(w.comm_delay)
+    late = np.fmax(excess(w.late), -excess(w.wait))   # arriving late; the others waiting for it
     load = _expert_load(full, w.roles)
     out = []
     for j, i in enumerate(idx.tolist()):
@@ -304,7 +305,7 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
         lag_j = max(float(lag[j]), 0.0) if np.isfinite(lag[j]) else 0.0
         late_j = max(float(late[j]), 0.0) if np.isfinite(late[j]) else 0.0   # the others' wait for it
         extra = max(float(own_excess[j]) + lag_j, late_j)
-        cause = _cause(extra, lag_j, float(data_excess[j]), float(delay_excess[j]),
+        cause = cause_of(extra, lag_j, float(data_excess[j]), float(delay_excess[j]),
                        gpu_throttle(r.rank) if gpu_throttle else [], cfg, outside=float(gap_excess[j]))
         ratio = float(slowdown[j])
         if late_j > max(float(own_excess[j]) + lag_j, 0.0):   # held the others up more than its own work shows
@@ -363,28 +364,6 @@ def _speedup(step: float, extra: float, base: float) -> float:
     extra = max(extra, 0.0)
     without = max(step - extra, base, 1e-9)
     return max(step, without + extra) / without
-
-
-def _cause(excess: float, lag: float, data: float, delay: float, throttles: list[str],
-           cfg: StragglerConfig, outside: float = math.nan) -> str:
-    """Attribute a rank's excess (seconds per step) to what measurably makes it up.
-
-    ``outside``: the excess of the rank's time between its step scopes (its batch
-    fetched before the step opened), which makes its steps start late as a slow link does."""
-    share = cfg.cause_share * excess
-    if excess <= 0:
-        return "compute"
-    if math.isfinite(data) and data >= share:
-        return "data"
-    if math.isfinite(delay) and delay >= share:
-        return "host"
-    if math.isfinite(outside) and outside >= share:
-        return "data"
-    if lag >= share:
-        return "communication"
-    if SLOWING_THROTTLES.intersection(throttles):
-        return "gpu_health"
-    return "compute"
 
 
 def cost_ratio(flagged: list[Score], step_seconds: float) -> float:

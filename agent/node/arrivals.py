@@ -81,9 +81,10 @@ class Arrivals:
     def on_steps(self, rank: RankState, steps: pb.StepColumns) -> None:
         with self._lock:
             held = self._steps.get(rank.rank)
-            same = held is not None and held[0] == rank.pid
-            ends = held[2] if same else deque(maxlen=self._maxlen)
-            late = held[3] if same else deque(maxlen=self._maxlen)
+            if held is not None and held[0] == rank.pid:
+                ends, late = held[2], held[3]
+            else:
+                ends, late = deque(maxlen=self._maxlen), deque(maxlen=self._maxlen)
             for start, duration in zip(steps.start, steps.duration):
                 ends.append(start + duration)
                 late.append(0.0)
