@@ -105,6 +105,8 @@ class RecoveryLog:
         self.node_id = node_id
         self.incidents = incidents
         self.counts = {"ok": 0, "failed": 0}
+        self.reports = 0
+        """Ranks' reports taken so far, each recovery's repeats included."""
         self._recent: deque[Incident] = deque(maxlen=_KEPT)
         self._lock = threading.Lock()
 
@@ -113,6 +115,7 @@ class RecoveryLog:
         probe = Incident(id="", kind="restart", node=self.node_id, rank=rank, step=rec.step,
                          detected_at=rec.started_at, detail=detail(rec))
         with self._lock:   # one incident however many ranks report at once
+            self.reports += 1
             if any(same(probe, known) for known in self._recent):
                 return None
             inc = self.incidents.add(kind=probe.kind, node=probe.node, rank=rank, step=rec.step,
