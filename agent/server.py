@@ -47,6 +47,7 @@ from rankwatch.agent.config import AgentConfig
 from rankwatch.agent.node.checkpoints import NodeCheckpoints
 from rankwatch.agent.gpu import GpuCollector, GpuMonitor, RankDevice
 from rankwatch.agent.detect.bottleneck import BottleneckWatch, combine
+from rankwatch.agent.detect.hang_side import hang_side
 from rankwatch.agent.node import makeup
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
 from rankwatch.agent.export.prom_job import JobCollector
@@ -214,9 +215,10 @@ class Agent:
                 watch.unmark_progressed()
                 self._observe_progress(now)
                 watch.check_exits(now, restarts=(d.decided_at for d in self.decisions() if d.kind == "exclude"))
-                if self.is_coordinator():
+                side = hang_side(coordinator=self.is_coordinator(), covered=self.link.coordinated(now))
+                if side == "job":
                     self.coordinator.evaluate()
-                elif not self.link.coordinated(now):
+                elif side == "node":
                     watch.check_hang(now)
                 # This node's ranks against each other; the coordinator compares nodes.
                 watch.check_stragglers(now)

@@ -227,3 +227,12 @@ def test_the_waited_collective_is_the_one_most_ranks_wait_in():
     assert detect_hang(10.0, ranks, CFG).collective["group"] == "tp1"
     ranks[-1].inflight = waits("tp9", 7)
     assert detect_hang(10.0, ranks, CFG).collective["group"] == "tp0", "a tie: the first seen"
+
+
+def test_who_runs_the_hang_detector():
+    from rankwatch.agent.detect.hang_side import hang_side
+
+    assert hang_side(coordinator=True, covered=False) == "job"
+    assert hang_side(coordinator=True, covered=True) == "job"
+    assert hang_side(coordinator=False, covered=True) == "deferred"
+    assert hang_side(coordinator=False, covered=False) == "node"   # no coordinator, or a silent one
