@@ -103,10 +103,9 @@ def test_a_pipeline_without_a_mesh_is_found_balanced_and_counted(tmp_path, mode)
         assert r["phase_seconds"]["forward"] > 0 and r["phase_seconds"]["backward"] > 0, r["phase_seconds"]
 
 
-# Open: in one run the clean half held (no straggler, stages found, stage 1 the heavier), but
-# the duty cycle on rank 2 flagged its stage-1 replica, rank 3, instead (4 ranks on 2 cores).
-@pytest.mark.xfail(reason="the slowed rank's replica was flagged instead (rank 3 for rank 2); not yet explained",
-                   strict=False)
+# Rank 2's stops land mostly in its receives from stage 0, which its replica rank 3 does not
+# share: compared by their waits, rank 3 "waited less" and was flagged instead.  With stages,
+# the straggler score reads late arrivals at shared collectives only, not the wait difference.
 def test_with_replicas_a_stage_rank_slowed_from_outside_is_flagged_alone(tmp_path):
     """World 4, two replicas a stage (ranks 0-1 stage 0, 2-3 stage 1), zero-code: 150 clean
     steps flag nothing and name stage 1 the heavier; then rank 2 (stage 1) is stopped 30 ms

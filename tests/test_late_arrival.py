@@ -121,3 +121,14 @@ def test_a_rank_the_others_wait_longer_for_is_scored_by_that_wait_where_arrivals
     s = {x.rank: x for x in score(ranks, cfg)}
     assert s[1].excess_seconds == pytest.approx(0.03) and s[1].slowdown == pytest.approx(1.6)
     assert s[0].excess_seconds <= 0 and s[2].excess_seconds <= 0
+
+
+def test_with_stages_a_replica_that_waits_less_in_its_receives_is_not_credited():
+    """Pipeline stages: rank 2 of stage 1 is stopped inside its receives from stage 0, so it
+    waits 30 ms a step more than its replica rank 3, which waits for no one.  Waits there are
+    receives the replicas do not share: rank 3 gets no excess for waiting less."""
+    cfg = StragglerConfig(warmup_steps=0)
+    ranks = [RankWork(rank=r, node="n0", step=16, own=[0.05] * 16, data=[0.0] * 16, role=r // 2,
+                      wait=[0.04 if r == 2 else 0.01] * 16, step_seconds=0.1, completed=16) for r in range(4)]
+    s = {x.rank: x for x in score(ranks, cfg)}
+    assert s[3].excess_seconds <= 0 and s[3].slowdown == pytest.approx(1.0)

@@ -295,7 +295,9 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
     own_excess = _tail_medians(own_w - base, k)
     data_excess, delay_excess, lag = excess(w.data), excess(w.delay), excess(w.start)
     gap_excess, comm_delay_excess = excess(w.gap), excess(w.comm_delay)
-    late = np.fmax(excess(w.late), -excess(w.wait))   # arriving late; the others waiting for it
+    late = excess(w.late)   # arriving late at collectives; without stages, also the others' longer wait:
+    if w.roles is None:     # (with stages a rank's waits are its receives, which its replicas do not share)
+        late = np.fmax(late, -excess(w.wait))
     load = _expert_load(full, w.roles)
     out = []
     for j, i in enumerate(idx.tolist()):
