@@ -25,6 +25,7 @@ charge).  Nothing here raises into the backward: errors are counted.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from rankwatch.hooks.instrument.recorder import OP_CODE
@@ -43,8 +44,10 @@ class DdpTiming:
 
     def __init__(self, sink: Any) -> None:
         self._sink = sink
-        self._models: dict[int, tuple[Any, Any]] = {}   # id -> (the model, held; its timing or None)
-        self._open: tuple[Any, Any, Any, int] | None = None   # (model, group, seq getter, bytes)
+        # id -> (a weak reference to the model: a model kept alive to the interpreter's end can
+        # abort it in gloo's threads; its timing or None)
+        self._models: dict[int, tuple[Any, Any]] = {}
+        self._open: tuple[Any, Any, int] | None = None   # (group, seq getter, bytes)
         self._seq0 = 0
         self.errors = 0
 
@@ -52,10 +55,10 @@ class DdpTiming:
         """A backward through ``model``'s output begins (training thread)."""
         try:
             seen = self._models.get(id(model))
-            known = seen[1] if seen is not None else self._learn(model)
+            known = seen[1] if seen is not None and seen[0]() is model else self._learn(model)
             self._open = known
             if known is not None:
-                self._seq0 = known[2]()
+                self._seq0 = known[1]()
         except Exception:  # noqa: BLE001 - never raise into the backward
             self.errors += 1
             self._open = None
@@ -66,21 +69,21 @@ class DdpTiming:
         if known is None:
             return False
         try:
-            seq = known[2]()
+            seq = known[1]()
             if seq == self._seq0:   # no_sync(): no reduction in this backward
                 return False
             sink = self._sink()
             if sink is not None:
                 rec, instr = sink
-                rec.collective(_ALL_REDUCE, instr.group_code(known[1]), int(seq), ready_ns, end_ns, known[3])
+                rec.collective(_ALL_REDUCE, instr.group_code(known[0]), int(seq), ready_ns, end_ns, known[2])
             return True
         except Exception:  # noqa: BLE001
             self.errors += 1
             return False
 
-    def _learn(self, model: Any) -> tuple[Any, Any, Any, int] | None:
-        """(model, its group, the group's sequence number getter, gradient bytes) for a DDP
-        model; None for any other."""
+    def _learn(self, model: Any) -> tuple[Any, Any, int] | None:
+        """(its group, the group's sequence number getter, gradient bytes) for a DDP model;
+        None for any other."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         known = None
@@ -88,8 +91,8 @@ class DdpTiming:
             pg = model.process_group
             params = getattr(model, "_module_parameters", None) or list(model.parameters())
             nbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-            known = (model, pg, pg._get_sequence_number_for_group, int(nbytes))
+            known = (pg, pg._get_sequence_number_for_group, int(nbytes))
         if len(self._models) >= _MAX_MODELS:
             self._models.clear()
-        self._models[id(model)] = (model, known)   # the model is held: its id is not reused
+        self._models[id(model)] = (weakref.ref(model), known)
         return known

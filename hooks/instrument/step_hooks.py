@@ -138,7 +138,7 @@ class StepHooks:
         if depth > 0:
             return
         if self._root_eval:
-            self._root_eval = False
+            self._root_eval, self._root = False, None
             if not self._trained:   # eval before the step's training work: in no step's time
                 self._next_ns = time.perf_counter_ns()
                 if self._open:
@@ -167,6 +167,7 @@ class StepHooks:
             self._backward_begins()
             if self._ddp is not None:
                 self._ddp.begin(self._root)
+            self._root = None   # (held no longer than needed: a model alive at exit can abort gloo)
             self._queue_callback(self._graph_done)
         except Exception:  # noqa: BLE001
             self.errors += 1
@@ -209,7 +210,7 @@ class StepHooks:
         rec = self._rec
         rec.mark("optimizer")
         self._where = _IDLE
-        self._in_backward = False   # (a backward that raised never ended)
+        self._in_backward, self._root = False, None   # (a backward that raised never ended)
         if not self._trained:   # an optimizer step with no training work: not an update
             return
         rec.end_step()
