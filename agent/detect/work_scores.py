@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rankwatch.agent.detect.straggler_cause import cause_of
+from rankwatch.agent.detect.attribution import cause_of
 from rankwatch.knobs import require_positive
 
 __all__ = ["CAUSES", "GpuThrottle", "RankWork", "Score", "StragglerConfig", "cost_ratio", "eligible",
