@@ -136,6 +136,10 @@ class CollectiveInstrumentation:
                 continue
         return out
 
+    def group_names(self) -> list[str]:
+        """The c10d name of every group seen, indexed by the code records carry (sender thread)."""
+        return [str(getattr(pg, "group_name", "")) for pg in list(self.pgs)]
+
     def group_code(self, pg: Any) -> int:
         """The code records carry for process group ``pg`` (a new one is given the next)."""
         return self._pg_code(pg)
