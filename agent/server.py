@@ -4,8 +4,8 @@ An :class:`Agent` owns the node's state (:class:`NodeState`), its detectors
 (:class:`NodeWatch`), its link to the job (:class:`JobLink`, and the
 :class:`Coordinator` it runs when it is the coordinator), its logs, and its
 servers (:mod:`.rpc.listeners`): gRPC (Unix socket, optional TCP; the RPCs are
-:mod:`.rpc.servicer`'s, what they show :mod:`.views.answer`') and HTTP /metrics (the
-collectors of :mod:`.export`).
+:mod:`.rpc.servicer`'s, what they show :mod:`.views.answer`') and HTTP: /metrics (the
+collectors of :mod:`.export`) and the browser page (:mod:`.export.web`).
 
 It is the one place that wires the parts together: each part is handed what it reads
 (the servicer its :class:`ServiceParts`, the link its :class:`LinkParts`, the views and
@@ -39,6 +39,8 @@ from rankwatch.agent.export.prom_refusals import GateCollector
 from rankwatch.agent.export.prom_exits import ExitCollector
 from rankwatch.agent.export.prom_bound import BoundCollector
 from rankwatch.agent.export.prom_pipeline import BalanceCollector
+from rankwatch.agent.export.web import page_routes
+from rankwatch.agent.views.live import LiveView
 from rankwatch.agent.views.work_spread import BalanceWatch
 from rankwatch.agent.durable.storage import storage_report
 from rankwatch.agent.job.known import JobKnowledge
@@ -139,8 +141,8 @@ class Agent:
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
-        # /metrics first: once gRPC answers, Status must report the metrics port.
-        self.servers.serve_metrics(self.registry)
+        # /metrics (and the page beside it) first: once gRPC answers, Status must report the port.
+        self.servers.serve_metrics(self.registry, page_routes(LiveView(self.status), self.config.token))
         self._otel = otel.install(self.config.node_id, self.state, self.incidents, self.gpu)
         try:
             self.servers.serve_grpc(Servicer(self._service_parts()).handlers(), self.gate)

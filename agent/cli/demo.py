@@ -178,6 +178,7 @@ def _announce(console: Console, agents: list[Agent], addr: Address, steps: int, 
     taken = "" if agents[0].metrics_port == DEFAULT_METRICS_PORT else f" (port {DEFAULT_METRICS_PORT} is taken)"
     console.print(f"coordinator agent [bold]{_NODES[0]}[/] at {addr}; metrics at "
                   f"http://127.0.0.1:{agents[0].metrics_port}/metrics{taken}")
+    console.print(f"the job in a browser: http://127.0.0.1:{agents[0].metrics_port}/")
     console.print(f"job: 3 nodes x 1 rank and a hot spare (--nnodes 2:3, gloo, FSDP2), {steps} steps; "
                   f"logs and checkpoints in {workdir}")
     console.print("faults: demo-n1 computes 50% slower from step 20 and its GPU throttles, then "

@@ -23,7 +23,7 @@ from rankwatch.address import AGENT_ENV, AUTO_ENV, EXIT_NOTE_ENV, NODE_ID_ENV, A
 from rankwatch.agent.cli.torchrun_args import plan
 from rankwatch.status import AgentUnreachable, fetch_status, reachable
 
-__all__ = ["DEFAULT_METRICS_PORT", "ensure_local_agent", "metrics_port_line", "run_torchrun", "start_local_agent"]
+__all__ = ["DEFAULT_METRICS_PORT", "ensure_local_agent", "metrics_port_line", "page_line", "run_torchrun", "start_local_agent"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ def ensure_local_agent(addr: Address, node: str, attempts: int = _AGENT_ATTEMPTS
             time.sleep(_AGENT_RETRY.total_seconds() * attempt)
             continue
         print(metrics_port_line(addr), file=sys.stderr, flush=True)
+        if page := page_line(addr):
+            print(page, file=sys.stderr, flush=True)
         return agent
     if reachable(addr):
         return None
@@ -93,6 +95,15 @@ def metrics_port_line(addr: Address) -> str:
         return f"rankwatch: agent at {addr}, no /metrics"
     taken = f" (port {DEFAULT_METRICS_PORT} is taken)" if port != DEFAULT_METRICS_PORT else ""
     return f"rankwatch: agent at {addr}, /metrics on port {port}{taken}"
+
+
+def page_line(addr: Address) -> str:
+    """Where the agent at ``addr`` serves its page (on the /metrics port; '' if none)."""
+    try:
+        port = fetch_status(addr)["metrics_port"]
+    except AgentUnreachable:
+        return ""
+    return f"rankwatch: the job in a browser: http://127.0.0.1:{port}/" if port else ""
 
 
 def stop_process(proc: subprocess.Popen, timeout: timedelta = timedelta(seconds=5)) -> None:

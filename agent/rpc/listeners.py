@@ -1,9 +1,10 @@
-"""The node agent's servers: gRPC, the credential sockets beside its Unix sockets, /metrics.
+"""The node agent's servers: gRPC, the credential sockets beside its Unix sockets, HTTP.
 
 gRPC serves the agent's Unix socket(s), made 0600 from the start, and any TCP address
 (with TLS when configured).  Beside each Unix socket a credentials socket tells the agent
 which process presented a nonce (:mod:`rankwatch.peercred`).  The RPCs themselves are
-:mod:`.servicer`'s; who may call them, :mod:`.gate`'s.
+:mod:`.servicer`'s; who may call them, :mod:`.gate`'s.  The HTTP port serves /metrics and
+the routes beside it (the page): :mod:`.wsgi`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import os
 import socket
 from concurrent import futures
 from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from rankwatch.agent.config import AgentConfig
+from rankwatch.agent.rpc import wsgi
 from rankwatch.agent.rpc.gate import Gate
 from rankwatch.peercred import CredListener, PeerCred
 
@@ -42,27 +45,29 @@ class Listeners:
         self.tcp_ports: list[int] = []
         self._creds: list[CredListener] = []
         self._grpc: grpc.Server | None = None
-        self._http: Any = None
+        self._http: wsgi.HttpServer | None = None
         self._owns_sockets = False
 
-    def serve_metrics(self, registry: CollectorRegistry) -> None:
-        """HTTP /metrics, when a port is configured (0: one the system picks).
+    def serve_metrics(self, registry: CollectorRegistry,
+                      routes: Mapping[str, wsgi.WsgiApp] | None = None) -> None:
+        """HTTP /metrics, and ``routes`` beside it, when a port is configured (0: one the system picks).
 
         The port is taken by the bind itself, never probed first: two agents that start
-        together cannot both see it free.  The server binds with ``SO_REUSEADDR`` (the
-        standard library's HTTP server sets it), so the previous job's connections in
-        TIME-WAIT leave the port usable.  If another process listens on it, the agent
-        takes a port the system picks and says which: it never exits over /metrics."""
+        together cannot both see it free.  The server binds with ``SO_REUSEADDR``, so the
+        previous job's connections in TIME-WAIT leave the port usable.  If another process
+        listens on it, the agent takes a port the system picks and says which: it never exits
+        over /metrics.  Every path not in ``routes`` serves /metrics, as prometheus_client does."""
         port = self._config.metrics_port
         if port is None:
             return
         addr = self._config.metrics_addr
+        app = wsgi.dispatch(make_wsgi_app(registry), routes or {})
         try:
-            self._http, _ = start_http_server(port, addr, registry=registry)
+            self._http = wsgi.start(addr, port, app)
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE or port == 0:
                 raise
-            self._http, _ = start_http_server(0, addr, registry=registry)
+            self._http = wsgi.start(addr, 0, app)
             log.warning("metrics port %d is taken by another process: /metrics is on port %d instead",
                         port, self._http.server_port)
         self.metrics_port = self._http.server_port
