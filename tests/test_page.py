@@ -163,6 +163,8 @@ def test_a_sigstopped_rank_of_a_real_job_shows_hung_on_the_page(tmp_path, browse
                  and any("hang" in s and "rank 1 " in s for s in _summaries(browser)), 3, interval=0.05,
                  what="the hang naming rank 1 on the page")
         assert time.monotonic() - seen <= 3
+        if SCREENSHOT:   # the README's picture
+            browser.save_screenshot(SCREENSHOT)
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGCONT)
