@@ -36,13 +36,13 @@ def test_four_members_the_last_one_against_the_median_of_three():
 
 
 def _hello(rank: int, pid: int) -> pb.Hello:
-    return pb.Hello(rank=rank, world_size=2, pid=pid, node_id="n0", backend="gloo", op_names=list(OPS))
+    return pb.Hello(rank=rank, world_size=4, pid=pid, node_id="n0", backend="gloo", op_names=list(OPS))
 
 
-def _batch(seq: int, ops, seqs, starts, durations, names=("0",), steps=()) -> pb.Batch:
+def _batch(seq: int, ops, seqs, starts, durations, names=("0",), steps=(), pgs=None) -> pb.Batch:
     n = len(ops)
     c = pb.CollectiveColumns(
-        op=np.asarray(ops, "<u1").tobytes(), pg=np.zeros(n, "<u2").tobytes(),
+        op=np.asarray(ops, "<u1").tobytes(), pg=np.asarray(pgs if pgs is not None else [0] * n, "<u2").tobytes(),
         seq=np.asarray(seqs, "<i8").tobytes(), start=np.asarray(starts, "<f8").tobytes(),
         duration=np.asarray(durations, "<f8").tobytes(), nbytes=np.full(n, 8, "<i8").tobytes(),
         pg_names=list(names))
@@ -78,6 +78,25 @@ def test_a_rank_late_to_each_all_reduce_has_it_summed_per_step():
     assert arrivals.for_rank(1, 2) == pytest.approx([0.0, 0.03])
     assert arrivals.for_rank(0, 2) == pytest.approx([0.0, 0.0])
     assert arrivals.for_rank(1, 1) == pytest.approx([0.0])   # aligned with a caller's older snapshot
+
+
+def test_a_rank_late_to_two_groups_in_one_step_cost_the_step_its_delay_once():
+    """dp 2 x tp 2 on one node: rank 2, 30 ms behind, arrives 30 ms late at its TP all-reduce
+    (with rank 3) and again at its DP all-reduce (with rank 0).  The step lost 30 ms."""
+    st, arrivals = NodeState("n0", clock=lambda: T0 + 10), Arrivals()
+    st.collective_listeners.append(arrivals.on_collectives)
+    st.step_listeners.append(arrivals.on_steps)
+    ranks = {r: st.hello(_hello(r, 100 + r)) for r in (0, 2, 3)}
+    tp, dp = "tp23", "dp02"
+    issued = {0: [(dp, 0.02)], 3: [(tp, 0.02)], 2: [(tp, 0.05), (dp, 0.06)]}
+    for r, ops in issued.items():
+        names = sorted({g for g, _ in ops})
+        st.ingest(ranks[r], _batch(1, [ALL_REDUCE] * len(ops), [1] * len(ops), [T0 + t for _, t in ops],
+                                   [0.07 - t for _, t in ops], names=names,
+                                   pgs=[names.index(g) for g, _ in ops], steps=[(1, T0, 0.1)]))
+    arrivals.settle(T0 + 5)
+    assert arrivals.for_rank(2, 1) == pytest.approx([0.04])   # the larger of 30 ms (tp) and 40 ms (dp)
+    assert arrivals.for_rank(0, 1) == arrivals.for_rank(3, 1) == [0.0]
 
 
 def test_records_without_group_names_are_not_lined_up_and_oversized_names_are_refused():

@@ -8,8 +8,10 @@ flushed by then: ranks flush every 100 ms) are lined up by (group, sequence numb
 member of each is found (:func:`~rankwatch.agent.detect.late_arrival.last_arrivals`), and
 its late arrival is added to the step it issued the collective in: the first of its steps
 that ended after it (a collective between two steps is the next step's, as zero-code dates a
-step from the last one's end).  P2P operations are left out (a receive waits for its send by
-design).
+step from the last one's end).  A step's late arrival is summed per process group, and the
+step takes the largest group's sum: a rank 30 ms behind arrives 30 ms late at its TP
+collective and again at its DP collective, but the job lost 30 ms, not 60.  P2P operations
+are left out (a receive waits for its send by design).
 
 :meth:`Arrivals.for_rank` gives the straggler detector a rank's late arrival per step,
 aligned with its completed steps; NaN for steps not settled yet.  Everything is bounded:
@@ -47,8 +49,9 @@ class Arrivals:
         self._lock = threading.Lock()
         self._groups: dict[str, int] = {}
         self._pending: dict[int, tuple[int, list[np.ndarray]]] = {}   # rank -> (pid, chunks of 4 x n)
-        # rank -> (pid, steps completed after the newest slot, step ends, late arrival per step)
-        self._steps: dict[int, tuple[int, int, deque[float], deque[float]]] = {}
+        # rank -> (pid, steps completed after the newest slot, step ends, late arrival per step
+        # and group id)
+        self._steps: dict[int, tuple[int, int, deque[float], deque[dict[int, float]]]] = {}
         self._settled_until = 0.0
 
     # -- listeners (the ingesting thread) --------------------------------------------------
@@ -87,7 +90,7 @@ class Arrivals:
                 ends, late = deque(maxlen=self._maxlen), deque(maxlen=self._maxlen)
             for start, duration in zip(steps.start, steps.duration):
                 ends.append(start + duration)
-                late.append(0.0)
+                late.append({})
             self._steps[rank.rank] = (rank.pid, rank.steps_completed, ends, late)
 
     def _group_id(self, name: str) -> int:
@@ -122,7 +125,7 @@ class Arrivals:
                     last_end[who == rank] = held[2][-1]
             ripe = (rec[3] < ripe_before) & ((rec[2] <= last_end) | (rec[3] < now - _KEEP_SECONDS))
             late, matched = last_arrivals(rec[0][ripe], rec[1][ripe], rec[2][ripe])
-            self._credit(who[ripe], rec[2][ripe], late)
+            self._credit(who[ripe], rec[0][ripe], rec[2][ripe], late)
             # Kept: records not ripe yet, and ripe ones still alone (for a while).
             alone = np.zeros(len(who), dtype=bool)
             alone[np.flatnonzero(ripe)[~matched]] = True
@@ -132,7 +135,7 @@ class Arrivals:
                 self._pending[rank] = (pid, [rec[:, mine]] if mine.any() else [])
             self._settled_until = ripe_before
 
-    def _credit(self, who: np.ndarray, start: np.ndarray, late: np.ndarray) -> None:
+    def _credit(self, who: np.ndarray, group: np.ndarray, start: np.ndarray, late: np.ndarray) -> None:
         for i in np.flatnonzero(late > 0):
             held = self._steps.get(int(who[i]))
             if held is None:
@@ -140,7 +143,8 @@ class Arrivals:
             ends, slots = held[2], held[3]
             k = int(np.searchsorted(np.asarray(ends), start[i]))   # the first step that ended after it
             if k < len(slots):
-                slots[k] += float(late[i])
+                gid = int(group[i])
+                slots[k][gid] = slots[k].get(gid, 0.0) + float(late[i])
 
     def for_rank(self, rank: int, completed: int) -> list[float] | None:
         """The rank's late arrival per step (seconds), the last one at step ``completed``, as
@@ -151,7 +155,8 @@ class Arrivals:
             if held is None or held[1] < completed:
                 return None
             _, done, ends, late = held
-            out = [v if end < self._settled_until else float("nan") for end, v in zip(ends, late)]
+            out = [max(v.values(), default=0.0) if end < self._settled_until else float("nan")
+                   for end, v in zip(ends, late)]
         extra = done - completed
         return out[:len(out) - extra] if extra else out
 
