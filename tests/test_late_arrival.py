@@ -95,8 +95,25 @@ def test_a_rank_late_to_two_groups_in_one_step_cost_the_step_its_delay_once():
                                    [0.07 - t for _, t in ops], names=names,
                                    pgs=[names.index(g) for g, _ in ops], steps=[(1, T0, 0.1)]))
     arrivals.settle(T0 + 5)
-    assert arrivals.for_rank(2, 1) == pytest.approx([0.04])   # the larger of 30 ms (tp) and 40 ms (dp)
+    assert arrivals.for_rank(2, 1) == pytest.approx([0.04])   # the larger of 30 ms (rank 3) and 40 ms (rank 0)
     assert arrivals.for_rank(0, 1) == arrivals.for_rank(3, 1) == [0.0]
+
+
+def test_a_rank_late_twice_in_one_step_for_the_same_peer_cost_it_both_times():
+    """Expert parallelism on two ranks: rank 1 is stopped twice in one step and arrives late at
+    its all-to-all (20 ms) and at the gradients' all-reduce in another group (10 ms): rank 0
+    waited 30 ms."""
+    st, arrivals = NodeState("n0", clock=lambda: T0 + 10), Arrivals()
+    st.collective_listeners.append(arrivals.on_collectives)
+    st.step_listeners.append(arrivals.on_steps)
+    ranks = {r: st.hello(_hello(r, 100 + r)) for r in (0, 1)}
+    issued = {0: [("ep", 0.02), ("dp_ep", 0.05)], 1: [("ep", 0.04), ("dp_ep", 0.06)]}
+    for r, ops in issued.items():
+        names = ["dp_ep", "ep"]
+        st.ingest(ranks[r], _batch(1, [ALL_REDUCE] * 2, [1, 1], [T0 + t for _, t in ops], [0.005, 0.005],
+                                   names=names, pgs=[names.index(g) for g, _ in ops], steps=[(1, T0, 0.1)]))
+    arrivals.settle(T0 + 5)
+    assert arrivals.for_rank(1, 1) == pytest.approx([0.03])
 
 
 def test_records_without_group_names_are_not_lined_up_and_oversized_names_are_refused():

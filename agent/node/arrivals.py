@@ -8,10 +8,11 @@ flushed by then: ranks flush every 100 ms) are lined up by (group, sequence numb
 member of each is found (:func:`~rankwatch.agent.detect.late_arrival.last_arrivals`), and
 its late arrival is added to the step it issued the collective in: the first of its steps
 that ended after it (a collective between two steps is the next step's, as zero-code dates a
-step from the last one's end).  A step's late arrival is summed per process group, and the
-step takes the largest group's sum: a rank 30 ms behind arrives 30 ms late at its TP
-collective and again at its DP collective, but the job lost 30 ms, not 60.  P2P operations
-are left out (a receive waits for its send by design).
+step from the last one's end).  A step's late arrival is summed per *peer* (each member that
+waited), and the step takes the largest peer's sum: a rank 30 ms behind arrives 30 ms late at
+its TP collective (rank 3 waits) and again at its DP collective (rank 0 waits), but the job
+lost 30 ms, not 60; two stops that make it late at two collectives with the same peer are two
+losses.  P2P operations are left out (a receive waits for its send by design).
 
 :meth:`Arrivals.for_rank` gives the straggler detector a rank's late arrival per step,
 aligned with its completed steps; NaN for steps not settled yet.  Everything is bounded:
@@ -50,7 +51,7 @@ class Arrivals:
         self._groups: dict[str, int] = {}
         self._pending: dict[int, tuple[int, list[np.ndarray]]] = {}   # rank -> (pid, chunks of 4 x n)
         # rank -> (pid, steps completed after the newest slot, step ends, late arrival per step
-        # and group id)
+        # and waiting peer)
         self._steps: dict[int, tuple[int, int, deque[float], deque[dict[int, float]]]] = {}
         self._settled_until = 0.0
 
@@ -125,7 +126,7 @@ class Arrivals:
                     last_end[who == rank] = held[2][-1]
             ripe = (rec[3] < ripe_before) & ((rec[2] <= last_end) | (rec[3] < now - _KEEP_SECONDS))
             late, matched = last_arrivals(rec[0][ripe], rec[1][ripe], rec[2][ripe])
-            self._credit(who[ripe], rec[0][ripe], rec[2][ripe], late)
+            self._credit(who[ripe], rec[0][ripe], rec[1][ripe], rec[2][ripe], late)
             # Kept: records not ripe yet, and ripe ones still alone (for a while).
             alone = np.zeros(len(who), dtype=bool)
             alone[np.flatnonzero(ripe)[~matched]] = True
@@ -135,7 +136,9 @@ class Arrivals:
                 self._pending[rank] = (pid, [rec[:, mine]] if mine.any() else [])
             self._settled_until = ripe_before
 
-    def _credit(self, who: np.ndarray, group: np.ndarray, start: np.ndarray, late: np.ndarray) -> None:
+    def _credit(self, who: np.ndarray, group: np.ndarray, seq: np.ndarray, start: np.ndarray,
+                late: np.ndarray) -> None:
+        """Add each last member's late arrival to its step, for each member that waited."""
         for i in np.flatnonzero(late > 0):
             held = self._steps.get(int(who[i]))
             if held is None:
@@ -143,8 +146,9 @@ class Arrivals:
             ends, slots = held[2], held[3]
             k = int(np.searchsorted(np.asarray(ends), start[i]))   # the first step that ended after it
             if k < len(slots):
-                gid = int(group[i])
-                slots[k][gid] = slots[k].get(gid, 0.0) + float(late[i])
+                peers = who[(group == group[i]) & (seq == seq[i]) & (who != who[i])]
+                for peer in peers.tolist():
+                    slots[k][peer] = slots[k].get(peer, 0.0) + float(late[i])
 
     def for_rank(self, rank: int, completed: int) -> list[float] | None:
         """The rank's late arrival per step (seconds), the last one at step ``completed``, as
