@@ -14,10 +14,12 @@ arguments, as a user's script has them:
 """
 
 import argparse
+import gc
 import os
 import time
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -69,6 +71,13 @@ def main() -> None:
     if args.count_out:
         with open(f"{args.count_out}.{rank}", "w") as f:
             f.write(str(trainer.state.global_step))
+    # What a careful user does: free DDP before the process group, and the group before exit.
+    # (Left to the interpreter's final collection, gloo's threads abort the process now and
+    # then, "terminate called without an active exception", with or without rankwatch.)
+    del trainer, model
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

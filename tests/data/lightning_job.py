@@ -12,11 +12,13 @@ test's knobs are arguments, as a user's script has them:
 """
 
 import argparse
+import gc
 import os
 import time
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -80,6 +82,12 @@ def main() -> None:
     if args.count_out:
         with open(f"{args.count_out}.{rank}", "w") as f:
             f.write(str(trainer.global_step))
+    # What a careful user does: free DDP before the process group, and the group before exit
+    # (gloo's threads can abort an interpreter that collects them at its end).
+    del trainer
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
