@@ -53,8 +53,7 @@ def one_run(limit: float) -> tuple[float | None, list, list]:
             return time.monotonic() - t0, false, flagged
         finally:
             if duty is not None:
-                duty.done.set()
-                duty.join(5)
+                duty.end()
             _stop(job)
             agent.stop()
 

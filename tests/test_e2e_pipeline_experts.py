@@ -32,6 +32,11 @@ class DutyCycle(threading.Thread):
         self.pid, self.stop_s, self.period = pid, stop, period
         self.done = threading.Event()
 
+    def end(self) -> None:
+        """Stop cycling and leave the process running (it is SIGCONTed last)."""
+        self.done.set()
+        self.join(5)
+
     def run(self) -> None:
         try:
             while not self.done.is_set():
@@ -117,8 +122,7 @@ def test_clean_steps_flag_nothing_and_a_rank_slowed_from_outside_is_flagged_alon
         assert flagged[0][1] != "expert_load", flagged   # its experts got no more tokens
     finally:
         if duty is not None:
-            duty.done.set()
-            duty.join(5)
+            duty.end()
         _stop(job)
         agent.stop()
 

@@ -125,7 +125,6 @@ def test_with_replicas_a_stage_rank_slowed_from_outside_is_flagged_alone(tmp_pat
         assert [rank for rank, _ in flagged] == [2], flagged
     finally:
         if duty is not None:
-            duty.done.set()
-            duty.join(5)
+            duty.end()
         _stop(job)
         agent.stop()
