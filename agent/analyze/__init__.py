@@ -1,0 +1,1 @@
+"""``rankwatch analyze``: the live detectors over a recorded job."""
