@@ -180,6 +180,7 @@ def _train(run: Run, record: RunRecord) -> tuple[Job, int]:
             record.arms.append(ab.on)
             record.losses.append(loss.item())
             after_step(mon, job, run.ckpt, run.ckpt_extra, args, run.dev, rank, step, record, summed)
+            run.profiler.step()
             if tier is not None and (phases := tier.stepped(done)) is not None:
                 record.recoveries[-1]["phases"] = phases  # the recovery's first step is done
         except Exception as exc:

@@ -12,7 +12,7 @@ import datetime
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from rankwatch.hooks.harness.moe import MoE
 from rankwatch.hooks.harness.parallel import ParallelDims, build_mesh, device_type, dp_mesh, parallelize
 from rankwatch.hooks.harness.pipeline import Pipe, split_layers, stage_model
 from rankwatch.hooks.harness.parts import global_batch_for
+from rankwatch.hooks.harness.profiling import StepProfiler, profiled_steps
 from rankwatch.hooks.recovery.inprocess import InProcessRecovery, Job, Membership
 
 __all__ = ["Feed", "Feeder", "JobBuilder", "Run", "start"]
@@ -169,6 +170,8 @@ class Run:
     feeder: Feeder
     feed: Feed
     ckpt_extra: dict
+    profiler: StepProfiler = field(default_factory=StepProfiler)
+    """Marks each step's end for ``torch.profiler`` (``RANKWATCH_PROFILE_DIR``); a no-op unset."""
 
 
 def start(args: argparse.Namespace) -> Run | None:
@@ -209,7 +212,8 @@ def start(args: argparse.Namespace) -> Run | None:
     feed = feeder(job, begin)
     ckpt_extra = {"world_size": world, "dp": job.extra["dims"].dp, "global_batch": feed.global_batch}
     return Run(args=args, dev=dev, vocab=cfg.vocab_size, ckpt=ckpt, tier=tier, mon=build.monitor, job=job,
-               start=begin, first_rank=first_rank, feeder=feeder, feed=feed, ckpt_extra=ckpt_extra)
+               start=begin, first_rank=first_rank, feeder=feeder, feed=feed, ckpt_extra=ckpt_extra,
+               profiler=profiled_steps(rank))
 
 
 def _device() -> tuple[str, str]:
