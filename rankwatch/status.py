@@ -114,6 +114,11 @@ def status_dict(resp: pb.StatusResponse) -> dict[str, Any]:
     }
 
 
+def pipeline_dict(p: pb.PipelineBalance) -> dict[str, Any]:
+    """A pipeline finding as ``status --json`` shows it (``rankwatch analyze`` prints the same)."""
+    return _pipeline(p)
+
+
 def _bottleneck(b: pb.Bottleneck) -> dict[str, Any]:
     """What bounds the steps now: ``{kind, share}`` (the contract), each kind's share, the GPUs'
     utilisation where read, and whose steps (``scope``: node or job)."""

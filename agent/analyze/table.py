@@ -92,7 +92,7 @@ def checked(t: OpTable, first_row: int = 1) -> OpTable:
         bad |= present & ((values < lo) | (values > hi))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise TraceError(t.source, f"{values[i]!r} is out of range [{lo}, {hi}]", first_row + i, name)
+            raise TraceError(t.source, f"{values[i].item()!r} is out of range [{lo}, {hi}]", first_row + i, name)
     return t
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["last_arrivals"]
+__all__ = ["last_arrivals", "step_late"]
 
 
 def last_arrivals(group: np.ndarray, seq: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -58,3 +58,42 @@ def last_arrivals(group: np.ndarray, seq: np.ndarray, start: np.ndarray) -> tupl
     matched = np.empty(n, dtype=bool)
     matched[order] = paired
     return late, matched
+
+
+def step_late(who: np.ndarray, step: np.ndarray, group: np.ndarray, seq: np.ndarray,
+              late: np.ndarray) -> dict[tuple[int, int], float]:
+    """Each (rank, step)'s late arrival: per peer that waited for it, the late arrivals of the
+    collectives it issued last in that step, summed; the step takes the largest peer's sum.
+
+    A rank 30 ms behind arrives 30 ms late at its TP collective (its TP peer waits) and again at
+    its DP collective (its DP peer waits): the job lost 30 ms, not 60.  Two stops that make it
+    late twice for the same peer are two losses.  (The node agent applies the same rule as the
+    records settle: :mod:`rankwatch.agent.node.arrivals`.)  Records as :func:`last_arrivals`
+    takes them, with each record's rank (``who``), step and late arrival (``late``, from it).
+    """
+    last = np.flatnonzero(late > 0)
+    if not last.size:
+        return {}
+    order = np.lexsort((seq, group))
+    g, q = group[order], seq[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (g[1:] != g[:-1]) | (q[1:] != q[:-1])
+    begins = np.flatnonzero(new)
+    ends = np.append(begins[1:], len(order))
+    inst = np.empty(len(order), dtype=np.int64)
+    inst[order] = np.cumsum(new) - 1                      # each record's collective
+    b, e = begins[inst[last]], ends[inst[last]]
+    sizes = e - b
+    owner = np.repeat(last, sizes)                        # the late record, once per member
+    offset = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    peer = who[order[np.repeat(b, sizes) + offset]]
+    keep = peer != who[owner]
+    owner, peer = owner[keep], peer[keep]
+    keys = np.stack([who[owner], step[owner], peer])
+    uniq, inv = np.unique(keys, axis=1, return_inverse=True)
+    sums = np.bincount(inv.ravel(), weights=late[owner])
+    out: dict[tuple[int, int], float] = {}
+    for r, st, v in zip(uniq[0].tolist(), uniq[1].tolist(), sums.tolist()):
+        if v > out.get((r, st), 0.0):
+            out[(r, st)] = v
+    return out

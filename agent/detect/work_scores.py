@@ -17,7 +17,7 @@ from rankwatch.agent.detect.attribution import cause_of
 from rankwatch.knobs import require_positive
 
 __all__ = ["CAUSES", "GpuThrottle", "RankWork", "Score", "StragglerConfig", "cost_ratio", "eligible",
-           "last_steps", "log_ratios", "recent_window", "role_of", "score", "score_window"]
+           "last_steps", "log_ratios", "loo_median", "recent_window", "role_of", "score", "score_window"]
 
 CAUSES = ("compute", "data", "communication", "host", "gpu_health", "expert_load")
 
@@ -179,19 +179,19 @@ def last_steps(w: StepWindow, n: int) -> StepWindow:
 
 
 def _peer_median(x: np.ndarray, roles: np.ndarray | None) -> np.ndarray:
-    """:func:`_loo_median` within each role: the median of the other rows of the same role
+    """:func:`loo_median` within each role: the median of the other rows of the same role
     (NaN for a row alone in its role)."""
     if roles is None:
-        return _loo_median(x)
+        return loo_median(x)
     out = np.full(x.shape, np.nan)
     for role in np.unique(roles):
         rows = np.flatnonzero(roles == role)
         if len(rows) > 1:
-            out[rows] = _loo_median(x[rows])
+            out[rows] = loo_median(x[rows])
     return out
 
 
-def _loo_median(x: np.ndarray) -> np.ndarray:
+def loo_median(x: np.ndarray) -> np.ndarray:
     """Per column, the median of every *other* row's value: (ranks, steps) -> same shape."""
     n = x.shape[0] - 1
     order = np.argsort(x, axis=0)

@@ -1,0 +1,135 @@
+"""The live agent's detectors over a recorded job's steps, unchanged.
+
+* **Stragglers**: the live :class:`~rankwatch.agent.detect.straggler.StragglerDetector`,
+  fed one step at a time as if each had just completed (its windows, CUSUM, hold and
+  hysteresis as live).  Two settings follow the recording's length (:func:`offline_config`):
+  a short trace cannot spare the live 30 warm-up steps, nor two seconds of hold in a run of
+  six.
+* **Pipeline stages and bottleneck**: :func:`~rankwatch.agent.detect.imbalance.pipeline` and
+  :func:`~rankwatch.agent.detect.bottleneck.decide`, with windows over the whole recording.
+* **Hangs**: :func:`~rankwatch.agent.detect.hang_verdict.detect_hang` at the recording's end,
+  when its ranks stop at different sequence numbers of a group (a recording that just ends
+  leaves every member of every group at the same one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import numpy as np
+
+from rankwatch.agent.analyze.steps import StepMatrix
+from rankwatch.agent.analyze.table import KINDS, NOT_SET, OpTable
+from rankwatch.agent.detect.bottleneck import BottleneckConfig, BottleneckState, combine, decide, rank_part
+from rankwatch.agent.detect.evaluate import straggler_detail
+from rankwatch.agent.detect.hang_verdict import HangConfig, RankProgress, detect_hang
+from rankwatch.agent.detect.imbalance import BalanceConfig, Pipeline, pipeline
+from rankwatch.agent.detect.straggler import RankWork, StragglerConfig, StragglerDetector
+
+__all__ = ["bottleneck", "hang", "offline_config", "stages", "stragglers"]
+
+HISTORY = 64   # steps of each rank the detector is given (as a node agent keeps)
+
+
+def offline_config(sm: StepMatrix, base: StragglerConfig | None = None) -> StragglerConfig:
+    """The live settings, with the warm-up cut to a fifth of the steps and the hold to a tenth
+    of the recording's time where the recording is short."""
+    cfg = base or StragglerConfig()
+    steps = len(sm.steps)
+    wall = float(np.nanmax(sm.end) - np.nanmin(sm.start)) if steps else 0.0
+    return dataclasses.replace(cfg, warmup_steps=min(cfg.warmup_steps, steps // 5),
+                               hold_seconds=min(cfg.hold_seconds, 0.1 * wall))
+
+
+def _work(sm: StepMatrix, k: int) -> Iterator[RankWork]:
+    lo = max(0, k + 1 - HISTORY)
+    span = sm.span[:, lo:k + 1]
+    late = None if np.isnan(sm.late).all() else sm.late
+    for i, rank in enumerate(sm.ranks.tolist()):
+        known = np.isfinite(sm.own[i, lo:k + 1])
+        if not known.any():
+            continue
+        yield RankWork(rank=rank, node=sm.nodes[i], step=int(sm.steps[k]), own=sm.own[i, lo:k + 1],
+                       data=sm.data[i, lo:k + 1], wait=sm.wait[i, lo:k + 1],
+                       step_seconds=float(np.median(span[i][known][-16:])), completed=k + 1,
+                       start=list(sm.start[i, lo:k + 1]), late=None if late is None else list(late[i, lo:k + 1]),
+                       role=int(sm.role[i]))
+
+
+def stragglers(sm: StepMatrix, cfg: StragglerConfig) -> list[dict]:
+    """Every straggler flag raised over the recording, as ``status --json`` incidents."""
+    det = StragglerDetector(cfg=cfg)
+    out = []
+    for k in range(len(sm.steps)):
+        for ev in det.update(list(_work(sm, k))):
+            if ev.kind != "flagged":
+                continue
+            detail = straggler_detail(ev, cfg.window, "job")
+            detail["offline"] = True
+            i = int(np.searchsorted(sm.ranks, ev.score.rank))
+            out.append({"kind": "straggler", "node": ev.work.node, "rank": ev.score.rank, "step": ev.work.step,
+                        "detected_at": round(float(np.nan_to_num(sm.end[i, k], nan=0.0)), 6), "detail": detail})
+    return out
+
+
+def stages(sm: StepMatrix) -> Pipeline | None:
+    if not sm.staged:
+        return None
+    n = len(sm.steps)
+    cfg = BalanceConfig(window=max(1, n), min_steps=max(1, min(10, n)))
+    return pipeline(((int(sm.role[i]), _finite(sm.own[i]), _finite(sm.wait[i])) for i in range(len(sm.ranks))), cfg)
+
+
+def bottleneck(sm: StepMatrix) -> dict | None:
+    n = len(sm.steps)
+    cfg = BottleneckConfig(window=max(1, n), min_steps=max(1, min(10, n)))
+    part = combine((rank_part(_finite(sm.own[i]), _finite(sm.data[i]), _finite(sm.wait[i]), cfg)
+                    for i in range(len(sm.ranks))), cfg)
+    v = decide(0.0, BottleneckState(), part, cfg).verdict
+    if v is None:
+        return None
+    return {"kind": v.kind, "share": round(v.share, 4), "shares": {k: round(s, 4) for k, s in v.shares.items()},
+            "step_seconds": round(v.part.step, 6), "scope": "job"}
+
+
+def _finite(x: np.ndarray) -> np.ndarray:
+    return x[np.isfinite(x)]
+
+
+def hang(t: OpTable, sm: StepMatrix) -> list[dict]:
+    """A hang at the recording's end: its ranks stop at different sequence numbers of a group."""
+    seq = t.column("seq")
+    if t.group is None or seq is None:
+        return []
+    coll = (t.kind == KINDS.index("collective")) & (t.group != NOT_SET) & (seq != NOT_SET)
+    if not coll.any():
+        return []
+    seqs: dict[int, dict[str, int]] = {}
+    for r, g, q in zip(t.rank[coll].tolist(), t.group[coll].tolist(), seq[coll].tolist()):
+        d = seqs.setdefault(r, {})
+        name = t.names[g]
+        d[name] = max(d.get(name, -1), q)
+    groups: dict[str, set[int]] = {}
+    for d in seqs.values():
+        for name, q in d.items():
+            groups.setdefault(name, set()).add(q)
+    if all(len(v) == 1 for v in groups.values()):
+        return []
+    cfg = HangConfig()
+    ends = np.nanmax(sm.end, axis=1)
+    now = float(np.nanmax(ends))
+    ranks = [RankProgress(rank=r, node=sm.nodes[i], step=int(sm.steps[np.flatnonzero(np.isfinite(sm.end[i]))[-1]]),
+                          step_seconds=float(np.nanmedian(sm.span[i])), steps_completed=int(np.isfinite(sm.end[i]).sum()),
+                          activity="train", progress_at=float(ends[i]), last_seen=now, connected=True,
+                          group_seqs=seqs.get(r, {}), own=_finite(sm.own[i]), data=_finite(sm.data[i]),
+                          wait=_finite(sm.wait[i]), role=int(sm.role[i]))
+             for i, r in enumerate(sm.ranks.tolist())]
+    later = now + max(cfg.allowance(r) for r in ranks) + 1.0
+    verdict = detect_hang(later, ranks, cfg)
+    if verdict is None:
+        return []
+    c = verdict.culprit
+    return [{"kind": "hang", "node": c.node, "rank": c.rank, "step": c.step, "detected_at": round(now, 6),
+             "detail": {"collective": verdict.collective, "alive": None, "stacks": None, "reason": verdict.reason,
+                        "offline": True}}]
