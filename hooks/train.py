@@ -37,12 +37,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="HSDP: the dp ranks form this many replicas, each sharded over dp/replicate "
                         "ranks (put one replica per node, so that a lost node takes whole replicas)")
     _parallelism_flags(p)
-    p.add_argument("--in-process-recovery", action="store_true",
-                   help="when a node is lost, the surviving workers regroup and train on in process "
-                        "(needs --replicate > 1, or --snapshot-every); what cannot be recovered so falls "
-                        "back to torchrun")
-    p.add_argument("--snapshot-every", type=_count, default=0, metavar="K", help="with --in-process-recovery: "
-                   "every K steps, peer snapshots of each rank's shards (a job without replicas recovers from them)")
+    p.add_argument("--in-process-recovery", action=argparse.BooleanOptionalAction, default=None,
+                   help="when a node is lost, the surviving workers regroup and train on in process, from "
+                        "replicas, peer snapshots or the checkpoint; what cannot be recovered so falls back to "
+                        "torchrun's restart (default: on in a job over several nodes)")
+    p.add_argument("--snapshot-every", type=_every, default=None, metavar="K|off",
+                   help="in-process recovery's peer snapshots of each rank's shards every K steps (a job "
+                        "without replicas recovers from them); off (or 0): none (default: on where the "
+                        "host's memory allows, K sized to cost at most 1%% of the steps)")
     p.add_argument("--recovery-own-loss-reduce", action="store_true",
                    help="with --in-process-recovery, sum the loss for the log in an all-reduce of its own "
                         "after the step rather than in the step commit (the tier's cost before it carried it)")
@@ -96,8 +98,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _count(text: str) -> int:
-    n = int(text)
+def _every(text: str) -> int:
+    """``--snapshot-every``: K >= 0, or ``off`` (0)."""
+    if text.strip().lower() == "off":
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of steps, or off") from None
     if n < 0:
         raise argparse.ArgumentTypeError(f"{text}: must be >= 0")
     return n

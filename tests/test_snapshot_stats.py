@@ -99,3 +99,36 @@ def test_a_recovery_from_a_snapshot_reports_the_steps_it_recomputes_and_the_snap
     bad.CopyFrom(rec)
     bad.snapshot.send_seconds = float("inf")
     assert st.take_recoveries(r, [bad]) == []   # refused alone
+
+
+def test_the_plan_reaches_the_metrics_with_its_reason_before_any_snapshot():
+    """Snapshots off (or not yet taken): the plan alone is sent, as ``every`` and a reason."""
+    from rankwatch.agent.wire.report import SNAPSHOT_REASONS
+    from rankwatch.hooks.recovery.budget import REASONS
+
+    assert SNAPSHOT_REASONS == REASONS   # the wire's numbers mean the same on both sides
+    rec = Recorder()
+    builder = BatchBuilder(rec, 64, lambda: -1, dict)
+    _Monitor(rec).peer_snapshot(Stats(every=0, reason=REASONS.index("memory")))
+    batch, _ = _batch(builder)
+    st = NodeState("n0")
+    r = st.hello(pb.Hello(rank=0, world_size=2, pid=1000, node_id="n0", backend="gloo", op_names=list(OPS)))
+    st.ingest(r, batch)
+    m = _metrics(st)
+    key = frozenset({("node", "n0"), ("rank", "0")})
+    assert m[("rankwatch_rank_snapshot_every_steps", key)] == 0
+    assert m[("rankwatch_rank_snapshot_enabled", key | {("reason", "memory")})] == 0
+    assert ("rankwatch_rank_snapshot_age_steps", key) not in m   # no snapshot: no age
+
+    _Monitor(rec).peer_snapshot(Stats(step=40, every=25, reason=REASONS.index("fits"), exchanges=1))
+    st.ingest(r, _batch(builder)[0])
+    m = _metrics(st)
+    assert m[("rankwatch_rank_snapshot_every_steps", key)] == 25
+    assert m[("rankwatch_rank_snapshot_enabled", key | {("reason", "fits")})] == 1
+
+
+def test_a_reason_outside_the_fixed_set_refuses_the_batch():
+    st = NodeState("n0")
+    r = st.hello(pb.Hello(rank=0, world_size=2, pid=1000, node_id="n0", backend="gloo", op_names=list(OPS)))
+    with pytest.raises(Rejected):
+        st.ingest(r, pb.Batch(seq=1, snapshot=pb.SnapshotStats(step=1, reason=7)))

@@ -19,6 +19,7 @@ from prometheus_client.core import (
 
 from rankwatch import __version__
 from rankwatch.agent.node.intake import OPS, PHASES, STATES, NodeState
+from rankwatch.agent.wire.report import SNAPSHOT_REASONS
 
 __all__ = ["NodeCollector"]
 
@@ -198,11 +199,20 @@ def _snapshot_metrics(node: str, ranks: list) -> Iterable[Metric]:
                                labels=lbl)
     failed = CounterMetricFamily("rankwatch_rank_snapshot_failures", "Snapshots or exchanges that failed.",
                                  labels=lbl)
+    every = GaugeMetricFamily("rankwatch_rank_snapshot_every_steps",
+                              "Steps between a rank's peer snapshots, as planned (0: off).", labels=lbl)
+    enabled = GaugeMetricFamily("rankwatch_rank_snapshot_enabled",
+                                "1 if a rank takes peer snapshots, else 0; reason: why (fits, override, disabled, "
+                                "memory, single_node, replicas, measuring).", labels=[*lbl, "reason"])
     for r in ranks:
         s = r.snapshot
         if s is None:
             continue
         key = [node, str(r.rank)]
+        every.add_metric(key, s.every)
+        enabled.add_metric([*key, SNAPSHOT_REASONS[s.reason]], 1.0 if s.every else 0.0)
+        if s.step < 0:   # a plan without a snapshot yet (or none to take)
+            continue
         memory.add_metric(key, s.memory_bytes)
         shard.add_metric(key, s.sent_bytes)
         age.add_metric(key, max(0, r.step - s.step) if s.step >= 0 else 0)
@@ -210,5 +220,5 @@ def _snapshot_metrics(node: str, ranks: list) -> Iterable[Metric]:
         copy.add_metric(key, s.copy_seconds)
         done.add_metric(key, s.exchanges)
         failed.add_metric(key, s.failures)
-    yield from (memory, shard, age, rate, copy, done, failed)
+    yield from (memory, shard, age, rate, copy, done, failed, every, enabled)
 

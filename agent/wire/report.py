@@ -23,9 +23,12 @@ from rankwatch.agent.wire.ranges import (
 from rankwatch.proto import pb
 
 __all__ = [
-    "check_batch", "check_checkpoints", "check_collective_columns", "check_expert_loads", "check_group_names", "check_hello", "check_snapshot", "check_mesh", "check_progress",
+    "SNAPSHOT_REASONS", "check_batch", "check_checkpoints", "check_collective_columns", "check_expert_loads", "check_group_names", "check_hello", "check_snapshot", "check_mesh", "check_progress",
     "check_progress_shape", "check_recovery", "check_step_columns", "check_step_shapes", "decode_collectives",
 ]
+
+SNAPSHOT_REASONS = ("fits", "override", "disabled", "memory", "single_node", "replicas", "measuring")
+"""``SnapshotStats.reason``'s meanings, in order (the hooks' ``budget.REASONS``)."""
 
 _COLUMNS = tuple((name, np.dtype(dtype)) for name, dtype in (
     ("op", "<u1"), ("pg", "<u2"), ("seq", "<i8"), ("start", "<f8"), ("duration", "<f8"), ("nbytes", "<i8")))
@@ -171,6 +174,10 @@ def check_snapshot(s: pb.SnapshotStats) -> None:
         check_count(value, what)
     check_duration(s.send_seconds, "snapshot send_seconds")
     check_duration(s.copy_seconds, "snapshot copy_seconds")
+    check_duration(s.work_seconds, "snapshot work_seconds")
+    check_count(s.every, "snapshot every")
+    if s.reason >= len(SNAPSHOT_REASONS):
+        raise Rejected("invalid_value", f"snapshot reason {s.reason} (at most {len(SNAPSHOT_REASONS) - 1})")
 
 
 def check_expert_loads(loads: Sequence[pb.ExpertLoad]) -> None:

@@ -11,7 +11,7 @@ import argparse
 import datetime
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +29,9 @@ from rankwatch.hooks.harness.pipeline import Pipe, split_layers, stage_model
 from rankwatch.hooks.harness.parts import global_batch_for
 from rankwatch.hooks.harness.profiling import StepProfiler, profiled_steps
 from rankwatch.hooks.recovery.inprocess import InProcessRecovery, Job, Membership
+from rankwatch.hooks.recovery.store import JOIN_ENV, STANDBY_ENV
 
-__all__ = ["Feed", "Feeder", "JobBuilder", "Run", "start"]
+__all__ = ["Feed", "Feeder", "JobBuilder", "Run", "recovery_on", "start"]
 
 
 class JobBuilder:
@@ -160,7 +161,7 @@ class Run:
     vocab: int
     ckpt: Checkpointer | None
     tier: InProcessRecovery | None
-    """The in-process recovery tier (``--in-process-recovery``), else None."""
+    """The in-process recovery tier (on by default over several nodes), else None."""
     mon: Any
     job: Job
     start: int
@@ -193,7 +194,7 @@ def start(args: argparse.Namespace) -> Run | None:
     tier = InProcessRecovery(build, backend=backend, settle=args.recovery_settle, timeout=timeout,
                              total_steps=args.steps, drain=ckpt.wait if ckpt else None,
                              snapshot_every=args.snapshot_every, reload=_reloader(ckpt, args.fault) if ckpt else None
-                             ) if args.in_process_recovery else None
+                             ) if recovery_on(args.in_process_recovery, os.environ) else None
     try:
         job = _first_job(build, tier, backend, timeout)
     except ValueError as exc:
@@ -214,6 +215,17 @@ def start(args: argparse.Namespace) -> Run | None:
     return Run(args=args, dev=dev, vocab=cfg.vocab_size, ckpt=ckpt, tier=tier, mon=build.monitor, job=job,
                start=begin, first_rank=first_rank, feeder=feeder, feed=feed, ckpt_extra=ckpt_extra,
                profiler=profiled_steps(rank))
+
+
+def recovery_on(flag: bool | None, env: Mapping[str, str]) -> bool:
+    """Whether the in-process tier runs: as ``--[no-]in-process-recovery`` says, else in a job
+    over several nodes (a worker joining a running one included).  A one-node job has no
+    survivors to recover: a lost worker costs its node, which torchrun restarts as before."""
+    if flag is not None:
+        return flag
+    if env.get(JOIN_ENV) or env.get(STANDBY_ENV):
+        return True
+    return int(env.get("WORLD_SIZE", "1")) > int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
 
 
 def _device() -> tuple[str, str]:

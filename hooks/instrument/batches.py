@@ -21,7 +21,11 @@ from rankwatch.hooks.instrument.op_record import peer_rank
 from rankwatch.hooks.instrument.recorder import ACTIVITY_IDLE, ACTIVITY_TRAIN, OPS, Recorder
 from rankwatch.proto import pb
 
-__all__ = ["BatchBuilder", "snapshot_stats"]
+__all__ = ["SNAPSHOT_FIELDS", "BatchBuilder", "snapshot_stats"]
+
+SNAPSHOT_FIELDS = ("step", "memory_bytes", "sent_bytes", "send_seconds", "copy_seconds", "exchanges", "failures",
+                   "every", "reason", "work_seconds")
+"""The peer snapshots' stats as the recorder keeps them (a tuple in this order): ``SnapshotStats``'s fields."""
 
 _STACKS_EVERY = 2.0       # seconds between a stuck rank's stack samples
 _STUCK_MIN = 2.0          # a step running this long, and 4x its usual time, looks stuck
@@ -184,7 +188,5 @@ def _drain(dq: Any, limit: int) -> list[tuple]:
 
 def snapshot_stats(snap: tuple) -> pb.SnapshotStats:
     """The peer snapshots' stats as the recorder keeps them (:attr:`Recorder.snapshot`), for the wire."""
-    step, memory, sent, send_seconds, copy_seconds, exchanges, failures = snap
-    return pb.SnapshotStats(step=step, memory_bytes=memory, sent_bytes=sent, send_seconds=send_seconds,
-                            copy_seconds=copy_seconds, exchanges=exchanges, failures=failures)
+    return pb.SnapshotStats(**dict(zip(SNAPSHOT_FIELDS, snap)))
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from rankwatch.address import Address, node_id, resolve
 from rankwatch.credentials import ClientCredentials
 from rankwatch.proto import pb
-from rankwatch.hooks.instrument.batches import snapshot_stats
+from rankwatch.hooks.instrument.batches import SNAPSHOT_FIELDS, snapshot_stats
 from rankwatch.hooks.instrument.recorder import (
     ACTIVITY_CHECKPOINT,
     ACTIVITY_EVAL,
@@ -120,10 +120,9 @@ class Monitor:
         self.recorder.expert_load(counts)
 
     def peer_snapshot(self, stats: Any) -> None:
-        """The in-process tier's peer snapshots took one (``stats``: step, memory_bytes,
-        sent_bytes, send_seconds, copy_seconds, exchanges, failures); sent with the next batch."""
-        self.recorder.snapshot = (stats.step, stats.memory_bytes, stats.sent_bytes, stats.send_seconds,
-                                  stats.copy_seconds, stats.exchanges, stats.failures)
+        """The in-process tier's peer snapshots took one, or planned none (``stats``: the
+        :data:`SNAPSHOT_FIELDS` of its ``Stats``); sent with the next batch."""
+        self.recorder.snapshot = tuple(getattr(stats, f, 0) for f in SNAPSHOT_FIELDS)
 
     def pipeline_stage(self, stage: int, stages: int) -> None:
         """This rank's pipeline stage, for a script that splits its model without a DeviceMesh

@@ -4,28 +4,19 @@ torchrun's answer to a lost node is to stop every worker and start new ones: new
 Python processes, torch imported again, the model wrapped again, the state read from
 disk.  This tier keeps the survivors' processes and their state in memory:
 
-1. **Leave the failed step.**  On NCCL the survivor aborts its communicators.  On gloo,
-   the survivor whose collective failed shuts down its own connections of the failed
-   process groups (:func:`~rankwatch.hooks.recovery.net.shut_group_sockets`).  Gloo
-   cannot cancel a pending collective, and only a dead peer's direct neighbours see its
-   connections break; shutting ours breaks our neighbours' pending collectives in
-   turn, so every survivor leaves the step within milliseconds; every worker's watch
-   (:mod:`breakout`) breaks out one that the chain missed.  (A hung peer breaks
-   nothing: the groups' timeout bounds that wait.)
-2. **Agree** on the new membership in the recovery store (:mod:`store`), under a
-   fresh prefix per generation: the first survivor to arrive decides, once every member
-   arrived or is proven gone (its liveness port refuses connections), or after ``settle``
-   seconds (a host that is down proves nothing).  The decision is
-   :func:`~rankwatch.hooks.recovery.decide.decide`, a pure function.
+1. **Leave the failed step**: NCCL aborts; on gloo the survivor whose collective failed
+   shuts its own connections of the failed groups (:mod:`net`), which breaks its
+   neighbours' pending collectives in turn; every worker's watch (:mod:`breakout`) breaks
+   out one the chain missed.  (A hung peer breaks nothing: the groups' timeout bounds it.)
+2. **Agree** on the new membership in the recovery store (:mod:`store`), under a fresh
+   prefix per generation: the first survivor to arrive decides (the pure function
+   :func:`~rankwatch.hooks.recovery.decide.decide`) once every member arrived or is proven
+   gone (its liveness port refuses connections), or after ``settle`` seconds.
 3. **Re-initialise** the default process group among the survivors and call the user's
-   ``make(membership)``, which builds the mesh, the model and the optimizer for the new
-   world, exactly as it did at the start.
-4. **Restore** each survivor's own shards of the parameters and of the optimizer state
-   from memory.  That needs every lost rank's shards to have a copy on a survivor:
-   replicas (HSDP's ``replicate`` dimension, or plain data parallelism) that lie whole on
-   nodes.  A lost node then takes whole replicas with it, and the survivors' layout
-   within a replica is unchanged.  A survivor whose step differs from the newest whole
-   replica's takes that replica's state instead (:mod:`state`).
+   ``make(membership)`` for the new world, exactly as at the start.
+4. **Restore** each survivor's own shards from memory: whole replicas on nodes (a lost node
+   takes whole replicas with it); a survivor at another step than the newest whole
+   replica's takes that replica's state (:mod:`state`).
 
 **Joining** (a spare, a returning node, a hot spare standing by): :mod:`joins`.
 
@@ -33,12 +24,10 @@ Whatever cannot be done in process (a partial node, a broken replica, no replica
 one step) fails the attempt on every survivor: :class:`RecoveryFailed` is raised, the
 workers exit, and torchrun's restart recovers the job as before.
 
-**Without whole replicas** (plain FSDP2 over every rank, ``snapshot_every=K``): every ``K``
-steps each rank's shards go to a buddy on another node (:mod:`snapshot`); a lost node's
-shards are then found there, and the survivors go on from the snapshot's step, every shard
-assembled anew for the smaller world (:mod:`reshard`).  With both copies of a shard lost,
-a loop that gives the tier its checkpoint loader (``reload``) loads the newest complete
-checkpoint in process (:mod:`rebuild`).  docs/in-process-recovery.md shows the loop.
+**Without whole replicas** (plain FSDP2 over every rank): peer snapshots, on by default where
+the memory allows (:mod:`cadence`), every ``K`` steps send each rank's shards to a
+buddy on another node; the survivors go on from the snapshot's step (:mod:`reshard`), or
+from the newest complete checkpoint, loaded in process (``reload``, :mod:`rebuild`).
 """
 
 from __future__ import annotations
@@ -58,7 +47,7 @@ from rankwatch.hooks.recovery.commit import StepCommit
 from rankwatch.hooks.recovery.failure import is_peer_failure
 from rankwatch.hooks.recovery.joins import JoinWatch, warm_up
 from rankwatch.hooks.recovery.protocol import RESTARTING, JobFinished, RecoveryFailed, Round
-from rankwatch.hooks.recovery.snapshot import PeerSnapshots
+from rankwatch.hooks.recovery.cadence import SnapshotSchedule
 from rankwatch.hooks.recovery.state import local_state
 from rankwatch.hooks.recovery.store import JOIN_ENV, STANDBY_ENV, connect
 
@@ -95,9 +84,10 @@ class InProcessRecovery:
             the work in flight on the process groups that the break would cut (an
             asynchronous checkpoint save: ``Checkpointer.wait``).  A lost peer's failure
             cuts such work whatever is done; a break the job chose need not.
-        snapshot_every: every this many steps, peer snapshots (:mod:`snapshot`): a job
-            without whole replicas on nodes then recovers a lost node from them, resharded
-            (:mod:`reshard`), going on from the snapshot's step.  0: none.
+        snapshot_every: peer snapshots (:mod:`snapshot`) every this many steps: a job without
+            whole replicas on nodes recovers a lost node from them (:mod:`reshard`), from the
+            snapshot's step.  None (the default): on where the host's memory allows, ``K``
+            sized to cost at most 1 % of the steps (:mod:`cadence`).  0: none.
         reload: loads the newest complete checkpoint into a job built for the new world
             (collective; DCP reshards) and returns its step, for when neither a replica
             nor a peer snapshot holds a lost rank's shards.  None: torchrun's restart then.
@@ -107,12 +97,13 @@ class InProcessRecovery:
                  settle: float = 1.0, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
                  max_recoveries: int = 8, join_timeout: float = 600.0, commit: bool = True,
                  total_steps: int | None = None, drain: Callable[[], object] | None = None,
-                 snapshot_every: int = 0, reload: rebuild.Reload | None = None,
+                 snapshot_every: int | None = None, reload: rebuild.Reload | None = None,
                  env: Mapping[str, str] = os.environ) -> None:
         if backend == "nccl":
             net.nccl_errors_to_caller()
         self._make = make
-        self.snapshots = PeerSnapshots(snapshot_every, "cuda" if backend == "nccl" else "cpu") if snapshot_every else None
+        self._schedule = SnapshotSchedule(snapshot_every, "cuda" if backend == "nccl" else "cpu", env)
+        self.snapshots = self._schedule.snapshots
         self._job: Job | None = None   # the job the snapshots are taken of
         self._reload = reload
         self._drain = drain
@@ -137,6 +128,7 @@ class InProcessRecovery:
         self._report: dict[str, Any] | None = None
         self._liveness: net.Liveness | None = None
         self._breaking = False
+        self._regain: tuple[int, float] | None = None   # (the step a recovery cut short, when it was caught)
 
     # -- the start ------------------------------------------------------------------
     def start(self) -> Job:
@@ -183,8 +175,11 @@ class InProcessRecovery:
         recovery and returns its phases; else None.  On rank 0, with workers waiting to
         join, leaves the step here so that every survivor admits them (see the module)."""
         phases = self._finish_report(step) if self._report is not None else None
-        if self.snapshots is not None and self.snapshots.due(step) and self._job is not None:
-            report.snapshot(self._monitor, self.snapshots.take(self._job, step))
+        if self._regain is not None and step >= self._regain[0]:
+            log.warning("rankwatch: regained step %d %.3f s after the failure (at %.3f)", step,
+                        time.time() - self._regain[1], time.time())
+            self._regain = None
+        self._schedule.stepped(self._job, step, self._monitor)
         if self._joins is not None and self._joins.due(step):
             log.warning("rankwatch: leaving the training after step %d to admit joining workers", step)
             if self._drain is not None:   # the break shuts every group's connections, its own too
@@ -205,8 +200,8 @@ class InProcessRecovery:
 
     def _build(self, membership: Membership) -> Job:
         """``make(membership)``, with the commit before each optimizer step."""
-        if self.snapshots is not None:   # collective: the snapshots' own group, the buddies
-            self.snapshots.regroup(membership.members, self._round.node if self._round else "")
+        # collective: the snapshots' own group, the buddies
+        self._schedule.regroup(membership.members, self._round.node if self._round else "")
         job = self._job = self._make(membership)
         if self._commit is None or self._round is None:   # without a store no recovery needs it
             return job
@@ -383,6 +378,7 @@ class InProcessRecovery:
     def _finish_report(self, step: int) -> dict[str, float]:
         r, self._report = self._report, None
         assert r is not None and self.membership is not None
+        self._regain = (r["at"], r["caught"])
         r["phases"]["first_step"] = time.perf_counter() - r["t0"]
         log.warning("rankwatch: first step after the in-process recovery: step %d, %.3f s after the failure "
                     "(%s)", step, r["phases"]["first_step"],

@@ -31,6 +31,7 @@ from typing import Any
 
 from rankwatch.hooks.recovery.buddies import buddy_map, sources_of
 from rankwatch.hooks.recovery.decide import Job
+from rankwatch.hooks.recovery.shard_buffer import before_next_step, copy_in, copy_into, layout, shard_tensors
 
 __all__ = ["HEADER_MAX", "Piece", "PeerSnapshots", "layout"]
 
@@ -38,7 +39,6 @@ log = logging.getLogger(__name__)
 
 HEADER_MAX = 8 << 20
 """The most bytes of header a rank takes from a peer."""
-_ALIGN = 64
 
 
 @dataclass
@@ -65,51 +65,22 @@ class Stats:
     exchanges: int = 0
     failures: int = 0
     memory_bytes: int = 0
+    work_seconds: float = 0.0
+    """CPU seconds the last snapshot's background thread spent (its copy, if there, and the exchange)."""
+    every: int = 0
+    """Steps between snapshots (the plan's; 0: off)."""
+    reason: int = 0
+    """Why (an index into :data:`~rankwatch.hooks.recovery.budget.REASONS`)."""
+
+    @property
+    def cost_seconds(self) -> float:
+        """What one snapshot costs the training: the step's stall and the background CPU time."""
+        return self.copy_seconds + self.work_seconds
 
     @property
     def bandwidth(self) -> float:
         """Bytes a second of the last exchange (sent)."""
         return self.sent_bytes / self.send_seconds if self.send_seconds > 0 else 0.0
-
-
-def _tensors(job: Job) -> list[tuple[str, str, str, Any, Any]]:
-    """(kind, parameter name, state key, local tensor, its DTensor or None) for every shard."""
-    opt_state = job.optimizer.state
-    out = []
-    for name, p in job.model.named_parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        out.append(("p", name, "", local.detach(), p))
-        for k, v in (opt_state.get(p) or {}).items():
-            if hasattr(v, "detach"):
-                v_local = v.to_local() if hasattr(v, "to_local") else v
-                whole = v_local.dim() > 0 and tuple(v_local.shape) == tuple(local.shape)
-                out.append(("o", name, str(k), v_local.detach(), p if whole else None))
-    return out
-
-
-def layout(job: Job) -> tuple[list[dict], int]:
-    """Each shard's header entry (its name, dtype, local shape, the whole tensor's shape and
-    the shard's offset in it, its bytes' offset in the buffer) and the buffer's size."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    entries, off = [], 0
-    for kind, name, key, t, p in _tensors(job):
-        shape = list(t.shape)
-        if isinstance(p, DTensor):
-            lshape, goff = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            if list(lshape) != shape:
-                raise ValueError(f"{name}: a local shard of {shape} where its placement gives {list(lshape)}")
-            whole, goff = list(p.shape), list(goff)
-        elif p is not None:
-            whole, goff = shape, [0] * len(shape)
-        else:   # a value every rank holds alike (AdamW's step count)
-            whole, goff = None, None
-        nbytes = t.numel() * t.element_size()
-        entries.append({"kind": kind, "name": name, "key": key, "dtype": str(t.dtype).removeprefix("torch."),
-                        "shape": shape, "whole": whole, "offset": goff, "at": off, "bytes": nbytes})
-        off += -(-nbytes // _ALIGN) * _ALIGN
-    return entries, off
 
 
 class PeerSnapshots:
@@ -127,6 +98,9 @@ class PeerSnapshots:
         self._ids: tuple[int, ...] = ()
         self._buddy = -1
         self._sources: list[int] = []
+        self.nodes = 0
+        """The current world's nodes."""
+        self._copied: Any = None   # set once a background copy is done (threading.Event)
         self.own: Piece | None = None
         self.held: dict[int, Piece] = {}
         """Complete copies this rank holds, by their owner's member id."""
@@ -150,6 +124,7 @@ class PeerSnapshots:
         buddies = buddy_map([str(n) for n in nodes])
         rank = dist.get_rank()
         self._ids = tuple(members)
+        self.nodes = len(set(nodes))
         self._buddy = buddies[rank]
         self._sources = sources_of(buddies, rank)
 
@@ -197,50 +172,107 @@ class PeerSnapshots:
         try:
             entries, size = layout(job)
             buf = torch.empty(size, dtype=torch.uint8)
-            _copy_in(job, entries, buf, non_blocking=False)
+            copy_in(job, entries, buf, non_blocking=False)
             header = {"step": step, "position": None, "entries": entries}
             self.now = Piece(step=step, header=header, payload=buf, rng=torch.get_rng_state())
         except Exception as exc:  # noqa: BLE001 - the snapshots still recover, from their step
             log.warning("rankwatch: copying the state of step %d for the joiners failed: %s", step, exc)
 
     # -- taking ----------------------------------------------------------------------
-    def take(self, job: Job, step: int, position: int | None = None) -> Stats:
-        """Copy this rank's shards (the step waits for this only), then exchange them with
-        the buddies in the background; returns the stats (the exchange's are the last one's).
-        Never raises: a failed snapshot leaves the last."""
-        self._take(job, step, position)
+    def take(self, job: Job, step: int, position: int | None = None, background: bool = False) -> Stats:
+        """Copy this rank's shards, then exchange them with the buddies in the background;
+        returns the stats (the exchange's are the last one's).  With ``background`` the copy
+        runs beside the next step too (on a GPU: a side stream; on the CPU: the exchange's
+        thread), and that step's ``job.optimizer.step()`` waits for it first, so the copy is
+        the step's state, whole.  Never raises: a failed snapshot leaves the last."""
+        self._take(job, step, position, background)
         self.stats.memory_bytes = self.memory_bytes()
         return self.stats
 
-    def _take(self, job: Job, step: int, position: int | None) -> None:
+    def _take(self, job: Job, step: int, position: int | None, background: bool) -> None:
         import torch
 
         try:
             self.wait()
             t0 = time.perf_counter()
             entries, size = layout(job)
+            tensors = [t for _, _, _, t, _ in shard_tensors(job)]
             buf = self._spare.get(-1)
             if buf is None or buf.numel() != size:
                 buf = torch.empty(size, dtype=torch.uint8, pin_memory=self._device == "cuda")
                 self._spare[-1] = buf
             self.own = None   # being overwritten
-            _copy_in(job, entries, buf, non_blocking=self._device == "cuda")
-            ready = None
-            if self._device == "cuda":
-                ready = torch.cuda.Event()
-                ready.record()
             header = {"step": step, "position": position, "entries": entries}
-            self.own = Piece(step=step, header=header, payload=buf, rng=torch.get_rng_state())
+            piece = Piece(step=step, header=header, payload=buf, rng=torch.get_rng_state())
+            pending, ready = None, None
+            if background and self._device == "cpu":
+                pending = (entries, tensors)
+                self._copied = threading.Event()
+                before_next_step(job, self._copy_done)
+            elif self._device == "cuda":
+                ready = self._launch(entries, tensors, buf, job if background else None)
+                self.own = piece
+            else:
+                copy_into(entries, tensors, buf, non_blocking=False)
+                self.own = piece
             self.stats.copy_seconds = time.perf_counter() - t0
             self.stats.step = step
-            if self._group is None or self._buddy < 0 or (self._buddy == _rank() and not self._sources):
+            if pending is None and not self._partners():
                 return
-            self._thread = threading.Thread(target=self._exchange, args=(self.own, ready), daemon=True,
+            self._thread = threading.Thread(target=self._background, args=(piece, ready, pending), daemon=True,
                                             name="rankwatch-snapshot")
             self._thread.start()
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops training
             self.stats.failures += 1
             log.warning("rankwatch: peer snapshot at step %d failed: %s", step, exc)
+
+    def _partners(self) -> bool:
+        return not (self._group is None or self._buddy < 0 or (self._buddy == _rank() and not self._sources))
+
+    def _launch(self, entries: list[dict], tensors: list, buf: Any, job: Job | None) -> Any:
+        """On a GPU (not run on this project's CPU machines): the copy into the pinned buffer,
+        enqueued without a host synchronisation; returns its event.  With ``job``, on a side
+        stream that starts after the step's work, and the next optimizer step's work waits for
+        it on the device; else on the current stream, ahead of the next step's kernels."""
+        import torch
+
+        if job is None:
+            copy_into(entries, tensors, buf, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            return ready
+        side = self._stream = getattr(self, "_stream", None) or torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            copy_into(entries, tensors, buf, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        before_next_step(job, lambda: torch.cuda.current_stream().wait_event(ready))
+        return ready
+
+    def _copy_done(self) -> None:
+        """Before the next optimizer step: wait for the background copy (the step's stall)."""
+        t0 = time.perf_counter()
+        if self._copied is not None and not self._copied.wait(60.0):
+            log.warning("rankwatch: the peer snapshot's copy took over 60 s; the step goes on")
+        self.stats.copy_seconds += time.perf_counter() - t0
+
+    def _background(self, own: Piece, ready: Any, pending: tuple | None) -> None:
+        c0 = time.thread_time()
+        try:
+            if pending is not None:
+                try:
+                    copy_into(*pending, own.payload, non_blocking=False)
+                    self.own = own
+                finally:
+                    self._copied.set()
+            if self._partners():
+                self._exchange(own, ready)
+        except Exception as exc:  # noqa: BLE001 - a snapshot never stops training
+            self.stats.failures += 1
+            log.warning("rankwatch: peer snapshot at step %d failed: %s", own.step, exc)
+        finally:
+            self.stats.work_seconds = time.thread_time() - c0
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the exchange in flight; False if it is still running after ``timeout``."""
@@ -298,12 +330,6 @@ class PeerSnapshots:
     def memory_bytes(self) -> int:
         """Host bytes the snapshots hold (own and copies, with the buffers kept for reuse)."""
         return sum(b.numel() for b in self._spare.values())
-
-
-def _copy_in(job: Job, entries: list[dict], buf: Any, non_blocking: bool) -> None:
-    """Copy the job's tensors into ``buf`` at the places ``entries`` (its :func:`layout`) give."""
-    for e, (_, _, _, t, _) in zip(entries, _tensors(job)):
-        buf[e["at"]:e["at"] + e["bytes"]].view(t.dtype).view(t.shape).copy_(t, non_blocking=non_blocking)
 
 
 def _rank() -> int:

@@ -253,7 +253,7 @@ class Batch(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., dropped_total: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., steps: _Optional[_Union[StepColumns, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryRecord, _Mapping]]] = ..., exit: _Optional[_Union[ExitRecord, _Mapping]] = ..., mesh: _Optional[_Union[MeshUpdate, _Mapping]] = ..., expert_loads: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., snapshot: _Optional[_Union[SnapshotStats, _Mapping]] = ...) -> None: ...
 
 class SnapshotStats(_message.Message):
-    __slots__ = ("step", "memory_bytes", "sent_bytes", "send_seconds", "copy_seconds", "exchanges", "failures")
+    __slots__ = ("step", "memory_bytes", "sent_bytes", "send_seconds", "copy_seconds", "exchanges", "failures", "every", "reason", "work_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,9 @@ class SnapshotStats(_message.Message):
     COPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXCHANGES_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    EVERY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     memory_bytes: int
     sent_bytes: int
@@ -268,7 +271,10 @@ class SnapshotStats(_message.Message):
     copy_seconds: float
     exchanges: int
     failures: int
-    def __init__(self, step: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., send_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
+    every: int
+    reason: int
+    work_seconds: float
+    def __init__(self, step: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., send_seconds: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., exchanges: _Optional[int] = ..., failures: _Optional[int] = ..., every: _Optional[int] = ..., reason: _Optional[int] = ..., work_seconds: _Optional[float] = ...) -> None: ...
 
 class MeshUpdate(_message.Message):
     __slots__ = ("mesh_coords", "mesh_shape")
