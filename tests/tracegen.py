@@ -61,6 +61,22 @@ def _emit(out: dict[str, list], rank: int, step: int, op: str, kind: str, start:
         out[c].append(v)
 
 
+def _layers(out: dict[str, list], n: int, dur: float, rank: int, step: int, op: str, start: float,
+            dp: int, pp: int, mb: int) -> None:
+    """``n`` compute operations of ``dur`` each, one after another, as one chunk of rows."""
+    if n == 1:
+        _emit(out, rank, step, op, "compute", start, dur, dp, pp, mb)
+        return
+    starts = start + dur * np.arange(n)
+    for c, v in zip(COLUMNS, (rank, step, op, "compute", starts, dur, dp, pp, mb, -1, "", -1)):
+        out[c].append(np.full(n, v) if c != "start" else v)
+
+
+def columns(cols: dict[str, list]) -> dict[str, np.ndarray]:
+    """The generated columns as arrays (chunks of rows flattened)."""
+    return {c: np.concatenate([np.atleast_1d(np.asarray(x)) for x in v]) for c, v in cols.items()}
+
+
 def _factor(job: Job, rng: np.random.Generator, rank: int, stage: int, step: int, work: float) -> float:
     f = work * float(np.exp(rng.normal(0.0, job.noise)))
     if stage == job.pp - 1:
@@ -91,10 +107,8 @@ def _replica(job: Job, rng: np.random.Generator, step: int, d: int, t: np.ndarra
                     _emit(out, rank[s], step, f"recv_{direction}", "p2p", arrive, end - arrive, d, s, m, rank[src], "", seq)
                     t[s] = end
                 f = _factor(job, rng, rank[s], s, step, work)
-                for layer in range(job.layers):
-                    dur = cost * f / job.layers
-                    _emit(out, rank[s], step, f"{direction}_layer", "compute", t[s], dur, d, s, m)
-                    t[s] += dur
+                _layers(out, job.layers, cost * f / job.layers, rank[s], step, f"{direction}_layer", t[s], d, s, m)
+                t[s] += cost * f
                 dst = s + step_dir
                 if 0 <= dst < P:
                     posted[(s, m)] = t[s]
@@ -122,6 +136,8 @@ def write(job: Job, path: str) -> str:
     import pyarrow.parquet as pq
 
     cols = generate(job)
+    if job.layers > 1:
+        cols = columns(cols)   # type: ignore[assignment]
     table = pa.table(cols)
     if path.endswith(".parquet"):
         pq.write_table(table, path)
@@ -130,7 +146,8 @@ def write(job: Job, path: str) -> str:
     else:
         import gzip
         import json
-        rows = ("".join(json.dumps(dict(zip(COLUMNS, r))) + "\n" for r in zip(*cols.values())))
+        rows = ("".join(json.dumps(dict(zip(COLUMNS, (x.item() if hasattr(x, "item") else x for x in r)))) + "\n"
+                        for r in zip(*cols.values())))
         opener = gzip.open if path.endswith(".gz") else open
         with opener(path, "wt") as f:  # type: ignore[operator]
             f.write(rows)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -42,17 +43,24 @@ def offline_config(sm: StepMatrix, base: StragglerConfig | None = None) -> Strag
                                hold_seconds=min(cfg.hold_seconds, 0.1 * wall))
 
 
-def _work(sm: StepMatrix, k: int) -> Iterator[RankWork]:
+def _rolling_median(x: np.ndarray, n: int) -> np.ndarray:
+    """(R, S): each cell the median of the row's last ``n`` finite values up to it."""
+    padded = np.concatenate([np.full((x.shape[0], n - 1), np.nan), x], axis=1)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmedian(np.lib.stride_tricks.sliding_window_view(padded, n, axis=1), axis=2)
+
+
+def _work(sm: StepMatrix, k: int, step_seconds: np.ndarray) -> Iterator[RankWork]:
     lo = max(0, k + 1 - HISTORY)
-    span = sm.span[:, lo:k + 1]
     late = None if np.isnan(sm.late).all() else sm.late
+    known = np.isfinite(sm.own[:, k])
     for i, rank in enumerate(sm.ranks.tolist()):
-        known = np.isfinite(sm.own[i, lo:k + 1])
-        if not known.any():
+        if not known[i]:
             continue
         yield RankWork(rank=rank, node=sm.nodes[i], step=int(sm.steps[k]), own=sm.own[i, lo:k + 1],
                        data=sm.data[i, lo:k + 1], wait=sm.wait[i, lo:k + 1],
-                       step_seconds=float(np.median(span[i][known][-16:])), completed=k + 1,
+                       step_seconds=float(step_seconds[i, k]), completed=k + 1,
                        start=list(sm.start[i, lo:k + 1]), late=None if late is None else list(late[i, lo:k + 1]),
                        role=int(sm.role[i]))
 
@@ -61,8 +69,9 @@ def stragglers(sm: StepMatrix, cfg: StragglerConfig) -> list[dict]:
     """Every straggler flag raised over the recording, as ``status --json`` incidents."""
     det = StragglerDetector(cfg=cfg)
     out = []
+    step_seconds = _rolling_median(sm.span, 16)
     for k in range(len(sm.steps)):
-        for ev in det.update(list(_work(sm, k))):
+        for ev in det.update(list(_work(sm, k, step_seconds))):
             if ev.kind != "flagged":
                 continue
             detail = straggler_detail(ev, cfg.window, "job")

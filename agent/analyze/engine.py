@@ -11,6 +11,7 @@ import numpy as np
 
 from rankwatch.agent.analyze import detectors
 from rankwatch.agent.analyze.replay import MAX_RANKS, replay
+from rankwatch.agent.analyze.step_graph import ReplayError
 from rankwatch.agent.analyze.steps import StepMatrix, step_matrix
 from rankwatch.agent.analyze.table import OpTable
 from rankwatch.agent.detect.consequence import consequences
@@ -46,7 +47,11 @@ def analyze(t: OpTable, cfg: StragglerConfig | None = None, whatif: bool = True)
     }
     if whatif:
         flagged = [inc["rank"] for inc in incidents if inc["kind"] == "straggler"]
-        rep = replay(t, dict(zip(sm.ranks.tolist(), sm.role.tolist())), candidates(sm, flagged))
+        try:
+            rep = replay(t, dict(zip(sm.ranks.tolist(), sm.role.tolist())), candidates(sm, flagged))
+        except ReplayError as e:
+            out["replay"] = {"ok": False, "error": None, "note": f"cannot be replayed: {e}"}
+            return out
         out["whatif"], out["replay"] = rep.whatif, rep.to_json()
         out["incidents"], out["dismissed"] = _vetted(incidents, rep.whatif)
     return out

@@ -43,6 +43,8 @@ pre { white-space: pre-wrap; background: #f7f8fa; padding: .5em; margin: .3em 0;
 svg text { font: 10px system-ui, sans-serif; fill: #4a5560; }
 .k-hang, .k-rank_exit { color: #c62828; } .k-straggler { color: #b7791f; }
 """
+_MEASURES = {"late_arrival": "Late arrival by rank and step",
+             "own_excess": "Own work over its role's median, by rank and step (the trace names no collective groups)"}
 _POLICY = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
@@ -69,7 +71,7 @@ def _section(title: str, body: str, ident: str) -> str:
 
 
 def _late(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 else None
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
 def _level(v: float, top: float) -> int:
@@ -94,7 +96,7 @@ def _heatmap(heat: dict[str, Any] | None, flagged: dict[int, str]) -> str:
     """The rank x step grid of late arrival: one ``rect`` a cell with ``data-rank``,
     ``data-step`` and ``data-late`` (seconds), rank labels coloured by the rank's state."""
     ranks, steps = list((heat or {}).get("ranks") or []), list((heat or {}).get("steps") or [])
-    rows = list((heat or {}).get("late") or [])
+    rows = list((heat or {}).get("values") or (heat or {}).get("late") or [])
     if not ranks or not steps:
         return '<p class="muted">no late arrival was measured (no collective the ranks share)</p>'
     values = [[_late(v) for v in (rows[i] if i < len(rows) else [])] for i in range(len(ranks))]
@@ -204,7 +206,8 @@ def _incidents(incidents: Sequence[dict[str, Any]]) -> str:
 
 def _findings(result: dict[str, Any]) -> str:
     b, wi, rp = result.get("bottleneck"), result.get("workload_imbalance"), result.get("replay") or {}
-    facts = [_fact("ranks", str(result.get("ranks", "–"))), _fact("steps", str(result.get("steps", "–")))]
+    facts = [_fact("ranks", str(result.get("ranks", "–"))), _fact("steps", str(result.get("steps", "–"))),
+             _fact("step time (median)", _secs(result.get("step_seconds")))]
     facts.append(_fact("bottleneck", f"{b.get('kind')} {_pct(b.get('share'))}" if b else "–"))
     facts.append(_fact("workload imbalance (share of the step)", _pct(wi.get("share")) if wi else "none"))
     facts.append(_fact("replay error", _pct(rp.get("error")) if rp else "–"))
@@ -220,6 +223,14 @@ def _findings(result: dict[str, Any]) -> str:
     return out
 
 
+def _dismissed(rows: Sequence[dict[str, Any]]) -> str:
+    """The stragglers the replay showed to be another rank's consequence, with why."""
+    if not rows:
+        return ""
+    items = "".join(f"<li>rank {_e(r.get('rank'))}: {_e(r.get('reason', ''))}</li>" for r in rows)
+    return f"<p>not stragglers (the replay shows them to be a consequence):</p><ul>{items}</ul>"
+
+
 def _plain(v: Any) -> str:
     return _num(v) if isinstance(v, float) else str(v)
 
@@ -229,14 +240,15 @@ def render(result: dict[str, Any]) -> str:
     incidents = list(result.get("incidents") or [])
     flagged = {i["rank"]: "straggler" if i.get("kind") == "straggler" else "hung"
                for i in incidents if isinstance(i.get("rank"), int) and i.get("kind") in ("straggler", "hang")}
+    heat = result.get("heatmap") or {}
     marked = ", ".join(f"rank {r} ({s})" for r, s in sorted(flagged.items()))
     parts = [
         _section("Findings", _findings(result), "findings"),
-        _section("Late arrival by rank and step", _heatmap(result.get("heatmap"), flagged)
+        _section(_MEASURES.get(heat.get("measure", ""), _MEASURES["late_arrival"]), _heatmap(heat, flagged)
                  + (f'<p>flagged: {_e(marked)}</p>' if marked else ""), "late"),
         _section("Pipeline stages", _pipeline(result.get("pipeline")), "pipeline"),
         _section("What if (replayed)", _whatif(result.get("whatif") or []), "whatif"),
-        _section("Incidents", _incidents(incidents), "incidents"),
+        _section("Incidents", _incidents(incidents) + _dismissed(result.get("dismissed") or []), "incidents"),
     ]
     return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f'<meta http-equiv="Content-Security-Policy" content="{_POLICY}">'

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rankwatch.agent.analyze.step_graph import StepGraph, build
+from rankwatch.agent.analyze.step_graph import ReplayError, StepGraph, build
 from rankwatch.agent.analyze.table import OpTable
 from rankwatch.agent.detect.work_scores import loo_median
 
@@ -75,7 +75,10 @@ def replay(t: OpTable, role_of: dict[int, int], candidates: list[int]) -> Replay
     ends: dict[int, tuple[float, np.ndarray]] = {}     # rank -> (measured end, replayed ends) of its last step
     for rows in np.split(order, bounds):
         origin = _chained(t, rows, ends)
-        g = build(t, rows, names_kind, origin)
+        try:
+            g = build(t, rows, names_kind, origin)
+        except ReplayError as e:
+            raise ReplayError(f"step {int(t.step[rows[0]])}: {e}") from None
         seg, tail = _scenarios(t, rows, g, role_of, cols)
         begin = np.stack([ends[r][1] for r in g.ranks.tolist()]) if origin is not None else None
         out_ends = _run(g, seg, tail, begin)
@@ -226,13 +229,11 @@ def _run(g: StepGraph, seg: np.ndarray, tail: np.ndarray, begin: np.ndarray | No
     slot_rank = g.rank_of_row[g.slot_row]
     end = np.zeros((m, C))
     arrive = np.zeros((m, C))
-    for lv in g.levels:
+    for lv, cuts, counts in zip(g.levels, g.cuts, g.counts):
         prev = g.slot_prev[lv]
         arr = np.where((prev >= 0)[:, None], end[np.maximum(prev, 0)], start[slot_rank[lv]]) + seg[g.slot_seg[lv]]
         arrive[lv] = arr
-        inst = g.slot_inst[lv]
-        cuts = np.flatnonzero(np.r_[True, inst[1:] != inst[:-1]])
-        top = np.repeat(np.maximum.reduceat(arr, cuts, axis=0), np.diff(np.r_[cuts, len(lv)]), axis=0)
+        top = np.repeat(np.maximum.reduceat(arr, cuts, axis=0), counts, axis=0)
         dep = g.slot_dep[lv]
         waits = dep >= 0
         if waits.any():

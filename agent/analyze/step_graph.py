@@ -57,6 +57,8 @@ class StepGraph:
     slot_inst: np.ndarray        # (m,) its instance (slots that end together)
     tail: np.ndarray             # (m,) measured end less the instance's last arrival
     levels: list[np.ndarray]     # slots per level, sorted by instance
+    cuts: list[np.ndarray]       # per level, where each instance's slots begin in it
+    counts: list[np.ndarray]     # per level, each instance's slots
     last_slot: np.ndarray        # (R,) each rank's last slot, -1 for none
     measured: float              # the step's time: first start to last end
     ends: np.ndarray             # (R,) each rank's measured end
@@ -112,7 +114,7 @@ def build(t: OpTable, rows: np.ndarray, names_kind: np.ndarray, origin_of: np.nd
     return StepGraph(rank_of_row=rank_of_row, ranks=ranks, gap=gap, dur=dur, blocking=blocking, seg_of=seg_of,
                      tail_seg=tail_seg, n_seg=int(seg_base[-1] + slots_in_rank[-1] + 1), slot_row=slot_row,
                      slot_seg=seg_of[slot_row], slot_prev=slot_prev, slot_dep=dep, slot_inst=inst, tail=tail,
-                     levels=_levels(slot_prev, dep, inst), last_slot=last_slot,
+                     **_levels(slot_prev, dep, inst), last_slot=last_slot,
                      measured=float(end.max() - origin), ends=_rank_ends(end, rank_of_row, len(ranks)), unpaired=int(((t.kind[rows] == _COLLECTIVE)
                                                                         | (t.kind[rows] == _P2P)).sum() - m))
 
@@ -164,12 +166,13 @@ def _instances(key: np.ndarray, direction: np.ndarray) -> tuple[np.ndarray, np.n
     return inst.ravel(), dep
 
 
-def _levels(prev: np.ndarray, dep: np.ndarray, inst: np.ndarray) -> list[np.ndarray]:
+def _levels(prev: np.ndarray, dep: np.ndarray, inst: np.ndarray) -> dict[str, list[np.ndarray]]:
     """Slots grouped by level (each slot one above everything it waits on), each level's
-    slots sorted by instance.  Raises :class:`ReplayError` on a cycle."""
+    slots sorted by instance, with where each instance begins and its size.  Raises
+    :class:`ReplayError` on a cycle."""
     m = len(prev)
     if not m:
-        return []
+        return {"levels": [], "cuts": [], "counts": []}
     lvl = np.zeros(m, np.int64)
     has_prev, has_dep = prev >= 0, dep >= 0
     for _ in range(min(m, _MAX_DEPTH) + 1):
@@ -181,8 +184,10 @@ def _levels(prev: np.ndarray, dep: np.ndarray, inst: np.ndarray) -> list[np.ndar
         new = top[inst]
         if np.array_equal(new, lvl):
             order = np.lexsort((inst, lvl))
-            cuts = np.flatnonzero(np.diff(lvl[order])) + 1
-            return np.split(order, cuts)
+            levels = np.split(order, np.flatnonzero(np.diff(lvl[order])) + 1)
+            cuts = [np.flatnonzero(np.concatenate(([True], inst[lv][1:] != inst[lv][:-1]))) for lv in levels]
+            counts = [np.diff(np.append(c, len(lv))) for c, lv in zip(cuts, levels)]
+            return {"levels": levels, "cuts": cuts, "counts": counts}
         lvl = new
     raise ReplayError(f"the step's pairings form a cycle or are more than {_MAX_DEPTH} deep "
                       "(a collective or P2P that waits on itself)")

@@ -35,6 +35,8 @@ MAX_NAME = 128
 """Op, group and node names are cut to this many characters."""
 
 INT_OPTIONAL = ("dp", "pp", "tp", "ep", "cp", "microbatch", "peer", "seq", "bytes")
+WIDE = ("seq", "bytes")
+"""The optional integer columns kept as int64; the others (and ``rank``) fit int32."""
 
 
 class TraceError(ValueError):
@@ -97,29 +99,35 @@ def checked(t: OpTable, first_row: int = 1) -> OpTable:
 
 
 def concat(parts: list[OpTable], source: str = "") -> OpTable:
-    """One table of ``parts`` (their names merged; indices remapped)."""
+    """One table of ``parts`` (their names merged; indices remapped).  The parts are consumed:
+    each column is freed as soon as it is joined, so the rows are held about once."""
     if not parts:
         raise TraceError(source or "(no input)", "no operations were read")
     names: dict[str, int] = {}
-    def remap(t: OpTable, a: np.ndarray | None, n: int) -> np.ndarray:
-        if a is None:
-            return np.full(n, NOT_SET, np.int32)
-        lut = np.array([names.setdefault(s, len(names)) for s in t.names] or [0], np.int32)
-        return np.where(a >= 0, lut[np.clip(a, 0, None)], NOT_SET).astype(np.int32)
-    ops, nodes, groups = [], [], []
-    for t in parts:
-        ops.append(remap(t, t.op, len(t)))
-        nodes.append(remap(t, t.node, len(t)))
-        groups.append(remap(t, t.group, len(t)))
-    keys = sorted({k for t in parts for k in t.ints})
-    ints = {k: np.concatenate([t.ints.get(k, np.full(len(t), NOT_SET, np.int64)) for t in parts]) for k in keys}
+    luts = [np.array([names.setdefault(s, len(names)) for s in t.names] or [0], np.int32) for t in parts]
+    sizes = [len(t) for t in parts]
+
+    def joined(attr: str, fill: int | None = None, key: str | None = None) -> np.ndarray:
+        cols = []
+        for t, lut, n in zip(parts, luts, sizes):
+            a = t.ints.pop(key, None) if key else getattr(t, attr)
+            if a is None:
+                a = np.full(n, NOT_SET, np.int32 if fill is None else np.int64)
+            elif fill is None and attr in ("op", "node", "group"):
+                a = np.where(a >= 0, lut[np.clip(a, 0, None)], NOT_SET).astype(np.int32)
+            cols.append(a)
+            if not key:
+                setattr(t, attr, None)
+        return np.concatenate(cols)
+
     has = any(t.node is not None for t in parts), any(t.group is not None for t in parts)
-    return OpTable(rank=np.concatenate([t.rank for t in parts]), step=np.concatenate([t.step for t in parts]),
-                   op=np.concatenate(ops), kind=np.concatenate([t.kind for t in parts]),
-                   start=np.concatenate([t.start for t in parts]),
-                   duration=np.concatenate([t.duration for t in parts]), names=list(names),
-                   node=np.concatenate(nodes) if has[0] else None, group=np.concatenate(groups) if has[1] else None,
-                   ints=ints, source=source or ", ".join(t.source for t in parts))
+    keys = sorted({k for t in parts for k in t.ints})
+    out = OpTable(rank=joined("rank"), step=joined("step"), op=joined("op"), kind=joined("kind"),
+                  start=joined("start"), duration=joined("duration"), names=list(names),
+                  node=joined("node") if has[0] else None, group=joined("group") if has[1] else None,
+                  source=source or ", ".join(t.source for t in parts))
+    out.ints = {k: joined("ints", fill=NOT_SET, key=k) for k in keys}
+    return out
 
 
 def short(s: object) -> str:

@@ -23,7 +23,9 @@ import pyarrow.csv as pcsv
 import pyarrow.json as pjson
 import pyarrow.parquet as pq
 
-from rankwatch.agent.analyze.table import INT_OPTIONAL, KINDS, NOT_SET, OpTable, TraceError, checked, concat
+from rankwatch.agent.analyze.table import (
+    INT_OPTIONAL, KINDS, LIMITS, NOT_SET, WIDE, OpTable, TraceError, checked, concat,
+)
 
 __all__ = ["MAX_OPS", "SUFFIXES", "read_trace"]
 
@@ -129,11 +131,23 @@ def _columns(batch: pa.RecordBatch, path: str, first_row: int) -> OpTable:
         i = int(np.flatnonzero(kind < 0)[0])
         raise TraceError(path, f"{kind_names[i].as_py()!r} is not one of {', '.join(KINDS)}", first_row + i, "kind")
     have = {c for c in have if batch.column(c).null_count < len(batch)}   # a column no row fills is absent
-    ints = {k: batch.column(k).cast(pa.int64()).fill_null(NOT_SET).to_numpy() for k in INT_OPTIONAL if k in have}
-    return OpTable(rank=need("rank").to_numpy(), step=need("step").to_numpy(), op=encoded(need("op")), kind=kind,
+    ints = {k: _ints(batch.column(k), k) for k in INT_OPTIONAL if k in have}
+    return OpTable(rank=_narrow(need("rank").to_numpy(), "rank"), step=need("step").to_numpy(), op=encoded(need("op")), kind=kind,
                    start=need("start").to_numpy(), duration=need("duration").to_numpy(), names=names,
                    node=encoded(batch.column("node")) if "node" in have else None,
                    group=encoded(batch.column("group")) if "group" in have else None, ints=ints, source=path)
+
+
+def _ints(a: pa.Array, name: str) -> np.ndarray:
+    return _narrow(a.cast(pa.int64()).fill_null(NOT_SET).to_numpy(), name)
+
+
+def _narrow(x: np.ndarray, name: str) -> np.ndarray:
+    """int32 where the field's range allows and the values fit (out-of-range values keep
+    int64, so that :func:`~.table.checked` reports them as they are)."""
+    if name in WIDE or not x.size or x.max() > LIMITS[name][1] or x.min() < NOT_SET:
+        return x
+    return x.astype(np.int32)
 
 
 def _locate(path: str, fmt: str, error: Exception) -> TraceError:

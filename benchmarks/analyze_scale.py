@@ -1,0 +1,64 @@
+"""``rankwatch analyze`` at production scale: 128 ranks x 50 steps x 1,000 operations per rank-step.
+
+A trace of a data x pipeline parallel job (32 x 4, 8 microbatches, 60 compute operations per
+microbatch and direction, P2P between stages, a DP all-reduce per stage; one rank 30 % slower
+from step 10) is simulated (tests/tracegen.py) and written as Parquet and as gzipped JSON
+Lines.  Each is analysed by the CLI in a fresh process: its wall time and peak memory
+(the child's maximum resident set) are printed, with what it named.
+
+    python benchmarks/analyze_scale.py [--runs 3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import tracegen  # noqa: E402
+
+JOB = tracegen.Job(dp=32, pp=4, steps=50, microbatches=8, layers=60, slow_rank=77, slow_from=10)
+
+
+def measure(path: str) -> tuple[float, float, dict]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "analyze", path, "--json"],
+                         capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss   # KiB, the largest child so far
+    return wall, max(peak, before) / 1024 ** 2, json.loads(out.stdout)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--dir", default=None)
+    args = p.parse_args()
+    d = args.dir or tempfile.mkdtemp(prefix="analyze-scale-")
+    t0 = time.perf_counter()
+    paths = [tracegen.write(JOB, os.path.join(d, "job.parquet")), tracegen.write(JOB, os.path.join(d, "job.jsonl.gz"))]
+    print(f"generated in {time.perf_counter() - t0:.1f} s: " +
+          ", ".join(f"{Path(x).name} {os.path.getsize(x) / 1e6:.0f} MB" for x in paths))
+    for path in paths:
+        walls, peaks, r = [], [], {}
+        for _ in range(args.runs):
+            wall, peak, r = measure(path)
+            walls.append(wall)
+            peaks.append(peak)
+        named = [(i["kind"], i["rank"], i["detail"].get("cause")) for i in r["incidents"]]
+        print(f"{Path(path).name}: {r['operations']:,} operations, median {statistics.median(walls):.1f} s "
+              f"(runs {', '.join(f'{w:.1f}' for w in walls)}), peak RSS {max(peaks):.2f} GiB; named {named}; "
+              f"what-if {r['whatif'][:2]}; replay error {r['replay']['error']:.2%}")
+
+
+if __name__ == "__main__":
+    main()
