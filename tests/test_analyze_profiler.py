@@ -233,3 +233,17 @@ def test_a_profiled_job_reads_as_both_ranks_steps_and_paired_collectives(profile
     slow, fast = own_seconds(t, SLOW_RANK, after), own_seconds(t, 1 - SLOW_RANK, after)
     assert slow > 2 * fast, (slow, fast)
     assert own_seconds(t, SLOW_RANK, before) < 1.5 * own_seconds(t, 1 - SLOW_RANK, before)
+
+
+@pytest.mark.e2e
+def test_analyze_names_the_slowed_rank_in_the_profiled_job(profiled_job):
+    done = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "analyze", str(profiled_job), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert (out["ranks"], out["steps"]) == (2, LAST - FIRST)
+    stragglers = [(i["rank"], i["detail"]["cause"]) for i in out["incidents"] if i["kind"] == "straggler"]
+    assert stragglers == [(SLOW_RANK, "compute")], out["incidents"]
+    ranks = [w for w in out["whatif"] if w["kind"] == "rank"]
+    assert ranks[0]["what"] == SLOW_RANK and ranks[0]["speedup"] > 1.3, ranks
+    assert out["replay"]["ok"] and not math.isnan(out["replay"]["error"]), out["replay"]
