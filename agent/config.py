@@ -8,6 +8,7 @@ from rankwatch.address import Address
 from rankwatch.agent.job.coordinator import PolicyConfig
 from rankwatch.agent.job.election import parse_endpoints
 from rankwatch.agent.rpc.limits import StreamLimits
+from rankwatch.agent.durable.steplog import DEFAULT_MAX_BYTES
 from rankwatch.agent.gpu import GpuConfig
 from rankwatch.agent.detect.hang_verdict import HangConfig
 from rankwatch.agent.node.rankexit import ExitConfig
@@ -48,6 +49,8 @@ class AgentConfig:
             coordinator's setting).
         job_nodes: how many nodes the job has, if known (0: not known); a big job's agents
             spread their first syncs by it (:func:`~.pacing.first_sync_delay`).
+        history_bytes: the most bytes its ranks' step history keeps in ``<state_dir>/history``
+            (:mod:`.durable.steplog`; oldest files deleted first); 0 keeps none.
     """
 
     def __init__(self, *, node_id: str, listen: list[Address], metrics_port: int | None = 9478,
@@ -59,7 +62,7 @@ class AgentConfig:
                  advertise: str | None = None, tls: TlsConfig | None = None,
                  streams: StreamLimits | None = None, rank_grace: float = 60.0,
                  status_max_ranks: int = DEFAULT_MAX_RANKS, relay: RelayConfig | None = None,
-                 job_nodes: int = 0) -> None:
+                 job_nodes: int = 0, history_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if not listen:
             raise ValueError("AgentConfig.listen needs at least one address")
         if election is not None:
@@ -72,6 +75,8 @@ class AgentConfig:
                 raise ValueError("an election needs a TCP address the other agents reach (--listen HOST:PORT)")
         if not 0 <= job_nodes <= 1_000_000:
             raise ValueError(f"AgentConfig.job_nodes {job_nodes} out of range (0 to 1,000,000)")
+        if history_bytes < 0:
+            raise ValueError(f"AgentConfig.history_bytes {history_bytes} must be 0 (none) or more")
         if status_max_ranks < 1:
             raise ValueError(f"AgentConfig.status_max_ranks {status_max_ranks} must be at least 1")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -94,6 +99,7 @@ class AgentConfig:
         self.streams = streams or StreamLimits()
         self.relay = relay or RelayConfig()
         self.job_nodes = job_nodes
+        self.history_bytes = history_bytes
 
     def client_credentials(self) -> ClientCredentials:
         """What this agent presents when it calls another agent (its coordinator)."""

@@ -62,7 +62,8 @@ from rankwatch.agent.job.relay import Relay
 from rankwatch.agent.node.sweep import NodeWatch
 from rankwatch.agent.rpc.servicer import ServiceParts, Servicer
 from rankwatch.agent.wire.ranges import clean_text
-from rankwatch.agent.node.intake import NodeState, RankState, Rejected
+from rankwatch.agent.node.intake import OPS, NodeState, RankState, Rejected
+from rankwatch.agent.durable.steplog import StepLog
 from rankwatch.proto import pb
 from rankwatch.status import status_dict
 
@@ -81,6 +82,8 @@ class Agent:
         """This agent's instance id: its summaries carry it, nothing shows it (:mod:`.job.claims`)."""
         self.incidents = IncidentLog(config.state_dir / "incidents.jsonl" if config.state_dir else None)
         self.state.incidents = self.incidents.items
+        self.history = StepLog.attach(self.state, config.state_dir, OPS, config.history_bytes)
+        """Its ranks' step history in the state directory (None: none kept)."""
         self.decision_log = DecisionLog(config.state_dir / "decisions.jsonl" if config.state_dir else None)
         self.watch = NodeWatch(self.state, self.incidents, hang=config.hang, straggler=config.straggler,
                                exits=config.exits, gpu_throttle=self.gpu_throttle_for_rank)
@@ -187,6 +190,8 @@ class Agent:
             self._final_exits()
             self._snapshots.write()  # the last view, for status and diagnose once the agent is gone
         self.servers.stop_grpc(grace)
+        if self.history is not None:
+            self.history.close()
         if self._otel is not None:
             self._otel.shutdown()
         self.servers.stop()
@@ -271,7 +276,8 @@ class Agent:
     # -- what it shows ------------------------------------------------------------
     def status(self, request: pb.StatusRequest | None = None) -> pb.StatusResponse:
         """The agent's ``Status`` answer (:func:`answer.status_response`)."""
-        return answer.status_response(self.state, self.job, storage_report(self.incidents, self.decision_log),
+        storage = storage_report(self.incidents, self.decision_log, self.history)
+        return answer.status_response(self.state, self.job, storage,
                                      metrics_port=self.metrics_port, max_ranks=self.config.status_max_ranks,
                                      request=request, bottleneck=self.shown_bottleneck(),
                                      balance=self.balance.shown())

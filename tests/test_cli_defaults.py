@@ -56,6 +56,7 @@ FIELDS: dict[tuple[str, str], tuple[type, str]] = {
     ("agent", "relay_busy_hold_seconds"): (RelayConfig, "busy_hold_seconds"),
     ("agent", "job_nodes"): (AgentConfig, "job_nodes"),
     ("agent", "status_max_ranks"): (AgentConfig, "status_max_ranks"),
+    ("agent", "history_bytes"): (AgentConfig, "history_bytes"),
 }
 # What the app reads of a parsed value, where that is not the value itself.
 READ = {("agent", "gpu_source"): lambda parsed: parsed[0]}   # (source, script)

@@ -88,7 +88,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                                                whole_every_steps=args.relay_whole_every_steps,
                                                long_wait_spread_seconds=args.relay_long_wait_spread_seconds,
                                                busy_hold_seconds=args.relay_busy_hold_seconds),
-                             job_nodes=args.job_nodes)
+                             job_nodes=args.job_nodes, history_bytes=args.history_bytes)
     except ValueError as exc:
         print(f"rankwatch agent: {exc}", file=sys.stderr)
         return 2

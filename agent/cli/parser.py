@@ -176,6 +176,10 @@ def _agent_node(a: argparse.ArgumentParser) -> None:
     a.add_argument("--state-dir", type=Path, default=None,
                    help="keep incidents, decisions and the last status view here "
                         "(default $RANKWATCH_STATE_DIR, else /tmp/rankwatch-<uid>/<node-id>)")
+    history = default(AgentConfig, "history_bytes")
+    a.add_argument("--history-bytes", type=int, default=history, metavar="N",
+                   help=f"keep at most N bytes of the ranks' step history in <state-dir>/history, "
+                        f"oldest deleted first; 0 keeps none (default {history:,})")
 
 
 def _agent_detectors(a: argparse.ArgumentParser) -> None:

@@ -35,12 +35,14 @@ class FileHealth:
         return not self.last_error
 
 
-def storage_report(incidents: Any, decisions: Any) -> dict[str, FileHealth]:
+def storage_report(incidents: Any, decisions: Any, history: Any = None) -> dict[str, FileHealth]:
     """``{file name: its health}`` of the agent's logs that have a file (none without a state dir).
 
     Args:
         incidents: the incident log (``IncidentLog``).
         decisions: the decision log (``DecisionLog``).
+        history: the ranks' step history (``StepLog``, or None): its rows written, waiting,
+            dropped (a full queue or a failed write) and deleted to keep its bound.
     """
     out = {}
     for name, log in (("incidents", incidents), ("decisions", decisions)):
@@ -49,4 +51,9 @@ def storage_report(incidents: Any, decisions: Any) -> dict[str, FileHealth]:
             out[name] = FileHealth(path=str(w.path), last_error=w.last_error, written=w.written,
                                    spooled=w.spooled, failures=w.failures, spool_dropped=w.dropped,
                                    bound_dropped=getattr(log, "file_dropped", 0))
+    if history is not None:
+        f = history.files
+        out["history"] = FileHealth(path=str(history.directory), last_error=f.last_error, written=f.written_rows,
+                                    spooled=history.queued, failures=f.failures,
+                                    spool_dropped=history.dropped + f.dropped_rows, bound_dropped=f.deleted_rows)
     return out
