@@ -58,7 +58,8 @@ def test_the_first_nodes_loss_leaves_the_job_training(tmp_path, etcd):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     with Cluster(tmp_path, 3, ("--min-nodes", "2"), election=etcd) as c:
         wait_for(lambda: c.agents[0].status()["coordinator"], 15, what="n0 holding the seat (it started first)")
-        jobs = [c.torchrun(i, "2:3", 1, "--steps", str(STEPS), "--log-every", "0", "--step-sleep", "0.02",
+        jobs = [c.torchrun(i, "2:3", 1, "--steps", str(STEPS), "--log-every", "0",
+                           "--no-in-process-recovery", "--step-sleep", "0.02",
                            "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "20", "--metrics-out", str(out),
                            launcher="rankwatch", etcd=etcd) for i in range(3)]
         ranks = wait_for(lambda: (rs := [r for i in range(3) for r in _own(c, i)]) and len(rs) == 3
@@ -113,7 +114,8 @@ def test_a_new_coordinator_names_and_excludes_a_later_fault(tmp_path, etcd):
     the generation only grows."""
     ckpt = tmp_path / "ckpt"
     with Cluster(tmp_path, 3, ("--min-nodes", "2"), election=etcd) as c:
-        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0", "--step-sleep", "0.02",
+        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0",
+                           "--no-in-process-recovery", "--step-sleep", "0.02",
                            "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "20",
                            launcher="rankwatch", etcd=etcd, launcher_args=("--monitor-interval", "0.1"))
                 for i in range(3)]
@@ -173,7 +175,8 @@ def test_training_never_stops_when_an_etcd_member_dies(tmp_path):
         wait_for(lambda: cluster.leader() == 2, 10, what="member e2 leading")
         election = ",".join(cluster.endpoints)
         with Cluster(tmp_path, 2, ("--min-nodes", "1"), election=election) as c:
-            jobs = [c.torchrun(i, "1:2", 1, "--steps", "250", "--log-every", "0", "--step-sleep", "0.02",
+            jobs = [c.torchrun(i, "1:2", 1, "--steps", "250", "--log-every", "0",
+                               "--no-in-process-recovery", "--step-sleep", "0.02",
                                launcher="rankwatch", etcd=cluster.endpoints[0]) for i in range(2)]
             ranks = wait_for(lambda: (rs := _own(c, 0) + _own(c, 1)) and len(rs) == 2
                              and all(r["step"] >= 40 for r in rs) and rs, 180, what="both nodes past step 40")

@@ -31,7 +31,7 @@ def running(cluster, min_step):
 def start(cluster, *n1_args, steps="400", n0_too=False):
     """The job on both nodes; ``n1_args`` on n1 alone, or on both with ``n0_too``."""
     for node in (0, 1):
-        cluster.torchrun(node, "2", 1, "--steps", steps, "--log-every", "0",
+        cluster.torchrun(node, "2", 1, "--steps", steps, "--log-every", "0", "--no-in-process-recovery",
                          *(n1_args if node == 1 or n0_too else ()))
 
 

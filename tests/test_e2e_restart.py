@@ -32,7 +32,7 @@ _RDZV_SPARE = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=
 def test_hung_node_is_excluded_and_the_job_continues_without_it(tmp_path):
     ck = tmp_path / "ck"
     with Cluster(tmp_path, 3, ("--min-nodes", "2")) as c:
-        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0",
+        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0", "--no-in-process-recovery",
                            "--checkpoint-dir", str(ck), "--checkpoint-interval", "20",
                            launcher="rankwatch", rdzv_conf=_RDZV, launcher_args=_LAUNCH)
                 for i in range(3)]
@@ -106,7 +106,7 @@ def test_gpu_risk_checkpoints_and_a_fatal_xid_excludes_the_node(tmp_path):
     with Cluster(tmp_path, 3, ("--min-nodes", "2"), node_args={
             1: script("n1", [{"at": 24, "gpu": 0, "ecc": {"corrected": 4}}]),
             2: script("n2", [{"at": 36, "gpu": 0, "xid": 79}])}) as c:
-        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0",
+        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0", "--no-in-process-recovery",
                            "--checkpoint-dir", str(ck), launcher="rankwatch", rdzv_conf=_RDZV,
                            launcher_args=_LAUNCH) for i in range(3)]
 
@@ -147,7 +147,7 @@ def test_dead_node_is_excluded_and_refused_when_it_returns(tmp_path):
     # on the dead peer, so torchrun restarts them: one --max-restarts each).  A torchrun
     # started again on n2 is refused by the rendezvous and leaves cleanly.
     ck = tmp_path / "ck"
-    args = ("--steps", "100000", "--log-every", "0", "--checkpoint-dir", str(ck),
+    args = ("--steps", "100000", "--log-every", "0", "--no-in-process-recovery", "--checkpoint-dir", str(ck),
             "--checkpoint-interval", "20")
     launch = ("--max-restarts", "1", "--monitor-interval", "0.1")
     with Cluster(tmp_path, 3, ("--min-nodes", "2")) as c:
@@ -238,7 +238,7 @@ def test_a_hot_spare_takes_the_excluded_nodes_place(tmp_path):
     # the spare joins the next round and the world is three ranks again.
     ck = tmp_path / "ck"
     with Cluster(tmp_path, 4, ("--min-nodes", "2")) as c:
-        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0",
+        jobs = [c.torchrun(i, "2:3", 1, "--steps", "100000", "--log-every", "0", "--no-in-process-recovery",
                            "--checkpoint-dir", str(ck), "--checkpoint-interval", "20",
                            launcher="rankwatch", rdzv_conf=_RDZV_SPARE, launcher_args=_LAUNCH)
                 for i in range(4)]
