@@ -107,34 +107,29 @@ def _finite(x: np.ndarray) -> np.ndarray:
 
 
 def hang(t: OpTable, sm: StepMatrix) -> list[dict]:
-    """A hang at the recording's end: its ranks stop at different sequence numbers of a group."""
+    """A hang at the recording's end: a group's last collective was issued by fewer of its
+    members than its others were, and the members that issued it wait in it."""
     seq = t.column("seq")
     if t.group is None or seq is None:
         return []
-    coll = (t.kind == KINDS.index("collective")) & (t.group != NOT_SET) & (seq != NOT_SET)
-    if not coll.any():
+    coll = np.flatnonzero((t.kind == KINDS.index("collective")) & (t.group != NOT_SET) & (seq != NOT_SET))
+    if not coll.size:
         return []
-    seqs: dict[int, dict[str, int]] = {}
-    for r, g, q in zip(t.rank[coll].tolist(), t.group[coll].tolist(), seq[coll].tolist()):
-        d = seqs.setdefault(r, {})
-        name = t.names[g]
-        d[name] = max(d.get(name, -1), q)
-    groups: dict[str, set[int]] = {}
-    for d in seqs.values():
-        for name, q in d.items():
-            groups.setdefault(name, set()).add(q)
-    if all(len(v) == 1 for v in groups.values()):
+    seqs, inflight = _last_collectives(t, coll, seq)
+    if not inflight:
         return []
     cfg = HangConfig()
     ends = np.nanmax(sm.end, axis=1)
     now = float(np.nanmax(ends))
-    ranks = [RankProgress(rank=r, node=sm.nodes[i], step=int(sm.steps[np.flatnonzero(np.isfinite(sm.end[i]))[-1]]),
-                          step_seconds=float(np.nanmedian(sm.span[i])), steps_completed=int(np.isfinite(sm.end[i]).sum()),
-                          activity="train", progress_at=float(ends[i]), last_seen=now, connected=True,
-                          group_seqs=seqs.get(r, {}), own=_finite(sm.own[i]), data=_finite(sm.data[i]),
-                          wait=_finite(sm.wait[i]), role=int(sm.role[i]))
-             for i, r in enumerate(sm.ranks.tolist())]
-    later = now + max(cfg.allowance(r) for r in ranks) + 1.0
+    later = now + 3600.0   # judged an hour on: past any allowance, every rank heard, none progressing
+    ranks = []
+    for i, r in enumerate(sm.ranks.tolist()):
+        done = np.flatnonzero(np.isfinite(sm.end[i]))
+        ranks.append(RankProgress(
+            rank=r, node=sm.nodes[i], step=int(sm.steps[done[-1]]), step_seconds=float(np.nanmedian(sm.span[i])),
+            steps_completed=len(done), activity="train", progress_at=float(ends[i]), last_seen=later, connected=True,
+            group_seqs=seqs.get(r, {}), inflight=inflight.get(r), own=_finite(sm.own[i]), data=_finite(sm.data[i]),
+            wait=_finite(sm.wait[i]), role=int(sm.role[i])))
     verdict = detect_hang(later, ranks, cfg)
     if verdict is None:
         return []
@@ -142,3 +137,26 @@ def hang(t: OpTable, sm: StepMatrix) -> list[dict]:
     return [{"kind": "hang", "node": c.node, "rank": c.rank, "step": c.step, "detected_at": round(now, 6),
              "detail": {"collective": verdict.collective, "alive": None, "stacks": None, "reason": verdict.reason,
                         "offline": True}}]
+
+
+def _last_collectives(t: OpTable, coll: np.ndarray, seq: np.ndarray) -> tuple[dict, dict]:
+    """Each rank's last sequence number per group, and the ranks inside a group's last
+    collective when fewer members issued it than issued the group's others (``inflight``)."""
+    assert t.group is not None
+    g, q, r = t.group[coll], seq[coll], t.rank[coll]
+    seqs: dict[int, dict[str, int]] = {}
+    inflight: dict[int, dict] = {}
+    for gid in np.unique(g).tolist():
+        mine = g == gid
+        gq, gr = q[mine], r[mine]
+        members = np.unique(gr)
+        last = int(gq.max())
+        issued = np.unique(gr[gq == last])
+        name = t.names[gid]
+        for rank in members.tolist():
+            seqs.setdefault(rank, {})[name] = int(gq[gr == rank].max())
+        if len(issued) < len(members):
+            op = t.names[int(t.op[coll][mine][gq == last][0])]
+            for rank in issued.tolist():
+                inflight[rank] = {"op": op, "group": name, "seq": last, "since": 0.0}
+    return seqs, inflight

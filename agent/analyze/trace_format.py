@@ -152,8 +152,10 @@ def _narrow(x: np.ndarray, name: str) -> np.ndarray:
 
 def _locate(path: str, fmt: str, error: Exception) -> TraceError:
     """The first row and field a reader refused, found by reading the rows one by one."""
+    seen = False
     try:
         for row, record in _records(path, fmt):
+            seen = True
             for col, typ in zip(_SCHEMA.names, _SCHEMA.types):
                 value = record.get(col)
                 if value in (None, "") and col not in _REQUIRED:
@@ -165,6 +167,8 @@ def _locate(path: str, fmt: str, error: Exception) -> TraceError:
         return TraceError(path, f"not JSON ({getattr(e, 'msg', e)})", getattr(e, "row", None))
     except (OSError, EOFError, csv.Error) as e:
         return TraceError(path, f"cannot be read: {e}")
+    if not seen:
+        return TraceError(path, "holds no operations")
     return TraceError(path, f"unreadable: {str(error).splitlines()[0][:200]}")
 
 
