@@ -81,7 +81,7 @@ def parse_profiler(path: str) -> ProfilerTrace:
     main = (steps[0][4], steps[0][5])
     comms = _communication(events, main)
     base = doc.get("baseTimeNanoseconds")
-    base_us = (int(base) - ORIGIN_NS) / 1e3 if _is_number(base) else 0.0
+    base_us = (int(base) - ORIGIN_NS) / 1e3 if isinstance(base, (int, float)) and _is_number(base) else 0.0
     rows = _rows(events, steps, main, comms)
     table, launched = _table(path, rows, rank, doc, base_us)
     return ProfilerTrace(table=checked(table, 0), rank=rank, world_size=world,
@@ -291,7 +291,7 @@ def _pairing(e: tuple, ordinal: int, fallback: str) -> tuple[str, int, int, int]
                   if args.get(k) not in (None, "", "undefined")), fallback)
     seq = args.get("Seq")
     seq = seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else ordinal
-    nelems = max((args.get(k) for k in ("In msg nelems", "Out msg nelems") if isinstance(args.get(k), int)),
+    nelems = max((int(args[k]) for k in ("In msg nelems", "Out msg nelems") if isinstance(args.get(k), int)),
                  default=None)
     size = nelems * _DTYPE_BYTES.get(str(args.get("dtype")), 0) if nelems is not None else 0
     op = _op_name(e[0] if e[0] != "record_param_comms" else str(args.get("Collective name", e[0])))
@@ -334,7 +334,7 @@ def _table(path: str, rows: list[tuple], rank: int, doc: dict, base_us: float) -
 def _kernel_seconds(events: list[tuple], launched: list[tuple], n: int) -> np.ndarray:
     """Per row, the time of the ``nccl`` GPU kernels launched inside it (NaN where none)."""
     out = np.full(n, np.nan)
-    kernels = {}
+    kernels: dict[Any, list[float]] = {}
     for e in events:
         if e[1] == "kernel" and "nccl" in e[0].lower() and isinstance(e[6], dict):
             kernels.setdefault(e[6].get("correlation"), []).append(e[3])

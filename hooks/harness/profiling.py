@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["PROFILE_DIR_ENV", "PROFILE_STEPS_ENV", "StepProfiler", "profiled_steps"]
@@ -64,7 +65,7 @@ def window(text: str | None) -> tuple[int, int]:
     return first, last
 
 
-def profiled_steps(rank: int, env: dict[str, str] | None = None) -> StepProfiler:
+def profiled_steps(rank: int, env: Mapping[str, str] | None = None) -> StepProfiler:
     """A started profiler for ``rank`` when ``RANKWATCH_PROFILE_DIR`` is set in ``env``
     (default: this process's environment), else a no-op :class:`StepProfiler`."""
     env = os.environ if env is None else env
