@@ -18,7 +18,7 @@ import pytest
 import tracegen
 from rankwatch.agent.analyze.engine import analyze
 from rankwatch.agent.analyze.readers import read_paths
-from rankwatch.agent.analyze.steps import step_matrix
+from rankwatch.agent.analyze.rank_steps import step_matrix
 from rankwatch.agent.analyze.table import TraceError
 from rankwatch.agent.analyze.trace_format import read_trace
 from rankwatch.agent.detect.consequence import consequences

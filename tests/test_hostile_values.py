@@ -272,7 +272,7 @@ def test_markup_and_control_characters_never_reach_the_terminal(agent, channel):
 def test_views_escape_every_wire_string():
     from rich.console import Console
 
-    from rankwatch.agent.cli.tables import rank_table, timeline
+    from rankwatch.agent.cli.status_tables import rank_table, timeline
 
     rank = {"rank": 0, "node": "[/n]\x1b[2J", "pid": 1, "mesh": {"[/x]": 0}, "step": 1, "step_seconds": 0.1,
             "phase_seconds": {}, "collectives": 0, "dropped": 0, "slowdown": 1.0, "state": "[/s]",

@@ -222,7 +222,7 @@ def test_reports_of_one_recovery_match_by_step_worlds_outcome_and_time():
 
 def test_the_timeline_and_the_demo_feed_tell_a_recovery_in_one_line():
     from rankwatch.agent.cli.screen import DemoNotes, feed
-    from rankwatch.agent.cli.tables import brief
+    from rankwatch.agent.cli.status_tables import brief
 
     detail = {"tier": "in_process", "ok": False, "step": 7, "old_world_size": 4, "new_world_size": 3,
               "dropped_nodes": ["n2"], "phases": {"left_step": 0.25}, "error": "peer gone", "started_at": 5.0}

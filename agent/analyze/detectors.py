@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from rankwatch.agent.analyze.steps import StepMatrix
+from rankwatch.agent.analyze.rank_steps import StepMatrix
 from rankwatch.agent.analyze.table import KINDS, NOT_SET, OpTable
 from rankwatch.agent.detect.bottleneck import BottleneckConfig, BottleneckState, combine, decide, rank_part
 from rankwatch.agent.detect.evaluate import straggler_detail

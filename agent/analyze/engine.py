@@ -12,7 +12,7 @@ import numpy as np
 from rankwatch.agent.analyze import detectors
 from rankwatch.agent.analyze.replay import MAX_RANKS, replay
 from rankwatch.agent.analyze.step_graph import ReplayError
-from rankwatch.agent.analyze.steps import StepMatrix, step_matrix
+from rankwatch.agent.analyze.rank_steps import StepMatrix, step_matrix
 from rankwatch.agent.analyze.table import OpTable
 from rankwatch.agent.detect.consequence import consequences
 from rankwatch.agent.detect.straggler import StragglerConfig

@@ -236,7 +236,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from rankwatch.agent.cli.tables import conflicts_line, latency_table, rank_table, recovery_table
+        from rankwatch.agent.cli.status_tables import conflicts_line, latency_table, rank_table, recovery_table
 
         console = Console(width=None if sys.stdout.isatty() else 140)
         console.print(rank_table(status))
@@ -333,8 +333,14 @@ def _cmd_certs(args: argparse.Namespace) -> int:
     return certs.run(args)
 
 
-_COMMANDS = {"agent": _cmd_agent, "run": _cmd_run, "status": _cmd_status,
-             "diagnose": _cmd_diagnose, "checkpoint": _cmd_checkpoint, "demo": _cmd_demo, "certs": _cmd_certs}
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from rankwatch.agent.cli import analyze_cmd
+
+    return analyze_cmd.run(args)
+
+
+_COMMANDS = {"agent": _cmd_agent, "run": _cmd_run, "status": _cmd_status, "diagnose": _cmd_diagnose,
+             "checkpoint": _cmd_checkpoint, "demo": _cmd_demo, "certs": _cmd_certs, "analyze": _cmd_analyze}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -59,7 +59,7 @@ from rankwatch.agent.cli.run import DEFAULT_METRICS_PORT
 from rankwatch.agent.durable.safedir import UnsafeDirectory, check_default
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.agent.detect.straggler import StragglerConfig
-from rankwatch.agent.cli.tables import goodput_line, rank_table, timeline
+from rankwatch.agent.cli.status_tables import goodput_line, rank_table, timeline
 from rankwatch.status import AgentUnreachable, fetch_status, reachable
 
 __all__ = ["run_demo"]

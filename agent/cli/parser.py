@@ -131,9 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Subcommand)
     for add in (_agent_parser, _run_parser, _status_parser, _diagnose_parser, _checkpoint_parser, _demo_parser):
         add(sub)
-    from rankwatch.agent.cli import certs
+    from rankwatch.agent.cli import analyze_cmd, certs
 
     certs.add_parser(sub)
+    analyze_cmd.add_parser(sub)
     return p
 
 

@@ -24,10 +24,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from rankwatch.agent.cli.tables import shown
+from rankwatch.agent.cli.status_tables import shown
 
 from rankwatch.agent.cli.story import recovery_line
-from rankwatch.agent.cli.tables import brief
+from rankwatch.agent.cli.status_tables import brief
 
 __all__ = ["DemoNotes", "GLOO_TIMEOUT_SECONDS", "HANG_ALLOWANCE_SECONDS", "HANG_STEP", "feed", "next_line",
            "progress_line", "screen", "versus_torchrun"]
