@@ -181,6 +181,18 @@ def test_the_sniff_reads_only_the_start(tmp_path):
     assert not is_profiler_trace(str(tmp_path / "e.json.gz"))
 
 
+def test_the_harness_profiles_only_when_asked_and_names_a_bad_window():
+    from rankwatch.hooks.harness.profiling import StepProfiler, profiled_steps, window
+
+    off = profiled_steps(0, env={})
+    assert isinstance(off, StepProfiler) and not off.active
+    off.step()  # a no-op
+    assert window(None) == (5, 45) and window("1:3") == (1, 3)
+    for bad in ("5", "a:b", "0:4", "9:9"):
+        with pytest.raises(ValueError, match="RANKWATCH_PROFILE_STEPS"):
+            window(bad)
+
+
 # --- a real job ---------------------------------------------------------------------------
 
 FIRST, LAST, ONSET, SLOW_RANK = 5, 45, 15, 1
