@@ -12,7 +12,7 @@ import pytest
 
 from rankwatch.agent.node.starvation import StarvationTracker, critical_run_delays
 from rankwatch.agent.detect.straggler import RankWork, StragglerConfig, StragglerDetector, cost_ratio, score
-from rankwatch.agent.detect.work_scores import _loo_median
+from rankwatch.agent.detect.step_window import loo_median as _loo_median
 
 CFG = StragglerConfig(warmup_steps=0, hold_seconds=1.0)  # the mechanism at a 1 s hold (the default is longer)
 N = 64  # steps the agent keeps per rank

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -58,8 +59,8 @@ def _work(sm: StepMatrix, k: int, step_seconds: np.ndarray) -> Iterator[RankWork
     for i, rank in enumerate(sm.ranks.tolist()):
         if not known[i]:
             continue
-        yield RankWork(rank=rank, node=sm.nodes[i], step=int(sm.steps[k]), own=sm.own[i, lo:k + 1],
-                       data=sm.data[i, lo:k + 1], wait=sm.wait[i, lo:k + 1],
+        yield RankWork(rank=rank, node=sm.nodes[i], step=int(sm.steps[k]), own=_seq(sm.own[i, lo:k + 1]),
+                       data=_seq(sm.data[i, lo:k + 1]), wait=_seq(sm.wait[i, lo:k + 1]),
                        step_seconds=float(step_seconds[i, k]), completed=k + 1,
                        start=list(sm.start[i, lo:k + 1]), late=None if late is None else list(late[i, lo:k + 1]),
                        role=int(sm.role[i]))
@@ -102,8 +103,13 @@ def bottleneck(sm: StepMatrix) -> dict | None:
             "step_seconds": round(v.part.step, 6), "scope": "job"}
 
 
-def _finite(x: np.ndarray) -> np.ndarray:
-    return x[np.isfinite(x)]
+def _finite(x: np.ndarray) -> Sequence[float]:
+    return _seq(x[np.isfinite(x)])
+
+
+def _seq(x: np.ndarray) -> Sequence[float]:
+    """An array where the detectors take a sequence of floats (they index and convert it)."""
+    return cast(Sequence[float], x)
 
 
 def hang(t: OpTable, sm: StepMatrix) -> list[dict]:

@@ -16,7 +16,7 @@ from rankwatch.agent.analyze.rank_steps import StepMatrix, step_matrix
 from rankwatch.agent.analyze.table import OpTable
 from rankwatch.agent.detect.consequence import consequences
 from rankwatch.agent.detect.straggler import StragglerConfig
-from rankwatch.agent.detect.work_scores import loo_median
+from rankwatch.agent.detect.step_window import loo_median
 from rankwatch.agent.detect.workload import workload_imbalance
 from rankwatch.agent.views.work_spread import pipeline_pb
 from rankwatch.status import pipeline_dict

@@ -73,15 +73,15 @@ def step_matrix(t: OpTable) -> StepMatrix:
     for a in (start, end, wait, data):
         a[missing] = np.nan
     shape = (R, S)
-    start, end, wait, data = (a.reshape(shape) for a in (start, end, wait, data))
-    own = np.maximum((end - start) - wait, 0.0)
+    first, last, blocked, loading = (a.reshape(shape) for a in (start, end, wait, data))
+    own = np.maximum((last - first) - blocked, 0.0)
     pp = t.column("pp")
     role = np.zeros(R, np.int64)
     staged = pp is not None and bool((pp != NOT_SET).any())
     if staged:
         assert pp is not None
         np.maximum.at(role, ri, np.where(pp == NOT_SET, 0, pp))
-    return StepMatrix(ranks=ranks, steps=steps, start=start, end=end, own=own, wait=wait, data=data,
+    return StepMatrix(ranks=ranks, steps=steps, start=first, end=last, own=own, wait=blocked, data=loading,
                       late=_late(t, ri, si, shape), role=role, staged=staged, nodes=_nodes(t, ri, R))
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from rankwatch.agent.analyze.step_graph import ReplayError, StepGraph, build
 from rankwatch.agent.analyze.table import OpTable
-from rankwatch.agent.detect.work_scores import loo_median
+from rankwatch.agent.detect.step_window import loo_median
 
 __all__ = ["MAX_OPS", "MAX_RANKS", "TOLERANCE", "Replay", "replay"]
 

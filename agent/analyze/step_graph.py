@@ -85,7 +85,7 @@ def build(t: OpTable, rows: np.ndarray, names_kind: np.ndarray, origin_of: np.nd
     blocking = key[:, 0] >= 0
     # Segments: per rank, one before each slot and a tail; a row adds to the segment of the
     # next slot at or after it (a slot's own gap too).
-    before = np.cumsum(blocking) - blocking                      # slots before each row (global)
+    before: np.ndarray = np.cumsum(blocking) - blocking                      # slots before each row (global)
     rank_first_slot = np.zeros(len(ranks), np.int64)
     starts_at = np.flatnonzero(first)
     rank_first_slot[rank_of_row[starts_at]] = before[starts_at]

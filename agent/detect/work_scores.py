@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from rankwatch.agent.detect.attribution import cause_of
+from rankwatch.agent.detect.step_window import (
+    RankWork, StepWindow, last_steps, loo_median, peer_median, recent_window, tail_medians,
+)
 from rankwatch.knobs import require_positive
 
 __all__ = ["CAUSES", "GpuThrottle", "RankWork", "Score", "StragglerConfig", "cost_ratio", "eligible",
@@ -82,36 +85,6 @@ class StragglerConfig:
             raise ValueError("StragglerConfig.cause_share must be in (0, 1]")
 
 
-@dataclass(kw_only=True)
-class RankWork:
-    """One rank's recent steps, oldest first; the last entry of each list is step ``completed``.
-
-    ``delay`` (run delay of the training thread per step), ``comm_delay`` (run delay of
-    the threads that run its collectives per step, :mod:`.starvation`) and ``start`` (Unix
-    time each step began) may be shorter or absent; they are used where they cover the window.
-    """
-
-    rank: int
-    node: str
-    step: int
-    own: Sequence[float]
-    data: Sequence[float]
-    wait: Sequence[float]
-    step_seconds: float                   # median wall step time
-    completed: int = 1 << 30              # steps completed so far
-    delay: list[float] | None = None
-    start: list[float] | None = None
-    comm_delay: list[float] | None = None
-    gap: list[float] | None = None        # time before each step since the previous one ended
-    late: list[float] | None = None       # its late arrival at collectives per step (:mod:`.late_arrival`)
-    period: float = 0.0                   # start to start, as the rank's node measured it (0: unknown)
-    role: int = 0
-    """Ranks are compared only with ranks of the same role: their pipeline stage (stages differ
-    by design; a stage with no other rank has no peers and is not scored)."""
-    tokens: float = math.nan
-    """Tokens its local experts received per step, recently (a mixture of experts; NaN: none)."""
-
-
 def role_of(mesh_coords: Mapping[str, int] | None) -> int:
     """A rank's role from its mesh coordinates: its pipeline stage (``pp``), else 0."""
     return int((mesh_coords or {}).get("pp", 0))
@@ -132,83 +105,6 @@ class Score:
 GpuThrottle = Callable[[int], list[str]]
 
 
-@dataclass
-class StepWindow:
-    """The ranks' last ``n`` common steps as (ranks, n) arrays; NaN where a column is missing."""
-
-    own: np.ndarray
-    data: np.ndarray
-    delay: np.ndarray
-    start: np.ndarray
-    gap: np.ndarray
-    comm_delay: np.ndarray
-    late: np.ndarray
-    wait: np.ndarray
-    roles: np.ndarray | None = None
-    """Each row's role (:attr:`RankWork.role`); None: one role."""
-
-
-_COLUMNS = ("own", "data", "delay", "start", "gap", "comm_delay", "late", "wait")
-
-
-def recent_window(ranks: list[RankWork], last: int, n: int) -> StepWindow:
-    """The ranks' ``n`` steps up to step ``last``; NaN where a rank's column misses some."""
-    behind = [r.completed - last for r in ranks]      # steps each rank is past ``last``
-    roles = np.array([r.role for r in ranks]) if any(r.role for r in ranks) else None
-    return StepWindow(**{name: _column(ranks, name, behind, n) for name in _COLUMNS}, roles=roles)
-
-
-def _column(ranks: list[RankWork], name: str, behind: list[int], n: int) -> np.ndarray:
-    cols = [c if (c := getattr(r, name)) is not None else () for r in ranks]
-    if not any(len(c) for c in cols):   # a column no rank reports
-        return np.full((len(ranks), n), np.nan)
-    ends = [len(c) - b for c, b in zip(cols, behind)]   # index after step ``last``
-    if ranks and min(ends) >= n:   # the common case: every rank holds the steps, one conversion
-        return np.array([c[e - n:e] for c, e in zip(cols, ends)], dtype=float).reshape(len(ranks), n)
-    out = np.full((len(ranks), n), np.nan)
-    for i, (c, e) in enumerate(zip(cols, ends)):
-        part = c[max(0, e - n):max(0, e)]
-        if len(part):
-            out[i, n - len(part):] = part
-    return out
-
-
-def last_steps(w: StepWindow, n: int) -> StepWindow:
-    """The window's last ``n`` steps (a view)."""
-    return StepWindow(**{name: getattr(w, name)[:, -n:] for name in _COLUMNS}, roles=w.roles)
-
-
-def _peer_median(x: np.ndarray, roles: np.ndarray | None) -> np.ndarray:
-    """:func:`loo_median` within each role: the median of the other rows of the same role
-    (NaN for a row alone in its role)."""
-    if roles is None:
-        return loo_median(x)
-    out = np.full(x.shape, np.nan)
-    for role in np.unique(roles):
-        rows = np.flatnonzero(roles == role)
-        if len(rows) > 1:
-            out[rows] = loo_median(x[rows])
-    return out
-
-
-def loo_median(x: np.ndarray) -> np.ndarray:
-    """Per column, the median of every *other* row's value: (ranks, steps) -> same shape."""
-    n = x.shape[0] - 1
-    order = np.argsort(x, axis=0)
-    s = np.take_along_axis(x, order, axis=0)
-    pos = np.empty_like(order)
-    np.put_along_axis(pos, order, np.arange(x.shape[0])[:, None].repeat(x.shape[1], 1), axis=0)
-
-    def kth(k: int) -> np.ndarray:
-        # the k-th smallest of the others: skip the row's own sorted position
-        idx = np.where(k < pos, k, k + 1)
-        return np.take_along_axis(s, idx, axis=0)
-
-    if n % 2:
-        return kth(n // 2)
-    return 0.5 * (kth(n // 2 - 1) + kth(n // 2))
-
-
 def _effective(w: StepWindow) -> np.ndarray:
     """Own work plus how late the rank held the others up: its step's late start after the
     others' (where starts are known: a rank that leaves its collectives late), or its late
@@ -217,7 +113,7 @@ def _effective(w: StepWindow) -> np.ndarray:
     late = np.nan_to_num(w.late, nan=0.0)
     if not np.isfinite(w.start).any():
         return w.own + late
-    lag = np.nan_to_num(w.start - _peer_median(w.start, w.roles), nan=0.0)
+    lag = np.nan_to_num(w.start - peer_median(w.start, w.roles), nan=0.0)
     return w.own + np.maximum(np.maximum(lag, 0.0), late)
 
 
@@ -232,22 +128,7 @@ def log_ratios(w: StepWindow, clip: float) -> np.ndarray:
     others on millisecond steps, above the CUSUM's drift, and any burst was confirmed."""
     eff = _effective(w)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.clip(np.log(eff / _peer_median(eff, w.roles)), -clip, clip)
-
-
-def _tail_medians(x: np.ndarray, spans: np.ndarray) -> np.ndarray:
-    """Per row, the median of its last ``spans[row]`` finite values (NaN if none)."""
-    out = np.full(x.shape[0], np.nan)
-    for k in np.unique(spans):
-        rows = np.flatnonzero(spans == k)
-        block = x[rows, x.shape[1] - k:]
-        finite = np.isfinite(block)
-        whole = finite.all(axis=1)
-        if whole.any():
-            out[rows[whole]] = np.median(block[whole], axis=1)
-        for i in np.flatnonzero(~whole & finite.any(axis=1)):  # rare: a column partly missing
-            out[rows[i]] = np.median(block[i][finite[i]])
-    return out
+        return np.clip(np.log(eff / peer_median(eff, w.roles)), -clip, clip)
 
 
 def eligible(ranks: list[RankWork], cfg: StragglerConfig, last: int) -> list[RankWork]:
@@ -283,16 +164,16 @@ def score_window(full: list[RankWork], w: StepWindow, cfg: StragglerConfig, gpu_
     nothing = np.full(len(idx), np.nan)
 
     def excess(x: np.ndarray) -> np.ndarray:
-        return _tail_medians((x - _peer_median(x, w.roles))[idx], k) if np.isfinite(x).any() else nothing
+        return tail_medians((x - peer_median(x, w.roles))[idx], k) if np.isfinite(x).any() else nothing
 
     k = np.array([min(cfg.window, max(3, (spans or {}).get(full[i].rank, cfg.window))) for i in idx], dtype=int)
     own_all = w.own
-    base_all = _peer_median(own_all, w.roles)
+    base_all = peer_median(own_all, w.roles)
     own_w, base = own_all[idx], base_all[idx]
     with np.errstate(divide="ignore", invalid="ignore"):
-        slowdown = _tail_medians(own_w / base, k)
-    own, base_k = _tail_medians(own_w, k), _tail_medians(base, k)
-    own_excess = _tail_medians(own_w - base, k)
+        slowdown = tail_medians(own_w / base, k)
+    own, base_k = tail_medians(own_w, k), tail_medians(base, k)
+    own_excess = tail_medians(own_w - base, k)
     data_excess, delay_excess, lag = excess(w.data), excess(w.delay), excess(w.start)
     gap_excess, comm_delay_excess = excess(w.gap), excess(w.comm_delay)
     late = excess(w.late)   # arriving late at collectives; without stages, also the others' longer wait:
@@ -334,7 +215,7 @@ def _expert_load(full: list[RankWork], roles: np.ndarray | None) -> np.ndarray:
     if not np.isfinite(tokens).any():
         return np.full(len(full), np.nan)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return (tokens / _peer_median(tokens, roles))[:, 0]
+        return (tokens / peer_median(tokens, roles))[:, 0]
 
 
 def _starved(extra: float, ratio: float, comm_delay: float, step: float, base: float) -> tuple[float, float]:
