@@ -41,6 +41,7 @@ from rankwatch.agent.export.prom_bound import BoundCollector
 from rankwatch.agent.export.prom_pipeline import BalanceCollector
 from rankwatch.agent.export.web import page_routes
 from rankwatch.agent.views.live import LiveView
+from rankwatch.agent.views.step_bound import StepBound
 from rankwatch.agent.views.work_spread import BalanceWatch
 from rankwatch.agent.durable.storage import storage_report
 from rankwatch.agent.job.known import JobKnowledge
@@ -48,7 +49,6 @@ from rankwatch.agent.durable.statedir import Snapshots, write_pointer
 from rankwatch.agent.config import AgentConfig
 from rankwatch.agent.node.checkpoints import NodeCheckpoints
 from rankwatch.agent.gpu import GpuCollector, GpuMonitor, RankDevice
-from rankwatch.agent.detect.bottleneck import BottleneckWatch, combine
 from rankwatch.agent.detect.hang_side import hang_side
 from rankwatch.agent.node import makeup
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
@@ -107,32 +107,20 @@ class Agent:
                                 progress=self.progress, relay=lambda: self.relay)
         """What this agent knows of the job: the views and the job's exporter read it."""
         self.recoveries = RecoveryLog(config.node_id, self.incidents)
-        self.bottleneck = BottleneckWatch()
-        """What bounds this node's ranks' steps (:mod:`.detect.bottleneck`)."""
-        self.job_bottleneck = BottleneckWatch()
-        """What bounds the job's, from the nodes' summaries, while this agent coordinates."""
-        self._job_bottleneck_at = float("-inf")
+        self.bound = StepBound(self.is_coordinator)
+        """What bounds this node's ranks' steps, and the job's while coordinating (:mod:`.views.step_bound`)."""
         self.balance = BalanceWatch()
         """How the work falls over pipeline stages and experts (:mod:`.detect.imbalance`)."""
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(NodeCollector(self.state, lambda: self.watch.straggler_view, config.rank_grace))
-        self.registry.register(JobCollector(config.node_id, self.state.clock, self.job, self.recoveries))
-        self.registry.register(StorageCollector(config.node_id, self.incidents, self.decision_log))
-        self.registry.register(ExitCollector(config.node_id, lambda: self.watch.exit_counts))
-        self.registry.register(BoundCollector(config.node_id, self._bottlenecks))
-        self.registry.register(BalanceCollector(config.node_id, self.balance.findings))
-        self.registry.register(HostCollector(config.node_id, self._rank_pids))
         self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
         self.gpu_listeners = self.gpu.listeners  # called with every fatal and risk GpuEvent
         self.checkpoints = NodeCheckpoints(config.node_id, self.incidents, self.decision_log, self.commands,
                                            ask=self.checkpoint)
         self.gpu_listeners.append(self.checkpoints.on_gpu_event)
-        self.registry.register(GpuCollector(self.gpu))
         self.gate = Gate(config.token, config.streams, node=config.node_id,
                          on_unauthenticated=lambda method, peer: self.state.note_rejected(
                              Rejected("unauthenticated", f"{method} from {peer}")))
         self.gate.tls = config.tls is not None   # a Sync speaks only for its certificate's node
-        self.registry.register(GateCollector(config.node_id, self.gate))
+        self.registry = self._exporters()
         self.rank_streams = RankStreams(seat=self.gate.identify_report)
         self.servers = Listeners(config)
         self.peer_cred = self.servers.peer_cred
@@ -141,6 +129,19 @@ class Agent:
         self._otel: otel.OtelExport | None = None
         self._snapshots = Snapshots(config.state_dir, lambda: status_dict(self.status()),
                                     lambda: self.incidents.run_id)
+
+    def _exporters(self) -> CollectorRegistry:
+        """/metrics: each collector given what it reads."""
+        node = self.config.node_id
+        registry = CollectorRegistry(auto_describe=False)
+        for collector in (NodeCollector(self.state, lambda: self.watch.straggler_view, self.config.rank_grace),
+                          JobCollector(node, self.state.clock, self.job, self.recoveries),
+                          StorageCollector(node, self.incidents, self.decision_log),
+                          ExitCollector(node, lambda: self.watch.exit_counts),
+                          BoundCollector(node, self.bound.verdicts), BalanceCollector(node, self.balance.findings),
+                          HostCollector(node, self._rank_pids), GpuCollector(self.gpu), GateCollector(node, self.gate)):
+            registry.register(collector)
+        return registry
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
@@ -238,31 +239,12 @@ class Agent:
                 log.exception("detector error")
 
     def _check_bottleneck(self, now: float) -> None:
-        """What bounds the node's ranks' steps, every tick; the job's, once a second on the
-        coordinator (a node's make-up changes no faster than it syncs); the pipeline stages' and
-        experts' balance once a second (:mod:`.views.work_spread`)."""
-        self.bottleneck.update(now, makeup.node_part(self.state, self.bottleneck.cfg, self._gpu_utilization))
-        if not self.is_coordinator():
-            self.job_bottleneck.update(now, None)
-        if now - self._job_bottleneck_at >= 1.0:
-            self._job_bottleneck_at = now
-            coordinating = self.is_coordinator()
-            if coordinating:
-                self.job_bottleneck.update(now, combine(self.coordinator.view.makeups(now), self.job_bottleneck.cfg))
-            self.balance.update(self.state, self.coordinator.view if coordinating else None)
-
-    def shown_bottleneck(self) -> pb.Bottleneck | None:
-        """The job's bottleneck on the coordinator, else this node's ranks' (None: not enough steps)."""
-        if self.is_coordinator():
-            v, scope = self.job_bottleneck.verdict, "job"
-        else:
-            v, scope = self.bottleneck.verdict, "node"
-        return makeup.verdict_pb(v, scope) if v is not None else None
-
-    def _bottlenecks(self) -> list[tuple[str, Any]]:
-        """(scope, verdict) for /metrics: this node's ranks', and the job's while coordinating."""
-        job = [("job", self.job_bottleneck.verdict)] if self.is_coordinator() else []
-        return [("node", self.bottleneck.verdict), *job]
+        """What bounds the node's ranks' steps, every tick, and the job's once a second on the
+        coordinator (:mod:`.views.step_bound`); the pipeline stages' and experts' balance with
+        the job's (:mod:`.views.work_spread`)."""
+        node = makeup.node_part(self.state, self.bound.node.cfg, self._gpu_utilization)
+        if self.bound.update(now, node, lambda: self.coordinator.view.makeups(now)):
+            self.balance.update(self.state, self.coordinator.view if self.is_coordinator() else None)
 
     def _service_parts(self) -> ServiceParts:
         return ServiceParts(node_id=self.config.node_id, token=self.config.token, state=self.state,
@@ -279,14 +261,14 @@ class Agent:
         storage = storage_report(self.incidents, self.decision_log, self.history)
         return answer.status_response(self.state, self.job, storage,
                                      metrics_port=self.metrics_port, max_ranks=self.config.status_max_ranks,
-                                     request=request, bottleneck=self.shown_bottleneck(),
+                                     request=request, bottleneck=self.bound.shown(),
                                      balance=self.balance.shown())
 
     def summary(self, seq: int) -> pb.NodeSummary:
         """This node's compact summary for the coordinator (:func:`answer.node_summary`)."""
         return answer.node_summary(self.state, seq, decisions=self.decision_log.items, run_id=self.incidents.run_id,
                                   relay_address=self.relay.address if self.relay is not None else None,
-                                  step_period=self.watch.step_period, makeup=self.bottleneck.part,
+                                  step_period=self.watch.step_period, makeup=self.bound.node.part,
                                   instance=self.instance)
 
     def _observe_progress(self, now: float) -> None:
