@@ -30,7 +30,7 @@ from rankwatch.agent.rpc.gate import Gate
 from rankwatch.agent.rpc.identity import RankStreams
 from rankwatch.agent.rpc.listeners import Listeners
 from rankwatch.agent.job.coordinator import Coordinator
-from rankwatch.agent.job.decisions import Decision, DecisionLog
+from rankwatch.agent.durable.decisions import Decision, DecisionLog
 from rankwatch.agent.export.prom_host import HostCollector
 from rankwatch.agent.job import goodput
 from rankwatch.agent.views import answer
@@ -113,7 +113,7 @@ class Agent:
         """How the work falls over pipeline stages and experts (:mod:`.detect.imbalance`)."""
         self.gpu = GpuMonitor(config.node_id, config.gpu, self.incidents, self._rank_devices)
         self.gpu_listeners = self.gpu.listeners  # called with every fatal and risk GpuEvent
-        self.checkpoints = NodeCheckpoints(config.node_id, self.incidents, self.decision_log, self.commands,
+        self.checkpoints = NodeCheckpoints(config.node_id, self.incidents, self.decision_log, self.commands.done,
                                            ask=self.checkpoint)
         self.gpu_listeners.append(self.checkpoints.on_gpu_event)
         self.gate = Gate(config.token, config.streams, node=config.node_id,

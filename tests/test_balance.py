@@ -13,7 +13,7 @@ from rankwatch.agent.detect.imbalance import BalanceConfig, Stage, experts, pipe
 from rankwatch.agent.durable.incidents import IncidentLog
 from rankwatch.agent.export.prom_pipeline import BalanceCollector
 from rankwatch.agent.job.coordinator import Coordinator
-from rankwatch.agent.job.decisions import DecisionLog
+from rankwatch.agent.durable.decisions import DecisionLog
 from rankwatch.agent.job.goodput import StepProgress
 from rankwatch.agent.job.known import JobKnowledge
 from rankwatch.agent.node.intake import OPS, NodeState

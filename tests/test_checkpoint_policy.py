@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rankwatch.agent.job.checkpoint_due import (MAX_LEAD_STEPS, MIN_LEAD_STEPS, RISK_EVERY_SECONDS, evictions_due, risk_due,
+from rankwatch.agent.detect.checkpoint_due import (MAX_LEAD_STEPS, MIN_LEAD_STEPS, RISK_EVERY_SECONDS, evictions_due, risk_due,
                                                save_step, wants_eviction)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import AgentProcess, wait_for
 from etcdcluster import EtcdCluster
-from rankwatch.agent.job.decisions import DecisionLog
+from rankwatch.agent.durable.decisions import DecisionLog
 from rankwatch.agent.job.election import Election, EtcdDecisions, parse_endpoints
 
 pytestmark = [pytest.mark.e2e, pytest.mark.light]

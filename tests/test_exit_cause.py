@@ -1,5 +1,5 @@
 """How a worker ended (agent/node/exit_cause.py) and which exit is the job's root cause
-(agent/job/root_cause.py): pure decisions, over real evidence where it can be made here
+(agent/detect/root_cause.py): pure decisions, over real evidence where it can be made here
 (a real faulthandler dump, real files); plus the checks on what reaches the agent about it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from rankwatch.agent.job.root_cause import ExitView, exit_view, is_consequence, root_causes
+from rankwatch.agent.detect.root_cause import ExitView, exit_view, is_consequence, root_causes
 from rankwatch.agent.node.exit_cause import HOWS, classify, error_file_exception, parse_fault_text
 from rankwatch.agent.node.exit_evidence import (ExitEvidence, check_exit_record, check_worker_exits, oom_kills,
                                                read_fault_file)
@@ -243,7 +243,7 @@ def _inc(id_, node, rank, step, at, **detail):
 
 
 def test_the_story_of_a_lost_node_tells_the_node_first_then_the_consequences():
-    from rankwatch.agent.cli.postmortem import tell_exit
+    from rankwatch.agent.views.postmortem import tell_exit
 
     lost = dict(how="node_lost", why="its agent went silent", pid=22, started_at=100.0, last_heard=100.2,
                 root_cause="rank_exit-n0-5", evidence=["node_death"])
@@ -267,7 +267,7 @@ def test_the_story_of_a_lost_node_tells_the_node_first_then_the_consequences():
 
 
 def test_an_agent_holding_only_consequences_says_so_and_never_failed_first():
-    from rankwatch.agent.cli.postmortem import tell_exit
+    from rankwatch.agent.views.postmortem import tell_exit
 
     incidents = [_inc("rank_exit-n1-1", "n1", 1, 31, 101.5, **PEER, pid=21, started_at=100.5,
                       root_cause="rank_exit-n1-1"),

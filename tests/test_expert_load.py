@@ -10,7 +10,7 @@ import pytest
 
 from rankwatch.agent.detect.straggler import StragglerDetector
 from rankwatch.agent.detect.work_scores import RankWork, StragglerConfig, score
-from rankwatch.agent.job.checkpoint_due import wants_eviction
+from rankwatch.agent.detect.checkpoint_due import wants_eviction
 from rankwatch.agent.node.intake import OPS, NodeState, Rejected
 from rankwatch.agent.views.answer import node_summary
 from rankwatch.agent.wire import summary as check_sync

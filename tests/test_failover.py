@@ -15,7 +15,7 @@ import pytest
 from conftest import wait_for
 from rankwatch.address import Address
 from rankwatch.status import fetch_status
-from rankwatch.agent.job.decisions import DecisionLog
+from rankwatch.agent.durable.decisions import DecisionLog
 from rankwatch.agent.server import Agent, AgentConfig
 
 

@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 
 from conftest import parse_metrics
 from rankwatch.address import Address
-from rankwatch.agent.job.decisions import Decision
+from rankwatch.agent.durable.decisions import Decision
 from rankwatch.agent.job.goodput import KINDS, Progress, StepProgress, breakdown
 from rankwatch.agent.durable.incidents import Incident
 from rankwatch.agent.server import Agent, AgentConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rankwatch.agent.detect.hang_verdict import HangConfig
 from rankwatch.agent.durable.incidents import IncidentLog
-from rankwatch.agent.job.decisions import DecisionLog
+from rankwatch.agent.durable.decisions import DecisionLog
 from rankwatch.agent.job.global_view import JobView
 from rankwatch.agent.job.hang_watch import HangWatch
 from rankwatch.agent.job.loadmeter import LoadMeter

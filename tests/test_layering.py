@@ -99,3 +99,36 @@ def test_the_check_sees_every_form_of_import(tmp_path, source, package, want):
     path = tmp_path / "m.py"
     path.write_text(source + "\n")
     assert want in imported_modules(path, package)
+
+
+# The agent's folders, lowest first: a module imports only from its own folder and the folders
+# before it, so no import runs back up (type-only imports too).  ``config.py`` (the parts'
+# configurations composed) and ``server.py`` (the parts wired) sit above the folders they
+# compose, and the command line above everything: it starts the agent.
+AGENT_ORDER = ("wire", "detect", "durable", "gpu", "node", "job", "rpc", "views", "export", "analyze",
+               "config", "server", "cli")
+
+
+def _folder_imports() -> dict[str, set[str]]:
+    """Per agent module (``folder/name.py``), the agent folders (or top modules) it imports."""
+    out: dict[str, set[str]] = {}
+    for path in modules("agent"):
+        rel = path.relative_to(ROOT / "agent")
+        if len(rel.parts) < 2:
+            continue
+        dst = {m.split(".")[2] for m in imported_modules(path, dotted(path))
+               if m.startswith("rankwatch.agent.") and m.count(".") >= 2}
+        out[str(rel)] = dst
+    return out
+
+
+def test_the_agent_folders_import_only_downwards():
+    rank = {name: i for i, name in enumerate(AGENT_ORDER)}
+    found = {}
+    for module, targets in _folder_imports().items():
+        folder = module.split("/")[0]
+        assert folder in rank, f"{folder}/ is not in AGENT_ORDER: place it"
+        up = sorted(t for t in targets if t != folder and rank.get(t, len(AGENT_ORDER)) > rank[folder])
+        if up:
+            found[module] = up
+    assert found == {}

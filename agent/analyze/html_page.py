@@ -4,7 +4,7 @@
 SVG, no script, and a Content-Security-Policy that refuses every request.  It computes nothing
 of its own: the heatmap is the object's ``heatmap`` (each rank's late arrival per step), the
 stages its ``pipeline``, the what-if table its ``whatif``, and an incident's story is the text
-``rankwatch diagnose`` prints (:func:`rankwatch.agent.cli.story.tell`).  Every string from the
+``rankwatch diagnose`` prints (:func:`rankwatch.agent.views.story.tell`).  Every string from the
 input goes through :func:`html.escape`.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
-from rankwatch.agent.cli.story import tell
+from rankwatch.agent.views.story import tell
 
 __all__ = ["PALETTE", "render"]
 

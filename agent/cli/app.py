@@ -276,7 +276,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(chosen, indent=2))
         return 0
-    from rankwatch.agent.cli.story import tell
+    from rankwatch.agent.views.story import tell
 
     print(tell(chosen, incidents))
     others = [i["id"] for i in incidents if i is not chosen]

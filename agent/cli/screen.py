@@ -26,7 +26,7 @@ from rich.text import Text
 
 from rankwatch.agent.cli.status_tables import shown
 
-from rankwatch.agent.cli.story import recovery_line
+from rankwatch.agent.views.story import recovery_line
 from rankwatch.agent.cli.status_tables import brief
 
 __all__ = ["DemoNotes", "GLOO_TIMEOUT_SECONDS", "HANG_ALLOWANCE_SECONDS", "HANG_STEP", "feed", "next_line",

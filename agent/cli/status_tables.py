@@ -14,7 +14,7 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from rankwatch.agent.cli.story import recovery_line
+from rankwatch.agent.views.story import recovery_line
 from rankwatch.agent.wire.ranges import clean_text
 
 __all__ = ["bottleneck_line", "brief", "conflicts_line", "goodput_line", "latency_table", "rank_table", "recovery_table", "timeline"]

@@ -17,7 +17,7 @@ from rankwatch.agent.job.goodput import KINDS
 if TYPE_CHECKING:
     from rankwatch.agent.durable.incidents import Incident
     from rankwatch.agent.job.coordinator import Coordinator
-    from rankwatch.agent.job.decisions import Decision
+    from rankwatch.agent.durable.decisions import Decision
     from rankwatch.agent.job.known import JobKnowledge
     from rankwatch.agent.job.relay import Relay
     from rankwatch.agent.node.recoveries import RecoveryLog

@@ -15,7 +15,7 @@ from rankwatch.agent.durable.storage import storage_report
 
 if TYPE_CHECKING:
     from rankwatch.agent.durable.incidents import IncidentLog
-    from rankwatch.agent.job.decisions import DecisionLog
+    from rankwatch.agent.durable.decisions import DecisionLog
 
 __all__ = ["StorageCollector"]
 

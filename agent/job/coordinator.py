@@ -47,9 +47,10 @@ from rankwatch.agent.detect.hang_verdict import HangConfig
 from rankwatch.agent.detect.straggler import StragglerConfig
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
 from rankwatch.agent.gpu.xid import FATAL_ACTIONS
-from rankwatch.agent.job import checkpoint_due, node_death, pacing
+from rankwatch.agent.detect import checkpoint_due
+from rankwatch.agent.job import node_death, pacing
 from rankwatch.agent.job.death_watch import DeathWatch
-from rankwatch.agent.job.decisions import Decision, DecisionLog
+from rankwatch.agent.durable.decisions import Decision, DecisionLog
 from rankwatch.agent.job.evictions import Evictions
 from rankwatch.agent.job.global_view import JobView
 from rankwatch.agent.job.hang_watch import HangWatch
@@ -58,7 +59,7 @@ from rankwatch.agent.job.pacing import LoadConfig
 from rankwatch.agent.job.policy import PolicyConfig
 from rankwatch.agent.job.assignments import RelayGroups, check_group, held_for
 from rankwatch.agent.job.restartwatch import RestartWatch
-from rankwatch.agent.job.root_cause import job_roots
+from rankwatch.agent.detect.root_cause import job_roots
 from rankwatch.agent.job.routing import RelayConfig
 from rankwatch.agent.job.slow_nodes import JobStragglers
 from rankwatch.agent.wire.ranges import Rejected

@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from rankwatch.agent.job.decisions import Decision
+from rankwatch.agent.durable.decisions import Decision
 
 __all__ = ["ETCD_SCHEME", "EtcdDecisions", "Election", "parse_endpoints"]
 

@@ -1,7 +1,7 @@
 """Straggling nodes the coordinator evicts: a checkpoint first, the exclusion once it is saved.
 
 When a straggler costs enough, and when its checkpoint is complete, is decided in
-:mod:`~rankwatch.agent.job.checkpoint_due` (pure functions); this keeps the planned
+:mod:`~rankwatch.agent.detect.checkpoint_due` (pure functions); this keeps the planned
 evictions between evaluations.  The checkpoint request and the exclusion are the
 coordinator's policy.
 """
@@ -12,8 +12,8 @@ import logging
 from collections.abc import Callable, Collection, Iterable
 
 from rankwatch.agent.durable.incidents import Incident
-from rankwatch.agent.job import checkpoint_due
-from rankwatch.agent.job.decisions import Decision
+from rankwatch.agent.detect import checkpoint_due
+from rankwatch.agent.durable.decisions import Decision
 from rankwatch.agent.job.policy import PolicyConfig
 
 __all__ = ["Evictions"]

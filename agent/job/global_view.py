@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from rankwatch.agent.job import claims, node_death
 
 from rankwatch.agent.wire import inflight as in_flight, summary as validate_sync, windows as work_windows
-from rankwatch.agent.job.decisions import DecisionLog
+from rankwatch.agent.durable.decisions import DecisionLog
 from rankwatch.agent.detect.evaluate import STACKS_FRESH_SECONDS, Snapshot
 from rankwatch.agent.detect.hang_verdict import RankProgress
 from rankwatch.agent.durable.incidents import Incident

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from rankwatch.agent.node import recoveries
-from rankwatch.agent.job.decisions import Decision
+from rankwatch.agent.durable.decisions import Decision
 from rankwatch.agent.durable.incidents import Incident
 
 __all__ = ["KINDS", "Progress", "Resume", "StepProgress", "breakdown"]

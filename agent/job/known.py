@@ -18,7 +18,7 @@ from rankwatch.agent.node.restarting import shown_state
 if TYPE_CHECKING:
     from rankwatch.agent.durable.incidents import Incident
     from rankwatch.agent.job.coordinator import Coordinator
-    from rankwatch.agent.job.decisions import Decision, DecisionLog
+    from rankwatch.agent.durable.decisions import Decision, DecisionLog
     from rankwatch.agent.job.relay import Relay
     from rankwatch.agent.node.intake import NodeState
 

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass, field
 
 from rankwatch.agent.node import recoveries
-from rankwatch.agent.job.decisions import Decision
+from rankwatch.agent.durable.decisions import Decision
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
 from rankwatch.agent.job.global_view import JobView
 

@@ -22,7 +22,7 @@ import grpc
 
 from rankwatch.address import Address
 from rankwatch.credentials import ClientCredentials, open_channel
-from rankwatch.agent.job.decisions import Decision
+from rankwatch.agent.durable.decisions import Decision
 from rankwatch.agent.job.pacing import LoadConfig, first_sync_delay, retry_delay, silence_allowance
 from rankwatch.agent.durable.incidents import Incident
 from rankwatch.agent.node.recoveries import is_in_process
@@ -30,9 +30,29 @@ from rankwatch.agent.job.relay import node_reply
 from rankwatch.proto import pb, pb_grpc
 
 if TYPE_CHECKING:
-    from rankwatch.agent.config import AgentConfig
+    from collections.abc import Sequence
+    from typing import Protocol
+
+    from rankwatch.agent.job.policy import PolicyConfig
+    from rankwatch.agent.job.routing import RelayConfig
+
+    class LinkConfig(Protocol):
+        """What the link reads of the agent's configuration."""
+
+        @property
+        def node_id(self) -> str: ...
+        @property
+        def listen(self) -> Sequence[Address]: ...
+        @property
+        def job_nodes(self) -> int: ...
+        @property
+        def policy(self) -> PolicyConfig: ...
+        @property
+        def relay(self) -> RelayConfig: ...
+
+        def client_credentials(self) -> ClientCredentials: ...
     from rankwatch.agent.job.coordinator import Coordinator
-    from rankwatch.agent.job.decisions import DecisionLog
+    from rankwatch.agent.durable.decisions import DecisionLog
     from rankwatch.agent.job.election import Election
     from rankwatch.agent.job.relay import Relay
 
@@ -52,7 +72,7 @@ _MAX_INTERVAL = LoadConfig.max_interval   # the slowest sync a coordinator may a
 class LinkParts:
     """What the link reads from its node, and where the coordinator's reply goes."""
 
-    config: AgentConfig
+    config: LinkConfig
     """The node's id, addresses, credentials and the job's policy, relay and size."""
     decision_log: DecisionLog
     """The job's decisions: the coordinator's are adopted here."""

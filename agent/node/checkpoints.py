@@ -14,10 +14,9 @@ from typing import Any
 
 from rankwatch.agent.wire import bounds
 
-from rankwatch.agent.job import checkpoint_due
-from rankwatch.agent.job.decisions import DecisionLog
+from rankwatch.agent.detect import checkpoint_due
+from rankwatch.agent.durable.decisions import DecisionLog
 from rankwatch.agent.durable.incidents import IncidentLog
-from rankwatch.agent.rpc.command_stream import CommandHub
 from rankwatch.agent.node.intake import RankState
 from rankwatch.agent.wire.ranges import clean_text
 from rankwatch.proto import pb
@@ -32,16 +31,16 @@ class NodeCheckpoints:
         node: this node's id.
         incidents: where ``checkpoint`` incidents go.
         decisions: the job's decisions, to name the request a save answered.
-        commands: told when a rank has answered a request.
+        done: told the id of a request a rank has answered (its command need not reach later ranks).
         ask: asks the job for a checkpoint, with a reason.
     """
 
-    def __init__(self, node: str, incidents: IncidentLog, decisions: DecisionLog, commands: CommandHub,
+    def __init__(self, node: str, incidents: IncidentLog, decisions: DecisionLog, done: Callable[[str], None],
                  ask: Callable[[str], pb.CheckpointReply]) -> None:
         self._node = node
         self._incidents = incidents
         self._decisions = decisions
-        self._commands = commands
+        self._done = done
         self._ask = ask
         self._lock = threading.Lock()
         self._steps = bounds.RecentSet(4096)   # (step, ok) keys already recorded
@@ -53,7 +52,7 @@ class NodeCheckpoints:
         """A rank finished (or failed) a save: one ``checkpoint`` incident per step and node."""
         for rec in records:
             if rec.request_id:
-                self._commands.done(rec.request_id)
+                self._done(rec.request_id)
             key = rec.step if rec.ok else -rec.step - 1
             with self._lock:
                 if key in self._steps:

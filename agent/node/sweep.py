@@ -22,7 +22,7 @@ from rankwatch.agent.detect.evaluate import STACKS_FRESH_SECONDS, Snapshot, eval
 from rankwatch.agent.detect.hang_verdict import HangConfig, RankProgress
 from rankwatch.agent.detect.hang_end import hang_end, steps_at
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
-from rankwatch.agent.job.root_cause import exit_view, root_causes
+from rankwatch.agent.detect.root_cause import exit_view, root_causes
 from rankwatch.agent.node.exit_cause import HOWS, classify
 from rankwatch.agent.node.exit_evidence import ExitEvidence, KernelLog
 from rankwatch.agent.node.rankexit import BrokenStream, ExitConfig, ExitWatch, exit_detail

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from rankwatch.agent.job.decisions import Decision
+from rankwatch.agent.durable.decisions import Decision
 from rankwatch.proto import pb
 
 __all__ = ["CommandHub"]

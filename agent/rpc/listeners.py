@@ -16,15 +16,35 @@ import socket
 from concurrent import futures
 from datetime import timedelta
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from rankwatch.agent.config import AgentConfig
 from rankwatch.agent.rpc import wsgi
 from rankwatch.agent.rpc.gate import Gate
 from rankwatch.peercred import CredListener, PeerCred
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Protocol
+
+    from rankwatch.address import Address
+    from rankwatch.agent.rpc.tls import TlsConfig
+
+    class ListenConfig(Protocol):
+        """What the listeners read of the agent's configuration."""
+
+        @property
+        def listen(self) -> Sequence[Address]: ...
+        @property
+        def advertise(self) -> str | None: ...
+        @property
+        def metrics_port(self) -> int | None: ...
+        @property
+        def metrics_addr(self) -> str: ...
+        @property
+        def tls(self) -> TlsConfig | None: ...
 
 __all__ = ["Listeners"]
 
@@ -39,7 +59,7 @@ class Listeners:
         config: the agent's configuration (its addresses, ports and TLS).
     """
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: ListenConfig) -> None:
         self._config = config
         self.metrics_port: int | None = None
         self.tcp_ports: list[int] = []

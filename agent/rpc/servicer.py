@@ -29,7 +29,7 @@ from rankwatch.proto import pb
 if TYPE_CHECKING:
     from rankwatch.agent.durable.incidents import IncidentLog
     from rankwatch.agent.job.coordinator import Coordinator
-    from rankwatch.agent.job.decisions import DecisionLog
+    from rankwatch.agent.durable.decisions import DecisionLog
     from rankwatch.agent.job.relay import Relay
     from rankwatch.agent.node.checkpoints import NodeCheckpoints
     from rankwatch.agent.node.intake import NodeState, RankState

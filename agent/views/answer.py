@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from rankwatch.agent.durable.incidents import Incident
     from rankwatch.agent.durable.storage import FileHealth
     from rankwatch.agent.job.coordinator import Coordinator
-    from rankwatch.agent.job.decisions import Decision
+    from rankwatch.agent.durable.decisions import Decision
     from rankwatch.agent.job.known import JobKnowledge
     from rankwatch.agent.node.intake import NodeState
 

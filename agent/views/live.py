@@ -2,7 +2,7 @@
 
 Nothing here is computed for the page alone: the object is :func:`rankwatch.status.status_dict`
 of the agent's ``Status`` answer (:mod:`.answer`, built as the RPC builds it), and a story is the
-text ``rankwatch diagnose`` prints (:func:`rankwatch.agent.cli.story.tell`).
+text ``rankwatch diagnose`` prints (:func:`rankwatch.agent.views.story.tell`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rankwatch.agent.cli.story import tell
+from rankwatch.agent.views.story import tell
 from rankwatch.proto import pb
 from rankwatch.status import status_dict
 

@@ -27,7 +27,7 @@ def tell(incident: dict[str, Any], incidents: Sequence[dict[str, Any]] = ()) -> 
     if incident["kind"] == "hang":
         return _hang(incident)
     if incident["kind"] == "rank_exit" and incident["detail"].get("how"):
-        from rankwatch.agent.cli.postmortem import tell_exit
+        from rankwatch.agent.views.postmortem import tell_exit
 
         return tell_exit(incident, incidents)
     if incident["kind"] == "restart" and incident["detail"].get("tier") == "in_process":

@@ -1,7 +1,7 @@
 """``rankwatch diagnose`` of a ``rank_exit``: who failed first and how, and what followed.
 
 The story of a failure reads: the root cause (the first worker to fail, as
-``agent/job/root_cause.py`` named it), how it ended (the exception's type and message and
+``agent/detect/root_cause.py`` named it), how it ended (the exception's type and message and
 its innermost frame; the signal and the crashing thread's stack; the OOM kill; the exit
 code), what it was doing (step, the collective it was in), and then each exit that followed
 as a consequence, one line each.  Asked about a consequence, it says so and tells its root.
@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from rankwatch.agent.job.root_cause import is_consequence
+from rankwatch.agent.detect.root_cause import is_consequence
 
 __all__ = ["how_line", "root_of", "tell_exit"]
 

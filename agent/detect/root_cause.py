@@ -17,13 +17,13 @@ coordinator), each with when it ended and how:
   coordinator recorded while the node's silence was still being confirmed;
 * an episode of consequences only (the root's node was lost with its agent, and this view
   does not hold its exit: a node agent's) is rooted at its earliest exit, which the story
-  tells as a consequence of a lost peer (:mod:`rankwatch.agent.cli.postmortem`).
+  tells as a consequence of a lost peer (:mod:`rankwatch.agent.views.postmortem`).
 
 Every exit of an episode gets ``root_cause`` = its root's incident id (the root's own
 id for the root, and for every ``node_lost`` exit).  The node watch
 (:mod:`rankwatch.agent.node.sweep`) and the coordinator (:mod:`rankwatch.agent.job.coordinator`)
 apply it each time an exit is added, so a root named before the lost node's exits were
-known is replaced; the CLI tells the story (:mod:`rankwatch.agent.cli.postmortem`).
+known is replaced; the CLI tells the story (:mod:`rankwatch.agent.views.postmortem`).
 """
 
 from __future__ import annotations
