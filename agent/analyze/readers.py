@@ -1,7 +1,7 @@
 """Which reader takes each path given to ``rankwatch analyze``.
 
 * a directory holding ``history/``: an agent's state directory, its record of the job
-  (:mod:`.history`);
+  (:mod:`.agent_record`);
 * another directory: every trace file in it (the trace format, or profiler traces);
 * ``.json`` / ``.json.gz``: a PyTorch profiler Chrome trace, one per rank (:mod:`.profiler`);
 * ``.jsonl``, ``.jsonl.gz``, ``.csv``, ``.csv.gz``, ``.parquet``: the rankwatch trace format
@@ -54,7 +54,7 @@ def _files(p: Path) -> list[Path]:
 
 def _read(f: Path, max_ops: int) -> OpTable:
     if f.is_dir():
-        from rankwatch.agent.analyze.history import read_history
+        from rankwatch.agent.analyze.agent_record import read_history
 
         return read_history(f)
     if f.name.lower().endswith(_PROFILER):

@@ -90,6 +90,10 @@ class RotatingFiles:
             return False
         return self._append(member, rows)
 
+    def next_file(self) -> None:
+        """Start a new file with the next member."""
+        self._fresh = True
+
     def _make_room(self, size: int) -> bool:
         """Delete the oldest files until ``size`` more bytes fit under the bound."""
         while self.total_bytes + size > self.max_bytes:

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from itertools import accumulate
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,8 +46,7 @@ COLL_DTYPE = np.dtype([("op", "<i2"), ("group", "<i4"), ("seq", "<i8"), ("t0", "
 completion time (Unix seconds), size."""
 
 
-@dataclass(frozen=True)
-class StepTimes:
+class StepTimes(NamedTuple):
     """One step record as the rank reported it (seconds; ``start`` Unix)."""
 
     step: int
@@ -60,8 +59,7 @@ class StepTimes:
     wait: float
 
 
-@dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     """One operation: ``coll`` indexes the step's collective records (-1: not a collective)."""
 
     op: str
@@ -74,23 +72,27 @@ class Row:
 _PHASES = (("forward", "compute"), ("backward", "compute"), ("optimizer", "optimizer"), ("other", "host"))
 
 
-def _blocked(s: StepTimes, t0: np.ndarray, t1: np.ndarray, end: float) -> tuple[np.ndarray, np.ndarray]:
+def _blocked(s: StepTimes, t0: Sequence[float], t1: Sequence[float], end: float) -> tuple[list[float], list[float]]:
     """Each collective's blocked time and where it ends (``t1`` clipped to the step), in the
-    order given (sorted by ``t1``)."""
-    hi = np.minimum(t1, end)
-    prev = np.concatenate(([s.start], hi[:-1]))
-    lo = np.maximum(np.maximum(t0, s.start), prev)
-    room = np.maximum(hi - lo, 0.0)
-    total = float(room.sum())
+    order given (sorted by ``t1``).  (Plain floats: a step has a few collectives, and numpy's
+    call overhead was most of the writer's time.)"""
+    rooms, his, prev = [], [], s.start
+    for a, b in zip(t0, t1):
+        hi = min(b, end)
+        rooms.append(max(hi - max(a, prev), 0.0))
+        his.append(hi)
+        prev = max(prev, hi)
+    total = sum(rooms)
     if total > s.wait and total > 0:
-        room = room * (s.wait / total)
-    return room, hi
+        scale = s.wait / total
+        rooms = [r * scale for r in rooms]
+    return rooms, his
 
 
-def _free_gaps(start: float, end: float, b: np.ndarray, hi: np.ndarray) -> list[tuple[float, float]]:
+def _free_gaps(start: float, end: float, b: list[float], hi: list[float]) -> list[tuple[float, float]]:
     """``[start, end]`` less the blocked intervals ``[hi - b, hi]`` (disjoint, ordered)."""
     gaps, at = [], start
-    for bi, h in zip(b.tolist(), hi.tolist()):
+    for bi, h in zip(b, hi):
         if bi <= 0:
             continue
         if h - bi > at:
@@ -105,11 +107,12 @@ def _own_segments(s: StepTimes, own: float, rest_wait: float) -> list[tuple[str,
     """(op, kind, length) in the order they are laid out in the step's free time."""
     data = min(s.data, own)
     other = max(0.0, s.duration - s.data - s.forward - s.backward - s.optimizer)
-    gross = np.array([s.forward, s.backward, s.optimizer, other])
-    share = gross / gross.sum() if gross.sum() > 0 else np.array([0.0, 0.0, 0.0, 1.0])
-    lengths = share * (own - data)
+    gross = (s.forward, s.backward, s.optimizer, other)
+    total = sum(gross)
+    left = own - data
+    lengths = [g * left / total for g in gross] if total > 0 else [0.0, 0.0, 0.0, left]
     segs = [("data", "data", data)]
-    for (op, kind), length in zip(_PHASES, lengths.tolist()):
+    for (op, kind), length in zip(_PHASES, lengths):
         segs.append((op, kind, length))
         if op == "backward" and rest_wait > 1e-9:
             segs.append(("wait", "collective", rest_wait))
@@ -122,25 +125,25 @@ def _lay_out(segs: list[tuple[str, str, float]], gaps: list[tuple[float, float]]
     live = [seg for seg in segs if seg[2] > 1e-12]
     if not live or not gaps:
         return []
-    bounds = np.cumsum([0.0] + [length for *_, length in live])
+    bounds = list(accumulate((length for *_, length in live), initial=0.0))
     bounds[-1] = sum(g1 - g0 for g0, g1 in gaps)
     rows: list[Row] = []
     gi, gpos = 0, 0.0   # the gap poured into, and its start in free time
-    for (op, kind, _), a, b in zip(live, bounds[:-1].tolist(), bounds[1:].tolist()):
+    for (op, kind, _), a, b in zip(live, bounds, bounds[1:]):
         while gi < len(gaps):
             g0, g1 = gaps[gi]
             gend = gpos + (g1 - g0)
             lo, hi = max(a, gpos), min(b, gend)
             if hi > lo:
-                end = g1 if hi >= gend else g0 + (hi - gpos)
-                rows.append(Row(op, kind, g0 + (lo - gpos), end - (g0 + (lo - gpos))))
+                begin = g0 + (lo - gpos)
+                rows.append(Row(op, kind, begin, (g1 if hi >= gend else g0 + (hi - gpos)) - begin))
             if gend > b:
                 break   # the segment ends inside this gap
             gi, gpos = gi + 1, gend
     return rows
 
 
-def tile_step(s: StepTimes, t0: np.ndarray, t1: np.ndarray, p2p: np.ndarray) -> list[Row]:
+def tile_step(s: StepTimes, t0: Sequence[float], t1: Sequence[float], p2p: Sequence[bool]) -> list[Row]:
     """The rows of step ``s`` (see the module's rule), ordered by start.
 
     Args:
@@ -149,18 +152,19 @@ def tile_step(s: StepTimes, t0: np.ndarray, t1: np.ndarray, p2p: np.ndarray) -> 
             sorted by ``t1``.
         p2p: per collective, whether it is a send or a receive (kind ``p2p``).
     """
-    span = max(s.duration, s.wait)
-    end = s.start + span
-    b, hi = _blocked(s, t0, t1, end)
-    placed = float(b.sum())
-    gaps = _free_gaps(s.start, end, b, hi)
-    rows = _lay_out(_own_segments(s, span - s.wait, max(0.0, s.wait - placed)), gaps)
-    for i, (bi, h) in enumerate(zip(b.tolist(), hi.tolist())):
-        rows.append(Row("", "p2p" if p2p[i] else "collective", h - bi, bi, coll=i))
+    # Laid out on the step's own clock (seconds from its start): a Unix time holds a quarter
+    # of a microsecond at best, and durations taken as differences of them would not sum right.
+    origin, span = s.start, max(s.duration, s.wait)
+    s = s._replace(start=0.0)
+    b, hi = _blocked(s, [t - origin for t in t0], [t - origin for t in t1], span)
+    gaps = _free_gaps(0.0, span, b, hi)
+    rows = _lay_out(_own_segments(s, span - s.wait, max(0.0, s.wait - sum(b))), gaps)
+    for i, (bi, h) in enumerate(zip(b, hi)):
+        rows.append(Row("", "p2p" if p2p[i] else "collective", h - bi, bi, i))
     if not rows:   # an empty step still shows that it happened
-        rows.append(Row("other", "host", s.start, 0.0))
+        rows.append(Row("other", "host", 0.0, 0.0))
     rows.sort(key=lambda r: (r.start, r.coll))
-    return rows
+    return [r._replace(start=origin + r.start) for r in rows]
 
 
 MESH_COLUMNS = ("dp", "pp", "tp", "ep", "cp", "replicate")
@@ -189,6 +193,7 @@ class RankRows:
         self._group_json: list[str] = []
         self._pending = np.empty(0, COLL_DTYPE)
         self._coords: Mapping[str, int] | None = None
+        self._job = ""
         self._ident = ""
         self.outside = 0
         """Collective records dropped: outside every step, or over :data:`MAX_PENDING`."""
@@ -217,45 +222,70 @@ class RankRows:
             self._group_json.append(json.dumps(name))
         return gid
 
-    def lines(self, steps: Any, coords: Mapping[str, int]) -> list[str]:
-        """The JSON Lines of a batch's step records (``StepColumns``), mesh ``coords`` written."""
-        if coords is not self._coords:
-            self._coords, self._ident = coords, _ident(self.node, coords)
+    def lines(self, steps: Any, coords: Mapping[str, int], job: str = "") -> list[str]:
+        """The JSON Lines of a batch's step records (``StepColumns``), mesh ``coords`` and the
+        ``job`` id (torchrun's run id, if any) written."""
+        if coords is not self._coords or job != self._job:
+            self._coords, self._job, self._ident = coords, job, _ident(self.node, coords, job)
+        n = len(steps.step)
+        waits = list(steps.wait) or [0.0] * n
+        starts = np.asarray(steps.start, np.float64)
+        spans = np.maximum(np.asarray(steps.duration, np.float64), np.asarray(waits, np.float64))
+        groups = self._split(starts, np.maximum.accumulate(starts + spans) + _SLACK)
         out: list[str] = []
-        waits = steps.wait or [0.0] * len(steps.step)
-        for i in range(len(steps.step)):
+        for i, colls in enumerate(groups):
             s = StepTimes(int(steps.step[i]), steps.start[i], steps.duration[i], steps.data[i], steps.forward[i],
                           steps.backward[i], steps.optimizer[i], waits[i])
-            out.extend(self._step_lines(s))
+            out.extend(self._step_lines(s, colls))
         return out
 
-    def _step_lines(self, s: StepTimes) -> list[str]:
-        end = s.start + max(s.duration, s.wait) + _SLACK
+    def _split(self, starts: np.ndarray, ends: np.ndarray) -> list[np.ndarray]:
+        """The waiting collective records of each step (by ``t1``, in order); the records of
+        no step are dropped, those after the last step kept waiting."""
         p = self._pending
-        done = p["t1"] <= end
-        mine = p[done & (p["t1"] >= s.start - _SLACK)]
-        self.outside += int(done.sum()) - len(mine)
+        at = np.searchsorted(ends, p["t1"], side="left")      # the first step ending after each
+        done = at < len(ends)
+        inside = done & (p["t1"] >= starts[np.minimum(at, len(ends) - 1)] - _SLACK)
+        self.outside += int(done.sum() - inside.sum())
         self._pending = p[~done]
-        mine = mine[np.argsort(mine["t1"], kind="stable")]
-        rows = tile_step(s, mine["t0"], mine["t1"], self._p2p[mine["op"]])
+        taken, step_of = p[inside], at[inside]
+        order = np.lexsort((taken["t1"], step_of))
+        taken, step_of = taken[order], step_of[order]
+        cuts = np.searchsorted(step_of, np.arange(len(ends) + 1))
+        return [taken[cuts[i]:cuts[i + 1]] for i in range(len(ends))]
+
+    def _step_lines(self, s: StepTimes, colls: np.ndarray) -> list[str]:
+        rows = tile_step(s, colls["t0"].tolist(), colls["t1"].tolist(), self._p2p[colls["op"]].tolist())
         head = f'{{"rank":{self.rank},"step":{s.step},'
-        return [head + self._row(r, mine) for r in rows]
+        ident = self._ident
+        tails = self._tails(colls) if len(colls) else []
+        out = []
+        for r in rows:
+            body = f'"start":{r.start!r},"duration":{round(r.duration, 9)!r}{ident}'
+            if r.coll < 0:
+                out.append(f'{head}"op":"{r.op}","kind":"{r.kind}",{body}}}')
+            else:
+                op, tail = tails[r.coll]
+                out.append(f'{head}"op":{op},"kind":"{r.kind}",{body}{tail}')
+        return out
 
-    def _row(self, r: Row, colls: np.ndarray) -> str:
-        body = f'"start":{r.start!r},"duration":{round(r.duration, 9)!r}{self._ident}'
-        if r.coll < 0:
-            return f'"op":"{r.op}","kind":"{r.kind}",{body}}}'
-        c = colls[r.coll]
-        g = int(c["group"])
-        group = f',"group":{self._group_json[g]}' if g >= 0 else ""
-        seq = f',"seq":{int(c["seq"])}' if c["seq"] >= 0 else ""
-        return (f'"op":{self._ops[int(c["op"])]},"kind":"{r.kind}",{body}{group}{seq}'
-                f',"bytes":{int(c["nbytes"])}}}')
+    def _tails(self, colls: np.ndarray) -> list[tuple[str, str]]:
+        """Per collective: its op (JSON) and its columns after the identity (group, seq, bytes)."""
+        out = []
+        for op, g, seq, nbytes in zip(colls["op"].tolist(), colls["group"].tolist(), colls["seq"].tolist(),
+                                      colls["nbytes"].tolist()):
+            group = f',"group":{self._group_json[g]}' if g >= 0 else ""
+            number = f',"seq":{seq}' if seq >= 0 else ""
+            out.append((self._ops[op], f'{group}{number},"bytes":{nbytes}}}'))
+        return out
 
 
-def _ident(node: str, coords: Mapping[str, int]) -> str:
-    """The columns every row of a rank carries: its node and mesh coordinates."""
+def _ident(node: str, coords: Mapping[str, int], job: str) -> str:
+    """The columns every row of a rank carries: its node, mesh coordinates and job (a column
+    the trace format does not name, so readers ignore it; :mod:`rankwatch.agent.analyze.agent_record`
+    reads the latest job's files by it)."""
     cols = {k: int(v) for k, v in coords.items() if k in MESH_COLUMNS}
     if "dp" not in cols and "shard" in coords:
         cols["dp"] = int(coords["shard"])
-    return f',"node":{json.dumps(node)}' + "".join(f',"{k}":{v}' for k, v in sorted(cols.items()))
+    mesh = "".join(f',"{k}":{v}' for k, v in sorted(cols.items()))
+    return f',"node":{json.dumps(node)}{mesh}' + (f',"job":{json.dumps(job)}' if job else "")

@@ -71,6 +71,7 @@ class StepLog:
         self._drain_lock = threading.Lock()   # one drain at a time (the writer's, or a caller's)
         self._ranks: OrderedDict[int, tuple[int, RankRows]] = OrderedDict()   # rank -> (pid, rows)
         self._buffer: list[str] = []
+        self._job = ""   # the job whose rows the current file holds
         self._buffered = 0
         self._flushed_at = time.monotonic()
         self._stop = threading.Event()
@@ -97,7 +98,8 @@ class StepLog:
         self._put(len(ops), ("c", rank.rank, rank.pid, rank.node, ops, cols, names))
 
     def on_steps(self, rank: Any, steps: Any) -> None:
-        self._put(len(steps.step) * _STEP_WEIGHT, ("s", rank.rank, rank.pid, rank.node, rank.mesh_coords, steps))
+        self._put(len(steps.step) * _STEP_WEIGHT,
+                  ("s", rank.rank, rank.pid, rank.node, rank.mesh_coords, steps, getattr(rank, "job_id", "")))
 
     def _put(self, n: int, item: tuple) -> None:
         with self._lock:
@@ -163,7 +165,13 @@ class StepLog:
         if kind == "c":
             rows.add_collectives(*item[4:])
             return
-        lines = rows.lines(item[5], item[4])
+        coords, steps, job = item[4:]
+        if job != self._job:   # a file holds one job's rows (a reader picks the latest job's files)
+            if self._buffer:
+                self._flush()
+            self.files.next_file()
+            self._job = job
+        lines = rows.lines(steps, coords, job)
         self._buffer.extend(lines)
         self._buffered += sum(map(len, lines)) + len(lines)
 
