@@ -7,13 +7,18 @@ what-if table, the stories, and that the page asked for nothing over the network
 
 from __future__ import annotations
 
+import gzip
+import json
 import re
 import shutil
 
 import pytest
 
+from rankwatch.agent.analyze.engine import analyze
 from rankwatch.agent.analyze.html_page import render
-from rankwatch.agent.cli.story import tell
+from rankwatch.agent.analyze.readers import read_paths
+from rankwatch.agent.views.story import tell
+from tracegen import Job, generate
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 PAYLOAD = "<script>window.__pwned=1</script>\"><img src=x onerror=\"window.__pwned=2\">boom"
@@ -55,7 +60,8 @@ def test_render_escapes_everything_and_tells_diagnose_stories():
     assert hottest[0] == "2"
     whatif = re.findall(r"<td>([\d.]+)x</td>", page)
     assert whatif == sorted(whatif, reverse=True) == ["1.60", "1.20", "1.01"]
-    assert not re.search(r"\b(src|href)\s*=|url\(|@import", page)   # nothing for a browser to fetch
+    tags = " ".join(re.findall(r"<[a-zA-Z][^>]*>", page)) + " ".join(re.findall(r"<style>(.*?)</style>", page, re.S))
+    assert not re.search(r"\b(src|href)\s*=|url\(|@import", tags)   # nothing for a browser to fetch
     assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "") and "https://" not in page
 
 
@@ -109,18 +115,35 @@ return {rank: +c.dataset.rank, step: +c.dataset.step, n: cells.length, w: box.wi
 """
 
 
+def _trace(path, job: Job) -> str:
+    """``job``'s trace as JSON Lines, its loader op and every node named with :data:`PAYLOAD`."""
+    cols = generate(job)
+    cols["op"] = [PAYLOAD if op == "dataloader_next" else op for op in cols["op"]]
+    cols["node"] = [f"{PAYLOAD}-{rank // 8}" for rank in cols["rank"]]
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(dict(zip(cols, row))) + "\n" for row in zip(*cols.values()))
+    return str(path)
+
+
 @pytest.mark.e2e
-def test_the_report_in_a_browser(tmp_path, browser):
-    res = result()
+def test_the_report_of_a_generated_job_in_a_browser(tmp_path, browser):
+    # 128 ranks (32 replicas x 4 stages), 50 steps; rank 12 (a first stage) computes 1.3x from step 10.
+    job = Job(dp=32, pp=4, steps=50, slow_rank=12, slow_from=10, seed=5)
+    res = analyze(read_paths([_trace(tmp_path / "job.jsonl.gz", job)]))
+    (straggler,) = [i for i in res["incidents"] if i["kind"] == "straggler"]
+    assert straggler["rank"] == 12
     _shown(browser, tmp_path / "report.html", res)
     hot = browser.execute_script(HOTTEST)
-    assert hot["rank"] == res["incidents"][0]["rank"] and hot["n"] == 128 * 50
+    assert hot["rank"] == 12 and hot["n"] == 128 * 50
     assert hot["w"] >= 3 and hot["h"] >= 3 and hot["fill"] == "rgb(142, 13, 30)"   # seen, in the top colour
     rows = browser.execute_script("return Array.from(document.querySelectorAll('#whatif-table tr'))"
                                   ".map(r => r.textContent);")
-    assert len(rows) == 4 and rows[1].startswith("rank37")
+    assert len(rows) == len(res["whatif"]) + 1 >= 3 and rows[1].startswith("rank12")
+    assert any(PAYLOAD in r for r in rows)                                # the payload op, as text
     story = browser.execute_script("return document.querySelector('#incidents pre').textContent;")
-    assert PAYLOAD in story and "cause: data" in story
+    assert story == tell(straggler, res["incidents"]) and PAYLOAD in story and "cause: compute" in story
+    bars = browser.execute_script("return document.querySelectorAll('#pipeline rect[data-stage]').length;")
+    assert bars == 4
     assert browser.execute_script("return typeof window.__pwned;") == "undefined"
     assert browser.execute_script("return document.querySelectorAll('img, script').length;") == 0
     assert browser.execute_script("return performance.getEntriesByType('resource').length;") == 0
