@@ -131,11 +131,15 @@ def main() -> int:
     sizes = sorted(f.stat().st_size for f in traces.iterdir() if f.is_file())
     print(f"traces: {len(sizes)} files, {sum(sizes) / 1e6:.1f} MB in {traces}")
     runs = [(run_rankwatch(traces), run_hta(traces, args.hta_python)) for _ in range(args.rounds)]
-    rw, hta = runs[-1]
+    last = []
     for side, i in (("rankwatch", 0), ("hta", 1)):
-        walls, cpus = [r[i]["wall_s"] for r in runs], [r[i]["cpu_s"] for r in runs]
-        print(f"{side}: wall {', '.join(f'{w:.2f}' for w in walls)} s (median {statistics.median(walls):.2f}); "
-              f"CPU {', '.join(f'{c:.2f}' for c in cpus)} s (median {statistics.median(cpus):.2f})")
+        ok = [r[i] for r in runs if "error" not in r[i]] or [runs[-1][i]]  # failed rounds are not timed
+        walls, cpus = [r["wall_s"] for r in ok], [r["cpu_s"] for r in ok]
+        print(f"{side}: {len(ok)} of {len(runs)} rounds answered; wall {', '.join(f'{w:.2f}' for w in walls)} s "
+              f"(median {statistics.median(walls):.2f}); CPU {', '.join(f'{c:.2f}' for c in cpus)} s "
+              f"(median {statistics.median(cpus):.2f})")
+        last.append(ok[-1])
+    rw, hta = last
     report(rw, hta)
     if args.json:
         args.json.write_text(json.dumps({"rankwatch": rw, "hta": hta}, indent=1))

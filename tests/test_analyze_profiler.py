@@ -133,6 +133,31 @@ def test_nccl_args_name_the_group_seq_bytes_and_peer_and_kernels_are_collected(t
     assert tr.kernel_seconds[0] == pytest.approx(400e-6) and np.isnan(tr.kernel_seconds[1:]).all()
 
 
+def test_gloo_point_to_point_pairs_the_nth_send_with_the_peers_nth_receive(tmp_path):
+    # A 2-stage pipeline on gloo: its gloo:send / gloo:recv run on the step's thread, with no args.
+    order = {0: ("send", "send", "recv", "recv"), 1: ("recv", "send", "recv", "send")}
+    t = concat([read_profiler(write(tmp_path / f"r{rank}.json", trace(
+        [ev("ProfilerStep#2", 0, 1000, cat="user_annotation")]
+        + [ev(f"gloo:{op}", 100 + 200 * i, 50, cat="user_annotation") for i, op in enumerate(ops)]
+        + [ev("c10d::allreduce_", 900, 10)], rank))) for rank, ops in order.items()])
+    p2p = t.kind == KINDS.index("p2p")
+    got = {(int(r), t.names[o], int(q), int(p)) for r, o, q, p in
+           zip(t.rank[p2p], t.op[p2p], t.column("seq")[p2p], t.column("peer")[p2p])}
+    assert got == {(0, "send", 0, 1), (0, "send", 1, 1), (0, "recv", 0, 1), (0, "recv", 1, 1),
+                   (1, "recv", 0, 0), (1, "send", 0, 0), (1, "recv", 1, 0), (1, "send", 1, 0)}
+    # The c10d op is a launch where gloo spans exist: compute, not a second collective.
+    assert [KINDS[k] for k in t.kind[t.names.index("c10d::allreduce_") == t.op]] == ["compute"] * 2
+
+
+def test_without_gloo_or_nccl_spans_the_c10d_ops_are_the_communication(tmp_path):
+    t = read_profiler(write(tmp_path / "rank0.json", trace([
+        ev("ProfilerStep#1", 0, 1000, cat="user_annotation"), ev("FSDP::all_gather", 100, 300),
+        ev("c10d::_allgather_base_", 150, 200), ev("c10d::recv_", 500, 100)])))
+    assert rows(t) == [(1, "FSDP::all_gather", "compute", 100.0, 50.0), (1, "all_gather", "collective", 150.0, 200.0),
+                       (1, "FSDP::all_gather", "compute", 350.0, 50.0), (1, "recv", "p2p", 500.0, 100.0)]
+    assert t.column("peer").tolist() == [NOT_SET, NOT_SET, NOT_SET, 1]
+
+
 def test_rank_from_the_file_name_else_an_error(tmp_path):
     assert set(read_profiler(write(tmp_path / "job_rank3.123.pt.trace.json", trace(gloo_step(1, 0), None))).rank) == {3}
     with pytest.raises(TraceError, match="no rank"):

@@ -33,6 +33,7 @@ ORIGIN_NS = 1_600_000_000 * 10**9
 origin for every rank, near enough for float seconds to keep sub-microsecond steps."""
 _STEP = re.compile(r"ProfilerStep#(\d+)$")
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+_COMM = ("gloo:", "nccl:")
 _P2P = ("send", "recv", "isend", "irecv", "recv_any_source")
 _ALIASES = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
             "alltoall": "all_to_all", "allgatherintotensor": "all_gather", "reducescattertensor": "reduce_scatter",
@@ -130,7 +131,7 @@ def _keep(obj: dict) -> Any:
     if ph != "X":
         return None
     name, cat, args = obj.get("name"), obj.get("cat"), obj.get("args")
-    keep = isinstance(name, str) and (_is_comm(name) or name == "record_param_comms" or cat in (
+    keep = isinstance(name, str) and (name.startswith(_COMM) or name == "record_param_comms" or cat in (
         "kernel", "cuda_runtime", "cuda_driver"))
     return (name, cat, obj.get("ts"), obj.get("dur"), obj.get("pid"), obj.get("tid"), args if keep else None)
 
@@ -176,14 +177,10 @@ def _steps(path: str, events: list[tuple]) -> list[tuple]:
     return sorted((e for e in steps if (e[4], e[5]) == main), key=lambda e: e[2])
 
 
-def _is_comm(name: str) -> bool:
-    return name.startswith(("gloo:", "nccl:"))
-
-
 def _communication(events: list[tuple], main: tuple) -> list[tuple]:
     """The rank's communication spans, by start: gloo/nccl spans of the process, else its
     c10d ops and record_param_comms on the steps' thread."""
-    spans = [e for e in events if e[4] == main[0] and _is_comm(e[0]) and e[1] != "kernel"]
+    spans = [e for e in events if e[4] == main[0] and e[0].startswith(_COMM) and e[1] != "kernel"]
     threads = {e[5] for e in spans}  # their record_param_comms (args, merged into the span they are in)
     spans += [e for e in events if e[0] == "record_param_comms" and e[4] == main[0] and e[5] in threads]
     if not spans:
@@ -194,18 +191,14 @@ def _communication(events: list[tuple], main: tuple) -> list[tuple]:
 
 def _op_name(name: str) -> str:
     """``gloo:all_reduce``, ``c10d::allreduce_``, ``nccl:_all_gather_base`` -> the collective."""
-    n = name.rsplit(":", 1)[-1].strip("_")
-    n = n[:-5] if n.endswith("_base") else n
-    n = n.strip("_")
+    n = name.rsplit(":", 1)[-1].strip("_").removesuffix("_base").strip("_")
     return _ALIASES.get(n.replace("_", ""), n)
 
 
-def _kind(name: str, comm: bool) -> str:
-    if comm:
-        return "p2p" if _op_name(name) in _P2P else "collective"
-    if name.startswith("enumerate(DataLoader)"):
-        return "data"
-    return "optimizer" if name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")) else "compute"
+def _kind(name: str) -> str:
+    """The kind of a row that is not communication."""
+    return "data" if name.startswith("enumerate(DataLoader)") else (
+        "optimizer" if name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")) else "compute")
 
 
 def _rows(events: list[tuple], steps: list[tuple], main: tuple, comms: list[tuple]) -> list[tuple]:
@@ -272,8 +265,9 @@ def _merge(step: int, top: list[tuple], cut: list[tuple]) -> list[tuple]:
     return out
 
 
-def _group_of(doc: dict) -> str:
-    """The group of a collective whose event names none: the largest process group."""
+def _group_of(doc: dict, rank: int) -> tuple[str, int]:
+    """The group of communication whose event names none (the largest process group), and the
+    peer of its point-to-point operations where that group has two ranks (else NOT_SET)."""
     info = doc.get("distributedInfo")
     configs = info.get("pg_config") if isinstance(info, dict) else None
     best = None
@@ -281,42 +275,51 @@ def _group_of(doc: dict) -> str:
         if isinstance(pg, dict) and isinstance(pg.get("pg_size"), int) and pg["pg_size"] > 1:
             if best is None or pg["pg_size"] > best["pg_size"]:
                 best = pg
-    return short(best.get("pg_desc") or best.get("pg_name")) if best else "default"
+    if best is None:
+        return "default", NOT_SET
+    ranks = best.get("ranks") if isinstance(best.get("ranks"), list) else []
+    others = [r for r in ranks if r != rank] if rank in ranks else []
+    peer = others[0] if len(ranks) == 2 and len(others) == 1 and isinstance(others[0], int) else NOT_SET
+    return short(best.get("pg_desc") or best.get("pg_name")), peer
 
 
-def _pairing(e: tuple, ordinal: int, fallback: str) -> tuple[str, int, int, int]:
-    """``(group, seq, bytes, peer)`` of a communication span (NOT_SET where unknown)."""
+def _pairing(e: tuple, op: str, fallback: tuple[str, int], counts: dict) -> tuple[str, int, int, int]:
+    """``(group, seq, bytes, peer)`` of a communication row (NOT_SET where unknown).  Without a
+    ``Seq``, a collective's is its ordinal in its group, a send's (receive's) its ordinal among
+    those to (from) its peer: the n-th send pairs with the peer's n-th receive."""
     args = e[6] if isinstance(e[6], dict) else {}
     group = next((short(args[k]) for k in ("Process Group Description", "Process Group Name")
-                  if args.get(k) not in (None, "", "undefined")), fallback)
-    seq = args.get("Seq")
-    seq = seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else ordinal
+                  if args.get(k) not in (None, "", "undefined")), fallback[0])
     nelems = max((int(args[k]) for k in ("In msg nelems", "Out msg nelems") if isinstance(args.get(k), int)),
                  default=None)
     size = nelems * _DTYPE_BYTES.get(str(args.get("dtype")), 0) if nelems is not None else 0
-    op = _op_name(e[0] if e[0] != "record_param_comms" else str(args.get("Collective name", e[0])))
-    peer = args.get("Dst Rank" if op in ("send", "isend") else "Src Rank")
-    peer = peer if isinstance(peer, int) and peer >= 0 and op in _P2P else NOT_SET
+    peer = args.get("Dst Rank" if op in ("send", "isend") else "Src Rank") if op in _P2P else NOT_SET
+    peer = peer if isinstance(peer, int) and peer >= 0 else (fallback[1] if op in _P2P else NOT_SET)
+    seq = args.get("Seq")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        key = (group, op in ("send", "isend"), peer) if op in _P2P else (group,)
+        seq = counts[key] = counts.get(key, -1) + 1
     return group, seq, size if size > 0 else NOT_SET, peer
 
 
 def _table(path: str, rows: list[tuple], rank: int, doc: dict, base_us: float) -> tuple[OpTable, list[tuple]]:
     """The rows as an :class:`OpTable`; also ``(row, start_us, end_us)`` of each communication row."""
     names: dict[str, int] = {}
-    fallback, n = _group_of(doc), len(rows)
+    fallback, n = _group_of(doc, rank), len(rows)
+    counts: dict[tuple, int] = {}
     ops, kinds, groups = np.empty(n, np.int32), np.empty(n, np.int8), np.full(n, NOT_SET, np.int32)
     ints = {k: np.full(n, NOT_SET, np.int64) for k in ("seq", "bytes", "peer")}
     launched = []
     for i, (_, e, x, y, ordinal) in enumerate(rows):
-        comm = ordinal is not None
-        name = e[0]
-        if comm:
-            g, ints["seq"][i], ints["bytes"][i], ints["peer"][i] = _pairing(e, ordinal, fallback)
-            groups[i] = names.setdefault(g, len(names))
+        name, kind = e[0], _kind(e[0])
+        if ordinal is not None:  # communication
             name = _op_name(name if name != "record_param_comms" else str((e[6] or {}).get("Collective name", name)))
+            kind = "p2p" if name in _P2P else "collective"
+            g, ints["seq"][i], ints["bytes"][i], ints["peer"][i] = _pairing(e, name, fallback, counts)
+            groups[i] = names.setdefault(g, len(names))
             launched.append((i, x, y))
         ops[i] = names.setdefault(short(name), len(names))
-        kinds[i] = KINDS.index(_kind(e[0], comm))
+        kinds[i] = KINDS.index(kind)
     # Both ends on the seconds clock: a row's start + duration is then exactly the next row's start.
     start = (np.fromiter((r[2] for r in rows), float, n) + base_us) / 1e6
     end = (np.fromiter((r[3] for r in rows), float, n) + base_us) / 1e6
@@ -334,17 +337,14 @@ def _table(path: str, rows: list[tuple], rank: int, doc: dict, base_us: float) -
 def _kernel_seconds(events: list[tuple], launched: list[tuple], n: int) -> np.ndarray:
     """Per row, the time of the ``nccl`` GPU kernels launched inside it (NaN where none)."""
     out = np.full(n, np.nan)
-    kernels: dict[Any, list[float]] = {}
+    kernels: dict[Any, float] = {}
     for e in events:
         if e[1] == "kernel" and "nccl" in e[0].lower() and isinstance(e[6], dict):
-            kernels.setdefault(e[6].get("correlation"), []).append(e[3])
-    if not kernels or not launched:
-        return out
+            kernels[e[6].get("correlation")] = kernels.get(e[6].get("correlation"), 0.0) + e[3] / 1e6
     starts = np.array([r[1] for r in launched])
-    for e in events:
+    for e in events if kernels and launched else []:
         if e[1] in ("cuda_runtime", "cuda_driver") and isinstance(e[6], dict) and e[6].get("correlation") in kernels:
             k = int(np.searchsorted(starts, e[2], "right")) - 1
             if k >= 0 and e[2] <= launched[k][2]:
-                row = launched[k][0]
-                out[row] = (0.0 if np.isnan(out[row]) else out[row]) + sum(kernels[e[6]["correlation"]]) / 1e6
+                out[launched[k][0]] = np.nan_to_num(out[launched[k][0]]) + kernels[e[6]["correlation"]]
     return out
