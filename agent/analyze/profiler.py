@@ -277,7 +277,7 @@ def _group_of(doc: dict, rank: int) -> tuple[str, int]:
                 best = pg
     if best is None:
         return "default", NOT_SET
-    ranks = best.get("ranks") if isinstance(best.get("ranks"), list) else []
+    ranks: list = best["ranks"] if isinstance(best.get("ranks"), list) else []
     others = [r for r in ranks if r != rank] if rank in ranks else []
     peer = others[0] if len(ranks) == 2 and len(others) == 1 and isinstance(others[0], int) else NOT_SET
     return short(best.get("pg_desc") or best.get("pg_name")), peer
