@@ -100,6 +100,8 @@ NO_FIELD = {
     ("diagnose", "incident"), ("diagnose", "token_file"),
     ("checkpoint", "agent"), ("checkpoint", "reason"), ("checkpoint", "token_file"),
     ("demo", "steps"), ("demo", "no_live"),
+    ("analyze", "paths"), ("analyze", "json"), ("analyze", "html"), ("analyze", "compare"),
+    ("analyze", "fail_over"), ("analyze", "max_ops"), ("analyze", "no_whatif"),
     ("certs", "certs_command"),   # its actions' flags are certs.py's own (no config behind them)
 }
 
