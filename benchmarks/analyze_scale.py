@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -28,24 +27,44 @@ import tracegen  # noqa: E402
 JOB = tracegen.Job(dp=32, pp=4, steps=50, microbatches=8, layers=60, slow_rank=77, slow_from=10)
 
 
+# The CLI in a child that reports its own peak resident set on exit (a child's ru_maxrss seen
+# from the parent would count the parent's pages it was forked with).
+_CHILD = ("import resource, sys\n"
+          "from rankwatch.agent.cli.app import main\n"
+          "sys.argv = ['rankwatch', 'analyze', sys.argv[1], '--json']\n"
+          "try:\n    main()\n"
+          "finally:\n    print('peak_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n")
+
+
 def measure(path: str) -> tuple[float, float, dict]:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli.app", "analyze", path, "--json"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True, text=True, check=True)
     wall = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss   # KiB, the largest child so far
-    return wall, max(peak, before) / 1024 ** 2, json.loads(out.stdout)
+    peak = int(out.stderr.split("peak_kib")[-1].split()[0])
+    return wall, peak / 1024 ** 2, json.loads(out.stdout)
+
+
+def _generate(d: str) -> list[str]:
+    """The traces, written by a child (the rows it holds while it writes are not the parent's)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); import tracegen, analyze_scale as a\n"
+            "for p in sys.argv[3:]: tracegen.write(a.JOB, p)\n")
+    paths = [os.path.join(d, "job.parquet"), os.path.join(d, "job.jsonl.gz")]
+    here = str(Path(__file__).resolve().parent)
+    subprocess.run([sys.executable, "-c", code, here, str(Path(here).parent / "tests"), *paths],
+                   check=True, cwd=here, env={**os.environ, "PYTHONPATH": here})
+    return paths
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--dir", default=None)
+    p.add_argument("--reuse", action="store_true", help="analyse the traces already in --dir")
     args = p.parse_args()
     d = args.dir or tempfile.mkdtemp(prefix="analyze-scale-")
     t0 = time.perf_counter()
-    paths = [tracegen.write(JOB, os.path.join(d, "job.parquet")), tracegen.write(JOB, os.path.join(d, "job.jsonl.gz"))]
+    reuse = [os.path.join(d, n) for n in ("job.parquet", "job.jsonl.gz")]
+    paths = reuse if args.reuse and all(os.path.exists(x) for x in reuse) else _generate(d)
     print(f"generated in {time.perf_counter() - t0:.1f} s: " +
           ", ".join(f"{Path(x).name} {os.path.getsize(x) / 1e6:.0f} MB" for x in paths))
     for path in paths:
