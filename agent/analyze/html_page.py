@@ -121,7 +121,7 @@ def _heatmap(heat: dict[str, Any] | None, flagged: dict[int, str]) -> str:
 
 def _labels(ranks: Sequence[Any], steps: Sequence[Any], w: float, h: float, flagged: dict[int, str]) -> list[str]:
     """Every k-th rank and step named, k so that labels do not overlap; a flagged rank always."""
-    every_rank, every_step = max(1, math.ceil(11 / h)), max(1, math.ceil(28 / w))
+    every_rank, every_step = max(1, math.ceil(12 / h)), max(1, math.ceil(28 / w))
     out = []
     for i, rank in enumerate(ranks):
         state = flagged.get(rank) if isinstance(rank, int) else None
@@ -219,7 +219,10 @@ def _findings(result: dict[str, Any]) -> str:
         out += "<p>workload imbalance: " + _e(", ".join(f"{k} {_plain(v)}" for k, v in more.items())) + "</p>"
     if rp:
         cls = "ok" if rp.get("ok") else "bad"
-        out += f'<p class="{cls}" id="replay-note">replay: {_e(rp.get("note", ""))}</p>'
+        verb = "reproduces the measured step times within" if rp.get("ok") else "misses the measured step times by"
+        note = rp.get("note") or (f"{verb} {_pct(rp.get('error'))}"
+                                  + (f" over {rp['steps']} steps" if rp.get("steps") else ""))
+        out += f'<p class="{cls}" id="replay-note">replay: {_e(note)}</p>'
     return out
 
 
