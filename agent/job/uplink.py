@@ -14,81 +14,30 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
 from rankwatch.address import Address
-from rankwatch.credentials import ClientCredentials, open_channel
+from rankwatch.credentials import open_channel
 from rankwatch.agent.durable.decisions import Decision
+from rankwatch.agent.job.link_parts import RPC_TIMEOUT as _RPC_TIMEOUT
+from rankwatch.agent.job.link_parts import LinkParts, forward_checkpoint, summary_incidents
 from rankwatch.agent.job.pacing import LoadConfig, first_sync_delay, retry_delay, silence_allowance
-from rankwatch.agent.durable.incidents import Incident
-from rankwatch.agent.node.recoveries import is_in_process
 from rankwatch.agent.job.relay import node_reply
 from rankwatch.proto import pb, pb_grpc
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-    from typing import Protocol
-
-    from rankwatch.agent.job.policy import PolicyConfig
-    from rankwatch.agent.job.routing import RelayConfig
-
-    class LinkConfig(Protocol):
-        """What the link reads of the agent's configuration."""
-
-        @property
-        def node_id(self) -> str: ...
-        @property
-        def listen(self) -> Sequence[Address]: ...
-        @property
-        def job_nodes(self) -> int: ...
-        @property
-        def policy(self) -> PolicyConfig: ...
-        @property
-        def relay(self) -> RelayConfig: ...
-
-        def client_credentials(self) -> ClientCredentials: ...
-    from rankwatch.agent.job.coordinator import Coordinator
-    from rankwatch.agent.durable.decisions import DecisionLog
     from rankwatch.agent.job.election import Election
-    from rankwatch.agent.job.relay import Relay
 
 __all__ = ["JobLink", "LinkParts", "forward_checkpoint", "summary_incidents"]
 
 log = logging.getLogger(__name__)
 
-_RPC_TIMEOUT = 1.0
 _BUSY = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
 """A coordinator that answers a sync so is busy, not gone: the node backs off (``retry_delay``)."""
-_INCIDENTS_SENT = 50
 _MAX_CHANNELS = 16   # open channels to coordinator candidates and relays
 _MAX_INTERVAL = LoadConfig.max_interval   # the slowest sync a coordinator may ask for
-
-
-@dataclass(frozen=True, kw_only=True)
-class LinkParts:
-    """What the link reads from its node, and where the coordinator's reply goes."""
-
-    config: LinkConfig
-    """The node's id, addresses, credentials and the job's policy, relay and size."""
-    decision_log: DecisionLog
-    """The job's decisions: the coordinator's are adopted here."""
-    coordinator: Coordinator
-    """This agent's own coordinator, which takes the node's summary while it coordinates."""
-    summary: Callable[[int], pb.NodeSummary]
-    """This node's summary, numbered."""
-    relay: Callable[[], Relay | None]
-    """This agent as a relay for its group (None until it serves TCP, or never)."""
-    on_checkpoint: Callable[[Decision], None]
-    on_exclusion: Callable[[Decision], None]
-    on_job_incident: Callable[[str, pb.Incident], None]
-
-    def serves(self, addr: Address) -> bool:
-        """Whether ``addr`` is one of this agent's own listening addresses."""
-        return any(str(addr) == str(mine) for mine in self.config.listen)
 
 
 class JobLink:
@@ -360,22 +309,3 @@ class JobLink:
         if not self.acting:
             for inc in reply.incidents:
                 self.node.on_job_incident(reply.coordinator, inc)
-
-
-def forward_checkpoint(addr: Address, reason: str,
-                       creds: ClientCredentials | str | None = None) -> pb.CheckpointReply:
-    """Ask the agent at ``addr`` for a checkpoint (raises grpc.RpcError).
-
-    ``creds``: the job's credentials, or just its token."""
-    if not isinstance(creds, ClientCredentials):
-        creds = ClientCredentials(creds)
-    with open_channel(addr, creds) as ch:
-        return pb_grpc.AgentStub(ch).RequestCheckpoint(pb.CheckpointRequest(reason=reason),
-                                                       timeout=3 * _RPC_TIMEOUT)
-
-
-def summary_incidents(items: list[Incident], node: str) -> list[Incident]:
-    """This node's own incidents a coordinator needs (newest first, bounded)."""
-    own = [i for i in items if i.node == node and "/" not in i.id
-           and (i.kind in ("gpu_fault", "checkpoint", "rank_exit") or is_in_process(i))]
-    return own[-_INCIDENTS_SENT:]
