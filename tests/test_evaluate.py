@@ -13,7 +13,8 @@ from rankwatch.agent.job.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.detect.evaluate import Snapshot, evaluate
 from rankwatch.agent.detect.hang_verdict import HangConfig, RankProgress
 from rankwatch.agent.durable.incidents import IncidentLog
-from rankwatch.agent.node.sweep import NodeWatch, snapshot
+from rankwatch.agent.node.rank_snapshot import snapshot
+from rankwatch.agent.node.sweep import NodeWatch
 from rankwatch.agent.node.rankexit import ExitConfig
 from rankwatch.agent.server import Agent, AgentConfig
 from rankwatch.agent.node.intake import OPS, NodeState

@@ -1,6 +1,6 @@
 """Detection over one snapshot of ranks: the same pure function on a node and on the coordinator.
 
-A node agent snapshots its own ranks (:func:`rankwatch.agent.node.sweep.snapshot`);
+A node agent snapshots its own ranks (:func:`rankwatch.agent.node.rank_snapshot.snapshot`);
 the coordinator snapshots every included rank of the job from the nodes'
 summaries (:meth:`Coordinator.snapshot`).  Both run :func:`evaluate` over theirs,
 so a hang incident's content is decided here once, whoever detects it, and the

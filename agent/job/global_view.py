@@ -14,53 +14,29 @@ clock by the offset seen when the summary arrives.
 from __future__ import annotations
 
 import logging
-import math
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from rankwatch.agent.job import claims, node_death
 
-from rankwatch.agent.wire import inflight as in_flight, summary as validate_sync, windows as work_windows
+from rankwatch.agent.wire import inflight as in_flight, summary as validate_sync
 from rankwatch.agent.durable.decisions import DecisionLog
 from rankwatch.agent.detect.evaluate import STACKS_FRESH_SECONDS, Snapshot
 from rankwatch.agent.detect.hang_verdict import RankProgress
 from rankwatch.agent.durable.incidents import Incident
 from rankwatch.agent.job.loadmeter import LoadMeter
+from rankwatch.agent.job.node_copy import NodeView, flight_recorder, node_incidents, rank_id, rank_work, without
 from rankwatch.agent.job.node_floor import agentless_nodes
 from rankwatch.agent.detect.straggler import RankWork
 from rankwatch.agent.detect.work_scores import role_of
 from rankwatch.agent.detect.bottleneck import Part
 from rankwatch.agent.node import makeup
-from rankwatch.agent.wire.ranges import Rejected, parse_flight_recorder
+from rankwatch.agent.wire.ranges import Rejected
 from rankwatch.proto import pb
 
 __all__ = ["JobView", "NodeView"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class NodeView:
-    """One node's latest summary and what the coordinator saw of its arrival."""
-
-    summary: pb.NodeSummary
-    received_at: float
-    offset: float           # coordinator clock - node clock (plus transit)
-    ranks_dead_since: float | None = None
-    interval: float = 0.25  # how often the node was last told to sync
-    best_offset: float = float("inf")   # its smallest offset: clock skew plus the fastest transit
-    latest_progress: float = float("-inf")   # its ranks' latest progress, on the coordinator's clock
-    syncs: int = 1          # summaries this coordinator heard from it (beats too)
-    seq: int = 0            # its latest summary's or beat's seq and sending time
-    sent_at: float = 0.0
-    moved_since_copy: bool = False   # a beat said its ranks progressed after ``summary`` was sent
-    witness: tuple[float, float] | None = None   # its relay's word: (unheard since, said at)
-    relayed: bool = False   # its latest summary or beat came through a relay
-    ranks_died: bool = False   # node_death.all_ranks_died of its summary (read once per summary)
-    progressed: float = float("-inf")   # its ranks' latest progress on its own clock (summary or beat)
-    streams: tuple[int, ...] = ()   # pids of its ranks that stream (connected, not exited cleanly)
-    claims: tuple[int, ...] = ()   # the rank ids it holds (:mod:`.claims`)
-    instance: str = ""      # the agent instance its summaries come from
 
 
 class JobView:
@@ -122,7 +98,7 @@ class JobView:
             refused = self.claims.settle(node, claimed, prev.claims if prev else (),
                                          lambda holder: self._holds(holder, now), now)
             if refused:
-                summary = _without(summary, {claimed[r] for r in refused})
+                summary = without(summary, {claimed[r] for r in refused})
             self._keep(summary, prev, now, relayed, tuple(r for r in claimed if r not in refused))
         return sorted(refused)
 
@@ -260,7 +236,7 @@ class JobView:
                     group_seqs=r.group_seqs,   # read only: no copy (16,384 of them)
                     inflight=in_flight.to_dict(r.inflight, n.offset) if r.HasField("inflight") else None,
                     stacks=r.stacks if r.stacks and fresh else None,
-                    flight_recorder=_flight_recorder(r.rank, fr) if fr else None, pid=r.pid, alive=r.alive,
+                    flight_recorder=flight_recorder(r.rank, fr) if fr else None, pid=r.pid, alive=r.alive,
                     stopped=r.stopped, current=not n.moved_since_copy))
         return Snapshot(ranks=out, scope="job", nodes=names,
                         silent_nodes=frozenset(name for name, _, silent in nodes if silent))
@@ -282,7 +258,7 @@ class JobView:
         for name, summary in nodes:
             held = kept.get(name)
             if held is None or held[0] is not summary:
-                held = kept[name] = (summary, [_rank_work(name, r) for r in summary.ranks if r.connected])
+                held = kept[name] = (summary, [rank_work(name, r) for r in summary.ranks if r.connected])
             out.extend(held[1])
         if len(kept) > 2 * len(nodes) + 64:   # nodes excluded, silent or gone: read again if back
             listed = {name for name, _ in nodes}
@@ -313,7 +289,7 @@ class JobView:
             for name, summary, offset in nodes:
                 held = kept.get(name)
                 if held is None or held[0] is not summary:
-                    held = kept[name] = (summary, _node_incidents(name, summary, offset))
+                    held = kept[name] = (summary, node_incidents(name, summary, offset))
                 out.extend(held[1])
             if len(kept) > len(nodes):
                 listed = {name for name, _, _ in nodes}
@@ -332,48 +308,3 @@ class JobView:
             excluded = self.excluded
             return [(name, r, name in excluded) for name, n in sorted(self.nodes.items())
                     for r in n.summary.ranks]
-
-
-def rank_id(r: pb.RankSummary) -> int:
-    """A rank's id in its job's world (its own rank where it reports no other)."""
-    return r.world_rank if r.HasField("world_rank") else r.rank
-
-
-def _without(summary: pb.NodeSummary, left_out: set[int]) -> pb.NodeSummary:
-    """A copy of ``summary`` without its ranks at the indices ``left_out``."""
-    out = pb.NodeSummary()
-    out.CopyFrom(summary)
-    del out.ranks[:]
-    out.ranks.extend(r for i, r in enumerate(summary.ranks) if i not in left_out)
-    return out
-
-
-def _rank_work(node: str, r: pb.RankSummary) -> RankWork:
-    """What the straggler detector reads of a rank's summary (its windows not copied)."""
-    own, data, wait = work_windows.windows(r)
-    return RankWork(rank=r.rank, node=node, step=r.step, own=own, data=data, wait=wait,
-                    step_seconds=r.step_seconds, completed=r.steps_completed, period=r.step_period,
-                    role=role_of(r.mesh_coords),
-                    tokens=r.expert_tokens if r.HasField("expert_tokens") else math.nan)
-
-
-def _node_incidents(name: str, summary: pb.NodeSummary, offset: float) -> list[Incident]:
-    """The incidents a node's summary raises of itself, on the coordinator's clock."""
-    out = []
-    for i in summary.incidents:
-        if i.node != name:
-            continue
-        try:
-            out.append(Incident.from_pb(i, clock_offset=offset))
-        except ValueError as exc:
-            log.debug("node incident %s left out: %s", i.id, exc)
-    return out
-
-
-def _flight_recorder(rank: int, text: str) -> dict | None:
-    """A node's rank's Flight Recorder extract; a malformed one is left out of the evidence."""
-    try:
-        return parse_flight_recorder(text)
-    except ValueError as exc:
-        log.debug("rank %d: flight_recorder left out: %s", rank, exc)
-        return None

@@ -16,10 +16,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import psutil
-
-from rankwatch.agent.detect.evaluate import STACKS_FRESH_SECONDS, Snapshot, evaluate, straggler_detail
-from rankwatch.agent.detect.hang_verdict import HangConfig, RankProgress
+from rankwatch.agent.detect.evaluate import evaluate, straggler_detail
+from rankwatch.agent.detect.hang_verdict import HangConfig
 from rankwatch.agent.detect.hang_end import hang_end, steps_at
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
 from rankwatch.agent.detect.root_cause import exit_view, root_causes
@@ -30,6 +28,7 @@ from rankwatch.agent.node.transitions import next_state
 from rankwatch.agent.node.starvation import StarvationTracker
 from rankwatch.agent.node.intake import NodeState, RankState, _pid_alive
 from rankwatch.agent.node.arrivals import Arrivals
+from rankwatch.agent.node.rank_snapshot import process_state, snapshot
 from rankwatch.agent.node.stepstarts import StepStarts
 from rankwatch.agent.detect.straggler import StragglerConfig, StragglerDetector, period_of, score
 from rankwatch.agent.detect.work_scores import CAUSES
@@ -40,36 +39,6 @@ __all__ = ["NodeWatch", "process_state", "snapshot"]
 log = logging.getLogger(__name__)
 
 _FORGET_AFTER = 5.0   # seconds a gone worker of an earlier generation is kept
-
-
-def process_state(pid: int) -> tuple[bool, bool]:
-    """(alive, stopped) of a local process."""
-    try:
-        status = psutil.Process(pid).status()
-    except psutil.Error:
-        return False, False
-    if status == psutil.STATUS_ZOMBIE:
-        return False, False
-    return True, status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-
-
-def snapshot(state: NodeState, now: float) -> Snapshot:
-    """The node's ranks as :func:`evaluate` reads them (windows copied under the lock)."""
-    with state.lock:
-        rows = [(r, dict(r.group_seqs), r.inflight, list(r.own_work), list(r.data_wait), list(r.comm_wait))
-                for r in state.ranks.values()]
-    views = []
-    for r, seqs, inflight, own, data, wait in rows:
-        fresh = now - r.stacks_at < STACKS_FRESH_SECONDS
-        alive, stopped = process_state(r.pid)
-        views.append(RankProgress(
-            rank=r.rank, node=r.node, step=r.step, step_seconds=r.step_seconds,
-            steps_completed=r.steps_completed, activity=r.activity, progress_at=r.progress_at,
-            last_seen=r.last_seen, connected=r.connected, exited_cleanly=r.exited_cleanly,
-            group_seqs=seqs, inflight=inflight, stacks=r.stacks if fresh and r.stacks else None,
-            flight_recorder=r.flight_recorder if fresh else None, pid=r.pid, alive=alive,
-            stopped=stopped, own=own, data=data, wait=wait, role=int(r.mesh_coords.get("pp", 0))))
-    return Snapshot(ranks=views, scope="node")
 
 
 class NodeWatch:

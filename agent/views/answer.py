@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rankwatch.agent.detect.evaluate import STACKS_FRESH_SECONDS
 from rankwatch.agent.job.uplink import summary_incidents
 from rankwatch.agent.node import makeup as stepmix, oplatency, recoveries
-from rankwatch.agent.node.sweep import process_state
+from rankwatch.agent.node.rank_snapshot import process_state
 from rankwatch.agent.views import rank_list
 from rankwatch.agent.wire import bounds, inflight as in_flight, windows
 from rankwatch.proto import pb
