@@ -19,7 +19,7 @@ def _rank(rank: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rankwatch.hooks.instrument.monitor import _hello
+    from rankwatch.hooks.instrument.hello import hello as _hello
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
     hello = _hello(mesh, "n0", None, "job")

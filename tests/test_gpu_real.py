@@ -91,7 +91,7 @@ def test_the_ranks_device_uuid_is_the_one_nvml_names(nvml):
     """What a CUDA rank puts in its hello matches NVML's UUID of the same device."""
     code = textwrap.dedent("""
         import torch
-        from rankwatch.hooks.instrument.monitor import _device_uuid
+        from rankwatch.hooks.instrument.hello import device_uuid as _device_uuid
         torch.cuda.set_device(0)
         print(_device_uuid(torch))
     """)
