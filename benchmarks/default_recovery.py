@@ -14,6 +14,8 @@ SIGKILLed.  Measured from the kill, by the workers' own clocks:
   the failure cut short (the incident's ``recomputed_steps``), and the ``K`` they had chosen.
 
     python benchmarks/default_recovery.py --runs 10
+
+``RANKWATCH_BENCH_KEEP_LOGS=DIR`` keeps the logs of a run that did not recover in process.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -58,6 +61,10 @@ def once(tmp: Path, kill_after: int, timeout: float) -> dict:
             time.sleep(0.2)
         same = old == {r["pid"] for r in _survivors(c)}
         plans = [int(k) for i in range(2) for k in _PLAN.findall((tmp / f"job-n{i}.log").read_text())]
+        if (keep := os.environ.get("RANKWATCH_BENCH_KEEP_LOGS")) and (rec is None or regained is None):
+            dest = Path(keep) / uuid.uuid4().hex[:8]
+            shutil.copytree(tmp, dest, ignore=shutil.ignore_patterns("*.sock"))
+            print(f"no in-process recovery: logs in {dest}", flush=True)
     if rec is None:
         return {"first": None, "regained": None, "recomputed": None, "same_processes": same, "every": plans}
     return {"first": rec["started_at"] + rec["phases"]["first_step"] - killed_at,

@@ -135,3 +135,12 @@ def test_host_memory_finds_the_process_own_cgroup(tmp_path: Path):
     (cg / "job.slice" / "memory.max").write_text("3000\n")
     (cg / "job.slice" / "memory.current").write_text("1000\n")
     assert host_memory({}, proc, cg) == (20000000 * 1024, 2000)
+
+
+def test_k_also_keeps_the_exchange_in_flight_at_most_a_twentieth_of_the_time():
+    """A cheap snapshot whose exchange takes long (waiting on the buddy, the network): K grows
+    so that a node lost at a random moment finds a whole snapshot 95 % of the time."""
+    p = _plan(cost_seconds=0.001, step_seconds=0.05, exchange_seconds=0.1)
+    assert p.every == 40   # 0.1 / (0.05 x 0.05); the cost alone asks for 2
+    assert _plan(cost_seconds=0.001, step_seconds=0.05, exchange_seconds=0.0).every == 2
+    assert "100 ms" in p.detail

@@ -6,11 +6,14 @@ holds its own snapshot and a buddy's copy, about twice its shard bytes, so a nod
 memory the host has available, less a headroom (:data:`HEADROOM`: a fifth of it, and never
 less than :data:`HEADROOM_FLOOR`), for the training's own growth and the rest of the host.
 
-``K`` is the smallest number of steps over which a snapshot's measured copy and exchange
-cost at most :data:`BUDGET` (1 %) of the steps' time: ``K = ceil(cost / (0.01 x step))``,
-bounded to ``[1, MAX_EVERY]``.  The cost counts the copy and the exchange whole, although the
-exchange runs beside the training (on a GPU, the copy too): on a CPU machine they compete
-with the training for its cores.
+``K`` is the smallest number of steps over which a snapshot's measured cost is at most
+:data:`BUDGET` (1 %) of the steps' time, ``K = ceil(cost / (0.01 x step))``, and over which
+its exchange is in flight at most :data:`WINDOW` (5 %) of the time, ``K >= ceil(exchange /
+(0.05 x step))``, bounded to ``[1, MAX_EVERY]``.  The cost is the step's stall and the
+snapshot thread's CPU time (on a CPU machine they compete with the training for its cores).
+While an exchange is in flight, a lost node may leave no whole snapshot (the exchange
+window, docs/in-process-recovery.md): the second bound keeps a node lost at a random moment
+finding one at least 95 % of the time.
 
 Inputs come from outside (the host's memory: :func:`host_memory`; the step and the
 snapshot's times: the tier's measurements), so tests drive every branch with numbers.
@@ -25,8 +28,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BUDGET", "HEADROOM", "HEADROOM_FLOOR", "LIMIT_ENV", "MAX_EVERY", "PROBE_EVERY", "REASONS", "Plan",
-           "StepClock", "every_for", "host_memory", "needs_replan", "plan"]
+__all__ = ["BUDGET", "HEADROOM", "HEADROOM_FLOOR", "LIMIT_ENV", "MAX_EVERY", "PROBE_EVERY", "REASONS", "WINDOW",
+           "Plan", "StepClock", "every_for", "host_memory", "needs_replan", "plan"]
 
 LIMIT_ENV = "RANKWATCH_SNAPSHOT_MEMORY_LIMIT"
 """Bytes: a cap on the host memory the plan sees (a budget for the snapshots' node, or a
@@ -37,6 +40,8 @@ HEADROOM = 0.2
 """The share of the available memory left free."""
 HEADROOM_FLOOR = 512 << 20
 """The least memory left free, whatever the share."""
+WINDOW = 0.05
+"""The share of the time a snapshot's copy and exchange may be in flight."""
 MAX_EVERY = 1000
 """The most steps between snapshots (what a recovery may recompute)."""
 PROBE_EVERY = 10
@@ -72,7 +77,7 @@ class Plan:
 
 def plan(*, shard_bytes: int, ranks_on_host: int, available_bytes: int | None, limit_bytes: int | None = None,
          cost_seconds: float | None = None, step_seconds: float | None = None, override: int | None = None,
-         nodes: int = 2, replicas: bool = False) -> Plan:
+         nodes: int = 2, replicas: bool = False, exchange_seconds: float = 0.0) -> Plan:
     """The plan for one rank.
 
     Args:
@@ -85,6 +90,7 @@ def plan(*, shard_bytes: int, ranks_on_host: int, available_bytes: int | None, l
         override: None: decide; 0: off; ``K > 0``: every ``K`` steps, whatever the memory.
         nodes: the job's nodes (a copy goes to another node; one node has none).
         replicas: the job has whole replicas on nodes (every shard lies on two nodes already).
+        exchange_seconds: a snapshot's copy and exchange, start to end (the exchange window).
     """
     if override == 0:
         return Plan(False, 0, "disabled", "peer snapshots are off (--snapshot-every off); "
@@ -109,17 +115,17 @@ def plan(*, shard_bytes: int, ranks_on_host: int, available_bytes: int | None, l
     if cost_seconds is None or not step_seconds or step_seconds <= 0:
         return Plan(True, PROBE_EVERY, "measuring", f"peer snapshots on ({fits}), every {PROBE_EVERY} steps "
                                                     "until a snapshot and the steps are timed")
-    k = every_for(cost_seconds, step_seconds)
+    k = max(every_for(cost_seconds, step_seconds), every_for(exchange_seconds, step_seconds, WINDOW))
     return Plan(True, k, "fits", f"peer snapshots every {k} steps ({fits}): a snapshot costs "
-                f"{cost_seconds * 1e3:.1f} ms, {100 * cost_seconds / (k * step_seconds):.2f} % of "
-                f"{k} steps of {step_seconds * 1e3:.1f} ms")
+                f"{cost_seconds * 1e3:.1f} ms, {100 * cost_seconds / (k * step_seconds):.2f} % of {k} steps of "
+                f"{step_seconds * 1e3:.1f} ms, its exchange in flight {exchange_seconds * 1e3:.0f} ms of them")
 
 
-def every_for(cost_seconds: float, step_seconds: float) -> int:
-    """The fewest steps over which ``cost_seconds`` is at most :data:`BUDGET` of their time."""
-    if step_seconds <= 0 or not math.isfinite(step_seconds) or not math.isfinite(cost_seconds):
+def every_for(seconds: float, step_seconds: float, share: float = BUDGET) -> int:
+    """The fewest steps over which ``seconds`` is at most ``share`` of their time."""
+    if step_seconds <= 0 or not math.isfinite(step_seconds) or not math.isfinite(seconds):
         return MAX_EVERY
-    k = math.ceil(max(0.0, cost_seconds) / (BUDGET * step_seconds) - 1e-9)
+    k = math.ceil(max(0.0, seconds) / (share * step_seconds) - 1e-9)
     return min(MAX_EVERY, max(1, k))
 
 

@@ -96,7 +96,7 @@ class SnapshotSchedule:
         local = plan(shard_bytes=layout(job)[1], ranks_on_host=int(self._env.get("LOCAL_WORLD_SIZE", "1")),
                      available_bytes=self._memory[0], limit_bytes=self._memory[1],
                      cost_seconds=cost, step_seconds=step, nodes=snaps.nodes,
-                     replicas=job.replica_size < dist.get_world_size())
+                     replicas=job.replica_size < dist.get_world_size(), exchange_seconds=snaps.stats.window_seconds)
         if local.reason == "fits":
             self._planned_step = step
         return local

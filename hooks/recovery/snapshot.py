@@ -66,7 +66,9 @@ class Stats:
     failures: int = 0
     memory_bytes: int = 0
     work_seconds: float = 0.0
-    """CPU seconds the last snapshot's background thread spent (its copy, if there, and the exchange)."""
+    """CPU seconds of the last snapshot's background thread (its copy, if there, and the exchange)."""
+    window_seconds: float = 0.0
+    """The last snapshot's copy and exchange, start to end: its exchange window."""
     every: int = 0
     """Steps between snapshots (the plan's; 0: off)."""
     reason: int = 0
@@ -258,7 +260,7 @@ class PeerSnapshots:
         self.stats.copy_seconds += time.perf_counter() - t0
 
     def _background(self, own: Piece, ready: Any, pending: tuple | None) -> None:
-        c0 = time.thread_time()
+        c0, t0 = time.thread_time(), time.perf_counter()
         try:
             if pending is not None:
                 try:
@@ -273,6 +275,7 @@ class PeerSnapshots:
             log.warning("rankwatch: peer snapshot at step %d failed: %s", own.step, exc)
         finally:
             self.stats.work_seconds = time.thread_time() - c0
+            self.stats.window_seconds = time.perf_counter() - t0
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the exchange in flight; False if it is still running after ``timeout``."""
