@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from conftest import AgentProcess
 from rankwatch.agent.analyze.compare import compare, compare_main, regressed, text
 from rankwatch.agent.analyze.readers import read_paths
 from tracegen import Job, write
@@ -85,3 +88,35 @@ def test_the_cli_fails_a_ci_build_on_a_slowed_loader(runs):
     clean = cli(runs["clean"], "--compare", runs["base"], "--fail-over", "10", "--json")
     assert clean.returncode == 0, clean.stderr
     assert json.loads(clean.stdout)["regressed"] is False
+
+
+def _recorded(tmp_path: Path, *faults: str) -> Path:
+    """A real harness job of 2 ranks under ``rankwatch run`` with ``faults``, watched by a real
+    agent; its state directory once the agent has stopped (its history written out)."""
+    tmp_path.mkdir()
+    agent = AgentProcess(tmp_path / "agent.sock").start()
+    fault_args = [a for f in faults for a in ("--fault", f)]
+    try:
+        job = subprocess.run(
+            [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr), "--",
+             "--standalone", "--nproc-per-node", "2", "-m", "rankwatch.hooks.train", "--steps", "150",
+             "--log-every", "0", *fault_args],
+            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=open(tmp_path / "job.log", "w"),
+            stderr=subprocess.STDOUT, timeout=300)
+        assert job.returncode == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        agent.stop()   # SIGTERM: the agent writes out what its history holds
+    return tmp_path / "state-n0"
+
+
+@pytest.mark.e2e
+def test_two_real_runs_a_slowed_loader_fails_the_build(tmp_path):
+    base = _recorded(tmp_path / "base")
+    # rank 0's data loading takes its usual step time longer from step 0 on
+    new = _recorded(tmp_path / "new", "slow_data:0:0:1.0")
+    out = subprocess.run([sys.executable, "-m", "rankwatch.agent.cli", "analyze", str(new), "--compare", str(base),
+                          "--fail-over", "10", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    cmp = json.loads(out.stdout)
+    assert cmp["regressed"] and cmp["step"]["change_pct"] > 10
+    assert cmp["worst"]["what"] == "data" and cmp["phases"][0]["phase"] == "data", cmp["phases"]
