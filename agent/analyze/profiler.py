@@ -25,8 +25,8 @@ from rankwatch.agent.analyze.table import KINDS, NOT_SET, OpTable, TraceError, c
 
 __all__ = ["MAX_BYTES", "ProfilerTrace", "is_profiler_trace", "parse_profiler", "read_profiler"]
 
-MAX_BYTES = 1 << 30
-"""The largest trace read (decompressed): 1 GiB."""
+MAX_BYTES = 512 << 20
+"""The largest trace read (decompressed): 512 MiB, which peaks near 1.3 GB of memory."""
 SNIFF_BYTES = 64 << 10
 ORIGIN_NS = 1_600_000_000 * 10**9
 """Starts are seconds after this Unix time (2020-09-13), where the trace has its base: one
