@@ -41,12 +41,13 @@ def _record(tmp_path: Path, fault: str) -> tuple[AgentProcess, dict]:
     directory kept); return the agent, stopped (its history written out), and its last live view."""
     agent = AgentProcess(tmp_path / "agent.sock").start()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    job = subprocess.run(
-        [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr), "--",
-         "--standalone", "--nproc-per-node", "2", "-m", "rankwatch.hooks.train", "--steps", str(STEPS),
-         "--log-every", "0", "--fault", fault],
-        env=env, stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT, timeout=400)
     try:
+        with open(tmp_path / "job.log", "w") as log:
+            job = subprocess.run(
+                [sys.executable, "-m", "rankwatch.agent.cli", "run", "--agent", str(agent.addr), "--",
+                 "--standalone", "--nproc-per-node", "2", "-m", "rankwatch.hooks.train", "--steps", str(STEPS),
+                 "--log-every", "0", "--fault", fault],
+                env=env, stdout=log, stderr=subprocess.STDOUT, timeout=400)
         assert job.returncode == 0, (tmp_path / "job.log").read_text()[-3000:]
         live = agent.status()
     finally:

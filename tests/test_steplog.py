@@ -296,3 +296,15 @@ def test_analyze_reads_the_latest_job_whole_members_only(tmp_path):
     whole = len(read_history(tmp_path))
     newest.write_bytes(newest.read_bytes()[:-50])
     assert 0 < len(read_history(tmp_path)) < whole
+
+
+def test_no_history_without_a_state_directory_or_with_a_zero_bound(tmp_path):
+    from rankwatch.address import Address
+    from rankwatch.agent.config import AgentConfig
+
+    state = NodeState("n0")
+    assert StepLog.attach(state, None, OPS, 1 << 20) is None
+    assert StepLog.attach(state, tmp_path, OPS, 0) is None
+    assert state.step_listeners == [] and state.collective_listeners == []
+    with pytest.raises(ValueError, match="history_bytes"):
+        AgentConfig(node_id="n0", listen=[Address(path=str(tmp_path / "s"))], history_bytes=-1)

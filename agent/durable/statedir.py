@@ -1,11 +1,13 @@
 """What an agent leaves in its state directory, and reading it back once the agent is gone.
 
-An agent keeps three things there:
+An agent keeps four things there:
 
 * ``incidents.jsonl``: every incident and each later change (:mod:`incidents`);
 * ``decisions.jsonl``: the coordinator decisions it made or applied;
 * ``last-status.json``: its last ``status`` view (ranks, goodput, ...), rewritten every
-  second or so and when it stops, with the job's run id and when it was written.
+  second or so and when it stops, with the job's run id and when it was written;
+* ``history/``: its ranks' steps in the rankwatch trace format, for ``rankwatch analyze``
+  (:mod:`steplog`).
 
 Beside a unix socket it serves, the agent leaves ``<socket>.state-dir``, naming the
 directory, so ``rankwatch diagnose --agent SOCKET`` finds it after the socket is gone.
