@@ -27,6 +27,7 @@ from rankwatch.address import Address, node_id, resolve
 from rankwatch.agent.cli.parser import build_parser
 
 if TYPE_CHECKING:
+    from rankwatch.agent.config import AgentConfig
     from rankwatch.agent.detect.straggler import StragglerConfig
     from rankwatch.agent.rpc.limits import StreamLimits
     from rankwatch.agent.rpc.tls import TlsConfig
@@ -44,54 +45,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from rankwatch.agent.server import Agent, AgentConfig
-
-    from rankwatch.agent.detect.hang_verdict import HangConfig
-
-    listen = args.listen or [resolve(None)]
-    node = node_id(args.node_id)
-    from rankwatch.agent.durable.statedir import STATE_DIR_ENV
-
-    chosen = args.state_dir or (Path(os.environ[STATE_DIR_ENV]) if os.environ.get(STATE_DIR_ENV) else None)
-    state_dir = _agent_dirs(chosen, listen, node)
-    if state_dir is None:
-        return 1
-    from rankwatch.agent.job.coordinator import PolicyConfig
-    from rankwatch.agent.job.routing import RelayConfig
-
-    from rankwatch.agent.gpu import GpuConfig
-
-    from rankwatch.agent.rpc.auth import load_token
+    from rankwatch.agent.server import Agent
 
     try:
-        policy = PolicyConfig(min_nodes=args.min_nodes,
-                              evict_straggler_speedup=args.evict_straggler_speedup,
-                              silent_burst_nodes=args.silent_burst_nodes, silent_burst_share=args.silent_burst_share,
-                              silent_burst_seconds=args.silent_burst_seconds)
-        token = load_token(args.token_file)
-        tls = _tls_config(args)
-        streams = _stream_limits(args)
-        straggler = _straggler_config(args)
-        kind, script = args.gpu_source
-        gpu = GpuConfig(source=kind, script=script, dcgm_url=args.dcgm_url,
-                        interval=timedelta(seconds=args.gpu_interval) if args.gpu_interval else None)
-        config = AgentConfig(node_id=node, listen=listen, metrics_port=args.metrics_port,
-                             metrics_addr=args.metrics_addr, state_dir=state_dir,
-                             hang=HangConfig(floor_seconds=args.hang_floor), straggler=straggler,
-                             coordinators=args.coordinator, policy=policy, gpu=gpu, token=token,
-                             election=args.election, job_id=args.job_id, advertise=args.advertise,
-                             tls=tls, streams=streams, rank_grace=args.rank_grace,
-                             status_max_ranks=args.status_max_ranks,
-                             relay=RelayConfig(group_size=args.relay_group, min_nodes=args.relay_min_nodes,
-                                               whole_every_seconds=args.relay_whole_every_seconds,
-                                               whole_every_intervals=args.relay_whole_every_intervals,
-                                               whole_every_steps=args.relay_whole_every_steps,
-                                               long_wait_spread_seconds=args.relay_long_wait_spread_seconds,
-                                               busy_hold_seconds=args.relay_busy_hold_seconds),
-                             job_nodes=args.job_nodes, history_bytes=args.history_bytes)
+        config = _agent_config(args)
     except ValueError as exc:
         print(f"rankwatch agent: {exc}", file=sys.stderr)
         return 2
+    if config is None:
+        return 1
     agent = Agent(config)
     for log in (agent.incidents, agent.decision_log):   # an unwritable directory: said now, loudly
         if log.writer is not None:
@@ -105,6 +67,45 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: agent.stop())
     agent.wait()
     return 0
+
+
+def _agent_config(args: argparse.Namespace) -> AgentConfig | None:
+    """The agent's configuration from its flags (ValueError: a value out of range; None: its
+    directories cannot be made, said on stderr)."""
+    from rankwatch.agent.config import AgentConfig
+    from rankwatch.agent.durable.statedir import STATE_DIR_ENV
+    from rankwatch.agent.detect.hang_verdict import HangConfig
+    from rankwatch.agent.gpu import GpuConfig
+    from rankwatch.agent.job.coordinator import PolicyConfig
+    from rankwatch.agent.job.routing import RelayConfig
+    from rankwatch.agent.rpc.auth import load_token
+
+    listen = args.listen or [resolve(None)]
+    node = node_id(args.node_id)
+    chosen = args.state_dir or (Path(os.environ[STATE_DIR_ENV]) if os.environ.get(STATE_DIR_ENV) else None)
+    state_dir = _agent_dirs(chosen, listen, node)
+    if state_dir is None:
+        return None
+    policy = PolicyConfig(min_nodes=args.min_nodes, evict_straggler_speedup=args.evict_straggler_speedup,
+                          silent_burst_nodes=args.silent_burst_nodes, silent_burst_share=args.silent_burst_share,
+                          silent_burst_seconds=args.silent_burst_seconds)
+    kind, script = args.gpu_source
+    gpu = GpuConfig(source=kind, script=script, dcgm_url=args.dcgm_url,
+                    interval=timedelta(seconds=args.gpu_interval) if args.gpu_interval else None)
+    relay = RelayConfig(group_size=args.relay_group, min_nodes=args.relay_min_nodes,
+                        whole_every_seconds=args.relay_whole_every_seconds,
+                        whole_every_intervals=args.relay_whole_every_intervals,
+                        whole_every_steps=args.relay_whole_every_steps,
+                        long_wait_spread_seconds=args.relay_long_wait_spread_seconds,
+                        busy_hold_seconds=args.relay_busy_hold_seconds)
+    return AgentConfig(node_id=node, listen=listen, metrics_port=args.metrics_port,
+                       metrics_addr=args.metrics_addr, state_dir=state_dir,
+                       hang=HangConfig(floor_seconds=args.hang_floor), straggler=_straggler_config(args),
+                       coordinators=args.coordinator, policy=policy, gpu=gpu, token=load_token(args.token_file),
+                       election=args.election, job_id=args.job_id, advertise=args.advertise,
+                       tls=_tls_config(args), streams=_stream_limits(args), rank_grace=args.rank_grace,
+                       status_max_ranks=args.status_max_ranks, relay=relay, job_nodes=args.job_nodes,
+                       history_bytes=args.history_bytes)
 
 
 def _tls_config(args: argparse.Namespace) -> TlsConfig | None:
