@@ -133,7 +133,7 @@ def _late_agreement(said_it_left: bool) -> tuple[int, ...]:
     late: dict = {}
 
     def member_1() -> None:
-        rounds[1].store.wait([rounds[1].key("gen/1/alive/0")])
+        rounds[1].store.wait([rounds[1].key("gen/1/post/1")])   # member 0 arrived first
         time.sleep(0.6)   # the fault: a member this late (not a synchronisation)
         late["d"] = rounds[1].agree(Membership(generation=0, rank=1, world_size=3, members=(0, 1, 2)), 3, 1, False, set())
 

@@ -30,6 +30,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankwatch.hooks.recovery.tally import runs, unruns
+
 __all__ = ["JOINER_BASE", "Decision", "Job", "Joiner", "Membership", "admissible", "decide", "from_checkpoint",
            "from_snapshots", "grows_by_resharding", "placeable"]
 
@@ -115,7 +117,7 @@ class Decision:
     here: the load tells it)."""
 
     def to_json(self) -> str:
-        return json.dumps({"ok": self.ok, "members": list(self.members), "dropped_nodes": list(self.dropped_nodes),
+        return json.dumps({"ok": self.ok, "runs": runs(self.members), "dropped_nodes": list(self.dropped_nodes),
                            "step": self.step, "error": self.error[:MAX_MESSAGE], "fresh": list(self.fresh),
                            "source": self.source, "refused": list(self.refused), "note": self.note[:MAX_MESSAGE],
                            "finish": list(self.finish), "providers": [list(p) for p in self.providers],
@@ -135,7 +137,7 @@ class Decision:
         if len(text) > 64 * (len(within) + 16):
             raise ValueError(f"decision of {len(text)} bytes for a world of {len(within)}")
         d = json.loads(text)
-        members = tuple(int(r) for r in d["members"])
+        members = unruns(d["runs"], len(within)) if "runs" in d else tuple(int(r) for r in d["members"])
         dropped = tuple(str(n) for n in d["dropped_nodes"])
         fresh = tuple(int(r) for r in d.get("fresh", ()))
         refused = tuple(int(r) for r in d.get("refused", ()))

@@ -5,9 +5,11 @@ value sealed with the job's token when it has one (:class:`~rankwatch.hooks.reco
 What lives here is what the workers say to each other through the store:
 
 * **members**: each rank's node and liveness address, and the world it started with;
-* **agreement** (:meth:`Round.agree`): each survivor posts the step it completed; the first to
-  arrive waits for the others (or proof that they are gone, or ``settle`` seconds), then
-  writes the decision of :func:`~rankwatch.hooks.recovery.decide.decide` for every one;
+* **agreement** (:meth:`Round.agree`): each survivor posts the step it completed (one key per
+  post, numbered by arrival; a node's first rank may post for its whole node,
+  :meth:`Round.post_many`); the first to arrive waits for the others (or proof that they are
+  gone, or ``settle`` seconds, :func:`~rankwatch.hooks.recovery.tally.gather`), then writes
+  the decision of :func:`~rankwatch.hooks.recovery.decide.decide` for every one;
 * **joining**: a joiner's request, the survivors' answer (a generation, or why not), and the
   mark that the job finished.
 
@@ -30,6 +32,7 @@ from rankwatch.hooks.recovery.decide import (
     JOINER_BASE, MAX_MESSAGE, Decision, Joiner, Membership, decide, from_checkpoint, from_snapshots,
     grows_by_resharding, placeable,
 )
+from rankwatch.hooks.recovery.tally import Entry, encode_post, gather
 from rankwatch.hooks.recovery.store import (
     ATTEMPTS_COUNT,
     CAPABLE_KEY,
@@ -51,7 +54,6 @@ _MAX_JOIN_LOOK = 1024
 """The most recent join requests read per look (a counter in the store is no bound of its own)."""
 _FINISHED = "finished"       # a join answer: the survivors finished the job
 _DECISION_WAIT = 30.0        # seconds past ``settle`` a survivor waits for the first one's decision
-_COMING = 10.0               # seconds past ``settle`` the first waits for a member that said it left the step
 
 
 class RecoveryFailed(RuntimeError):
@@ -247,26 +249,42 @@ class Round:
         return len(waiting)
 
     # -- agreement -------------------------------------------------------------------
-    def agree(self, old: Membership, completed: int, replica_size: int, ready: bool,
-              settled: set[int], holdings: dict | None = None) -> Decision:
-        """Post this survivor's step (and the peer snapshots it holds); the first to arrive
-        decides for all (see the module).  A forged value read on the way fails the
-        decision (torchrun's restart recovers)."""
+    def post(self, old: Membership, member: int, completed: int, ready: bool = False,
+             holdings: dict | None = None) -> int:
+        """Post ``member``'s completed step (whether it is ready to finish the next, the peer
+        snapshots it holds); its arrival number: 1 decides for all."""
+        return self.post_many(old, {member: (completed, ready, holdings)})
+
+    def post_many(self, old: Membership, entries: Mapping[int, Entry]) -> int:
+        """One post for several members (a node's first rank for its node's workers): one
+        arrival, one key (:mod:`~rankwatch.hooks.recovery.tally`); its arrival number."""
         gen = f"gen/{old.generation + 1}/"
-        me = old.members[old.rank]
+        n = int(self.store.add(self.key(f"{gen}arrived"), 1))
+        self.put(f"{gen}post/{n}", encode_post(entries))
+        return n
+
+    def collect(self, old: Membership) -> Decision:
+        """The decision of generation ``old.generation + 1``, once the first to arrive wrote it."""
+        key = f"gen/{old.generation + 1}/decision"
+        self.store.wait([self.key(key)], datetime.timedelta(seconds=self._settle + _DECISION_WAIT))
+        try:
+            text = self.read(key, cap=1 << 20)
+        except ForgedValue as exc:
+            return Decision(ok=False, error=str(exc)[:MAX_MESSAGE])
+        return Decision.from_json(text, tuple(old.members) + self._joiner_ids())
+
+    def agree(self, old: Membership, completed: int, replica_size: int, ready: bool,
+              settled: set[int], holdings: dict | None = None,
+              node_entries: Mapping[int, Entry] | None = None) -> Decision:
+        """Post this survivor's step (and the peer snapshots it holds; with ``node_entries``,
+        those of its node's other workers, in the same post); the first to arrive decides for
+        all (see the module).  A forged value read on the way fails the decision (torchrun's
+        restart recovers)."""
+        gen = f"gen/{old.generation + 1}/"
+        entries = {**(node_entries or {}), old.members[old.rank]: (completed, ready, holdings)}
+        if self.post_many(old, entries) != 1:
+            return self.collect(old)
         store = self.store
-        if holdings is not None:   # posted before this rank's step, as "ready" is
-            self.put(f"{gen}snap/{me}", json.dumps(holdings))
-        if ready:   # posted first: whoever decides reads it once this rank's step is there
-            self.put(f"{gen}ready/{me}", "1")
-        self.put(f"{gen}alive/{me}", str(completed))
-        if store.add(self.key(f"{gen}arrived"), 1) != 1:
-            store.wait([self.key(f"{gen}decision")], datetime.timedelta(seconds=self._settle + _DECISION_WAIT))
-            try:
-                text = self.read(f"{gen}decision", cap=1 << 20)
-            except ForgedValue as exc:
-                return Decision(ok=False, error=str(exc)[:MAX_MESSAGE])
-            return Decision.from_json(text, tuple(old.members) + self._joiner_ids())
         # torchrun may be stopping this worker right now (its node lost another): the
         # others wait on this decision, so it is written before a SIGTERM takes effect.
         with net.deferred_termination():
@@ -298,18 +316,16 @@ class Round:
         self.store.set(key, self.seal.seal(key, self.node))
 
     def _decide(self, old: Membership, gen: str, replica_size: int, joiners: list[Joiner]) -> Decision:
-        keys = {r: f"{gen}alive/{r}" for r in old.members}
-        self._await_survivors(gen, keys, self.key(f"{gen}arrived"))
-        arrived = {r: int(self.read(k, cap=32)) for r, k in keys.items() if self.has(k)}
-        node_of = {r: self.read(f"node/{r}", cap=64) for r in old.members}
+        tally = gather(self, gen, old.members, self._settle)
+        arrived = tally.steps
+        node_of = self._nodes(old.members)
         joiners = placeable(joiners, old.members, arrived, node_of)
         restarting = self.prefix + RESTARTING_KEY
         if self.store.check([restarting]):  # torchrun stops the workers itself
             by = self._read(restarting, cap=64)
             return Decision(ok=False, error=f"{RESTARTING}: node {by} restarts its workers")
-        ready_ids = [r for r in arrived if self.has(f"{gen}ready/{r}") and self.read(f"{gen}ready/{r}") == "1"]
-        decision = decide(old.members, arrived, node_of, replica_size, joiners, ready_ids)
-        holdings = self._holdings(gen, arrived)
+        decision = decide(old.members, arrived, node_of, replica_size, joiners, sorted(tally.ready))
+        holdings = tally.holdings
         if not holdings or (decision.ok and not grows_by_resharding(replica_size, old.members, joiners)):
             return decision
         again = from_snapshots(old.members, arrived, node_of, holdings, joiners)
@@ -319,43 +335,15 @@ class Round:
         return last if last.ok else Decision(
             ok=False, error=f"{decision.error}; {again.error}; {last.error}"[:MAX_MESSAGE])
 
-    def _holdings(self, gen: str, arrived: Mapping[int, int]) -> dict[int, dict]:
-        """The peer snapshots each survivor posted, and whether it can reload a checkpoint in
-        process (one that does not parse counts as none)."""
-        out = {}
-        for r in arrived:
-            if not self.has(f"{gen}snap/{r}"):
-                continue
-            try:
-                d = json.loads(self.read(f"{gen}snap/{r}", cap=1 << 16))
-                held = {int(o): int(s) for o, s in dict(d["held"]).items()}
-                own, now, reload = int(d["own"]), int(d.get("now", -1)), d.get("reload", False)
-                if not -1 <= min(own, now) <= max(own, now) < 2**62 or len(held) > 4096 \
-                        or not all(0 <= s < 2**62 for s in held.values()):
-                    raise ValueError(f"steps out of range: {own}, {now}")
-                if not isinstance(reload, bool):
-                    raise ValueError(f"reload is {type(reload).__name__}, not a flag")
-                out[r] = {"own": own, "now": now, "held": held, "reload": reload}
-            except (ValueError, KeyError, TypeError) as exc:   # ForgedValue is a ValueError
-                log.warning("rankwatch: member %d's snapshot holdings do not parse: %s", r, exc)
-        return out
+    def values(self, suffixes: list[str], cap: int) -> list[str]:
+        """The values at ``suffixes`` (all present), opened, in one ``multi_get`` where the
+        store has it; raises :class:`ForgedValue` for one that does not open."""
+        keys = [self.key(s) for s in suffixes]
+        try:
+            raw = self.store.multi_get(keys) if keys else []
+        except (AttributeError, NotImplementedError, RuntimeError):   # a store without multi_get
+            raw = [self.store.get(k) for k in keys]
+        return [self.seal.open(k, v).decode(errors="replace")[:cap] for k, v in zip(keys, raw)]
 
-    def _await_survivors(self, gen: str, keys: dict[int, str], arrived_key: str) -> None:
-        """Until every member arrived, or every one missing is proven dead (its liveness
-        port refuses connections: the process is gone), or ``settle`` seconds passed; up to
-        ``_COMING`` s more for a member that said it left the step and is on its way
-        (:meth:`~rankwatch.hooks.recovery.breakout.BreakWatch.announce`)."""
-        start = time.monotonic()
-        dead: set[int] = set()
-        while True:
-            count = int(self.store.add(arrived_key, 0))
-            waited = time.monotonic() - start
-            if count == len(keys) or waited >= self._settle + _COMING:
-                return
-            missing = [r for r, k in keys.items() if r not in dead and not self.has(k)]
-            dead |= {r for r in missing if net.refused(self.live_address(r))}
-            if count + len(dead) >= len(keys) and int(self.store.add(arrived_key, 0)) == count:
-                return  # all that are alive arrived; the rest are gone
-            if waited >= self._settle and not any(self.said(f"{gen}leaving/{r}") for r in missing if r not in dead):
-                return  # the rest neither arrived nor said they are coming: hung, or a host down
-            time.sleep(0.005)
+    def _nodes(self, members: tuple[int, ...]) -> dict[int, str]:
+        return dict(zip(members, self.values([f"node/{r}" for r in members], 64)))

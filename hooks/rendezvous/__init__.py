@@ -5,7 +5,8 @@ torchrun finds ``handler.handler_factory`` (``rankwatch``, on c10d) and
 ``handler``; the exclusions it reads in ``exclusions``; the exit barrier's stand-in in
 ``exit_barrier``; the thread that relays the node's decisions in ``poller``; the in-process
 recovery's keys of a round in ``round_keys``; every use of the stock handler's private API in
-``stock``; the note to ``rankwatch run`` of a refused node in ``exit_note``.
+``stock``; the note to ``rankwatch run`` of a refused node in ``exit_note``; a lost node's
+early exit from the rendezvous, on proof, in ``lifeline``.
 """
 
 # Nothing is imported here: torch's rendezvous registry loads the entry points while

@@ -66,6 +66,7 @@ from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
 from rankwatch.hooks.rendezvous import stock
 from rankwatch.hooks.rendezvous.exclusions import Exclusions
 from rankwatch.hooks.rendezvous.exit_note import write_exit_note
+from rankwatch.hooks.rendezvous.lifeline import Lifeline
 from rankwatch.hooks.rendezvous.round_keys import IN_PROCESS_WAIT, InProcessRound
 from rankwatch.hooks.rendezvous.exit_barrier import own_client, stand_in
 from rankwatch.hooks.rendezvous.poller import DecisionRelay
@@ -155,6 +156,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                         "node restarts its workers through torchrun instead", exc)
             seal = Seal.unusable()
         self._round = InProcessRound(store, inner.get_run_id(), node, seal, lambda: stock.current_round(inner))
+        self._lifeline = Lifeline(store, inner)   # a lost node out of the next round on proof
 
     # -- the store ------------------------------------------------------------------
     @property
@@ -249,6 +251,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
                                                                     unless_idle=_REJOIN_GRACE):
                     continue  # the others left this node out in process: join them there
             try:
+                self._lifeline.drop_lost()
                 info = self._inner.next_rendezvous()
                 break
             except RendezvousTimeoutError:
@@ -377,6 +380,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         return self._inner.get_run_id()
 
     def shutdown(self) -> bool:
+        self._lifeline.close()
         if self._relay is not None:
             self._relay.stop()
         if self._round.joined is not None:

@@ -12,7 +12,7 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["current_round", "job_full", "leave", "state", "stock_round"]
+__all__ = ["current_round", "expire", "job_full", "leave", "silent_nodes", "state", "stock_round", "this_node"]
 
 log = logging.getLogger(__name__)
 
@@ -64,3 +64,39 @@ def leave(inner: Any) -> None:
     except Exception as exc:  # noqa: BLE001 - private API; the keep-alive expiry still works
         log.warning("rankwatch: could not leave the rendezvous early (%s); the others wait "
                     "for this node's keep-alive to expire", exc)
+
+
+def this_node(inner: Any) -> Any:
+    """This node's descriptor in the rendezvous (private API)."""
+    return inner._this_node
+
+
+def silent_nodes(inner: Any) -> list[Any]:
+    """The nodes whose last keep-alive in the rendezvous state (synced) is older than one
+    keep-alive interval: those that may be gone."""
+    from datetime import datetime, timezone
+
+    s = state(inner)
+    since = datetime.now(timezone.utc) - inner._settings.keep_alive_interval
+    return [n for n, beat in s.last_heartbeats.items() if beat < since]
+
+
+def expire(inner: Any, gone: list[Any], attempts: int = 5) -> None:
+    """Set the last keep-alive of each of ``gone`` far in the past and write the state back, so
+    that every node's next sync drops them as dead (what the stock handler does once their
+    keep-alive expires)."""
+    from datetime import datetime, timezone
+
+    for _ in range(attempts):
+        with inner._heartbeat_lock:
+            holder = inner._state_holder
+            holder.sync()
+            s = holder.state
+            present = [n for n in gone if n in s.last_heartbeats]
+            if not present:
+                return
+            for n in present:
+                s.last_heartbeats[n] = datetime(1970, 1, 2, tzinfo=timezone.utc)
+            holder.mark_dirty()
+            if holder.sync():
+                return
