@@ -6,13 +6,13 @@ from pathlib import Path
 
 from rankwatch.address import Address
 from rankwatch.agent.job.coordinator import PolicyConfig
-from rankwatch.agent.job.election import parse_endpoints
+from rankwatch.agent.link.election import parse_endpoints
 from rankwatch.agent.rpc.limits import StreamLimits
 from rankwatch.agent.durable.steplog import DEFAULT_MAX_BYTES
 from rankwatch.agent.gpu import GpuConfig
 from rankwatch.agent.detect.hang_verdict import HangConfig
 from rankwatch.agent.node.rankexit import ExitConfig
-from rankwatch.agent.job.routing import RelayConfig
+from rankwatch.agent.relays.routing import RelayConfig
 from rankwatch.agent.views.rank_list import DEFAULT_MAX_RANKS
 from rankwatch.agent.detect.straggler import StragglerConfig
 from rankwatch.agent.rpc.tls import TlsConfig

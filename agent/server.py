@@ -44,7 +44,7 @@ from rankwatch.agent.views.live import LiveView
 from rankwatch.agent.views.step_bound import StepBound
 from rankwatch.agent.views.work_spread import BalanceWatch
 from rankwatch.agent.durable.storage import storage_report
-from rankwatch.agent.job.known import JobKnowledge
+from rankwatch.agent.link.known import JobKnowledge
 from rankwatch.agent.durable.statedir import Snapshots, write_pointer
 from rankwatch.agent.config import AgentConfig
 from rankwatch.agent.node.checkpoints import NodeCheckpoints
@@ -54,11 +54,11 @@ from rankwatch.agent.node import makeup
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
 from rankwatch.agent.export.prom_job import JobCollector
 from rankwatch.agent.rpc.command_stream import CommandHub
-from rankwatch.agent.job.uplink import JobLink, LinkParts, forward_checkpoint
+from rankwatch.agent.link.uplink import JobLink, LinkParts, forward_checkpoint
 from rankwatch.agent.export.prom_node import NodeCollector
-from rankwatch.agent.job.election import Election, parse_endpoints
+from rankwatch.agent.link.election import Election, parse_endpoints
 from rankwatch.agent.node.recoveries import RecoveryLog
-from rankwatch.agent.job.relay import Relay
+from rankwatch.agent.relays.relay import Relay
 from rankwatch.agent.node.sweep import NodeWatch
 from rankwatch.agent.rpc.servicer import ServiceParts, Servicer
 from rankwatch.agent.wire.ranges import clean_text

@@ -18,7 +18,7 @@ Faults, each at ``--fault-at`` seconds:
 * ``--pause S``: the coordinator's process is SIGSTOPped for S seconds (a long GC
   pause, a starved VM): no healthy node may be excluded for it.
 
-Relays (``agent/job/routing.py``): the coordinator groups the nodes behind relays in
+Relays (``agent/relays/routing.py``): the coordinator groups the nodes behind relays in
 a job of ``--relay-min-nodes`` or more (its defaults: 64 per group from 128 nodes;
 ``--relay-group 0`` turns them off).  Each simulated node offers an address to relay
 on, and follows the coordinator's replies exactly as ``JobLink`` does: a node sent to
@@ -67,8 +67,8 @@ from rankwatch.agent.durable.incidents import Incident, IncidentLog
 from rankwatch.agent.job.pacing import LoadConfig, first_sync_delay, retry_delay, silence_allowance
 from rankwatch.agent.job.policy import PolicyConfig
 from rankwatch.agent.cli.ports import free_port
-from rankwatch.agent.job.relay import Relay, RelayBusy, RelayUnavailable
-from rankwatch.agent.job.routing import RelayConfig
+from rankwatch.agent.relays.relay import Relay, RelayBusy, RelayUnavailable
+from rankwatch.agent.relays.routing import RelayConfig
 from rankwatch.agent.node.rankrecord import WORK_WINDOW
 from rankwatch.agent.durable.statedir import read_decisions
 from rankwatch.proto import pb, pb_grpc

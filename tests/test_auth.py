@@ -12,7 +12,7 @@ import pytest
 from conftest import AgentProcess, wait_for
 from multinode import free_port
 from rankwatch.agent.rpc.auth import load_token
-from rankwatch.agent.job.uplink import forward_checkpoint
+from rankwatch.agent.link.uplink import forward_checkpoint
 from rankwatch.proto import pb, pb_grpc
 
 

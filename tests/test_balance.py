@@ -15,7 +15,7 @@ from rankwatch.agent.export.prom_pipeline import BalanceCollector
 from rankwatch.agent.job.coordinator import Coordinator
 from rankwatch.agent.durable.decisions import DecisionLog
 from rankwatch.agent.job.goodput import StepProgress
-from rankwatch.agent.job.known import JobKnowledge
+from rankwatch.agent.link.known import JobKnowledge
 from rankwatch.agent.node.intake import OPS, NodeState
 from rankwatch.agent.views.answer import node_summary, status_response
 from rankwatch.agent.views.work_spread import BalanceWatch

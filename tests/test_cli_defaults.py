@@ -24,7 +24,7 @@ from rankwatch.agent.detect.straggler import StragglerConfig
 from rankwatch.agent.gpu.settings import GpuConfig
 from rankwatch.agent.job.pacing import LoadConfig
 from rankwatch.agent.job.policy import PolicyConfig
-from rankwatch.agent.job.routing import RelayConfig
+from rankwatch.agent.relays.routing import RelayConfig
 from rankwatch.agent.rpc.limits import StreamLimits
 from rankwatch.agent.rpc.tls import TlsConfig
 

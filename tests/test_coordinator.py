@@ -603,7 +603,7 @@ def test_a_straggler_is_flagged_from_whole_copies_as_stale_as_the_relays_send_th
     ``RelayConfig.whole_every_steps`` steps, so its copies of two nodes are up to that many
     steps apart.  Their 64-step windows still line up: the slow node is flagged, and no other,
     at most that many steps later than from copies fresh at every step."""
-    from rankwatch.agent.job.routing import RelayConfig
+    from rankwatch.agent.relays.routing import RelayConfig
 
     every = RelayConfig().whole_every_steps
     fresh, fresh_flagged = first_flag(1)

@@ -413,7 +413,7 @@ def test_training_job_example_reaches_the_agent_and_its_command_parses():
 def test_etcd_example_wires_a_per_job_agent_elected_in_etcd_to_the_training_container():
     from torch.distributed.run import get_args_parser
 
-    from rankwatch.agent.job.election import parse_endpoints
+    from rankwatch.agent.link.election import parse_endpoints
     from rankwatch.agent.cli.torchrun_args import plan
 
     pod = _one(_docs(ETCD_EXAMPLE), "Job")["spec"]["template"]["spec"]

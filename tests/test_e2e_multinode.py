@@ -40,7 +40,7 @@ def clean_then_stopped(tmp_path_factory):
     """One two-node job (a rank a node, checkpoints to a directory) read by two tests: while it
     trains clean, a checkpoint is asked for through n1's agent; then n1's worker is SIGSTOPped
     and the coordinator names the hang.  Returns what each test reads."""
-    from rankwatch.agent.job.uplink import forward_checkpoint
+    from rankwatch.agent.link.uplink import forward_checkpoint
 
     tmp = tmp_path_factory.mktemp("clean_then_stopped")
     ck = tmp / "ck"

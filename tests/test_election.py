@@ -11,7 +11,7 @@ import pytest
 from conftest import AgentProcess, wait_for
 from etcdcluster import EtcdCluster
 from rankwatch.agent.durable.decisions import DecisionLog
-from rankwatch.agent.job.election import Election, EtcdDecisions, parse_endpoints
+from rankwatch.agent.link.election import Election, EtcdDecisions, parse_endpoints
 
 pytestmark = [pytest.mark.e2e, pytest.mark.light]
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import AgentProcess, parse_metrics, wait_for
 from rankstream import REPORT, Stream, hello
 from rankwatch.agent.wire import bounds
-from rankwatch.agent.job.uplink import forward_checkpoint
+from rankwatch.agent.link.uplink import forward_checkpoint
 from rankwatch.hooks.instrument.recorder import OPS
 from rankwatch.proto import pb
 

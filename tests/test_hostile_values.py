@@ -21,7 +21,7 @@ import pytest
 from conftest import AgentProcess, parse_metrics, wait_for
 from rankstream import REPORT, Stream, hello
 from rankwatch.agent.wire import ranges as validate, report as validate_stream, summary as validate_sync, windows as work_windows
-from rankwatch.agent.job.uplink import forward_checkpoint
+from rankwatch.agent.link.uplink import forward_checkpoint
 from rankwatch.proto import pb, pb_grpc
 
 @pytest.fixture(scope="module")

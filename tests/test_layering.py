@@ -105,8 +105,8 @@ def test_the_check_sees_every_form_of_import(tmp_path, source, package, want):
 # before it, so no import runs back up (type-only imports too).  ``config.py`` (the parts'
 # configurations composed) and ``server.py`` (the parts wired) sit above the folders they
 # compose, and the command line above everything: it starts the agent.
-AGENT_ORDER = ("wire", "detect", "durable", "gpu", "node", "job", "rpc", "views", "export", "analyze",
-               "config", "server", "cli")
+AGENT_ORDER = ("wire", "detect", "durable", "gpu", "node", "relays", "job", "link", "rpc", "views", "export",
+               "analyze", "config", "server", "cli")
 
 
 def _folder_imports() -> dict[str, set[str]]:

@@ -1,4 +1,4 @@
-"""Relays: a big job's nodes sync through one agent per group (agent/job/routing.py, agent/job/relay.py).
+"""Relays: a big job's nodes sync through one agent per group (agent/relays/routing.py, agent/relays/relay.py).
 
 The rules and the relay's bounds are checked directly; the tier itself with real agent
 processes over real gRPC: a relayed node's decisions reach it through its relay, and a
@@ -20,8 +20,8 @@ from rankwatch.agent.job.coordinator import Coordinator, PolicyConfig
 from rankwatch.agent.durable.incidents import IncidentLog
 from rankwatch.agent.cli.ports import free_port
 from rankwatch.agent.wire.bounds import MAX_SUMMARY_BYTES
-from rankwatch.agent.job.relay import MAX_GROUP, Relay, RelayBusy, RelayUnavailable
-from rankwatch.agent.job.routing import (RelayConfig, assign, callers, relay_answer, send_whole, signature,
+from rankwatch.agent.relays.relay import MAX_GROUP, Relay, RelayBusy, RelayUnavailable
+from rankwatch.agent.relays.routing import (RelayConfig, assign, callers, relay_answer, send_whole, signature,
                                           wait_spread)
 from rankwatch.agent.wire.ranges import Rejected
 from rankwatch.proto import pb

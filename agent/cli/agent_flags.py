@@ -10,7 +10,7 @@ from rankwatch.agent.cli.converters import address, default, gpu_source, port, p
 from rankwatch.agent.detect.hang_verdict import HangConfig
 from rankwatch.agent.job.pacing import LoadConfig
 from rankwatch.agent.job.policy import PolicyConfig
-from rankwatch.agent.job.routing import RelayConfig
+from rankwatch.agent.relays.routing import RelayConfig
 from rankwatch.agent.rpc.limits import StreamLimits
 
 __all__ = ["add_agent_flags"]

@@ -77,7 +77,7 @@ def _agent_config(args: argparse.Namespace) -> AgentConfig | None:
     from rankwatch.agent.detect.hang_verdict import HangConfig
     from rankwatch.agent.gpu import GpuConfig
     from rankwatch.agent.job.coordinator import PolicyConfig
-    from rankwatch.agent.job.routing import RelayConfig
+    from rankwatch.agent.relays.routing import RelayConfig
     from rankwatch.agent.rpc.auth import load_token
 
     listen = args.listen or [resolve(None)]
@@ -299,7 +299,7 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     """Ask the job for a checkpoint; every rank saves after the step the coordinator names."""
     import grpc
 
-    from rankwatch.agent.job.uplink import forward_checkpoint
+    from rankwatch.agent.link.uplink import forward_checkpoint
     from rankwatch.credentials import ClientCredentials
 
     addr = resolve(str(args.agent) if args.agent else None)

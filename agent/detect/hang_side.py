@@ -4,7 +4,7 @@ One verdict per hang, and the best-placed one: a hang is localised by comparing 
 rank's collective sequence numbers, so the coordinator, which sees every node's ranks,
 decides it for the whole job (its evaluation runs the detector over every rank).  A node
 that a live coordinator covers (another agent coordinates it and answered within its
-silence allowance, :meth:`~rankwatch.agent.job.uplink.Uplink.coordinated`) defers to it:
+silence allowance, :meth:`~rankwatch.agent.link.uplink.Uplink.coordinated`) defers to it:
 two verdicts on one stall would name two culprits.  A node that no coordinator covers (none
 configured, or one silent for longer than the allowance) runs the detector over its own
 ranks, so a job never goes unwatched for hangs while its coordinator is away.

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from rankwatch.agent.durable.incidents import Incident
     from rankwatch.agent.job.coordinator import Coordinator
     from rankwatch.agent.durable.decisions import Decision
-    from rankwatch.agent.job.known import JobKnowledge
-    from rankwatch.agent.job.relay import Relay
+    from rankwatch.agent.link.known import JobKnowledge
+    from rankwatch.agent.relays.relay import Relay
     from rankwatch.agent.node.recoveries import RecoveryLog
 
 __all__ = ["JobCollector"]

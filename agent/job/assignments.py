@@ -1,6 +1,6 @@
 """The coordinator's relay groups: which relay each node syncs through, and what a relay's call may carry.
 
-The rules are :mod:`~rankwatch.agent.job.routing`'s (pure functions: :func:`assign`,
+The rules are :mod:`~rankwatch.agent.relays.routing`'s (pure functions: :func:`assign`,
 :func:`place`); this keeps the assignment they read and change between calls, draws it
 again, places a node new to the coordinator at its first sync, and takes a relay's word on
 the members of its group it has not heard.
@@ -12,11 +12,11 @@ import logging
 import threading
 from collections.abc import Callable
 
-from rankwatch.agent.job import routing
+from rankwatch.agent.relays import routing
 from rankwatch.agent.job.global_view import JobView
 from rankwatch.agent.job.loadmeter import LoadMeter
-from rankwatch.agent.job.relay import MAX_GROUP
-from rankwatch.agent.job.routing import RelayConfig
+from rankwatch.agent.relays.relay import MAX_GROUP
+from rankwatch.agent.relays.routing import RelayConfig
 from rankwatch.agent.wire.ranges import Rejected
 from rankwatch.proto import pb
 

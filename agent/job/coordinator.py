@@ -60,7 +60,7 @@ from rankwatch.agent.job.policy import PolicyConfig
 from rankwatch.agent.job.assignments import RelayGroups, check_group, held_for
 from rankwatch.agent.job.restartwatch import RestartWatch
 from rankwatch.agent.detect.root_cause import job_roots
-from rankwatch.agent.job.routing import RelayConfig
+from rankwatch.agent.relays.routing import RelayConfig
 from rankwatch.agent.job.slow_nodes import JobStragglers
 from rankwatch.agent.wire.ranges import Rejected
 from rankwatch.proto import pb

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 
-from rankwatch.agent.job.relay import RelayBusy, RelayUnavailable
+from rankwatch.agent.relays.relay import RelayBusy, RelayUnavailable
 from rankwatch.agent.node.exit_evidence import check_worker_exits
 from rankwatch.agent.node.intake import Rejected
 from rankwatch.agent.rpc.auth import authorized
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from rankwatch.agent.durable.incidents import IncidentLog
     from rankwatch.agent.job.coordinator import Coordinator
     from rankwatch.agent.durable.decisions import DecisionLog
-    from rankwatch.agent.job.relay import Relay
+    from rankwatch.agent.relays.relay import Relay
     from rankwatch.agent.node.checkpoints import NodeCheckpoints
     from rankwatch.agent.node.intake import NodeState, RankState
     from rankwatch.agent.node.sweep import NodeWatch

@@ -1,7 +1,7 @@
 """What an agent shows: its ``Status`` answer and the summary it sends its coordinator.
 
 Readers only: they take the node's state, what the agent knows of the job
-(:class:`~rankwatch.agent.job.known.JobKnowledge`) and the storage report, and change
+(:class:`~rankwatch.agent.link.known.JobKnowledge`) and the storage report, and change
 nothing.  No exporter is read here: ``/metrics`` and ``Status`` read the same sources.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rankwatch.agent.detect.evaluate import STACKS_FRESH_SECONDS
-from rankwatch.agent.job.uplink import summary_incidents
+from rankwatch.agent.link.uplink import summary_incidents
 from rankwatch.agent.node import makeup as stepmix, oplatency, recoveries
 from rankwatch.agent.node.rank_snapshot import process_state
 from rankwatch.agent.views import rank_list
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from rankwatch.agent.durable.storage import FileHealth
     from rankwatch.agent.job.coordinator import Coordinator
     from rankwatch.agent.durable.decisions import Decision
-    from rankwatch.agent.job.known import JobKnowledge
+    from rankwatch.agent.link.known import JobKnowledge
     from rankwatch.agent.node.intake import NodeState
 
 __all__ = ["node_summary", "status_response"]

@@ -21,14 +21,14 @@ import grpc
 from rankwatch.address import Address
 from rankwatch.credentials import open_channel
 from rankwatch.agent.durable.decisions import Decision
-from rankwatch.agent.job.link_parts import RPC_TIMEOUT as _RPC_TIMEOUT
-from rankwatch.agent.job.link_parts import LinkParts, forward_checkpoint, summary_incidents
+from rankwatch.agent.link.link_parts import RPC_TIMEOUT as _RPC_TIMEOUT
+from rankwatch.agent.link.link_parts import LinkParts, forward_checkpoint, summary_incidents
 from rankwatch.agent.job.pacing import LoadConfig, first_sync_delay, retry_delay, silence_allowance
-from rankwatch.agent.job.relay import node_reply
+from rankwatch.agent.relays.relay import node_reply
 from rankwatch.proto import pb, pb_grpc
 
 if TYPE_CHECKING:
-    from rankwatch.agent.job.election import Election
+    from rankwatch.agent.link.election import Election
 
 __all__ = ["JobLink", "LinkParts", "forward_checkpoint", "summary_incidents"]
 
@@ -215,7 +215,7 @@ class JobLink:
         """Sync through the group's relay; False if it did not answer (the coordinator next).
 
         A relay that answers RESOURCE_EXHAUSTED holds the summary while the coordinator is
-        busy (:func:`~rankwatch.agent.job.routing.relay_answer`): the node backs off and stays
+        busy (:func:`~rankwatch.agent.relays.routing.relay_answer`): the node backs off and stays
         behind it, for at most ``busy_hold_seconds`` after its last answer."""
         try:
             reply = pb_grpc.AgentStub(self._channel(addr)).Sync(summary, timeout=_RPC_TIMEOUT)

@@ -15,14 +15,14 @@ from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.agent.durable.decisions import Decision
 from rankwatch.agent.durable.incidents import Incident
 from rankwatch.agent.job.policy import PolicyConfig
-from rankwatch.agent.job.routing import RelayConfig
+from rankwatch.agent.relays.routing import RelayConfig
 from rankwatch.agent.node.recoveries import is_in_process
 from rankwatch.proto import pb, pb_grpc
 
 if TYPE_CHECKING:
     from rankwatch.agent.durable.decisions import DecisionLog
     from rankwatch.agent.job.coordinator import Coordinator
-    from rankwatch.agent.job.relay import Relay
+    from rankwatch.agent.relays.relay import Relay
 
 __all__ = ["RPC_TIMEOUT", "LinkConfig", "LinkParts", "forward_checkpoint", "summary_incidents"]
 

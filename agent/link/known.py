@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from rankwatch.agent.durable.incidents import Incident
     from rankwatch.agent.job.coordinator import Coordinator
     from rankwatch.agent.durable.decisions import Decision, DecisionLog
-    from rankwatch.agent.job.relay import Relay
+    from rankwatch.agent.relays.relay import Relay
     from rankwatch.agent.node.intake import NodeState
 
 __all__ = ["JobKnowledge"]

@@ -26,7 +26,7 @@ import threading
 import time
 
 from rankwatch.agent.wire.bounds import MAX_SUMMARY_BYTES
-from rankwatch.agent.job.routing import (RelayConfig, Signature, listening_since, relay_answer, send_whole, signature,
+from rankwatch.agent.relays.routing import (RelayConfig, Signature, listening_since, relay_answer, send_whole, signature,
                                           vouched_absence)
 from rankwatch.agent.wire.ranges import Rejected, check_label
 from rankwatch.proto import pb
