@@ -16,7 +16,7 @@ from rankwatch.agent.job.goodput import KINDS
 
 if TYPE_CHECKING:
     from rankwatch.agent.durable.incidents import Incident
-    from rankwatch.agent.job.coordinator import Coordinator
+    from rankwatch.agent.link.known import JobShown
     from rankwatch.agent.durable.decisions import Decision
     from rankwatch.agent.link.known import JobKnowledge
     from rankwatch.agent.relays.relay import Relay
@@ -142,7 +142,7 @@ def _checkpoints(node: str, decisions: list[Decision], incidents: list[Incident]
         yield h
 
 
-def _coordination(node: str, coordinator: Coordinator | None, relay: Relay | None) -> Iterable[Metric]:
+def _coordination(node: str, coordinator: JobShown | None, relay: Relay | None) -> Iterable[Metric]:
     lbl = [node]
     g = GaugeMetricFamily("rankwatch_coordinator", "1 on the agent that coordinates the job.",
                           labels=["node"])

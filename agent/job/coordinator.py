@@ -129,6 +129,10 @@ class Coordinator:
         self._stragglers_at = float("-inf")   # when the straggler detector last ran
         self._straggler_cost = 0.0   # how long its last pass took (monotonic seconds)
 
+    def slowdown(self, rank: int) -> float | None:
+        """A rank's slowdown while the job's detector flags it (None otherwise)."""
+        return self.stragglers.slowdown(rank)
+
     def job_incidents(self) -> list[Incident]:
         """The incidents the nodes raised themselves (:meth:`JobView.job_incidents`), each rank
         exit linked to the job's root cause (:func:`.root_cause.job_roots`); this agent's own

@@ -9,20 +9,42 @@ from them.  It reads and never writes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from rankwatch.agent.job import goodput
 from rankwatch.agent.node.restarting import shown_state
 
 if TYPE_CHECKING:
     from rankwatch.agent.durable.incidents import Incident
+    from rankwatch.agent.job.claims import Conflict
     from rankwatch.agent.job.coordinator import Coordinator
+    from rankwatch.proto import pb
     from rankwatch.agent.durable.decisions import Decision, DecisionLog
     from rankwatch.agent.relays.relay import Relay
     from rankwatch.agent.node.intake import NodeState
 
-__all__ = ["JobKnowledge"]
+__all__ = ["JobKnowledge", "JobShown"]
+
+
+class JobShown(Protocol):
+    """What the ``Status`` view and the job's Prometheus series read of the coordinator: its
+    nodes and their states, the ranks it knows, the rank ids two nodes claim, its relays, the
+    job's incidents and a flagged rank's slowdown.  Read only."""
+
+    @property
+    def nodes(self) -> Mapping[str, object]: ...
+    @property
+    def excluded(self) -> Mapping[str, str]: ...
+    @property
+    def relays(self) -> Mapping[str, str]: ...
+
+    def clock(self) -> float: ...
+    def node_states(self) -> dict[str, str]: ...
+    def rank_summaries(self) -> list[tuple[str, pb.RankSummary, bool]]: ...
+    def rank_conflicts(self, now: float) -> list[Conflict]: ...
+    def job_incidents(self) -> list[Incident]: ...
+    def slowdown(self, rank: int) -> float | None: ...
 
 
 class JobKnowledge:
@@ -56,7 +78,7 @@ class JobKnowledge:
         """The job's decisions this agent made or applied (one log, whether it coordinates or not)."""
         return self._log.items
 
-    def view(self) -> Coordinator | None:
+    def view(self) -> JobShown | None:
         """The coordinator's view of the whole job, while this agent coordinates it."""
         return self._coordinator if self.coordinates() else None
 

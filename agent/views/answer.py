@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from rankwatch.agent.detect.bottleneck import Part
     from rankwatch.agent.durable.incidents import Incident
     from rankwatch.agent.durable.storage import FileHealth
-    from rankwatch.agent.job.coordinator import Coordinator
+    from rankwatch.agent.link.known import JobShown
     from rankwatch.agent.durable.decisions import Decision
     from rankwatch.agent.link.known import JobKnowledge
     from rankwatch.agent.node.intake import NodeState
@@ -91,7 +91,7 @@ def status_response(state: NodeState, job: JobKnowledge, storage: dict[str, File
     return bounds.cap_status(resp)
 
 
-def _add_ranks(resp: pb.StatusResponse, st: NodeState, coordinator: Coordinator | None,
+def _add_ranks(resp: pb.StatusResponse, st: NodeState, coordinator: JobShown | None,
                restarting: Callable[[str, float, float], bool], now: float, limit: int | None) -> None:
     """Each rank's state first, its full row only if it is listed (:mod:`.rank_list` decides which)."""
     own = st.snapshot()
@@ -104,7 +104,7 @@ def _add_ranks(resp: pb.StatusResponse, st: NodeState, coordinator: Coordinator 
     # A rank's slowdown: the job's score where the coordinator flagged it (with one rank per
     # node, its agent has no neighbour to score it against), else its own node's (1 for
     # another node's rank: the coordinator keeps no score for ranks it did not flag).
-    job_slowdown = coordinator.stragglers.slowdown if coordinator is not None else (lambda _rank: None)
+    job_slowdown = coordinator.slowdown if coordinator is not None else (lambda _rank: None)
     for k in keep:
         if k < len(own):
             r = own[k]
@@ -134,7 +134,7 @@ def _add_ranks(resp: pb.StatusResponse, st: NodeState, coordinator: Coordinator 
             own_work_seconds=_median(work[0]), collective_wait_seconds=_median(work[2])))
 
 
-def _shown_incidents(st: NodeState, coordinator: Coordinator | None) -> list[Incident]:
+def _shown_incidents(st: NodeState, coordinator: JobShown | None) -> list[Incident]:
     """This node's incidents, and on the coordinator the other nodes' own: a checkpoint shows
     once per step however many nodes saved it, an in-process recovery once however many nodes
     went through it (:func:`~rankwatch.agent.node.recoveries.same`)."""
