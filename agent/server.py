@@ -8,7 +8,7 @@ servers (:mod:`.rpc.listeners`): gRPC (Unix socket, optional TCP; the RPCs are
 collectors of :mod:`.export`) and the browser page (:mod:`.export.web`).
 
 It is the one place that wires the parts together: each part is handed what it reads
-(the servicer its :class:`ServiceParts`, the link its :class:`LinkParts`, the views and
+(each RPC its parts, :mod:`.rpc.servicer`; the link its :class:`LinkParts`, the views and
 exporters the state, :class:`JobKnowledge` and the storage report), never the agent.
 It decides nothing itself: each decision lives in the module named for it.
 """
@@ -60,7 +60,7 @@ from rankwatch.agent.link.election import Election, parse_endpoints
 from rankwatch.agent.node.recoveries import RecoveryLog
 from rankwatch.agent.relays.relay import Relay
 from rankwatch.agent.node.sweep import NodeWatch
-from rankwatch.agent.rpc.servicer import ServiceParts, Servicer
+from rankwatch.agent.rpc.servicer import ControlParts, ReportParts, Servicer, SyncParts
 from rankwatch.agent.wire.ranges import clean_text
 from rankwatch.agent.node.intake import OPS, NodeState, RankState, Rejected
 from rankwatch.agent.durable.steplog import StepLog
@@ -149,7 +149,7 @@ class Agent:
         self.servers.serve_metrics(self.registry, page_routes(LiveView(self.status), self.config.token))
         self._otel = otel.install(self.config.node_id, self.state, self.incidents, self.gpu)
         try:
-            self.servers.serve_grpc(Servicer(self._service_parts()).handlers(), self.gate)
+            self.servers.serve_grpc(self._servicer().handlers(), self.gate)
             me = self.advertised()
             if me and (self.config.coordinators or self.config.election is not None):
                 self.relay = Relay(me, cfg=self.config.relay)   # a node of a job of several can relay
@@ -246,14 +246,21 @@ class Agent:
         if self.bound.update(now, node, lambda: self.coordinator.view.makeups(now)):
             self.balance.update(self.state, self.coordinator.view if self.is_coordinator() else None)
 
-    def _service_parts(self) -> ServiceParts:
-        return ServiceParts(node_id=self.config.node_id, token=self.config.token, state=self.state,
-                            incidents=self.incidents, decision_log=self.decision_log,
-                            rank_streams=self.rank_streams, peer_cred=self.peer_cred, watch=self.watch,
-                            checkpoints=self.checkpoints, commands=self.commands,
-                            on_recoveries=self.on_recoveries, status=self.status, checkpoint=self.checkpoint,
-                            coordinator=self.coordinator, coordinates=self.is_coordinator,
-                            relay=lambda: self.relay)
+    def _servicer(self) -> Servicer:
+        """The RPCs, each handed the parts it uses."""
+        def run_id(job_id: str) -> None:
+            self.incidents.run_id = self.decision_log.run_id = job_id
+
+        report = ReportParts(state=self.state, rank_streams=self.rank_streams, peer_cred=self.peer_cred,
+                             run_id=run_id, exit_evidence=self.watch.exit_evidence,
+                             stream_broke=self.watch.stream_broke, checkpoints=self.checkpoints.recorded,
+                             recoveries=self.on_recoveries)
+        sync = SyncParts(node_id=self.config.node_id, coordinator=self.coordinator, coordinates=self.is_coordinator,
+                         relay=lambda: self.relay)
+        control = ControlParts(token=self.config.token, state=self.state, commands=self.commands,
+                               status=self.status, checkpoint=self.checkpoint,
+                               exit_evidence=self.watch.exit_evidence)
+        return Servicer(report, sync, control)
 
     # -- what it shows ------------------------------------------------------------
     def status(self, request: pb.StatusRequest | None = None) -> pb.StatusResponse:

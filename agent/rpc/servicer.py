@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -23,69 +23,64 @@ from rankwatch.agent.relays.relay import RelayBusy, RelayUnavailable
 from rankwatch.agent.node.exit_evidence import check_worker_exits
 from rankwatch.agent.node.intake import Rejected
 from rankwatch.agent.rpc.auth import authorized
+from rankwatch.agent.rpc.rank_stream import CODES, ReportParts, ReportStream
 from rankwatch.agent.wire.ranges import clean_text
 from rankwatch.proto import pb
 
 if TYPE_CHECKING:
-    from rankwatch.agent.durable.incidents import IncidentLog
     from rankwatch.agent.job.coordinator import Coordinator
-    from rankwatch.agent.durable.decisions import DecisionLog
+    from rankwatch.agent.node.exit_evidence import ExitEvidence
+    from rankwatch.agent.node.intake import NodeState
     from rankwatch.agent.relays.relay import Relay
-    from rankwatch.agent.node.checkpoints import NodeCheckpoints
-    from rankwatch.agent.node.intake import NodeState, RankState
-    from rankwatch.agent.node.sweep import NodeWatch
     from rankwatch.agent.rpc.command_stream import CommandHub
-    from rankwatch.agent.rpc.identity import RankStreams
 
-__all__ = ["SERVICE", "ServiceParts", "Servicer"]
+__all__ = ["SERVICE", "ControlParts", "ReportParts", "Servicer", "SyncParts"]
 
 SERVICE = "rankwatch.v1.Agent"
 
-_CODES = {"duplicate_rank": grpc.StatusCode.ALREADY_EXISTS, "pid_not_peer": grpc.StatusCode.PERMISSION_DENIED,
-          "uid_not_agent": grpc.StatusCode.PERMISSION_DENIED, "node_taken": grpc.StatusCode.ALREADY_EXISTS}
 
 R = TypeVar("R")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServiceParts:
-    """The parts of a node agent its RPCs hand over to: each owns one call's concern."""
+class SyncParts:
+    """What ``Sync`` and ``SyncGroup`` hand over to: the coordinator while this agent
+    coordinates, else this agent as its group's relay."""
 
     node_id: str
-    token: str | None
-    """The job's token: the calls that move the job need it, on the socket too."""
-    state: NodeState
-    """A rank's batches go here (``Report``), and every refusal is counted here."""
-    incidents: IncidentLog
-    decision_log: DecisionLog
-    """Both carry the job's run id, which a rank's hello names."""
-    rank_streams: RankStreams
-    """Which stream may speak for a rank id."""
-    peer_cred: Any
-    """Who presented a nonce on a credentials socket (``RankStreams.admit`` asks)."""
-    watch: NodeWatch
-    """Told of a stream that broke without a goodbye."""
-    checkpoints: NodeCheckpoints
-    commands: CommandHub
-    on_recoveries: Callable[[RankState, Any], None]
-    status: Callable[[pb.StatusRequest], pb.StatusResponse]
-    checkpoint: Callable[[str], pb.CheckpointReply]
     coordinator: Coordinator
     coordinates: Callable[[], bool]
     """Whether this agent coordinates the job now (else a summary is relayed)."""
     relay: Callable[[], Relay | None]
 
 
-class Servicer:
-    """The RPCs of ``rankwatch.v1.Agent`` over one node agent's parts."""
+@dataclass(frozen=True, kw_only=True)
+class ControlParts:
+    """What the other calls hand over to."""
 
-    def __init__(self, parts: ServiceParts) -> None:
-        self.parts = parts
+    token: str | None
+    """The job's token: the calls that move the job need it, on the socket too."""
+    state: NodeState
+    """Refusals are counted here; ``Commands`` reads a rank's step from it."""
+    commands: CommandHub
+    status: Callable[[pb.StatusRequest], pb.StatusResponse]
+    checkpoint: Callable[[str], pb.CheckpointReply]
+    exit_evidence: ExitEvidence
+    """torchrun's word on how this node's workers ended (``ReportWorkerExits``)."""
+
+
+class Servicer:
+    """The RPCs of ``rankwatch.v1.Agent``, each over the parts it hands over to."""
+
+    def __init__(self, report: ReportParts, sync: SyncParts, control: ControlParts) -> None:
+        self.reports = ReportStream(report)
+        self.syncs = sync
+        self.parts = control
 
     def handlers(self) -> grpc.GenericRpcHandler:
         # (method, gRPC kind, handler, request type, response type)
         table = (
-            ("Report", grpc.stream_unary_rpc_method_handler, self.report, pb.ReportMessage, pb.ReportSummary),
+            ("Report", grpc.stream_unary_rpc_method_handler, self.reports.report, pb.ReportMessage, pb.ReportSummary),
             ("Status", grpc.unary_unary_rpc_method_handler, self.status, pb.StatusRequest, pb.StatusResponse),
             ("Commands", grpc.unary_stream_rpc_method_handler, self.commands, pb.CommandRequest, pb.Command),
             ("Sync", grpc.unary_unary_rpc_method_handler, self.sync, pb.NodeSummary, pb.SyncReply),
@@ -108,60 +103,6 @@ class Servicer:
                 raise
         return decode
 
-    # -- a rank's stream -----------------------------------------------------------
-    def report(self, requests: Iterator[pb.ReportMessage], context: grpc.ServicerContext) -> pb.ReportSummary:
-        parts = self.parts
-        st = parts.state
-        rank = None
-        accepted = rejected = 0
-        said_goodbye = False
-        error = "closed"   # how a stream without a goodbye ended (gRPC reports a dead peer either way)
-        try:
-            for msg in requests:
-                body = msg.WhichOneof("body")
-                if rank is None:
-                    if body != "hello":
-                        self._refuse(context, Rejected("no_hello", f"stream opened with {body!r}"))
-                    try:
-                        rank = parts.rank_streams.admit(st, msg.hello, context, parts.peer_cred)
-                    except Rejected as exc:
-                        self._refuse(context, exc)
-                    if rank.job_id:  # the job's run id, on every incident and decision
-                        parts.incidents.run_id = parts.decision_log.run_id = rank.job_id
-                    parts.watch.exit_evidence.hello(rank.stream, rank.pid, msg.hello.fault_file)
-                    continue
-                if body == "goodbye":
-                    said_goodbye = True
-                    continue
-                try:
-                    if body != "batch":
-                        raise Rejected("malformed", f"rank {rank.rank} sent {body!r} mid-stream")
-                    batch = msg.batch
-                    st.ingest(rank, batch)
-                    accepted += 1
-                    if batch.checkpoints:
-                        parts.checkpoints.recorded(rank, batch.checkpoints)
-                    if batch.recoveries:
-                        parts.on_recoveries(rank, batch.recoveries)
-                    if batch.HasField("exit"):
-                        parts.watch.exit_evidence.recorded(rank.stream, batch.exit)
-                except Rejected as exc:
-                    st.note_rejected(exc)
-                    rejected += 1
-        except grpc.RpcError:  # the rank went away; goodbye() below records how
-            error = "cancelled" if not context.is_active() else "broken"
-        finally:
-            # Only a rank's goodbye makes its end clean: a rank whose process died can end
-            # the stream as a close does (the iteration just stops), not only as an error.
-            if rank is not None:
-                parts.rank_streams.release(rank.rank, context)
-                # A goodbye after an exit record that says the rank dies is no clean end.
-                dying = parts.watch.exit_evidence.dying(rank.stream)
-                st.goodbye(rank, said_goodbye and not dying)
-                if not said_goodbye or dying:
-                    parts.watch.stream_broke(rank, error, said_goodbye)
-        return pb.ReportSummary(batches_accepted=accepted, batches_rejected=rejected)
-
     def commands(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> Iterator[pb.Command]:
         ranks = self.parts.state.ranks
 
@@ -176,7 +117,7 @@ class Servicer:
 
     def sync(self, request: pb.NodeSummary, context: grpc.ServicerContext) -> pb.SyncReply:
         """The coordinator takes the summary; any other agent relays it for its group."""
-        parts = self.parts
+        parts = self.syncs
         self._authorize(context, "Sync")
         try:
             if parts.coordinates():
@@ -196,13 +137,13 @@ class Servicer:
             raise  # context.abort raised already
         except ValueError as exc:
             self._summary_refused(exc)
-            code = _CODES.get(exc.reason) if isinstance(exc, Rejected) else None
+            code = CODES.get(exc.reason) if isinstance(exc, Rejected) else None
             context.abort(code or grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise
 
     def sync_group(self, request: pb.GroupSummary, context: grpc.ServicerContext) -> pb.GroupReply:
         """A relay's summaries: the coordinator takes each; a bad one is refused alone."""
-        parts = self.parts
+        parts = self.syncs
         self._authorize(context, "SyncGroup")
         if not parts.coordinates():
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -231,15 +172,10 @@ class Servicer:
             self.parts.state.note_rejected(exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise
-        self.parts.watch.exit_evidence.torchrun_reported(reports)
+        self.parts.exit_evidence.torchrun_reported(reports)
         return pb.WorkerExitsReply(accepted=len(reports))
 
     # -- refusals -------------------------------------------------------------------
-    def _refuse(self, context: grpc.ServicerContext, exc: Rejected) -> NoReturn:
-        self.parts.state.note_rejected(exc)
-        context.abort(_CODES.get(exc.reason, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
-        raise AssertionError("context.abort raises")  # for the type checker: abort never returns
-
     def _authorize(self, context: grpc.ServicerContext, what: str) -> None:
         """The job's token, on the socket too, for the calls that move the job."""
         if not authorized(context, self.parts.token):
