@@ -204,3 +204,27 @@ def test_workload_imbalance_needs_the_slowest_to_move():
     assert workload_imbalance(own, roles, ranks, step) is not None
     own[3] += 0.05                                                     # always rank 3: a straggler's business
     assert workload_imbalance(own, roles, ranks, step) is None
+
+
+def test_clock_origins_that_differ_per_step_and_gaps_between_steps(tmp_path):
+    """The trace format lets each step have its own clock origin, and steps need not be
+    contiguous: a step is then measured and replayed from its own first start."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for step in range(0, 80, 2):
+        t0 = float(rng.uniform(-1000, 1000))
+        for r in range(4):
+            t = t0 + float(rng.uniform(0, 0.001))
+            slow = 1.5 if r == 2 and step > 20 else 1.0
+            for op, kind, d in (("load", "data", 0.002), ("fwd", "compute", 0.01 * slow),
+                                ("bwd", "compute", 0.02 * slow), ("opt", "optimizer", 0.003)):
+                d *= float(rng.uniform(0.98, 1.02))
+                rows.append({"rank": r, "step": step, "op": op, "kind": kind, "start": t, "duration": d})
+                t += d
+    p = tmp_path / "origins.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    r = analyze(read_trace(p))
+    assert _named(r) == [("straggler", 2, "compute")]
+    assert 0.04 < r["step_seconds"] < 0.06                       # a step, not a jump of the clock
+    assert (r["whatif"][0]["kind"], r["whatif"][0]["what"]) == ("rank", 2)
+    assert 1.25 < r["whatif"][0]["speedup"] < 1.35                # 0.05 s against 0.035 s at its peers'

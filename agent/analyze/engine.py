@@ -48,7 +48,8 @@ def analyze(t: OpTable, cfg: StragglerConfig | None = None, whatif: bool = True)
     if whatif:
         flagged = [inc["rank"] for inc in incidents if inc["kind"] == "straggler"]
         try:
-            rep = replay(t, dict(zip(sm.ranks.tolist(), sm.role.tolist())), candidates(sm, flagged))
+            rep = replay(t, dict(zip(sm.ranks.tolist(), sm.role.tolist())), candidates(sm, flagged),
+                         max_gap=sm.chain_gap())
         except ReplayError as e:
             out["replay"] = {"ok": False, "error": None, "note": f"cannot be replayed: {e}"}
             return out
@@ -82,7 +83,9 @@ def _periods(sm: StepMatrix) -> np.ndarray:
     span = sm.job_steps()
     out = span.copy()
     if len(last) > 1:
-        chained = np.nanmin(sm.start[:, 1:], axis=0) >= np.nanmin(sm.end[:, :-1], axis=0) - 1e-9
+        with np.errstate(invalid="ignore"):
+            gap = sm.start[:, 1:] - sm.end[:, :-1]             # each rank's time between its steps
+            chained = (np.nanmin(gap, axis=0) >= -1e-9) & (np.nanmax(gap, axis=0) <= sm.chain_gap())
         diff = last[1:] - last[:-1]
         out[1:] = np.where(chained, diff, span[1:])
     return out

@@ -49,6 +49,14 @@ class StepMatrix:
     def span(self) -> np.ndarray:
         return self.end - self.start
 
+    def chain_gap(self) -> float:
+        """The longest gap between a rank's steps read as time on one clock (ten median steps, at
+        least a second): a longer one is taken for a new clock origin, as the trace format allows
+        from step to step, and the step is measured and replayed from its own first start."""
+        spans = self.job_steps()
+        spans = spans[np.isfinite(spans)]
+        return max(1.0, 10.0 * float(np.median(spans))) if spans.size else 1.0
+
     def job_steps(self) -> np.ndarray:
         """Each step's time: the first rank's start to the last rank's end (S,)."""
         with np.errstate(invalid="ignore"):

@@ -64,9 +64,10 @@ class _Columns:
     ops: dict[int, int]         # op name index -> column
 
 
-def replay(t: OpTable, role_of: dict[int, int], candidates: list[int]) -> Replay:
+def replay(t: OpTable, role_of: dict[int, int], candidates: list[int], max_gap: float = float("inf")) -> Replay:
     """Replay every step of ``t`` (``role_of``: rank -> role; ``candidates``: the ranks to
-    replay at their peers' median)."""
+    replay at their peers' median; ``max_gap``: the longest time between a rank's steps read
+    as one clock)."""
     names_kind = np.array([_direction(n) for n in t.names] or [0], np.int8)
     cols = _columns(t, role_of, candidates)
     order = np.lexsort((t.start, t.rank, t.step))
@@ -74,7 +75,7 @@ def replay(t: OpTable, role_of: dict[int, int], candidates: list[int]) -> Replay
     measured, replayed, unpaired = [], [], 0
     ends: dict[int, tuple[float, np.ndarray]] = {}     # rank -> (measured end, replayed ends) of its last step
     for rows in np.split(order, bounds):
-        origin = _chained(t, rows, ends)
+        origin = _chained(t, rows, ends, max_gap)
         try:
             g = build(t, rows, names_kind, origin)
         except ReplayError as e:
@@ -111,13 +112,15 @@ def replay(t: OpTable, role_of: dict[int, int], candidates: list[int]) -> Replay
     return out
 
 
-def _chained(t: OpTable, rows: np.ndarray, ends: dict[int, tuple[float, np.ndarray]]) -> np.ndarray | None:
+def _chained(t: OpTable, rows: np.ndarray, ends: dict[int, tuple[float, np.ndarray]],
+             max_gap: float) -> np.ndarray | None:
     """Per rank of this step (ascending), its last step's measured end, where every rank had
-    one and starts after it (one clock across the steps: a rank's next step waits for its
-    last); else None, and the step is replayed from its own first start."""
+    one and starts after it, within ``max_gap`` (one clock across the steps: a rank's next
+    step waits for its last); else None, and the step is replayed from its own first start."""
     ranks, first = np.unique(t.rank[rows], return_index=True)     # rows are sorted by rank, then start
     prev = np.array([ends[r][0] if r in ends else np.nan for r in ranks.tolist()])
-    if not np.isfinite(prev).all() or (t.start[rows[first]] < prev - 1e-9).any():
+    gap = t.start[rows[first]] - prev
+    if not np.isfinite(prev).all() or (gap < -1e-9).any() or (gap > max_gap).any():
         return None
     return prev
 
