@@ -115,10 +115,13 @@ def _once(tmp: Path, launcher: str, fault: str, timeout: float, victim: int, etc
         inprocess = {"rankwatch-inprocess": ("--replicate", "3", "--in-process-recovery"),
                      "rankwatch-snapshots": ("--in-process-recovery", "--snapshot-every", "5"),
                      "rankwatch-standby": ("--in-process-recovery", "--snapshot-every", "5"),
-                     "rankwatch-reload": ("--in-process-recovery",)}.get(launcher, ())
+                     "rankwatch-reload": ("--in-process-recovery", "--snapshot-every", "off")}.get(launcher, ())
+        # The harness recovers in process by default over several nodes: the restart launchers turn it off.
+        tier = inprocess or ("--no-in-process-recovery",)
+
         def start(i: int):
             return c.torchrun(
-                i, "2:3", 1, "--steps", "100000", "--log-every", "0", *inprocess,
+                i, "2:3", 1, "--steps", "100000", "--log-every", "0", *tier,
                 "--checkpoint-dir", f"{tmp}/ck", "--checkpoint-interval", "20",
                 launcher="torchrun" if launcher.startswith("torchrun") else "rankwatch",
                 rdzv_conf=rdzv_conf, etcd=etcd,
