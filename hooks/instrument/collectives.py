@@ -37,7 +37,6 @@ from typing import Any
 from rankwatch.hooks.instrument.op_record import (
     _DIST_OPS,
     _FUNCOL_OPS,
-    _NCCL_OP_CODES,
     _PAYLOAD,
     _arg_reader,
     _group_key,
@@ -47,6 +46,7 @@ from rankwatch.hooks.instrument.op_record import (
     backend_of,
 )
 from rankwatch.hooks.instrument.chunk_watch import ChunkWatch
+from rankwatch.hooks.instrument.nccl_hooks import NcclHooks
 from rankwatch.hooks.instrument.recorder import OP_CODE, Recorder
 from rankwatch.hooks.instrument.untouched import raise_bare
 from rankwatch.hooks.instrument.waits import funcol_wait, work_wait
@@ -75,11 +75,13 @@ class CollectiveInstrumentation:
         self._pending: dict[int, tuple[int, int, int, int, int]] = {}  # funcol results not yet waited
         self._default_pg: Any = None
         self._pending_work: dict[int, tuple[int, int, int, int, int]] = {}  # async Works
-        self._nccl_on = False
-        self._nccl_hooked: set[int] = set()  # id() of the groups whose completion hook is ours
+        self._nccl = NcclHooks(recorder, self._pg_code, self._count_error)   # NCCL's GPU timing, when on
         # _group_key -> (the group argument, kept so its id is not reused; its ProcessGroup)
         self._funcol_groups: dict[Any, tuple[Any, Any]] = {}
         self.chunks = ChunkWatch(recorder, self._patch)   # the pipeline microbatch (any source)
+
+    def _count_error(self) -> None:
+        self.errors += 1
 
     # -- public -----------------------------------------------------------
     def install(self) -> str:
@@ -89,7 +91,7 @@ class CollectiveInstrumentation:
         if self._saved or self.source != "none":
             return self.source
         self.chunks.refresh()
-        if self._try_nccl_hooks(dist):
+        if self._nccl.install(dist):
             self.source = "nccl_completion_hook"
             return self.source
         self._wrap_dist(dist)
@@ -104,7 +106,7 @@ class CollectiveInstrumentation:
         self.chunks.installed = False
         self._default_pg = None
         # A completion hook cannot be removed from its group: it stays and records nothing.
-        self._nccl_on = False
+        self._nccl.off()
         self.source = "none"
 
     def refresh(self) -> None:
@@ -113,11 +115,11 @@ class CollectiveInstrumentation:
         A DeviceMesh or ``new_group`` made after ``init()`` has its own communicator;
         its collectives are timed from the first flush after it appears.
         """
-        if self._nccl_on:
+        if self._nccl.on:
             try:
                 import torch.distributed as dist
 
-                self._hook_nccl_groups(dist)
+                self._nccl.refresh(dist)
             except Exception:  # noqa: BLE001 - sampling must not fail
                 self.errors += 1
 
@@ -316,55 +318,3 @@ class CollectiveInstrumentation:
             self._funcol_groups.clear()
         self._funcol_groups[key] = (group, pg)
         return pg
-
-    def _try_nccl_hooks(self, dist: Any) -> bool:
-        """Use NCCL's GPU timing when the default group is NCCL with timing on."""
-        import os
-
-        if not dist.is_initialized() or backend_of() != "nccl":
-            return False
-        if os.environ.get("TORCH_NCCL_ENABLE_TIMING") != "1":
-            log.info("rankwatch: NCCL without TORCH_NCCL_ENABLE_TIMING=1; timing in Python")
-            return False
-        self._nccl_on = True
-        try:
-            self._hook_nccl_groups(dist)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("rankwatch: NCCL completion hook unavailable (%s); timing in Python", exc)
-            self._nccl_on = False
-        return self._nccl_on
-
-    def _hook_nccl_groups(self, dist: Any) -> None:
-        """Register the completion hook on every NCCL group not hooked yet.
-
-        The default group's failure is raised (the caller falls back to the
-        Python wrappers); a subgroup's is counted, and the group is not tried again.
-        """
-        c10d = dist.distributed_c10d
-        default = c10d._get_default_group()
-        for pg in [default, *c10d._world.pg_map]:
-            if id(pg) in self._nccl_hooked:
-                continue
-            try:
-                if backend_of(pg) != "nccl":
-                    self._nccl_hooked.add(id(pg))
-                    continue
-                pgc = self._pg_code(pg)
-                pg._register_on_completion_hook(functools.partial(self._on_nccl_completion, pgc))
-            except Exception:
-                if pg is default:
-                    raise
-                self.errors += 1
-            self._nccl_hooked.add(id(pg))
-
-    def _on_nccl_completion(self, pgc: int, info: Any) -> None:
-        # Runs on the group's hook thread, never the training thread.
-        if not self._nccl_on:
-            return
-        try:
-            op = _NCCL_OP_CODES.get(str(info.op_type).rsplit(".", 1)[-1].lower(), OP_CODE["other"])
-            t1_ns = time.perf_counter_ns()
-            dur_ns = int(info.active_duration.total_seconds() * 1e9)
-            self._rec.collective(op, pgc, int(info.seq), t1_ns - dur_ns, t1_ns, 0)
-        except Exception:  # noqa: BLE001
-            self.errors += 1
