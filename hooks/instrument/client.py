@@ -36,6 +36,9 @@ from rankwatch.address import Address
 from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.peercred import present
 from rankwatch.hooks.instrument.batches import BatchBuilder
+from rankwatch.hooks.instrument.command_inbox import RECONNECT_MAX as _RECONNECT_MAX
+from rankwatch.hooks.instrument.command_inbox import RECONNECT_MIN as _RECONNECT_MIN
+from rankwatch.hooks.instrument.command_inbox import CommandInbox
 from rankwatch.hooks.instrument.recorder import Recorder
 from rankwatch.proto import pb, pb_grpc
 
@@ -43,8 +46,6 @@ __all__ = ["AgentClient"]
 
 log = logging.getLogger(__name__)
 
-_RECONNECT_MIN = timedelta(milliseconds=100)
-_RECONNECT_MAX = timedelta(seconds=2)
 _CONNECT_TIMEOUT = timedelta(seconds=1)
 _IDLE_PROGRESS = timedelta(milliseconds=500)
 # Records sent this recently before a stream broke may never have been taken
@@ -96,9 +97,9 @@ class AgentClient:
         # comes after a higher number as a duplicate).
         self._flush_lock = threading.Lock()
         self._closed = False
-        self._cmd_lock = threading.Lock()
-        self._requests_pending: dict[str, tuple[int, str]] = {}   # command id -> (step, reason)
-        self._requests_seen: set[str] = set()
+        self.inbox = CommandInbox(pb.CommandRequest(rank=hello.rank, pid=hello.pid), self._open, self._stub,
+                                  self._shut, self._stop)
+        """Checkpoint requests from the agent (its own thread keeps the command stream)."""
         self._checkpoints: deque[pb.CheckpointRecord] = deque(maxlen=64)
         self._recoveries: deque[pb.RecoveryRecord] = deque(maxlen=16)
         self._exits: deque[pb.ExitRecord] = deque(maxlen=4)
@@ -110,7 +111,7 @@ class AgentClient:
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
         for name, target in (("flusher", self._flush_loop), ("sender", self._send_loop),
-                             ("commands", self._command_loop)):
+                             ("commands", self.inbox.run)):
             t = threading.Thread(target=target, name=f"rankwatch-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -278,24 +279,15 @@ class AgentClient:
     # -- commands -------------------------------------------------------------
     def requested_checkpoint(self) -> tuple[int, str, str] | None:
         """The earliest pending checkpoint request: (step, command id, reason), or None."""
-        with self._cmd_lock:
-            if not self._requests_pending:
-                return None
-            cid, (step, reason) = min(self._requests_pending.items(), key=lambda kv: kv[1][0])
-            return step, cid, reason
+        return self.inbox.requested_checkpoint()
 
     def serve_requests(self, step: int) -> str:
-        """A save of ``step`` began: requests at or before it are served by it (a failed save
-        is reported, not retried every step).  Returns the earliest served request's id, or ""."""
-        with self._cmd_lock:
-            served = sorted((s, c) for c, (s, _) in self._requests_pending.items() if s <= step)
-            for _, cid in served:
-                del self._requests_pending[cid]
-        return served[0][1] if served else ""
+        """A save of ``step`` began: the requests it serves (:meth:`CommandInbox.serve_requests`)."""
+        return self.inbox.serve_requests(step)
 
     def checkpoint_saved(self, record: pb.CheckpointRecord) -> None:
         """Report a finished save (or a failed one)."""
-        self.serve_requests(record.step)
+        self.inbox.serve_requests(record.step)
         self._checkpoints.append(record)
 
     def recovered(self, record: pb.RecoveryRecord) -> None:
@@ -312,38 +304,6 @@ class AgentClient:
         self._flush_once(force=True)
         if self.connected.is_set():
             self._exit_sent.wait(wait)
-
-    def _command_loop(self) -> None:
-        delay = _RECONNECT_MIN.total_seconds()
-        request = pb.CommandRequest(rank=self._hello.rank, pid=self._hello.pid)
-        while not self._stop.is_set():
-            channel = self._open()
-            try:
-                for cmd in self._stub(channel).Commands(request):
-                    delay = _RECONNECT_MIN.total_seconds()
-                    self._take(cmd)
-                    if self._stop.is_set():
-                        break
-            except grpc.RpcError:
-                pass  # absent or restarting agent (or close()): the sender logs that; retry quietly
-            except Exception:  # noqa: BLE001
-                log.exception("rankwatch: command stream error")
-            finally:
-                self._shut(channel)
-            self._stop.wait(delay * (0.5 + random.random()))
-            delay = min(delay * 2, _RECONNECT_MAX.total_seconds())
-
-    def _take(self, cmd: pb.Command) -> None:
-        if cmd.WhichOneof("body") != "checkpoint":
-            log.warning("rankwatch: ignoring unknown command %r", cmd.id)
-            return
-        with self._cmd_lock:
-            if cmd.id in self._requests_seen:
-                return  # a duplicate (replayed after a reconnect)
-            self._requests_seen.add(cmd.id)
-            self._requests_pending[cmd.id] = (cmd.checkpoint.step, cmd.checkpoint.reason)
-        log.info("rankwatch: checkpoint %s requested at step %d (%s)", cmd.id,
-                 cmd.checkpoint.step, cmd.checkpoint.reason)
 
     def _count_in_flight(self) -> None:
         horizon = time.monotonic() - _IN_FLIGHT.total_seconds()
