@@ -46,11 +46,14 @@ def test_posts_that_do_not_parse_or_name_others_count_for_nothing():
     t.take(encode_post({1: (9, False, None), 7: (5, False, None)}))   # 1 again, 7 not of the world
     t.take("not json")
     t.take(None)                                                      # a post that never came
-    t.take('{"2": [5, false, {"held": {}, "own": -5}]}')               # holdings out of range
+    t.take('{"2": [5, false, {"held": {}, "own": -5}]}')               # holdings out of range: none
     t.take(encode_post({3: (4, False, {"held": {"0": 4}, "own": 4, "now": 5, "reload": True})}))
-    assert t.read == 6
-    assert t.steps == {0: 5, 1: 5, 3: 4} and t.ready == {1} and set(t.holdings) == {3}
-    assert t.missing() == {2}
+    t.take('{"9": "x"}')
+    assert t.read == 7
+    assert t.steps == {0: 5, 1: 5, 2: 5, 3: 4} and t.ready == {1} and set(t.holdings) == {3}
+    t = Tally(range(2))
+    t.take('{"0": [3, false, null], "1": "not an entry"}')
+    assert t.missing() == {1}
 
 
 def test_one_post_per_node_decides_and_every_node_reads_it():

@@ -93,17 +93,19 @@ class Tally:
                 member, (step, ready, held) = int(key), value
                 if member not in self.members or member in self.steps or not 0 <= int(step) < 2**62:
                     raise ValueError(f"member {member} is not of the world, posted twice, or its step is out of range")
-                if held is not None and len(json.dumps(held)) > _MAX_ENTRY:
-                    raise ValueError("holdings too long")
-                holdings = None if held is None else _holdings(held)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("rankwatch: member %s's post does not parse: %s", str(key)[:16], exc)
                 continue
             self.steps[member] = int(step)
             if ready is True:
                 self.ready.add(member)
-            if holdings is not None:
-                self.holdings[member] = holdings
+            try:   # holdings that do not parse count as none (the step stands)
+                if held is not None and len(json.dumps(held)) > _MAX_ENTRY:
+                    raise ValueError("holdings too long")
+                if held is not None:
+                    self.holdings[member] = _holdings(held)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("rankwatch: member %d's snapshot holdings do not parse: %s", member, exc)
 
 
 def _read_posts(rnd: Any, gen: str, tally: Tally, count: int) -> None:
