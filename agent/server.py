@@ -22,7 +22,6 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import grpc
 from prometheus_client import CollectorRegistry
 
 from rankwatch.agent.export import otel
@@ -54,12 +53,15 @@ from rankwatch.agent.node import makeup
 from rankwatch.agent.durable.incidents import Incident, IncidentLog
 from rankwatch.agent.export.prom_job import JobCollector
 from rankwatch.agent.rpc.command_stream import CommandHub
-from rankwatch.agent.link.uplink import JobLink, LinkParts, forward_checkpoint
+from rankwatch.agent.link.link_parts import ask_checkpoint
+from rankwatch.agent.link.uplink import JobLink, LinkParts
 from rankwatch.agent.export.prom_node import NodeCollector
 from rankwatch.agent.link.election import Election, parse_endpoints
 from rankwatch.agent.node.recoveries import RecoveryLog
 from rankwatch.agent.relays.relay import Relay
+from rankwatch.agent.node.rank_snapshot import device_of, rank_devices
 from rankwatch.agent.node.sweep import NodeWatch
+from rankwatch.agent.node.verdicts import JobVerdicts
 from rankwatch.agent.rpc.servicer import ControlParts, ReportParts, Servicer, SyncParts
 from rankwatch.agent.wire.ranges import clean_text
 from rankwatch.agent.node.intake import OPS, NodeState, RankState, Rejected
@@ -88,10 +90,12 @@ class Agent:
         self.watch = NodeWatch(self.state, self.incidents, hang=config.hang, straggler=config.straggler,
                                exits=config.exits, gpu_throttle=self.gpu_throttle_for_rank)
         self._detector: threading.Thread | None = None
+        self.verdicts = JobVerdicts(self.state.node_id, self.incidents, self.watch)
+        """The coordinator's decisions and verdicts about this node's ranks, applied to them."""
         self.coordinator = Coordinator(config.node_id, incidents=self.incidents, decisions=self.decision_log,
                                        hang=config.hang,
                                        straggler=config.straggler, policy=config.policy,
-                                       on_incident=self._own_job_incident,
+                                       on_incident=lambda inc: self.verdicts.own_job_incident(inc),
                                        refusals=lambda: self.gate.capacity_refusals(), relay=config.relay)
         self.commands = CommandHub()
         self.relay: Relay | None = None
@@ -99,7 +103,8 @@ class Agent:
         self.link = JobLink(LinkParts(config=config, decision_log=self.decision_log, coordinator=self.coordinator,
                                       summary=self.summary, relay=lambda: self.relay,
                                       on_checkpoint=self.commands.publish_checkpoint,
-                                      on_exclusion=self.on_exclusion, on_job_incident=self.on_job_incident),
+                                      on_exclusion=lambda d: self.verdicts.exclusion(d),
+                                      on_job_incident=self.on_job_incident),
                             config.coordinators, config.sync_interval, elected=config.election is not None)
         self.progress = goodput.StepProgress()
         self.job = JobKnowledge(self.state, self.decision_log, self.coordinator,
@@ -310,68 +315,27 @@ class Agent:
                     "done" if rec.ok else "FAILED", rec.old_world_size, rec.new_world_size,
                     f" ({clean_text(rec.error, 200)})" if rec.error else "")
 
-    def on_exclusion(self, decision: Decision) -> None:
-        """A coordinator decision: mark this node's ranks excluded, or forget old-generation ranks."""
-        if decision.node == self.state.node_id:
-            self.watch.exclude_all()
-            log.warning("this node is excluded from the job: %s", decision.reason)
-
     def on_job_incident(self, coordinator: str, inc: pb.Incident) -> None:
-        """A job incident the coordinator decided about one of this node's ranks.
-
-        Kept under ``<coordinator>/<id>``; a later change (its resolution) is recorded as an
-        update of the copy, so this node's file tells the story too.
-        """
-        incident = Incident.from_pb(inc, id=f"{coordinator}/{inc.id}")
-        if self.incidents.merge(incident):
-            self.watch.mark(incident)
-            return
-        self.incidents.update(incident.id, **incident.detail)
-        if incident.resolved_at is not None:
-            self.watch.lift(incident)
-
-    def _own_job_incident(self, incident: Incident) -> None:
-        """The coordinator's verdict about a rank of the coordinator's own node."""
-        if incident.node != self.state.node_id:
-            return
-        if incident.resolved_at is not None:
-            self.watch.lift(incident)
-        else:
-            self.watch.mark(incident)
+        """A job incident the coordinator decided about one of this node's ranks (:mod:`.node.verdicts`)."""
+        self.verdicts.job_incident(coordinator, inc)
 
     def checkpoint(self, reason: str) -> pb.CheckpointReply:
         """Ask the job for a checkpoint: through the coordinator, or this agent's own node."""
-        if not self.link.acting and self.link.coordinator_addr is not None:
-            try:
-                return forward_checkpoint(self.link.coordinator_addr, reason,
-                                          self.config.client_credentials())
-            except grpc.RpcError as exc:
-                return pb.CheckpointReply(accepted=False, message=f"coordinator unreachable: {exc.code().name}")
-        try:
-            d = self.coordinator.request_checkpoint(reason)
-        except LookupError as exc:
-            return pb.CheckpointReply(accepted=False, message=str(exc))
-        self.commands.publish_checkpoint(d)
-        return pb.CheckpointReply(accepted=True, step=d.step, id=d.id,
-                                  message=f"every rank saves after step {d.step}")
+        forward = self.link.coordinator_addr if not self.link.acting else None
+        return ask_checkpoint(reason, forward, self.config.client_credentials, self.coordinator.request_checkpoint,
+                              self.commands.publish_checkpoint)
 
     def gpu_throttle_for_rank(self, rank: int) -> list[str]:
         """Slowdown reasons active on the GPU this node's ``rank`` uses; [] if none or no GPU."""
         r = self.state.ranks.get(rank)
-        return (self.gpu.throttle_for_rank(RankDevice(r.rank, r.device, r.local_rank, r.step,
-                                                      r.device_uuid)) if r is not None else [])
+        return self.gpu.throttle_for_rank(device_of(r)) if r is not None else []
 
     def _rank_devices(self) -> list[RankDevice]:
-        """The node's ranks that are streaming, or were in the last minute (a GPU fault may kill them)."""
-        now = self.state.clock()
-        return [RankDevice(r.rank, r.device, r.local_rank, r.step, r.device_uuid)
-                for r in self.state.snapshot()
-                if r.connected or now - r.last_seen < 60]
+        return rank_devices(self.state)
 
     def _gpu_utilization(self) -> float | None:
         """The mean utilisation of the GPUs this node's ranks use (None: no GPU reading)."""
-        return self.gpu.utilization(self._rank_devices())
+        return self.gpu.utilization(rank_devices(self.state))
 
     def _rank_pids(self) -> dict[int, int]:
         return {r.rank: r.pid for r in self.state.snapshot() if r.connected}
-

@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import grpc
+
 from rankwatch.address import Address
 from rankwatch.credentials import ClientCredentials, open_channel
 from rankwatch.agent.durable.decisions import Decision
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     from rankwatch.agent.job.coordinator import Coordinator
     from rankwatch.agent.relays.relay import Relay
 
-__all__ = ["RPC_TIMEOUT", "LinkConfig", "LinkParts", "forward_checkpoint", "summary_incidents"]
+__all__ = ["RPC_TIMEOUT", "LinkConfig", "LinkParts", "ask_checkpoint", "forward_checkpoint", "summary_incidents"]
 
 RPC_TIMEOUT = 1.0
 _INCIDENTS_SENT = 50
@@ -80,6 +82,23 @@ def forward_checkpoint(addr: Address, reason: str,
     with open_channel(addr, creds) as ch:
         return pb_grpc.AgentStub(ch).RequestCheckpoint(pb.CheckpointRequest(reason=reason),
                                                        timeout=3 * RPC_TIMEOUT)
+
+
+def ask_checkpoint(reason: str, coordinator_addr: Address | None, creds: Callable[[], ClientCredentials],
+                   request: Callable[[str], Decision], publish: Callable[[Decision], None]) -> pb.CheckpointReply:
+    """Ask the job for a checkpoint: forwarded to the coordinator at ``coordinator_addr``, or,
+    where this agent decides (None), decided here (``request``) and published to its ranks."""
+    if coordinator_addr is not None:
+        try:
+            return forward_checkpoint(coordinator_addr, reason, creds())
+        except grpc.RpcError as exc:
+            return pb.CheckpointReply(accepted=False, message=f"coordinator unreachable: {exc.code().name}")
+    try:
+        d = request(reason)
+    except LookupError as exc:
+        return pb.CheckpointReply(accepted=False, message=str(exc))
+    publish(d)
+    return pb.CheckpointReply(accepted=True, step=d.step, id=d.id, message=f"every rank saves after step {d.step}")
 
 
 def summary_incidents(items: list[Incident], node: str) -> list[Incident]:

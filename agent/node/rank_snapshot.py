@@ -1,6 +1,7 @@
 """The node's ranks as the detectors read them: each rank's progress, windows and fresh
-evidence copied under the node's lock (:func:`snapshot`), and whether its process lives or is
-stopped (:func:`process_state`).  What the detectors make of it is :mod:`.sweep`'s.
+evidence copied under the node's lock (:func:`snapshot`), whether its process lives or is
+stopped (:func:`process_state`), and the GPUs they use as the GPU monitor reads them
+(:func:`rank_devices`).  What the detectors make of it is :mod:`.sweep`'s.
 """
 
 from __future__ import annotations
@@ -9,9 +10,22 @@ import psutil
 
 from rankwatch.agent.detect.evaluate import STACKS_FRESH_SECONDS, Snapshot
 from rankwatch.agent.detect.hang_verdict import RankProgress
-from rankwatch.agent.node.intake import NodeState
+from rankwatch.agent.gpu import RankDevice
+from rankwatch.agent.node.intake import NodeState, RankState
 
-__all__ = ["process_state", "snapshot"]
+__all__ = ["device_of", "process_state", "rank_devices", "snapshot"]
+
+RECENT_SECONDS = 60.0   # a rank gone this long ago may still have been killed by its GPU's fault
+
+
+def device_of(r: RankState) -> RankDevice:
+    return RankDevice(r.rank, r.device, r.local_rank, r.step, r.device_uuid)
+
+
+def rank_devices(state: NodeState) -> list[RankDevice]:
+    """The node's ranks that are streaming, or were in the last minute (a GPU fault may kill them)."""
+    now = state.clock()
+    return [device_of(r) for r in state.snapshot() if r.connected or now - r.last_seen < RECENT_SECONDS]
 
 
 def process_state(pid: int) -> tuple[bool, bool]:
