@@ -302,7 +302,8 @@ class Round:
             self.put(f"{gen}decision", decision.to_json())
             store.add(self.prefix + DECIDED_COUNT, 1)
             # Joiners wait on their own key: admitted ones read this generation's decision.
-            for j in (r for r in decision.members if r not in old.members):
+            before = set(old.members)   # a set: a world of 16,384 made this loop quadratic
+            for j in (r for r in decision.members if r not in before):
                 self.put(f"joined/{j}", str(old.generation + 1))
             turned = set(decision.refused) | ({j.id for j in joiners} if not decision.ok else set())
             for j in turned:
@@ -324,7 +325,7 @@ class Round:
         if self.store.check([restarting]):  # torchrun stops the workers itself
             by = self._read(restarting, cap=64)
             return Decision(ok=False, error=f"{RESTARTING}: node {by} restarts its workers")
-        decision = decide(old.members, arrived, node_of, replica_size, joiners, sorted(tally.ready))
+        decision = decide(old.members, arrived, node_of, replica_size, joiners, tally.ready)
         holdings = tally.holdings
         if not holdings or (decision.ok and not grows_by_resharding(replica_size, old.members, joiners)):
             return decision

@@ -39,7 +39,7 @@ _MAX_ENTRY = 1 << 16         # bytes of one member's holdings, at most
 _MAX_POST = 1 << 22          # bytes of one post (a node's workers' entries)
 _COMING = 10.0               # seconds past ``settle`` the first waits for a member that said it left the step
 _QUIET = 0.02                # seconds without a new post before the decider looks whether the missing are gone
-_PROBES = 64                 # liveness probes per pause in the posts, at most
+_PROBES = 8                  # liveness probes per pause in the posts, at most
 _ALIVE_FOR = 0.5             # seconds a member whose port accepted is not probed again
 _POST_WAIT = 2.0             # seconds a counted arrival's post may lag its count
 
