@@ -33,6 +33,20 @@ _KEY = "rankwatch/{run_id}/lifeline/{node}"
 OFF_ENV = "RANKWATCH_LIFELINE"
 
 
+def _listening() -> socket.socket:
+    """A port on every address, IPv6 and IPv4 both where the host has IPv6: a name that
+    resolves to either must reach it (a refusal on one family is no proof)."""
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(("::", 0))
+    except OSError:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("0.0.0.0", 0))
+    sock.listen(64)
+    return sock
+
+
 class Lifeline:
     """Args:
         store: the rendezvous store.
@@ -48,9 +62,7 @@ class Lifeline:
             return
         try:
             me = stock.this_node(inner)
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("0.0.0.0", 0))
-            sock.listen(64)
+            sock = _listening()
             self._sock = sock
             threading.Thread(target=self._accept, name="rankwatch-lifeline", daemon=True).start()
             store.set(self._key(me), f"{me.addr}:{sock.getsockname()[1]}")
