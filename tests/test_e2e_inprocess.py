@@ -330,6 +330,7 @@ def test_without_replicas_the_checkpoint_is_reloaded(tmp_path, reload_fails):
     fault = ("--fault", "reload_fails:-1:0:0") if reload_fails else ()
     with Cluster(tmp_path, 3) as c:
         jobs = [c.torchrun(i, "2:3", 1, "--steps", "60", "--log-every", "0", "--in-process-recovery",
+                           "--snapshot-every", "off",   # peer snapshots are on by default where they fit
                            "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "10",
                            "--metrics-out", str(out), *fault, launcher="rankwatch")
                 for i in range(3)]
