@@ -27,8 +27,23 @@ def _dropped_within(handler, seconds: float) -> tuple[list[str], float]:
     return [], time.monotonic() - t0
 
 
+def _stop(handlers) -> None:
+    """Each node's lifeline closed and its heartbeats stopped: a thread left beating would write to
+    the test's store after it is gone, for the rest of the test session."""
+    for h in handlers:
+        h._lifeline.close()
+        _silence(h)
+
+
 def test_a_node_whose_torchrun_is_gone_leaves_the_round_before_its_keep_alive_expires(monkeypatch, port):  # noqa: F811
     handlers = _handlers(["n0", "n1", "n2"], monkeypatch, port)
+    try:
+        _leaves_on_proof(handlers)
+    finally:
+        _stop(handlers)
+
+
+def _leaves_on_proof(handlers) -> None:
     _join(handlers)
     n2 = stock.this_node(handlers[2]._inner)
     _silence(handlers[2])
@@ -45,15 +60,16 @@ def test_a_node_whose_torchrun_is_gone_leaves_the_round_before_its_keep_alive_ex
     while n2 in stock.state(handlers[1]._inner).participants:
         assert time.monotonic() - t0 < 3.0, "n1 still sees n2 in the round"
         time.sleep(0.05)
-    for h in handlers:
-        h._lifeline.close()
 
 
 def test_switched_off_the_keep_alive_alone_decides(monkeypatch, port):  # noqa: F811
     monkeypatch.setenv(OFF_ENV, "0")
     handlers = _handlers(["n0", "n1"], monkeypatch, port, max_nodes=2)
-    _join(handlers)
-    _silence(handlers[1])
-    handlers[1]._lifeline.close()
-    assert _dropped_within(handlers[0], 1.5)[0] == []
-    assert stock.this_node(handlers[1]._inner) in stock.state(handlers[0]._inner).participants
+    try:
+        _join(handlers)
+        _silence(handlers[1])
+        handlers[1]._lifeline.close()
+        assert _dropped_within(handlers[0], 1.5)[0] == []
+        assert stock.this_node(handlers[1]._inner) in stock.state(handlers[0]._inner).participants
+    finally:
+        _stop(handlers)
