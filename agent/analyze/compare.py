@@ -21,17 +21,21 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import numpy as np
 
 from rankwatch.agent.analyze.table import BLOCKING, KINDS, NOT_SET, OpTable, TraceError
 
-__all__ = ["TOP_OPS", "compare", "compare_main", "regressed", "text"]
+__all__ = ["TOP_OPS", "RunSummary", "compare", "compare_main", "regressed", "summarise", "text"]
 
 TOP_OPS = 20
 """The ops a comparison lists: those whose seconds per step changed most."""
 _SHOWN = 5   # stages and ops the text names
+
+Figures = dict[Any, tuple[float, float]]
+"""Per phase, stage or op: (its seconds a step on the step-setting rank, on the typical rank)."""
 
 
 class _Run:
@@ -85,11 +89,10 @@ def _change(base: float | None, new: float | None) -> dict[str, Any]:
     return {"base": base, "new": new, "change_s": n - b, "change_pct": pct}
 
 
-def _rows(base: dict[Any, tuple[float, float]], new: dict[Any, tuple[float, float]], key: str,
-          name: Any) -> list[dict[str, Any]]:
+def _rows(base: Figures, new: Figures, key: str, name: Any) -> list[dict[str, Any]]:
     """One row per label of either run, the largest change (on the step-setting rank) first."""
     rows = []
-    for label in sorted(set(base) | set(new)):
+    for label in sorted(set(base) | set(new), key=str):
         b, n = base.get(label), new.get(label)
         row = {key: name(label), **_change(b and b[0], n and n[0]),
                "all_ranks": _change(b and b[1], n and n[1])}
@@ -97,36 +100,38 @@ def _rows(base: dict[Any, tuple[float, float]], new: dict[Any, tuple[float, floa
     return sorted(rows, key=lambda r: -abs(r["change_s"]))
 
 
-def _ops(base: _Run, new: _Run) -> list[dict[str, Any]]:
-    vocab = sorted(set(base.t.names) | set(new.t.names))
-    index = {s: i for i, s in enumerate(vocab)}
-    def label(run: _Run) -> np.ndarray:
-        lut = np.array([index[s] for s in run.t.names] or [0], np.int64)
-        return lut[np.clip(run.t.op.astype(np.int64), 0, None)]
-    rows = _rows(base.per_step(label(base)), new.per_step(label(new)), "op", lambda i: vocab[i])
-    return rows[:TOP_OPS]
+@dataclass(frozen=True)
+class RunSummary:
+    """What a comparison keeps of one run (its table can go once this is made)."""
+
+    source: str
+    step: float
+    phases: Figures      # by phase name
+    stages: Figures      # by stage; empty without a ``pp`` column
+    ops: Figures         # by op name
 
 
-def _stages(base: _Run, new: _Run) -> list[dict[str, Any]]:
-    pp_base, pp_new = base.t.column("pp"), new.t.column("pp")
-    if pp_base is None and pp_new is None:
-        return []
-    def per(run: _Run, pp: np.ndarray | None) -> dict[int, tuple[float, float]]:
-        return {} if pp is None else run.per_step(np.where(pp == NOT_SET, -1, pp), rows=run.own)
-    return _rows(per(base, pp_base), per(new, pp_new), "stage", int)
+def summarise(t: OpTable) -> RunSummary:
+    """One run's step time and its seconds a step per phase, stage and op."""
+    run = _Run(t)
+    phases = {KINDS[k]: v for k, v in run.per_step(t.kind.astype(np.int64)).items()}
+    pp = t.column("pp")
+    stages = {} if pp is None else run.per_step(np.where(pp == NOT_SET, -1, pp), rows=run.own)
+    ops = {t.names[i]: v for i, v in run.per_step(t.op.astype(np.int64)).items()}
+    return RunSummary(t.source, run.step_seconds(), phases, stages, ops)
 
 
-def compare(new: OpTable, base: OpTable) -> dict[str, Any]:
+def compare(new: OpTable | RunSummary, base: OpTable | RunSummary) -> dict[str, Any]:
     """NEW against BASE: ``step`` (``{base, new, change_pct}``), ``phases``, ``stages``, ``ops``
     (the :data:`TOP_OPS` largest changes) and ``worst`` (the phase whose seconds grew most)."""
-    b, n = _Run(base), _Run(new)
-    step = _change(b.step_seconds(), n.step_seconds())
-    phases = _rows(b.per_step(b.t.kind.astype(np.int64)), n.per_step(n.t.kind.astype(np.int64)),
-                   "phase", lambda k: KINDS[k])
+    b = base if isinstance(base, RunSummary) else summarise(base)
+    n = new if isinstance(new, RunSummary) else summarise(new)
+    phases = _rows(b.phases, n.phases, "phase", str)
     grew = max(phases, key=lambda r: r["change_s"])
     worst = {"kind": "phase", "what": grew["phase"], "change_pct": grew["change_pct"], "change_s": grew["change_s"]}
-    return {"step": step, "phases": phases, "stages": _stages(b, n), "ops": _ops(b, n), "worst": worst,
-            "base_source": base.source, "new_source": new.source}
+    return {"step": _change(b.step, n.step), "phases": phases, "stages": _rows(b.stages, n.stages, "stage", int),
+            "ops": _rows(b.ops, n.ops, "op", str)[:TOP_OPS], "worst": worst,
+            "base_source": b.source, "new_source": n.source}
 
 
 def regressed(cmp: dict[str, Any], fail_over_pct: float) -> bool:
@@ -175,7 +180,8 @@ def compare_main(new_paths: Sequence[str], base_paths: Sequence[str], fail_over:
     from rankwatch.agent.analyze.readers import read_paths
 
     try:
-        cmp = compare(read_paths(list(new_paths)), read_paths(list(base_paths)))
+        base = summarise(read_paths(list(base_paths)))   # one run's table held at a time
+        cmp = compare(summarise(read_paths(list(new_paths))), base)
     except TraceError as e:
         print(f"rankwatch analyze: {e}", file=sys.stderr)
         return 2
