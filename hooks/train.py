@@ -37,39 +37,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="HSDP: the dp ranks form this many replicas, each sharded over dp/replicate "
                         "ranks (put one replica per node, so that a lost node takes whole replicas)")
     _parallelism_flags(p)
-    p.add_argument("--in-process-recovery", action=argparse.BooleanOptionalAction, default=None,
-                   help="when a node is lost, the surviving workers regroup and train on in process, from "
-                        "replicas, peer snapshots or the checkpoint; what cannot be recovered so falls back to "
-                        "torchrun's restart (default: on in a job over several nodes)")
-    p.add_argument("--snapshot-every", type=_every, default=None, metavar="K|off",
-                   help="in-process recovery's peer snapshots of each rank's shards every K steps (a job "
-                        "without replicas recovers from them); off (or 0): none (default: on where the "
-                        "host's memory allows, K sized to cost at most 1%% of the steps)")
-    p.add_argument("--recovery-own-loss-reduce", action="store_true",
-                   help="with --in-process-recovery, sum the loss for the log in an all-reduce of its own "
-                        "after the step rather than in the step commit (the tier's cost before it carried it)")
-    p.add_argument("--recovery-settle", type=float, default=1.0,
-                   help="seconds the survivors wait for a silent member that is not proven dead "
-                        "(a process that is gone is left out at once)")
-    p.add_argument("--collective-timeout", type=float, default=1800.0,
-                   help="seconds a collective waits for a hung peer before it fails")
+    _recovery_flags(p)
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save and resume here")
     p.add_argument("--checkpoint-interval", type=int, default=0, help="save every N steps (0: never)")
     p.add_argument("--keep-checkpoints", type=int, default=3)
     p.add_argument("--checkpoint-sync", action="store_true",
                    help="block the training thread until each save is written (default: the "
                         "shards are written in the background, dcp.async_save)")
-    p.add_argument("--batch-size", type=int, default=4, help="samples per dp rank per step")
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--hidden-dim", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--adamw", choices=("fused", "foreach", "loop"), default="fused",
-                   help="AdamW's implementation: fused (one op per step, the default), foreach, or a "
-                        "loop over the parameters")
+    _model_flags(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s per rank for MFU (default: device table; none on CPU)")
@@ -96,6 +71,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cp > 1 and args.seq_len % args.cp:
         p.error(f"--cp {args.cp} must divide --seq-len {args.seq_len}")
     return args
+
+
+def _recovery_flags(p: argparse.ArgumentParser) -> None:
+    """In-process recovery, its peer snapshots, and how long a collective waits."""
+    p.add_argument("--in-process-recovery", action=argparse.BooleanOptionalAction, default=None,
+                   help="when a node is lost, the surviving workers regroup and train on in process, from "
+                        "replicas, peer snapshots or the checkpoint; what cannot be recovered so falls back to "
+                        "torchrun's restart (default: on in a job over several nodes)")
+    p.add_argument("--snapshot-every", type=_every, default=None, metavar="K|off",
+                   help="in-process recovery's peer snapshots of each rank's shards every K steps (a job "
+                        "without replicas recovers from them); off (or 0): none (default: on where the "
+                        "host's memory allows, K sized to cost at most 1%% of the steps)")
+    p.add_argument("--recovery-own-loss-reduce", action="store_true",
+                   help="with --in-process-recovery, sum the loss for the log in an all-reduce of its own "
+                        "after the step rather than in the step commit (the tier's cost before it carried it)")
+    p.add_argument("--recovery-settle", type=float, default=1.0,
+                   help="seconds the survivors wait for a silent member that is not proven dead "
+                        "(a process that is gone is left out at once)")
+    p.add_argument("--collective-timeout", type=float, default=1800.0,
+                   help="seconds a collective waits for a hung peer before it fails")
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """The model, its batch and its optimizer."""
+    p.add_argument("--batch-size", type=int, default=4, help="samples per dp rank per step")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--hidden-dim", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--adamw", choices=("fused", "foreach", "loop"), default="fused",
+                   help="AdamW's implementation: fused (one op per step, the default), foreach, or a "
+                        "loop over the parameters")
 
 
 def _every(text: str) -> int:
