@@ -46,7 +46,7 @@ from rankwatch.hooks.recovery.decide import MAX_MESSAGE, Decision, Job, Membersh
 from rankwatch.hooks.recovery.commit import StepCommit
 from rankwatch.hooks.recovery.failure import is_peer_failure
 from rankwatch.hooks.recovery.joins import JoinWatch, warm_up
-from rankwatch.hooks.recovery.protocol import RESTARTING, JobFinished, RecoveryFailed, Round
+from rankwatch.hooks.recovery.protocol import JobFinished, RecoveryFailed, Round
 from rankwatch.hooks.recovery.cadence import SnapshotSchedule
 from rankwatch.hooks.recovery.state import local_state
 from rankwatch.hooks.recovery.store import JOIN_ENV, STANDBY_ENV, connect
@@ -57,7 +57,6 @@ __all__ = ["Decision", "InProcessRecovery", "Job", "JobFinished", "Membership", 
 log = logging.getLogger(__name__)
 
 
-_RESTART_GRACE = 60.0   # seconds a worker waits to be stopped when torchrun already restarts the round
 _STANDBY_WAIT = 30 * 24 * 3600.0   # a standby worker waits for a loss as long as the job runs
 
 
@@ -223,10 +222,11 @@ class InProcessRecovery:
             return self._recover(exc, job, completed, breaking)
 
     def _recover(self, exc: BaseException, job: Job, completed: int, breaking: bool) -> tuple[Job, int]:
+        """An attempt in named steps: leave the failed step, agree on the new world, rebuild it,
+        report.  Any failure is reported and raised as :class:`RecoveryFailed`."""
         if not breaking and not is_peer_failure(exc):
             raise exc
-        caught = time.time()
-        t0 = time.perf_counter()
+        caught, t0 = time.time(), time.perf_counter()
         phases: dict[str, float] = {}
         shut = 0 if breaking else self._leave()
         ready = self._commit is not None and self._commit.failed_inside() and not breaking
@@ -236,71 +236,71 @@ class InProcessRecovery:
                     "the failed groups; recovering in process", old.rank, completed + 1,
                     "admitting joiners" if breaking else str(exc).splitlines()[0][:MAX_MESSAGE], shut)
         try:
-            if self._round is None or self._joins is None:
-                raise RecoveryFailed("no recovery store")
-            if old.generation >= self._max:
-                raise RecoveryFailed(f"{self._max} in-process recoveries already; leaving it to torchrun")
-            skipped = self._commit.unapplied() if self._commit is not None else 0
-            if skipped:   # the device skipped steps the host saw return (their commits failed)
-                log.warning("rankwatch: the last %d optimizer step(s) were skipped on the device: completed "
-                            "step %d, not %d", skipped, completed - skipped, completed)
-                completed -= skipped
-            shards = local_state(job)
-            if self.snapshots is not None and (breaking or self._round.joiners_waiting(self._joins.settled)):
-                self.snapshots.keep_now(job, completed)   # joiners may come in: the world grows from now
-            holdings = self._holdings()
-            net.destroy_groups()
-            phases["left_step"] = time.perf_counter() - t0
-            decision = self._round.agree(old, completed, job.replica_size, ready, self._joins.settled, holdings)
-            phases["agreed"] = time.perf_counter() - t0
-            if not decision.ok:
-                raise RecoveryFailed(decision.error)
-            me = old.members[old.rank]
-            if me in decision.finish and self._commit is not None:
-                shards = self._commit.finish_step(job, completed)
-            if me not in decision.members:
-                if self._round.node in decision.dropped_nodes:
-                    raise RecoveryFailed(f"node {self._round.node} lost a worker and is left out whole; "
-                                         "its torchrun restarts its workers")
-                raise RecoveryFailed("this rank arrived after the survivors had agreed without it")
-            new = Membership(generation=old.generation + 1, rank=decision.members.index(me),
-                             world_size=len(decision.members), members=decision.members,
-                             dropped_nodes=old.dropped_nodes + decision.dropped_nodes)
+            completed = self._applied(old, completed)
+            decision, shards = self._agree(old, job, completed, breaking, ready, phases, t0)
+            new, shards = self._placed(old, decision, job, completed, shards)
             phases["reinitialised"] = time.perf_counter() - t0   # overwritten once done
             self._init_group(new)
             job = self._build(new)
             phases["reinitialised"] = time.perf_counter() - t0
             step = rebuild.put_back(job, decision, new.rank, shards, self.snapshots, self._reload, phases, t0)
         except Exception as failure:  # noqa: BLE001 - reported, then torchrun's restart takes over
-            error = f"{type(failure).__name__}: {failure}"[:MAX_MESSAGE]
-            log.error("rankwatch: in-process recovery failed (%s); the worker exits for torchrun's restart",
-                      error)
-            # torchrun may stop this worker any moment now (another survivor's exit starts its
-            # restart): the report reaches the agent first, a SIGTERM waiting meanwhile.
-            with net.deferred_termination():
-                if self._round is not None and "reinitialised" in phases:   # a member's failure: no worker rejoins
-                    with contextlib.suppress(Exception):
-                        self._round.mark_restarting()
-                report.send(self._monitor, caught, completed, old, old, phases, ok=False, error=error)
-                report.deliver(self._monitor)
-            if RESTARTING in error:
-                # torchrun stops this worker itself: exiting first would read as a failure of
-                # its own (and spend one of --max-restarts).
-                log.warning("rankwatch: waiting for torchrun to stop this worker")
-                time.sleep(_RESTART_GRACE)
-            if isinstance(failure, RecoveryFailed):
-                raise
-            raise RecoveryFailed(error) from failure
+            mark = self._round.mark_restarting if self._round is not None and "reinitialised" in phases else None
+            raised = report.failed(self._monitor, failure, caught, completed, old, phases, mark_restarting=mark)
+            raise raised from (None if raised is failure else failure)
+        self._adopt(new, job, decision, {"caught": caught, "t0": t0, "step": step, "old": old, "phases": phases,
+                                         "at": completed})
+        return job, step
+
+    def _applied(self, old: Membership, completed: int) -> int:
+        """The last step every rank applied: a recovery is possible at all, and steps the device
+        skipped (their commits failed) are not counted."""
+        if self._round is None or self._joins is None:
+            raise RecoveryFailed("no recovery store")
+        if old.generation >= self._max:
+            raise RecoveryFailed(f"{self._max} in-process recoveries already; leaving it to torchrun")
+        skipped = self._commit.unapplied() if self._commit is not None else 0
+        if skipped:   # the device skipped steps the host saw return (their commits failed)
+            log.warning("rankwatch: the last %d optimizer step(s) were skipped on the device: completed "
+                        "step %d, not %d", skipped, completed - skipped, completed)
+        return completed - skipped
+
+    def _agree(self, old: Membership, job: Job, completed: int, breaking: bool, ready: bool,
+               phases: dict[str, float], t0: float) -> tuple[Any, Any]:
+        """Leave the failed step's groups and agree with the survivors on the new world."""
+        assert self._round is not None and self._joins is not None
+        shards = local_state(job)
+        if self.snapshots is not None and (breaking or self._round.joiners_waiting(self._joins.settled)):
+            self.snapshots.keep_now(job, completed)   # joiners may come in: the world grows from now
+        holdings = self._holdings()
+        net.destroy_groups()
+        phases["left_step"] = time.perf_counter() - t0
+        decision = self._round.agree(old, completed, job.replica_size, ready, self._joins.settled, holdings)
+        phases["agreed"] = time.perf_counter() - t0
+        if not decision.ok:
+            raise RecoveryFailed(decision.error)
+        return decision, shards
+
+    def _placed(self, old: Membership, decision: Any, job: Job, completed: int, shards: Any) -> tuple[Membership, Any]:
+        """This rank's place in the agreed world (a member that must finish the step does)."""
+        assert self._round is not None
+        if old.members[old.rank] in decision.finish and self._commit is not None:
+            shards = self._commit.finish_step(job, completed)
+        return rebuild.placed(old, decision, self._round.node), shards
+
+    def _adopt(self, new: Membership, job: Job, decision: Any, done: dict[str, Any]) -> None:
+        """Take the new world as this rank's, and keep the attempt's report for its first step."""
+        assert self._joins is not None and self._breaks is not None
+        old, phases, step = done["old"], done["phases"], done["step"]
         self.membership = new
         self._joins.follow(new.rank, job.replica_size)
         self._joins.settle(decision)
         self._breaks.follow(new.generation)
-        self._report = {"caught": caught, "t0": t0, "step": step, "old": old, "phases": phases, "at": completed}
+        self._report = done
         joined = [r for r in decision.members if r not in old.members]
         log.warning("rankwatch: recovered in process: rank %d -> %d of %d, without node(s) %s%s, from step %d "
                     "(%.3f s so far)", old.rank, new.rank, new.world_size, ", ".join(decision.dropped_nodes) or "-",
                     f", with {len(joined)} joining worker(s)" if joined else "", step, phases["restored"])
-        return job, step
 
     def _holdings(self) -> dict | None:
         """What this rank can recover a lost node's shards from: the peer snapshots here (once

@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable
 
 from rankwatch.hooks.recovery import reshard
-from rankwatch.hooks.recovery.decide import Decision, Job
+from rankwatch.hooks.recovery.decide import Decision, Job, Membership
+from rankwatch.hooks.recovery.protocol import RecoveryFailed
 from rankwatch.hooks.recovery.snapshot import PeerSnapshots
 from rankwatch.hooks.recovery.state import restore, transfer
 
@@ -68,3 +69,16 @@ def _agreed(step: int) -> int:
     if int(both[0]) != -int(both[1]):
         raise ReloadFailed(f"the members loaded checkpoints of steps {-int(both[1])} to {int(both[0])}")
     return step
+
+
+def placed(old: Membership, decision: Decision, node: str) -> Membership:
+    """This rank's membership of the agreed world; :class:`RecoveryFailed` where it has none (its
+    node is left out whole, or it arrived after the survivors agreed without it)."""
+    me = old.members[old.rank]
+    if me not in decision.members:
+        if node in decision.dropped_nodes:
+            raise RecoveryFailed(f"node {node} lost a worker and is left out whole; its torchrun restarts its workers")
+        raise RecoveryFailed("this rank arrived after the survivors had agreed without it")
+    return Membership(generation=old.generation + 1, rank=decision.members.index(me),
+                      world_size=len(decision.members), members=decision.members,
+                      dropped_nodes=old.dropped_nodes + decision.dropped_nodes)

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
-from rankwatch.hooks.recovery.decide import Membership
+from rankwatch.hooks.recovery import net
+from rankwatch.hooks.recovery.decide import MAX_MESSAGE, Membership
+from rankwatch.hooks.recovery.protocol import RESTARTING, RecoveryFailed
 
-__all__ = ["activity", "deliver", "send", "snapshot"]
+__all__ = ["activity", "deliver", "failed", "send", "snapshot"]
+
+RESTART_GRACE = 60.0   # seconds a worker waits to be stopped when torchrun already restarts the round
 
 log = logging.getLogger(__name__)
 
@@ -57,3 +63,26 @@ def deliver(monitor: Any) -> None:
         close()
     except Exception as exc:  # noqa: BLE001 - reporting never breaks the exit
         log.warning("rankwatch: could not deliver the recovery report: %s", exc)
+
+
+def failed(monitor: Any, failure: Exception, caught: float, completed: int, old: Membership,
+           phases: dict[str, float], mark_restarting: Callable[[], None] | None = None) -> Exception:
+    """Report a failed attempt before the worker exits for torchrun's restart; the exception
+    to raise.  ``mark_restarting``: a member failed after the world was rebuilt, so no worker
+    rejoins it in process."""
+    error = f"{type(failure).__name__}: {failure}"[:MAX_MESSAGE]
+    log.error("rankwatch: in-process recovery failed (%s); the worker exits for torchrun's restart", error)
+    # torchrun may stop this worker any moment now (another survivor's exit starts its
+    # restart): the report reaches the agent first, a SIGTERM waiting meanwhile.
+    with net.deferred_termination():
+        if mark_restarting is not None:
+            with contextlib.suppress(Exception):
+                mark_restarting()
+        send(monitor, caught, completed, old, old, phases, ok=False, error=error)
+        deliver(monitor)
+    if RESTARTING in error:
+        # torchrun stops this worker itself: exiting first would read as a failure of
+        # its own (and spend one of --max-restarts).
+        log.warning("rankwatch: waiting for torchrun to stop this worker")
+        time.sleep(RESTART_GRACE)
+    return failure if isinstance(failure, RecoveryFailed) else RecoveryFailed(error)
