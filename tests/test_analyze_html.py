@@ -10,9 +10,9 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import shutil
 
 import pytest
+from headless import chromium
 
 from rankwatch.agent.analyze.engine import analyze
 from rankwatch.agent.analyze.html_page import render
@@ -20,7 +20,6 @@ from rankwatch.agent.analyze.readers import read_paths
 from rankwatch.agent.views.story import tell
 from tracegen import Job, generate
 
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 PAYLOAD = "<script>window.__pwned=1</script>\"><img src=x onerror=\"window.__pwned=2\">boom"
 SLOW = 37
 
@@ -79,23 +78,7 @@ def test_missing_parts_render_as_notes():
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    """Headless chromium with the page test's options (tests/test_page.py)."""
-    if not (CHROMIUM and DRIVER):
-        pytest.fail("chromium and chromium-driver are needed (.ci/apt-packages)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1280,900", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
-    try:
-        yield driver
-    finally:
-        driver.quit()
+    yield from chromium(tmp_path_factory.mktemp("chromium"))
 
 
 def _shown(browser, path, res: dict) -> None:

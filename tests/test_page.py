@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from headless import chromium
 
 from conftest import AgentProcess, torchrun, wait_for
 from rankstream import Stream, hello
@@ -27,29 +27,13 @@ from rankwatch.proto import pb
 
 pytestmark = [pytest.mark.e2e]
 
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 PAYLOAD = "<script>window.__pwned=1</script><img src=x onerror=\"window.__pwned=2\">boom"
 SCREENSHOT = os.environ.get("RANKWATCH_PAGE_SCREENSHOT")   # set to write docs/page.png
 
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    if not (CHROMIUM and DRIVER):
-        pytest.fail("chromium and chromium-driver are needed (.ci/apt-packages)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1280,900", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
-    try:
-        yield driver
-    finally:
-        driver.quit()
+    yield from chromium(tmp_path_factory.mktemp("chromium"))
 
 
 def _js(browser, script: str):
