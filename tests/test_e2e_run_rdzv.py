@@ -20,7 +20,7 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from multinode import Cluster, free_port
-from rankwatch.hooks.rendezvous.handler import create_handler
+from rankwatch.hooks.rendezvous.entry import create_handler
 
 pytestmark = pytest.mark.e2e
 

@@ -62,7 +62,7 @@ def test_a_coordinator_that_takes_over_continues_the_decision_log(job, monkeypat
 
     # The rendezvous handler writes what the relay reads from a node's status: the second
     # coordinator's exclusion moves the store's generation on.
-    from rankwatch.hooks.rendezvous.handler import create_handler
+    from rankwatch.hooks.rendezvous.entry import create_handler
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     monkeypatch.setenv("RANKWATCH_NODE_ID", "n1")

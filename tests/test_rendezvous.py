@@ -31,7 +31,7 @@ from rankwatch.hooks.recovery.store import (
 )
 from rankwatch.address import Address
 from rankwatch.hooks.rendezvous.poller import DecisionRelay
-from rankwatch.hooks.rendezvous.handler import create_handler
+from rankwatch.hooks.rendezvous.entry import create_handler
 
 
 @pytest.fixture

@@ -22,11 +22,16 @@ node finished too) goes through a client of its own (:func:`own_client`).
 
 from __future__ import annotations
 
+import logging
+
 from torch.distributed import Store
 
-__all__ = ["own_client", "stand_in"]
+__all__ = ["MEMBER_PREFIX", "check_in_leaving", "own_client", "stand_in", "stand_in_for_excluded"]
+
+log = logging.getLogger(__name__)
 
 _KEY = "rankwatch/exit_check_in/"
+MEMBER_PREFIX = "rankwatch/member/"  # in a round's own store: one key per member node
 
 
 def stand_in(round_store: Store, round_nodes: int, node: str) -> bool:
@@ -49,3 +54,33 @@ def own_client(store: Store) -> Store:
         return store.clone()
     except Exception:  # noqa: BLE001 - not every store clones
         return store
+
+
+def stand_in_for_excluded(round_store: Store | None, round_nodes: int, node: str, me: str) -> bool:
+    """Check in at this round's exit barrier for ``node``, just excluded, when it is a member of
+    the round: its torchrun leaves and never does, and once the others' workers have finished
+    (an exclusion in the job's last steps) nothing else would, so the others would wait out
+    torchrun's 300 s.  The relay that writes the exclusion calls it; a node (``me``) never stands
+    in for itself here (its own torchrun may be at the barrier), it checks in as it leaves
+    (:func:`check_in_leaving`).  True: this call checked in for ``node``."""
+    if node == me or round_store is None:
+        return False
+    own = own_client(round_store)
+    if own.check([MEMBER_PREFIX + node]) and stand_in(own, round_nodes, node):
+        log.warning("rankwatch: node %s was excluded; checked in for it at torchrun's exit barrier", node)
+        return True
+    return False
+
+
+def check_in_leaving(round_store: Store | None, round_nodes: int, node: str) -> None:
+    """Check in at this round's exit barrier for ``node``, which leaves the job for good
+    (excluded) and so never reaches it.  The coordinator's relay stands in for the other nodes
+    it excludes; this covers the one it cannot: its own node, when its agent coordinates, and
+    any excluded node whose exclusion reached it first."""
+    if round_store is None:
+        return
+    try:
+        if stand_in(round_store, round_nodes, node):
+            log.warning("rankwatch: node %s leaves the job; checked in for it at torchrun's exit barrier", node)
+    except Exception as exc:  # noqa: BLE001 - the round's store may be gone with its host
+        log.warning("rankwatch: could not check in at the exit barrier on leaving (%s)", exc)

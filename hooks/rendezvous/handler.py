@@ -1,6 +1,6 @@
 """torchrun rendezvous backend ``rankwatch``: the stock c10d dynamic rendezvous, plus exclusions.
 
-Registered through the ``torchrun.handlers`` entry point, so torchrun's own
+Registered through the ``torchrun.handlers`` entry point (:mod:`.entry`), so torchrun's own
 elastic agent does every restart; rankwatch only decides *who* and *when*:
 
 * ``next_rendezvous()`` refuses a node the coordinator excluded with
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from typing import Any
 
@@ -58,71 +57,30 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
-    RendezvousParameters,
     RendezvousTimeoutError,
 )
 
-from rankwatch.address import AGENT_ENV, NODE_ID_ENV, Address
+from rankwatch.address import Address
 from rankwatch.hooks.rendezvous import stock
 from rankwatch.hooks.rendezvous.exclusions import Exclusions
 from rankwatch.hooks.rendezvous.exit_note import write_exit_note
 from rankwatch.hooks.rendezvous.lifeline import Lifeline
 from rankwatch.hooks.rendezvous.round_keys import IN_PROCESS_WAIT, InProcessRound
-from rankwatch.hooks.rendezvous.exit_barrier import own_client, stand_in
+from rankwatch.hooks.rendezvous.exit_barrier import MEMBER_PREFIX, check_in_leaving, own_client, stand_in_for_excluded
 from rankwatch.hooks.rendezvous.poller import DecisionRelay
-from rankwatch.hooks.rendezvous.worker_results import watch_from_env
 from rankwatch.hooks.recovery.store import Seal
 
-__all__ = ["BACKEND", "ETCD_BACKEND", "ExcludingRendezvousHandler", "create_etcd_handler", "create_handler",
-           "etcd_handler_factory", "handler_factory"]
+__all__ = ["BACKEND", "ETCD_BACKEND", "ExcludingRendezvousHandler"]
 
 log = logging.getLogger(__name__)
 
 BACKEND = "rankwatch"
 ETCD_BACKEND = "rankwatch-etcd"
-MEMBER_PREFIX = "rankwatch/member/"  # in a round's own store: one key per member node
 _SPARE_POLL = 0.5
 # A node whose torchrun restarts its workers (one of them failed) waits this long for the
 # round's other workers to begin leaving it out in process, before restarting the round.
 _REJOIN_GRACE = 1.5
 _STORE_TROUBLE_LOG_EVERY = 10.0   # seconds between warnings that the store does not answer
-
-
-def handler_factory():
-    """The ``torchrun.handlers`` entry point: returns the handler creator torchrun registers
-    (torchrun calls it at start-up whatever its backend: :func:`.worker_results.watch_from_env`)."""
-    watch_from_env()
-    return create_handler
-
-
-def etcd_handler_factory():
-    """The ``torchrun.handlers`` entry point of ``rankwatch-etcd``."""
-    watch_from_env()
-    return create_etcd_handler
-
-
-def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """The handler over torch's c10d backend (its store lives in one node's torchrun)."""
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
-
-    return _excluding(params, *create_backend(params))
-
-
-def create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """The handler over torch's etcd-v2 backend (needs python-etcd and an etcd with the v2 API)."""
-    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
-
-    return _excluding(params, *create_backend(params))
-
-
-def _excluding(params: RendezvousParameters, backend: Any, store: Store) -> RendezvousHandler:
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as stock
-
-    inner = stock(store, backend, params)
-    node = os.environ.get(NODE_ID_ENV) or socket.gethostname()
-    agent = os.environ.get(AGENT_ENV)
-    return ExcludingRendezvousHandler(inner, store, node, Address.parse(agent) if agent else None,
-                                      backend=params.backend)
 
 
 class ExcludingRendezvousHandler(RendezvousHandler):
@@ -186,37 +144,8 @@ class ExcludingRendezvousHandler(RendezvousHandler):
         self._writer.write(decision)
 
     def stand_in_for_excluded(self, node: str) -> bool:
-        """Check in at this round's exit barrier for ``node``, just excluded, when it is a
-        member of the round (:mod:`.exit_barrier`): its torchrun leaves and never does, and once
-        the others' workers have finished (an exclusion in the job's last steps) nothing else
-        would, so the others would wait out torchrun's 300 s.  The relay that writes the
-        exclusion calls it; a node never stands in for itself here (its own torchrun may be at
-        the barrier), it checks in as it leaves (:meth:`_check_in_leaving`).  True: this call
-        checked in for ``node``."""
-        store = self._round_store
-        if node == self._node or store is None:
-            return False
-        own = own_client(store)
-        if own.check([MEMBER_PREFIX + node]) and stand_in(own, self._round_nodes, node):
-            log.warning("rankwatch: node %s was excluded; checked in for it at torchrun's exit "
-                        "barrier", node)
-            return True
-        return False
-
-    def _check_in_leaving(self) -> None:
-        """Check in at this round's exit barrier for this node, which leaves the job for good
-        (excluded) and so never reaches it (:mod:`.exit_barrier`).  The coordinator's relay
-        stands in for the other nodes it excludes; this covers the one it cannot: its own node,
-        when its agent coordinates, and any excluded node whose exclusion reached it first."""
-        store = self._round_store
-        if store is None:
-            return
-        try:
-            if stand_in(store, self._round_nodes, self._node):
-                log.warning("rankwatch: node %s leaves the job; checked in for it at torchrun's exit "
-                            "barrier", self._node)
-        except Exception as exc:  # noqa: BLE001 - the round's store may be gone with its host
-            log.warning("rankwatch: could not check in at the exit barrier on leaving (%s)", exc)
+        """Check in at this round's exit barrier for ``node``, just excluded (:mod:`.exit_barrier`)."""
+        return stand_in_for_excluded(self._round_store, self._round_nodes, node, self._node)
 
     # -- RendezvousHandler ----------------------------------------------------------
     def get_backend(self) -> str:
@@ -231,7 +160,7 @@ class ExcludingRendezvousHandler(RendezvousHandler):
             self._relay.start()
         reason = self.excluded()
         if reason is not None:
-            self._check_in_leaving()
+            check_in_leaving(self._round_store, self._round_nodes, self._node)
             stock.leave(self._inner)
             why = f"node {self._node} is excluded from the job: {reason}"
             write_exit_note(why)
